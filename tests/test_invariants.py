@@ -1,0 +1,91 @@
+"""Invariants of the engine's results on the real default model."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from judge import Judge, Query
+
+PROMPT = "Is this SMS spam? Free entry in a weekly competition, text WIN to 80082 now!"
+
+
+def test_probabilities_sum_to_one_and_follow_the_logits(judge: Judge) -> None:
+    result = judge.judge(PROMPT, ["spam", "ham", "spam_risky", "unsure"])
+    assert list(result.probabilities) == ["spam", "ham", "spam_risky", "unsure"]
+    assert sum(result.probabilities.values()) == pytest.approx(1.0, abs=1e-9)
+    norm = math.log(sum(math.exp(v) for v in result.logits.values()))
+    for choice, p in result.probabilities.items():
+        assert p == pytest.approx(math.exp(result.logits[choice] - norm), rel=1e-9)
+    assert result.choice == max(result.probabilities, key=result.probabilities.__getitem__)
+    assert result.confidence == result.probabilities[result.choice]
+    assert 0.0 < result.choice_mass <= 1.0
+    assert result.prompt.endswith('{"answer": "')
+    assert result.prompt_tokens == len(
+        judge.tokenizer(result.prompt, add_special_tokens=False).input_ids
+    )
+    assert result.latency_ms > 0
+    assert result.model == judge.model_id
+
+
+def test_reordering_choices_changes_nothing(judge: Judge) -> None:
+    choices = ["1", "10", "100", "spam", "spam_risky", "예", "아니오"]
+    forward = judge.judge(PROMPT, choices)
+    backward = judge.judge(PROMPT, choices[::-1])
+    assert list(backward.probabilities) == choices[::-1]
+    for c in choices:
+        assert backward.probabilities[c] == pytest.approx(forward.probabilities[c], abs=1e-6)
+
+
+def test_batch_equals_single_judgments(judge: Judge) -> None:
+    queries = [
+        Query(prompt=PROMPT, choices=["spam", "ham"]),
+        Query(prompt="A much longer prompt. " * 20 + "Which?", choices=["1", "10", "100"]),
+        Query(prompt="Short?", choices=["yes", "yes!", "no"], system="Answer tersely."),
+        Query(
+            prompt="Is the sky blue?",
+            choices=["yes", "no"],
+            response_prefix="Answer: ",
+            response_suffix="",
+        ),
+        Query(prompt="하늘은 파란색입니까?", choices=["예", "아니오"]),
+    ]
+    batched = judge.judge_batch([*queries, {"prompt": "Dict form?", "choices": ["a", "b"]}])
+    alone = [judge.judge(**{f: getattr(q, f) for f in q.__struct_fields__}) for q in queries]
+    alone.append(judge.judge("Dict form?", ["a", "b"]))
+    assert len(batched) == len(alone)
+    for b, a in zip(batched, alone, strict=True):
+        assert b.prompt == a.prompt
+        for c in a.probabilities:
+            assert b.probabilities[c] == pytest.approx(a.probabilities[c], abs=1e-4)
+        assert b.choice_mass == pytest.approx(a.choice_mass, rel=1e-3)
+
+
+def test_batch_splits_into_bounded_chunks(judge: Judge) -> None:
+    small = Judge(judge.model, judge.tokenizer, max_batch_size=2, max_batch_tokens=10**6)
+    queries = [Query(prompt=f"Item {i}: is it spam?", choices=["spam", "ham"]) for i in range(5)]
+    assert [len(c) for c in small._chunks([small._prepare(q) for q in queries])] == [2, 2, 1]
+    results = small.judge_batch(queries)
+    for q, r in zip(queries, results, strict=True):
+        assert r.probabilities["spam"] == pytest.approx(
+            judge.judge(q.prompt, q.choices).probabilities["spam"], abs=1e-4
+        )
+
+
+def test_system_prompt_reaches_the_model(judge: Judge) -> None:
+    result = judge.judge("Hi", ["a", "b"], system="You grade essays.")
+    assert "You grade essays." in result.prompt
+
+
+def test_bfloat16_agrees_with_float32_roughly(judge: Judge) -> None:
+    model = copy.deepcopy(judge.model)
+    model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to oddly
+    bf16 = Judge(model, judge.tokenizer)
+    assert bf16.dtype == "bfloat16"
+    a = judge.judge(PROMPT, ["spam", "ham"])
+    b = bf16.judge(PROMPT, ["spam", "ham"])
+    assert b.choice == a.choice
+    assert b.probabilities["spam"] == pytest.approx(a.probabilities["spam"], abs=0.05)

@@ -1,0 +1,73 @@
+"""Model loading: the GGUF conversion cache and dtype resolution."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from judge import Judge
+from judge.loading import cache_root, cached_directory, default_model_path, resolve_dtype
+
+
+def _slow_build(out: Path, log: str) -> None:
+    with open(log, "a") as f:
+        f.write("built\n")
+    (out / "part1").write_text("a")
+    time.sleep(0.5)  # a reader arriving now must not see a half-built directory
+    (out / "part2").write_text("b")
+
+
+def _worker(target: str, log: str, results: multiprocessing.Queue) -> None:
+    from functools import partial
+
+    done = cached_directory(Path(target), partial(_slow_build, log=log))
+    results.put(sorted(p.name for p in done.iterdir()))
+
+
+def test_cache_is_built_once_by_concurrent_processes(tmp_path: Path) -> None:
+    target, log = tmp_path / "cache" / "model", tmp_path / "log"
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(str(target), str(log), results)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert [results.get(timeout=5) for _ in procs] == [["part1", "part2"]] * 3
+    assert log.read_text() == "built\n"
+    assert [p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")] == ["model"]
+
+
+def test_failed_build_leaves_nothing(tmp_path: Path) -> None:
+    def broken(out: Path) -> None:
+        (out / "half").write_text("x")
+        raise RuntimeError("disk full")
+
+    target = tmp_path / "model"
+    with pytest.raises(RuntimeError, match="disk full"):
+        cached_directory(target, broken)
+    assert not target.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["model.lock"]
+
+
+def test_default_model_was_converted_into_the_cache(judge: Judge) -> None:
+    assert judge.model_id == default_model_path().stem
+    assert judge.weights_sha256 is not None
+    converted = [
+        json.loads(p.read_text()) for p in (cache_root() / "gguf").glob("*/judge_source.json")
+    ]
+    assert {"gguf": default_model_path().name, "sha256": judge.weights_sha256} in [
+        {k: c[k] for k in ("gguf", "sha256")} for c in converted
+    ]
+
+
+def test_dtype_resolution() -> None:
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)
