@@ -28,6 +28,7 @@ from judge.errors import (
     TooFewChoicesError,
     TooManyChoicesError,
 )
+from judge.tokens import PathEncoder
 from judge.trie import ChoiceTrie, build_trie
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ class Judge:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.context_window = _context_window(model, tokenizer)
+        self._encoder = PathEncoder(tokenizer)
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
         # A plain-text prompt gets the BOS token the tokenizer would add by default.
@@ -242,11 +244,10 @@ class Judge:
             query.prompt, system=query.system, response_prefix=query.response_prefix
         )
         suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
-        texts = [prompt + json_escape(c) + suffix for c in choices]
-        encoded = self.tokenizer([*texts, prompt], add_special_tokens=False)["input_ids"]
-        paths, prompt_ids = encoded[:-1], encoded[-1]
+        endings = [json_escape(c) + suffix for c in choices]
+        encoded = self._encoder.encode_paths(prompt, endings)
 
-        longest = max(len(p) for p in paths)
+        longest = max(len(p) for p in encoded.paths)
         if self.context_window is not None and longest > self.context_window:
             raise PromptTooLongError(
                 f"the prompt with the response prefix and the longest choice is {longest} tokens, "
@@ -254,17 +255,18 @@ class Judge:
                 f"by at least {longest - self.context_window} tokens (it is never truncated, "
                 "so the decision point is never cut away)"
             )
-        decoded = self.tokenizer.batch_decode(
-            paths, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-        for text, back in zip(texts, decoded, strict=True):
-            if text != back:
-                raise TokenizerRoundTripError(
-                    f"the tokenizer does not encode the rendered text back to itself: "
-                    f"{_first_difference(text, back)}; use a tokenizer whose decode inverts "
-                    "its encode (a byte-level BPE), or avoid the characters it normalizes"
-                )
-        return _Prepared(choices, prompt, len(prompt_ids), build_trie(paths, prompt_ids, choices))
+        failures = self._encoder.round_trip_failures(prompt, endings, encoded)
+        if failures:
+            i = failures[0]
+            text = prompt + endings[i]
+            back = self._encoder.decode([encoded.paths[i]])[0]
+            raise TokenizerRoundTripError(
+                f"the tokenizer does not encode the rendered text back to itself: "
+                f"{_first_difference(text, back)}; use a tokenizer whose decode inverts "
+                "its encode (a byte-level BPE), or avoid the characters it normalizes"
+            )
+        trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
+        return _Prepared(choices, prompt, len(encoded.prompt_ids), trie)
 
     def _chunks(self, prepared: Sequence[_Prepared]) -> list[list[int]]:
         """Group items of similar length so padding wastes little; bounded in size and tokens."""

@@ -129,20 +129,20 @@ def score_tries(
     child_logits = _finish_logits(model, child_logits)
 
     # The full vocabulary only at each root, for choice_mass.
-    root_rows = [sum(len(t.node_positions) for t in tries[:b]) for b in range(len(tries))]
-    root_logits = _finish_logits(model, head(h[root_rows])).float()  # (B, V)
+    first_node = np.cumsum([0] + [len(t.node_positions) for t in tries[:-1]]).tolist()
+    root_logits = _finish_logits(model, head(h[first_node])).float()  # (B, V)
     root_logprobs = torch.log_softmax(root_logits, dim=-1)  # (B, V)
 
     flat = child_logits.double().cpu().numpy()
     results = []
-    node, start = 0, 0
+    start = 0
     for b, t in enumerate(tries):
         node_logits = []
         for c in t.node_children:
             node_logits.append(flat[start : start + len(c)])
             start += len(c)
-            node += 1
         root_children = torch.tensor(t.node_children[0], device=root_logprobs.device)
         mass = float(torch.logsumexp(root_logprobs[b, root_children], dim=0).exp())
+        # Rounding can push a mass of one a hair above it.
         results.append(TrieScores(node_logits=node_logits, root_mass=min(mass, 1.0)))
     return results

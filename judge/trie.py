@@ -50,9 +50,10 @@ class ChoiceTrie:
         return len(self.context) - 1 + max(self.tree_depths, default=0)
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, known to be at least ``start``."""
     n = min(len(a), len(b))
-    i = 0
+    i = start
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -68,16 +69,21 @@ class _Node:
 
 
 def build_trie(
-    paths: Sequence[Sequence[int]], prompt_ids: Sequence[int], choices: Sequence[str]
+    paths: Sequence[Sequence[int]],
+    prompt_ids: Sequence[int],
+    choices: Sequence[str],
+    *,
+    shared: int = 0,
 ) -> ChoiceTrie:
     """Build the trie for ``paths[i]``, the canonical tokenization of prompt + choice i + suffix.
 
     The root is the last token that every path shares, never past the end of the prompt's own
     tokenization: where the tokenizer merges the end of the prompt with a choice, the root
-    moves back to before the merged token, so the result stays exact.
+    moves back to before the merged token, so the result stays exact. ``shared`` is a number
+    of leading tokens the caller knows all paths and ``prompt_ids`` have in common.
     """
-    root = min(common_prefix_length(paths[0], p) for p in paths)
-    root = min([root, *(common_prefix_length(p, prompt_ids) for p in paths)])
+    # Shared prefixes nest, so comparing everything with the first path finds the minimum.
+    root = min(common_prefix_length(paths[0], p, shared) for p in [*paths, prompt_ids])
     if root == 0:
         raise EmptyContextError(
             "the rendered prompt has no token before the decision point; "
