@@ -23,13 +23,14 @@ from judge.errors import (
     DuplicateChoiceError,
     EmptyChoiceError,
     InvalidQueryError,
+    JudgeError,
     PromptTooLongError,
     TokenizerRoundTripError,
     TooFewChoicesError,
     TooManyChoicesError,
 )
 from judge.tokens import PathEncoder
-from judge.trie import ChoiceTrie, build_trie
+from judge.trie import ChoiceTrie, build_trie, common_prefix_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -221,20 +222,74 @@ class Judge:
         Every item is validated before any forward pass runs, so one bad item fails the call
         without wasting work.
         """
-        from judge.forward import score_tries
-
         start = time.perf_counter()
         prepared = [self._prepare(_as_query(q)) for q in queries]
-        scores: list[Any] = [None] * len(prepared)
-        for chunk in self._chunks(prepared):
-            for i, s in zip(
-                chunk,
-                score_tries(self.model, [prepared[i].trie for i in chunk], self._pad_id),
-                strict=True,
-            ):
+        return self._score([[p] for p in prepared], start)
+
+    def judge_each(
+        self, queries: Sequence[Query | Mapping[str, Any]]
+    ) -> list[Judgment | JudgeError]:
+        """Like ``judge_batch``, but a bad item gets its error in its place and the rest run.
+
+        For servers that coalesce unrelated requests into one batch.
+        """
+        start = time.perf_counter()
+        prepared: list[_Prepared | JudgeError] = []
+        for q in queries:
+            try:
+                prepared.append(self._prepare(_as_query(q)))
+            except JudgeError as exc:
+                prepared.append(exc)
+        valid = [p for p in prepared if isinstance(p, _Prepared)]
+        results = iter(self._score([[p] for p in valid], start))
+        return [p if isinstance(p, JudgeError) else next(results) for p in prepared]
+
+    def judge_shared(
+        self, context: str, questions: Sequence[Query | Mapping[str, Any]]
+    ) -> list[Judgment]:
+        """Judge many questions about one context, computing the shared prompt once.
+
+        Each question's prompt is ``context``, a blank line, then the question's own prompt.
+        The questions' rendered prompts share their leading tokens; those are fed to the
+        model once, with every question's remainder and choice trie packed after them.
+        """
+        start = time.perf_counter()
+        prepared = []
+        for q in questions:
+            query = _as_query(q)
+            if not isinstance(context, str):
+                raise InvalidQueryError(f"context must be a string, got {type(context).__name__}")
+            prepared.append(
+                self._prepare(msgspec.structs.replace(query, prompt=f"{context}\n\n{query.prompt}"))
+            )
+        rows: list[list[_Prepared]] = []
+        size = 0
+        for p in prepared:
+            # One row holds the context once and as many branches as the token budget allows.
+            branch = p.trie.packed_length - (len(rows[-1][0].trie.context) if rows else 0)
+            if rows and size + branch <= self.max_batch_tokens:
+                rows[-1].append(p)
+                size += branch
+            else:
+                rows.append([p])
+                size = p.trie.packed_length
+        return self._score(rows, start)
+
+    def _score(self, rows: list[list[_Prepared]], start: float) -> list[Judgment]:
+        """Run ``rows`` (each packed into one batch row) in bounded batches, in order."""
+        from judge.forward import score_rows
+
+        scores: list[list[Any]] = [[] for _ in rows]
+        for chunk in self._chunks(rows):
+            batch = [[p.trie for p in rows[i]] for i in chunk]
+            for i, s in zip(chunk, score_rows(self.model, batch, self._pad_id), strict=True):
                 scores[i] = s
         latency_ms = (time.perf_counter() - start) * 1000
-        return [self._result(p, s, latency_ms) for p, s in zip(prepared, scores, strict=True)]
+        return [
+            self._result(p, s, latency_ms)
+            for row, row_scores in zip(rows, scores, strict=True)
+            for p, s in zip(row, row_scores, strict=True)
+        ]
 
     def _prepare(self, query: Query) -> _Prepared:
         choices = validate_choices(query.choices)
@@ -268,16 +323,15 @@ class Judge:
         trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
         return _Prepared(choices, prompt, len(encoded.prompt_ids), trie)
 
-    def _chunks(self, prepared: Sequence[_Prepared]) -> list[list[int]]:
-        """Group items of similar length so padding wastes little; bounded in size and tokens."""
-        order = sorted(range(len(prepared)), key=lambda i: prepared[i].trie.packed_length)
+    def _chunks(self, rows: Sequence[Sequence[_Prepared]]) -> list[list[int]]:
+        """Group rows of similar length so padding wastes little; bounded in size and tokens."""
+        lengths = [_row_length(r) for r in rows]
         chunks: list[list[int]] = []
-        for i in order:
-            length = prepared[i].trie.packed_length
+        for i in sorted(range(len(rows)), key=lengths.__getitem__):
             if (
                 chunks
                 and len(chunks[-1]) < self.max_batch_size
-                and length * (len(chunks[-1]) + 1) <= self.max_batch_tokens
+                and lengths[i] * (len(chunks[-1]) + 1) <= self.max_batch_tokens
             ):
                 chunks[-1].append(i)
             else:
@@ -304,6 +358,15 @@ class Judge:
             latency_ms=latency_ms,
             model=self.model_id,
         )
+
+
+def _row_length(row: Sequence[_Prepared]) -> int:
+    """Tokens in one packed row: the common context once, then each trie's branch."""
+    first = row[0].trie
+    shared = len(first.context)
+    for p in row[1:]:
+        shared = min(shared, common_prefix_length(first.context, p.trie.context))
+    return shared + sum(p.trie.packed_length - shared for p in row)
 
 
 def _as_query(item: Query | Mapping[str, Any]) -> Query:

@@ -1,10 +1,11 @@
 """One forward pass over a batch of packed tries.
 
-Each item is its context followed by its tree tokens. A tree token attends to the whole
-context, to its ancestors in the trie and to itself, and sits at the position it would have
-in its own path, so every branching node is scored exactly as a separate forward pass over
-its path would score it, but the prompt is computed once. Items are left-padded into one
-batch; a padding row attends only to itself so that no softmax row is empty.
+A batch row is a tree of tokens: a trie's context followed by its tree tokens, or several
+tries' common context followed by each trie's own branch. Every token attends to its
+ancestors and itself and sits at the position it would have in its own path, so every
+branching node is scored exactly as a separate forward pass over its path would score it,
+but each shared prefix is computed once. Rows are left-padded into one batch; a padding token
+attends only to itself so that no softmax row is empty.
 
 Logits are computed only where they are read: at each scored node, the vocabulary rows of its
 children; at the root, the full vocabulary once, for the probability mass on the choices.
@@ -19,12 +20,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from judge.trie import ChoiceTrie
+from judge.trie import ChoiceTrie, common_prefix_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["TrieScores", "score_tries"]
+__all__ = ["TrieScores", "score_rows", "score_tries"]
 
 
 @dataclass(frozen=True)
@@ -36,46 +37,77 @@ class TrieScores:
 
 
 @dataclass(frozen=True)
+class _Row:
+    """One batch row: a tree of tokens, each attending to its ancestors and itself."""
+
+    tokens: list[int]
+    parents: list[int]  # index of each token's parent in the row, -1 for the first
+    positions: list[int]  # position id: the token's depth in its path
+    chain: int  # tokens[:chain] form a plain causal chain
+    query_rows: list[list[int]]  # per trie, per scored node: where its logits are read
+
+
+def _row(tries: Sequence[ChoiceTrie]) -> _Row:
+    """Pack tries into one row: their common context once, then each trie's own branch."""
+    shared = len(tries[0].context)
+    for t in tries[1:]:
+        shared = min(shared, common_prefix_length(tries[0].context, t.context))
+    tokens = list(tries[0].context[:shared])
+    parents = list(range(-1, shared - 1))
+    positions = list(range(shared))
+    query_rows = []
+    for t in tries:
+        last = shared - 1  # the trie's last context token, where its root is read
+        for token in t.context[shared:]:
+            tokens.append(token)
+            parents.append(last)
+            positions.append(positions[last] + 1 if last >= 0 else 0)
+            last = len(tokens) - 1
+        base = len(tokens)
+        for token, parent in zip(t.tree_tokens, t.tree_parents, strict=True):
+            at = last if parent < 0 else base + parent
+            tokens.append(token)
+            parents.append(at)
+            positions.append(positions[at] + 1)
+        query_rows.append([last if p < 0 else base + p for p in t.node_positions])
+    return _Row(tokens, parents, positions, shared, query_rows)
+
+
+@dataclass(frozen=True)
 class _Packed:
     input_ids: torch.Tensor  # (B, T)
     position_ids: torch.Tensor | None  # (B, T)
     attention_mask: torch.Tensor | None  # (B, 1, T, T) additive
-    query_rows: list[list[int]]  # per item, per scored node: its row in the padded input
+    query_rows: list[list[list[int]]]  # per row, per trie, per scored node: flat index b*T+t
 
 
-def _pack(
-    tries: Sequence[ChoiceTrie], pad_id: int, dtype: torch.dtype, device: torch.device
-) -> _Packed:
-    T = max(t.packed_length for t in tries)
-    B = len(tries)
+def _pack(rows: Sequence[_Row], pad_id: int, dtype: torch.dtype, device: torch.device) -> _Packed:
+    T = max(len(r.tokens) for r in rows)
+    B = len(rows)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     query_rows = []
-    for b, t in enumerate(tries):
-        offset, r = T - t.packed_length, len(t.context)
-        ids[b, offset:] = torch.tensor(t.context + t.tree_tokens)
-        query_rows.append([offset + r + p if p >= 0 else offset + r - 1 for p in t.node_positions])
+    for b, r in enumerate(rows):
+        offset = T - len(r.tokens)  # left padding
+        ids[b, offset:] = torch.tensor(r.tokens)
+        query_rows.append([[b * T + offset + q for q in qs] for qs in r.query_rows])
 
-    plain = all(not t.tree_tokens and t.packed_length == T for t in tries)
-    if plain:
+    if all(r.chain == len(r.tokens) == T for r in rows):
         # Nothing to pack and nothing padded: the model's own causal path, as a bare pass takes.
         return _Packed(ids.to(device), None, None, query_rows)
 
     positions = torch.zeros((B, T), dtype=torch.long)
     allowed = torch.zeros((B, T, T), dtype=torch.bool)
-    for b, t in enumerate(tries):
-        offset, r = T - t.packed_length, len(t.context)
-        positions[b, offset : offset + r] = torch.arange(r)
-        positions[b, offset + r :] = torch.tensor(t.tree_depths, dtype=torch.long) + (r - 1)
-        allowed[b, offset : offset + r, offset : offset + r] = torch.ones(
-            r, r, dtype=torch.bool
-        ).tril()
-        for j, parent in enumerate(t.tree_parents):
-            row = offset + r + j
-            # A tree token sees what its parent sees, plus itself.
-            allowed[b, row] = allowed[b, offset + r + parent if parent >= 0 else offset + r - 1]
-            allowed[b, row, row] = True
-        pad = torch.arange(offset)
-        allowed[b, pad, pad] = True
+    for b, r in enumerate(rows):
+        o, n = T - len(r.tokens), r.chain
+        positions[b, o:] = torch.tensor(r.positions)
+        allowed[b, o : o + n, o : o + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        for i in range(n, len(r.tokens)):
+            # A token sees what its parent sees, plus itself.
+            if r.parents[i] >= 0:
+                allowed[b, o + i] = allowed[b, o + r.parents[i]]
+            allowed[b, o + i, o + i] = True
+        pad = torch.arange(o)
+        allowed[b, pad, pad] = True  # padding sees itself only, so no softmax row is empty
     mask = torch.zeros((B, 1, T, T), dtype=dtype)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     return _Packed(ids.to(device), positions.to(device), mask.to(device), query_rows)
@@ -96,15 +128,23 @@ def _finish_logits(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor
     return logits
 
 
-@torch.inference_mode()
 def score_tries(
     model: PreTrainedModel, tries: Sequence[ChoiceTrie], pad_id: int
 ) -> list[TrieScores]:
-    """Run one forward pass over ``tries`` and return the logits each one needs."""
+    """One forward pass over ``tries``, one batch row each."""
+    return [scores[0] for scores in score_rows(model, [[t] for t in tries], pad_id)]
+
+
+@torch.inference_mode()
+def score_rows(
+    model: PreTrainedModel, rows: Sequence[Sequence[ChoiceTrie]], pad_id: int
+) -> list[list[TrieScores]]:
+    """One forward pass; each batch row packs the tries of one inner list, sharing their
+    common context. Returns the logits each trie needs, in the same nesting."""
     head = model.get_output_embeddings()
     W = head.weight  # (V, H)
     bias = getattr(head, "bias", None)
-    packed = _pack(tries, pad_id, W.dtype, W.device)
+    packed = _pack([_row(r) for r in rows], pad_id, W.dtype, W.device)
 
     out = model.get_decoder()(
         input_ids=packed.input_ids,
@@ -112,11 +152,10 @@ def score_tries(
         position_ids=packed.position_ids,
         use_cache=False,
     )
-    hidden = out.last_hidden_state  # (B, T, H)
-
-    batch_index = [b for b, rows in enumerate(packed.query_rows) for _ in rows]
-    row_index = [row for rows in packed.query_rows for row in rows]
-    h = hidden[batch_index, row_index]  # (S, H) one row per scored node
+    hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
+    tries = [t for r in rows for t in r]
+    flat_rows = [q for per_row in packed.query_rows for per_trie in per_row for q in per_trie]
+    h = hidden[flat_rows]  # (S, H) one row per scored node
 
     children = [c for t in tries for c in t.node_children]
     counts = torch.tensor([len(c) for c in children], device=h.device)
@@ -130,19 +169,23 @@ def score_tries(
 
     # The full vocabulary only at each root, for choice_mass.
     first_node = np.cumsum([0] + [len(t.node_positions) for t in tries[:-1]]).tolist()
-    root_logits = _finish_logits(model, head(h[first_node])).float()  # (B, V)
-    root_logprobs = torch.log_softmax(root_logits, dim=-1)  # (B, V)
+    root_logits = _finish_logits(model, head(h[first_node])).float()  # (N, V)
+    root_logprobs = torch.log_softmax(root_logits, dim=-1)  # (N, V)
 
     flat = child_logits.double().cpu().numpy()
-    results = []
+    scores = []
     start = 0
-    for b, t in enumerate(tries):
+    for n, t in enumerate(tries):
         node_logits = []
         for c in t.node_children:
             node_logits.append(flat[start : start + len(c)])
             start += len(c)
         root_children = torch.tensor(t.node_children[0], device=root_logprobs.device)
-        mass = float(torch.logsumexp(root_logprobs[b, root_children], dim=0).exp())
+        mass = float(torch.logsumexp(root_logprobs[n, root_children], dim=0).exp())
         # Rounding can push a mass of one a hair above it.
-        results.append(TrieScores(node_logits=node_logits, root_mass=min(mass, 1.0)))
-    return results
+        scores.append(TrieScores(node_logits=node_logits, root_mass=min(mass, 1.0)))
+    nested, k = [], 0
+    for r in rows:
+        nested.append(scores[k : k + len(r)])
+        k += len(r)
+    return nested

@@ -67,7 +67,7 @@ def test_batch_equals_single_judgments(judge: Judge) -> None:
 def test_batch_splits_into_bounded_chunks(judge: Judge) -> None:
     small = Judge(judge.model, judge.tokenizer, max_batch_size=2, max_batch_tokens=10**6)
     queries = [Query(prompt=f"Item {i}: is it spam?", choices=["spam", "ham"]) for i in range(5)]
-    assert [len(c) for c in small._chunks([small._prepare(q) for q in queries])] == [2, 2, 1]
+    assert [len(c) for c in small._chunks([[small._prepare(q)] for q in queries])] == [2, 2, 1]
     results = small.judge_batch(queries)
     for q, r in zip(queries, results, strict=True):
         assert r.probabilities["spam"] == pytest.approx(
@@ -89,3 +89,50 @@ def test_bfloat16_agrees_with_float32_roughly(judge: Judge) -> None:
     b = bf16.judge(PROMPT, ["spam", "ham"])
     assert b.choice == a.choice
     assert b.probabilities["spam"] == pytest.approx(a.probabilities["spam"], abs=0.05)
+
+
+CONTEXT = (
+    "Passage: The Amazon river flows through Brazil, Peru and Colombia and carries more water "
+    "than any other river. Its basin is home to the largest rainforest on Earth."
+)
+QUESTIONS = [
+    Query(prompt="Does the Amazon flow through Peru?", choices=["yes", "no"]),
+    Query(prompt="How many countries are named?", choices=["1", "2", "3", "10"]),
+    Query(prompt="Is the basin a desert?", choices=["yes", "yes!", "no"], system="Be careful."),
+]
+
+
+@pytest.mark.parametrize("budget", [8192, 150])
+def test_shared_context_equals_separate_judgments(judge: Judge, budget: int) -> None:
+    # A small token budget splits the questions over several rows.
+    engine = Judge(judge.model, judge.tokenizer, model_id=judge.model_id, max_batch_tokens=budget)
+    shared = engine.judge_shared(CONTEXT, QUESTIONS)
+    for q, got in zip(QUESTIONS, shared, strict=True):
+        alone = judge.judge(f"{CONTEXT}\n\n{q.prompt}", q.choices, system=q.system)
+        assert got.prompt == alone.prompt
+        for c in q.choices:
+            assert got.probabilities[c] == pytest.approx(alone.probabilities[c], abs=1e-4)
+        assert got.choice_mass == pytest.approx(alone.choice_mass, rel=1e-3)
+
+
+def test_judge_each_isolates_bad_items(judge: Judge) -> None:
+    from judge import DuplicateChoiceError, InvalidQueryError
+
+    results = judge.judge_each(
+        [
+            Query(prompt=PROMPT, choices=["spam", "ham"]),
+            Query(prompt="x", choices=["a", "a"]),
+            {"prompt": 3, "choices": ["a", "b"]},
+            Query(prompt="Is it?", choices=["1", "10"]),
+        ]
+    )
+    assert isinstance(results[1], DuplicateChoiceError)
+    assert isinstance(results[2], InvalidQueryError)
+    first, last = results[0], results[3]
+    assert not isinstance(first, Exception) and not isinstance(last, Exception)
+    assert first.probabilities["spam"] == pytest.approx(
+        judge.judge(PROMPT, ["spam", "ham"]).probabilities["spam"], abs=1e-4
+    )
+    assert last.probabilities["1"] == pytest.approx(
+        judge.judge("Is it?", ["1", "10"]).probabilities["1"], abs=1e-4
+    )

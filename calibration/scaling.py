@@ -1,0 +1,446 @@
+"""Post-hoc scaling of choice log-scores into calibrated probabilities.
+
+The engine's choice probabilities are exact for the model, but the model itself is usually
+over- or under-confident, and on lettered multiple choice it often prefers some letters
+regardless of content. Two small parametric fixes learned on a labelled calibration set handle
+most of this without touching the model:
+
+* temperature scaling, softmax(z / T) (Guo et al. 2017, "On Calibration of Modern Neural
+  Networks"): one parameter, never changes the most probable choice;
+* bias + temperature, softmax(z / T + b): a per-choice offset that also corrects label-prior
+  and letter bias (in the spirit of vector scaling, Guo et al. 2017, and of contextual
+  calibration, Zhao et al. 2021, "Calibrate Before Use"). It can change the top choice.
+
+``fit_calibrator`` chooses between them, and no scaling at all, by cross-validated NLL, so a
+calibration set too small or too clean to support a method leaves the probabilities alone.
+The fitted result is plain data (``CalibrationFit``) and ``apply_calibration`` applies it at
+serving time as a pure function.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+from scipy import optimize
+from sklearn import exceptions, model_selection
+
+from calibration.metrics import _check_int, _check_labels
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+    from typing import Self
+
+    from numpy.typing import ArrayLike
+
+__all__ = [
+    "METHODS",
+    "BiasTemperatureScaler",
+    "CalibrationFit",
+    "TemperatureScaler",
+    "apply_calibration",
+    "fit_calibrator",
+    "softmax",
+]
+
+_FloatArray = npt.NDArray[np.float64]
+_IntArray = npt.NDArray[np.int64]
+
+METHODS = ("none", "temperature", "bias_temperature")
+"""Every calibration method, from the simplest to the most flexible."""
+
+# The search runs over beta = 1/T, in which the NLL is convex (it is a log-sum-exp of functions
+# linear in beta minus a linear term), so a bounded scalar search finds the global minimum.
+# T in [0.01, 100] spans every useful sharpening/flattening of log-probabilities.
+_BETA_MIN = 1.0 / 100.0
+_BETA_MAX = 1.0 / 0.01
+_NLL_CLIP = 1e-12
+
+
+class CalibrationFit(msgspec.Struct, frozen=True, kw_only=True):
+    """The calibration ``fit_calibrator`` chose, as plain data for a profile or a response."""
+
+    method: str  # "none" | "temperature" | "bias_temperature"
+    temperature: float  # 1.0 for "none"
+    bias: list[float] | None  # per-choice offsets (centered) for "bias_temperature", else None
+    cv_nll: dict[str, float]  # cross-validated NLL of every candidate, including "none"
+    note: str  # which method won and by how much, or why nothing was applied
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax and validation.
+
+
+def _check_logits(logits: ArrayLike, name: str = "logits", allow_1d: bool = False) -> _FloatArray:
+    arr = np.asarray(logits, dtype=np.float64)
+    if arr.ndim == 1 and allow_1d:
+        arr = arr[None, :]
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array of shape (n, k), got shape {arr.shape}")
+    n, k = arr.shape
+    if n == 0:
+        raise ValueError(f"{name} is empty (shape {arr.shape}); need at least one item")
+    if k < 2:
+        raise ValueError(f"{name} must have at least 2 choices per row, got k={k}")
+    if not np.all(np.isfinite(arr)):
+        i, j = (int(v) for v in np.argwhere(~np.isfinite(arr))[0])
+        raise ValueError(f"{name}[{i}, {j}] = {arr[i, j]} is not finite")
+    return arr
+
+
+def _log_softmax(s: _FloatArray) -> _FloatArray:
+    shifted = s - s.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def _softmax(s: _FloatArray) -> _FloatArray:
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def softmax(logits: ArrayLike) -> _FloatArray:
+    """Row-wise softmax, stable for any finite log-scores.
+
+    Parameters
+    ----------
+    logits : array of shape (n, k) or (k,)
+
+    Returns
+    -------
+    probs : float64 array of the same shape; each row sums to 1.
+    """
+    z = _check_logits(logits, allow_1d=True)
+    p = _softmax(z)
+    return p[0] if np.ndim(logits) == 1 else p
+
+
+def _mean_nll(z: _FloatArray, labels: _IntArray, beta: float, bias: _FloatArray | None) -> float:
+    s = beta * z if bias is None else beta * z + bias
+    return float(-_log_softmax(s)[np.arange(z.shape[0]), labels].mean())
+
+
+def _fit_beta(z: _FloatArray, labels: _IntArray) -> float:
+    z_true = z[np.arange(z.shape[0]), labels]
+
+    def objective(beta: float) -> float:
+        s = beta * z
+        m = s.max(axis=1)
+        lse = m + np.log(np.exp(s - m[:, None]).sum(axis=1))
+        return float(np.mean(lse - beta * z_true))
+
+    result = optimize.minimize_scalar(
+        objective, bounds=(_BETA_MIN, _BETA_MAX), method="bounded", options={"xatol": 1e-7}
+    )
+    return float(result.x)
+
+
+def _check_fitted(estimator: object, attribute: str) -> None:
+    if not hasattr(estimator, attribute):
+        # sklearn's NotFittedError is both a ValueError and an AttributeError.
+        raise exceptions.NotFittedError(
+            f"this {type(estimator).__name__} is not fitted yet; call fit(logits, y) first"
+        )
+
+
+def _check_width(z: _FloatArray, n_classes: int) -> None:
+    if z.shape[1] != n_classes:
+        raise ValueError(
+            f"logits have {z.shape[1]} choices per row but the scaler was fitted on {n_classes}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimators.
+
+
+class TemperatureScaler:
+    """Temperature scaling: probabilities softmax(logits / T) with one fitted T > 0.
+
+    T is chosen to minimize the mean negative log-likelihood of the labels, searched over the
+    inverse temperature 1/T in [0.01, 100] where the objective is convex. Dividing every score
+    of a row by the same positive T never changes which choice is most probable.
+
+    Attributes
+    ----------
+    temperature_ : float
+    n_classes_ : int
+    """
+
+    temperature_: float
+    n_classes_: int
+
+    def fit(self, logits: ArrayLike, y: ArrayLike) -> Self:
+        """Fit T on log-scores of shape (n, k) and correct choice indices of shape (n,)."""
+        z = _check_logits(logits)
+        labels = _check_labels(y, z.shape[0], z.shape[1])
+        self.temperature_ = 1.0 / _fit_beta(z, labels)
+        self.n_classes_ = int(z.shape[1])
+        return self
+
+    def predict_proba(self, logits: ArrayLike) -> _FloatArray:
+        """Calibrated probabilities of shape (n, k) for log-scores of shape (n, k)."""
+        _check_fitted(self, "temperature_")
+        z = _check_logits(logits)
+        _check_width(z, self.n_classes_)
+        return _softmax(z / self.temperature_)
+
+
+class BiasTemperatureScaler:
+    """Bias + temperature scaling: probabilities softmax(logits / T + b).
+
+    ``b`` is a per-choice offset that absorbs a label prior or a position/letter bias. The
+    inverse temperature and the offsets are fitted jointly by L-BFGS-B with an analytic gradient
+    on mean NLL + ``l2`` * ||b||^2; the objective is convex, since the scores are linear in
+    (1/T, b). The penalty keeps the offset of a choice that is rare or absent in the
+    calibration set finite, and it also makes b identifiable: adding a constant to every offset
+    leaves the probabilities unchanged, and among those equivalent offsets the penalty picks
+    the one that sums to zero. ``bias_`` is stored exactly centered.
+
+    Parameters
+    ----------
+    l2 : float, default 1e-3
+        Weight of the squared-norm penalty on ``b``, in units of mean NLL (nats per item).
+
+    Attributes
+    ----------
+    temperature_ : float
+    bias_ : float array of shape (n_classes_,), summing to 0
+    n_classes_ : int
+    """
+
+    temperature_: float
+    bias_: _FloatArray
+    n_classes_: int
+
+    def __init__(self, l2: float = 1e-3) -> None:
+        self.l2 = l2
+
+    def fit(self, logits: ArrayLike, y: ArrayLike) -> Self:
+        """Fit T and b on log-scores of shape (n, k) and correct choice indices of shape (n,)."""
+        if isinstance(self.l2, bool) or not isinstance(self.l2, int | float) or self.l2 < 0:
+            raise ValueError(f"l2 must be a non-negative number, got {self.l2!r}")
+        z = _check_logits(logits)
+        n, k = z.shape
+        labels = _check_labels(y, n, k)
+        onehot = np.zeros((n, k))
+        onehot[np.arange(n), labels] = 1.0
+        l2 = float(self.l2)
+
+        def objective(x: _FloatArray) -> tuple[float, _FloatArray]:
+            beta, b = x[0], x[1:]
+            logp = _log_softmax(beta * z + b)
+            diff = np.exp(logp) - onehot  # d(NLL_i)/d(score_ij)
+            loss = -float(np.mean(logp[np.arange(n), labels])) + l2 * float(b @ b)
+            grad = np.empty_like(x)
+            grad[0] = np.mean(np.sum(diff * z, axis=1))
+            grad[1:] = diff.mean(axis=0) + 2.0 * l2 * b
+            return loss, grad
+
+        # Start from the temperature-only optimum, which is the b = 0 slice of this problem.
+        x0 = np.concatenate([[_fit_beta(z, labels)], np.zeros(k)])
+        result = optimize.minimize(
+            objective,
+            x0,
+            jac=True,
+            method="L-BFGS-B",
+            bounds=[(_BETA_MIN, _BETA_MAX)] + [(None, None)] * k,
+            options={"maxiter": 1000, "gtol": 1e-8},
+        )
+        x = np.asarray(result.x, dtype=np.float64)
+        # L-BFGS-B can stop with a line-search warning at machine precision; its iterate is
+        # still the best found, but never accept one worse than the starting point.
+        if not np.all(np.isfinite(x)) or objective(x)[0] > objective(x0)[0]:
+            x = x0
+        self.temperature_ = 1.0 / float(x[0])
+        self.bias_ = x[1:] - x[1:].mean()
+        self.n_classes_ = int(k)
+        return self
+
+    def predict_proba(self, logits: ArrayLike) -> _FloatArray:
+        """Calibrated probabilities of shape (n, k) for log-scores of shape (n, k)."""
+        _check_fitted(self, "bias_")
+        z = _check_logits(logits)
+        _check_width(z, self.n_classes_)
+        return _softmax(z / self.temperature_ + self.bias_)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model selection.
+
+
+def _make_scaler(method: str) -> TemperatureScaler | BiasTemperatureScaler:
+    return TemperatureScaler() if method == "temperature" else BiasTemperatureScaler()
+
+
+def _folds(
+    labels: _IntArray, cv: int, random_state: int
+) -> tuple[Iterator[tuple[_IntArray, _IntArray]], bool]:
+    n = labels.shape[0]
+    _, counts = np.unique(labels, return_counts=True)
+    # Stratification needs every present class in every fold; with a class rarer than the fold
+    # count sklearn would warn and produce uneven folds, so fall back to plain shuffled folds.
+    stratified = bool(counts.min() >= cv)
+    splitter = (
+        model_selection.StratifiedKFold(n_splits=cv, shuffle=True, random_state=random_state)
+        if stratified
+        else model_selection.KFold(n_splits=cv, shuffle=True, random_state=random_state)
+    )
+    return splitter.split(np.zeros((n, 1)), labels), stratified
+
+
+def fit_calibrator(
+    logits: ArrayLike,
+    y: ArrayLike,
+    *,
+    methods: Sequence[str] = ("temperature", "bias_temperature"),
+    cv: int = 5,
+    random_state: int = 0,
+    min_improvement_se: float = 1.0,
+) -> CalibrationFit:
+    """Choose and fit a calibration method by cross-validated NLL.
+
+    Every candidate ("none", i.e. plain softmax, and each of ``methods``) is scored by its
+    held-out NLL under ``cv``-fold cross-validation (stratified by label when every present
+    class has at least ``cv`` items, else plain shuffled K-fold; ``cv`` is reduced to n on tiny
+    sets). Candidates are then considered from the simplest to the most flexible ("none",
+    "temperature", "bias_temperature"), and a more flexible one replaces the current choice
+    only if it lowers the cross-validated NLL, by more than ``min_improvement_se`` standard
+    errors of the paired per-item difference (the one-standard-error rule, Hastie, Tibshirani
+    & Friedman, "The Elements of Statistical Learning", 7.10). Ties and improvements within
+    noise keep the simpler method, so no scaling is applied unless it measurably lowers
+    held-out NLL; with ``min_improvement_se=0`` the rule is plain "lowest cross-validated NLL".
+    The chosen method is then refitted on all items.
+
+    Parameters
+    ----------
+    logits : array of shape (n, k)
+        Per-choice log-scores (the engine's log-probabilities), n >= 2.
+    y : array of shape (n,)
+        Correct choice indices in 0..k-1.
+    methods : sequence of str
+        Candidates besides "none", from ``METHODS``.
+    cv : int
+        Number of folds, >= 2.
+    random_state : int
+        Seed of the fold shuffle.
+    min_improvement_se : float
+        Required improvement, in standard errors, for a more flexible method to be chosen.
+    """
+    z = _check_logits(logits)
+    n, k = z.shape
+    labels = _check_labels(y, n, k)
+    if isinstance(methods, str):
+        raise ValueError(f"methods must be a sequence of method names, got the string {methods!r}")
+    for method in methods:
+        if method not in METHODS:
+            raise ValueError(f"unknown calibration method {method!r}; expected one of {METHODS}")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"methods lists a method more than once: {list(methods)}")
+    cv = _check_int(cv, "cv", 2)
+    random_state = _check_int(random_state, "random_state", 0)
+    if (
+        isinstance(min_improvement_se, bool)
+        or not isinstance(min_improvement_se, int | float)
+        or not min_improvement_se >= 0
+    ):
+        raise ValueError(f"min_improvement_se must be >= 0, got {min_improvement_se!r}")
+    if n < 2:
+        raise ValueError(f"need at least 2 labelled items to cross-validate, got n={n}")
+    cv = min(cv, n)
+
+    candidates = [m for m in METHODS if m == "none" or m in methods]
+    heldout = {m: np.empty(n) for m in candidates}
+    rows = np.arange(n)
+    heldout["none"] = -np.log(np.clip(_softmax(z)[rows, labels], _NLL_CLIP, 1.0))
+    folds, stratified = _folds(labels, cv, random_state)
+    for train, test in folds:
+        for method in candidates[1:]:
+            probs = _make_scaler(method).fit(z[train], labels[train]).predict_proba(z[test])
+            true_p = probs[np.arange(test.shape[0]), labels[test]]
+            heldout[method][test] = -np.log(np.clip(true_p, _NLL_CLIP, 1.0))
+    cv_nll = {m: float(heldout[m].mean()) for m in candidates}
+
+    chosen = "none"
+    for method in candidates[1:]:
+        diff = heldout[method] - heldout[chosen]
+        se = float(diff.std(ddof=1) / np.sqrt(n))
+        if diff.mean() < 0 and diff.mean() < -min_improvement_se * se:
+            chosen = method
+
+    scheme = f"{cv}-fold {'stratified ' if stratified else ''}CV, n={n}"
+    others = ", ".join(f"{m} {cv_nll[m]:.4f}" for m in candidates[1:]) or "no other candidates"
+    if chosen == "none":
+        note = (
+            f"no scaling: no method lowered the cross-validated NLL of {cv_nll['none']:.4f} "
+            f"(without scaling) by more than {min_improvement_se:g} standard error(s) "
+            f"({others}; {scheme}); temperature stays 1.0"
+        )
+        return CalibrationFit(method="none", temperature=1.0, bias=None, cv_nll=cv_nll, note=note)
+
+    scaler = _make_scaler(chosen).fit(z, labels)
+    gain = cv_nll["none"] - cv_nll[chosen]
+    bias = [float(v) for v in scaler.bias_] if isinstance(scaler, BiasTemperatureScaler) else None
+    note = (
+        f"{chosen} won: cross-validated NLL {cv_nll[chosen]:.4f} vs {cv_nll['none']:.4f} "
+        f"without scaling ({gain:.4f} nats/item, {100 * gain / cv_nll['none']:.1f}% lower; "
+        f"{others}; {scheme}); refitted on all items: T={scaler.temperature_:.4g}"
+        + ("" if bias is None else ", bias=[" + ", ".join(f"{v:.3f}" for v in bias) + "]")
+    )
+    return CalibrationFit(
+        method=chosen,
+        temperature=float(scaler.temperature_),
+        bias=bias,
+        cv_nll=cv_nll,
+        note=note,
+    )
+
+
+def apply_calibration(
+    logits: ArrayLike, method: str, temperature: float, bias: Sequence[float] | None
+) -> _FloatArray:
+    """Calibrated probabilities softmax(logits / temperature + bias), for serving time.
+
+    A pure function of the fitted values (e.g. a ``CalibrationFit``'s fields); the method name
+    is checked against the parameters so that a corrupted profile fails loudly.
+
+    Parameters
+    ----------
+    logits : array of shape (n, k) or (k,)
+    method : "none" | "temperature" | "bias_temperature"
+    temperature : float > 0; must be 1.0 for "none"
+    bias : k floats for "bias_temperature", else None
+
+    Returns
+    -------
+    probs : float64 array of the same shape as ``logits``.
+    """
+    z = _check_logits(logits, allow_1d=True)
+    if method not in METHODS:
+        raise ValueError(f"unknown calibration method {method!r}; expected one of {METHODS}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, int | float | np.floating)
+        or not np.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if method == "none" and temperature != 1.0:
+        raise ValueError(f"method 'none' needs temperature 1.0, got {temperature!r}")
+    offsets: _FloatArray | float = 0.0
+    if method == "bias_temperature":
+        if bias is None:
+            raise ValueError("method 'bias_temperature' needs a bias of one float per choice")
+        b = np.asarray(bias, dtype=np.float64)
+        if b.shape != (z.shape[1],):
+            raise ValueError(
+                f"bias has shape {b.shape} but the logits have {z.shape[1]} choices per row"
+            )
+        if not np.all(np.isfinite(b)):
+            raise ValueError(f"bias must be finite, got {list(b)}")
+        offsets = b
+    elif bias is not None:
+        raise ValueError(f"method {method!r} takes no bias, got {list(bias)}")
+    p = _softmax(z / float(temperature) + offsets)
+    return p[0] if np.ndim(logits) == 1 else p
