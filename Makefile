@@ -1,12 +1,14 @@
 # Two commands do all set-up on a fresh machine (see README):
-#   make run    creates .venv, installs, and judges an example on the default model
+#   make serve  creates .venv, installs, and runs the HTTP service on the default model
 #   make test   creates .venv, installs, and runs lint, types and the test suite
 PYTHON ?= python3
+HOST ?= 127.0.0.1
+PORT ?= 8000
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench
+.PHONY: install serve run test bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +21,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+serve: install
+	$(BIN)/judge serve --host $(HOST) --port $(PORT)
 
 run: install
 	$(BIN)/judge ask "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082." \

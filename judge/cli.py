@@ -60,6 +60,30 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--profile", type=Path, required=True, help="a profile JSON file")
     ev.add_argument("--report", type=Path, help="also write a markdown report here")
     ev.add_argument("--json", type=Path, help="also write the evaluation as JSON here")
+
+    serve = commands.add_parser("serve", help="run the HTTP service (POST /judge)")
+    serve.add_argument("--model", default=None, help="model id, directory or .gguf")
+    serve.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    serve.add_argument("--max-batch-size", type=int, default=16, help="judgments per forward pass")
+    serve.add_argument("--max-wait-ms", type=float, default=5.0, help="wait for a batch to fill")
+    serve.add_argument("--max-queue", type=int, default=256, help="queued jobs before 503")
+    serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds")
+    serve.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    serve.add_argument("--default-threshold", type=float, default=0.9)
+    serve.add_argument("--min-choice-mass", type=float, default=0.0)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("JUDGE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+        "(default: $JUDGE_API_KEY; none: no auth)",
+    )
+    serve.add_argument("--log-level", default="info")
     return parser
 
 
@@ -81,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _ask(args)
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "serve":
+            return _serve(args)
         return _evaluate(args)
     except (JudgeError, CalibrationError) as exc:
         print(f"judge: error: {exc}", file=sys.stderr)
@@ -185,6 +211,34 @@ def _evaluate(args: argparse.Namespace) -> int:
         _write_text(
             args.json, msgspec.json.format(msgspec.json.encode(evaluation), indent=2).decode()
         )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from service import ServiceConfig, create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = ServiceConfig(
+        profiles_dir=args.profiles_dir,
+        max_batch_size=args.max_batch_size,
+        max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        default_threshold=args.default_threshold,
+        min_choice_mass=args.min_choice_mass,
+    )
+    app = create_app(
+        loader=lambda: Judge.load(args.model, dtype=args.dtype, device=args.device), config=config
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

@@ -1,3 +1,5 @@
-"""The HTTP service over the judge engine."""
+"""The HTTP service over the judge engine (Litestar + msgspec; no torch here)."""
 
-__all__: list[str] = []
+from service.app import ServiceConfig, create_app
+
+__all__ = ["ServiceConfig", "create_app"]

@@ -7,6 +7,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from server import Server, free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -17,8 +19,8 @@ def quickstart_commands() -> list[str]:
     return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
 
 
-def test_quickstart_has_a_run_and_a_test_command() -> None:
-    assert quickstart_commands() == ["make run", "make test"]
+def test_quickstart_has_a_serve_and_a_test_command() -> None:
+    assert quickstart_commands() == ["make serve", "make test"]
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -34,10 +36,29 @@ def test_test_command_runs_lint_types_and_tests() -> None:
         assert tool in plan
 
 
+def test_serve_command_answers_the_curl_example() -> None:
+    readme = (ROOT / "README.md").read_text()
+    curl = re.search(r"Once `GET /ready` answers 200.*?```sh\n(.*?)```", readme, re.S)
+    example = re.search(r"```json\n(.*?)```", readme[curl.end() :] if curl else "", re.S)
+    assert curl and example, "the quickstart shows a curl command and its answer"
+    port = free_port()
+    server = Server([*quickstart_commands()[0].split(), f"PORT={port}"], port, cwd=str(ROOT))
+    try:
+        server.wait_ready()
+        command = curl.group(1).replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    shown = json.loads(example.group(1))
+    assert set(answer) == set(shown)
+    assert set(answer["probabilities"]) == {"spam", "ham"}
+    assert answer["decision"] in ("accept", "escalate")
+
+
 def test_run_command_judges_the_example() -> None:
-    done = subprocess.run(
-        quickstart_commands()[0].split(), cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    done = subprocess.run(["make", "run"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout[done.stdout.index("{") :])
     assert set(result["probabilities"]) == {"spam", "ham"}

@@ -1,0 +1,89 @@
+"""Prometheus metrics: requests by status, latency, batch sizes, decisions, queue depth.
+
+Each app gets its own registry, so several apps in one process (tests) never collide.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["ServiceMetrics"]
+
+# Route templates, so that profile names do not become label values.
+_ROUTES = [
+    (re.compile(r"^/profiles/[^/]+/fit$"), "/profiles/{name}/fit"),
+    (re.compile(r"^/profiles/[^/]+$"), "/profiles/{name}"),
+    (re.compile(r"^/schema(/.*)?$"), "/schema"),
+]
+_KNOWN = {"/judge", "/judge/batch", "/profiles", "/health", "/ready", "/metrics"}
+
+
+def route_label(path: str) -> str:
+    if path in _KNOWN:
+        return path
+    for pattern, label in _ROUTES:
+        if pattern.match(path):
+            return label
+    return "other"
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "judge_http_requests",
+            "HTTP requests by method, route and status code.",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "judge_http_request_duration_seconds",
+            "Time from request to the end of the response.",
+            ["route"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "judge_batch_size",
+            "Judgments per coalesced forward pass.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=self.registry,
+        )
+        self.decisions = Counter(
+            "judge_decisions", "Routing decisions by outcome.", ["decision"], registry=self.registry
+        )
+        self.queue_depth = Gauge(
+            "judge_queue_depth", "Jobs waiting for the model.", registry=self.registry
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        """ASGI middleware counting every HTTP response by status and timing it."""
+
+        async def measured(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            start = time.perf_counter()
+            status = 500
+
+            async def send_status(message: Message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                await send(message)
+
+            try:
+                await app(scope, receive, send_status)
+            finally:
+                route = route_label(scope["path"])
+                self.requests.labels(scope.get("method", "?"), route, str(status)).inc()
+                self.latency.labels(route).observe(time.perf_counter() - start)
+
+        return measured
