@@ -1,0 +1,145 @@
+"""The benchmark scripts: the generation-output classifier, and each script's --quick run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+DATA = ROOT.parent / "shared" / "data"
+
+
+def _load(name: str) -> ModuleType:
+    """Import a benchmark script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_quality = _load("bench_quality")
+classify_output = bench_quality.classify_output
+CHOICES = ["spam", "ham"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"answer": "spam"}',
+        '  \n{"answer": "spam"}\n',
+        '{\n  "answer": "spam"\n}',
+        '{"answer": "spam", "confidence": "high"}',  # other keys are allowed
+    ],
+)
+def test_success(text: str) -> None:
+    assert classify_output(text, CHOICES) == ("spam", None)
+
+
+def test_success_with_braces_and_quotes_inside_the_choice() -> None:
+    choices = ['{a} "b"', "c"]
+    assert classify_output('{"answer": "{a} \\"b\\""}', choices) == ('{a} "b"', None)
+
+
+@pytest.mark.parametrize(
+    ("text", "failure"),
+    [
+        ('```json\n{"answer": "spam"}\n```', "markdown_wrap"),
+        ('```\n{"answer": "spam"}', "markdown_wrap"),
+        ('Sure! Here is my answer: {"answer": "spam"}', "prose_preamble"),
+        ('This message is clearly spam.\n{"answer": "spam"', "prose_preamble"),
+        (
+            '{"type": "object", "properties": {"answer": {"enum": ["spam", "ham"]}}}',
+            "schema_mirroring",
+        ),
+        ('{"$schema": "http://json-schema.org/draft-07/schema#"}', "schema_mirroring"),
+        ('{"answer": "spam", "required": ["answer"]} ok', "schema_mirroring"),
+        ('{"answer": "spam"}\n{"answer": "ham"}', "multiple_objects"),
+        ('{"answer": "spam"} {"answer": "h', "multiple_objects"),  # the second cut off
+        ('{"answer": "spam"} because it promises a prize', "trailing_text"),
+        ('{"answer": "spam"}\n```', "trailing_text"),
+        ('{"answer": "Spam"} trailing', "trailing_text"),  # before the enum check
+        ('{"answer": "spam"', "parse_error"),  # cut off
+        ("The message is spam.", "parse_error"),  # no JSON at all
+        ("Certainly, this one is an obvious case of spam", "parse_error"),  # prose, no brace
+        ('Answer: {"answer": "spam"}', "parse_error"),  # under 20 characters of preamble
+        ('"spam"', "parse_error"),  # valid JSON, but not an object
+        ('["spam"]', "parse_error"),
+        ("", "parse_error"),
+        ("{'answer': 'spam'}", "parse_error"),  # single quotes
+        ('{"answer": "Spam"}', "enum_violation"),
+        ('{"answer": " spam"}', "enum_violation"),
+        ('{"answer": "<choice>"}', "enum_violation"),
+        ('{"answer": 1}', "enum_violation"),
+        ('{"answer": "a}{b"}', "enum_violation"),  # braces inside a string open no object
+        ('{"label": "spam"}', "missing_field"),
+        ("{}", "missing_field"),
+    ],
+)
+def test_failure(text: str, failure: str) -> None:
+    assert failure in bench_quality.FAILURE_TYPES
+    assert classify_output(text, CHOICES) == (None, failure)
+
+
+def test_every_failure_type_is_tested() -> None:
+    assert bench_quality.FAILURE_TYPES == (
+        "markdown_wrap",
+        "prose_preamble",
+        "schema_mirroring",
+        "multiple_objects",
+        "trailing_text",
+        "parse_error",
+        "enum_violation",
+        "missing_field",
+    )
+
+
+def _run(script: str, *args: str) -> None:
+    # One torch thread: the smoke runs stay fast even while other jobs hold the cores.
+    cmd = [sys.executable, str(BENCHMARKS / script), "--quick", "--threads", "1", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_bench_latency_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_latency.json"
+    _run("bench_latency.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result) == {"machine", "quick", "config", "rows", "skipped", "elapsed_s"}
+    assert result["quick"] is True
+    assert [r["choices"] for r in result["rows"]] == [2, 4]
+    for row in result["rows"]:
+        assert set(row["contenders"]) == {"judge", "bare", "generate", "per_choice", "constrained"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_quality_quick(tmp_path: Path) -> None:
+    _run("bench_quality.py", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "bench_quality.json").read_text())
+    assert set(result) == {
+        "machine",
+        "quick",
+        "config",
+        "success",
+        "failure_types",
+        "tasks",
+        "elapsed_s",
+    }
+    assert result["quick"] is True and len(result["tasks"]) == 2
+    for task in result["tasks"]:
+        assert set(task) == {"task", "choices", "splits", "judge", "generate"}
+    lines = (tmp_path / "quality_failures_sample.jsonl").read_text().splitlines()
+    for line in lines:
+        sample = json.loads(line)
+        assert {"task", "id", "failure", "output"} <= set(sample)
+        assert sample["failure"] in result["failure_types"]
