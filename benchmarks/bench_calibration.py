@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--tasks", nargs="*", help="task names (default: every task in --data)")
     parser.add_argument("--limit", type=int, help="first N items of each split")
-    parser.add_argument("--quick", action="store_true", help="60 items per split, two tasks")
+    parser.add_argument("--quick", action="store_true", help="40 items per split of sms_spam")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--target-precision", type=float, default=0.9)
     parser.add_argument("--delta", type=float, default=0.1)
@@ -70,7 +70,7 @@ def main() -> None:
     names = args.tasks or sorted(p.name for p in args.data.iterdir() if (p / "task.json").exists())
     limit = args.limit
     if args.quick:
-        names, limit = names[:2], 60
+        names, limit = ["sms_spam"], 40
     judge = Judge.load(dtype=args.dtype)
     rows = []
     for name in names:

@@ -143,3 +143,53 @@ def test_bench_quality_quick(tmp_path: Path) -> None:
         sample = json.loads(line)
         assert {"task", "id", "failure", "output"} <= set(sample)
         assert sample["failure"] in result["failure_types"]
+
+
+@pytest.mark.slow
+def test_bench_engine_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_engine.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_engine.py"), "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result) == {"machine", "quick", "reps", "rows", "batch"}
+    assert {(r["kind"], r["choices"]) for r in result["rows"]} == {
+        (k, n) for k in ("distinct", "shared") for n in (2, 16)
+    }
+    assert all(r["ratio_to_bare"] > 0 and r["ratio_to_floor"] > 0 for r in result["rows"])
+
+
+@pytest.mark.slow
+def test_bench_service_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_service.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_service.py"), "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert {(r["batching"], r["concurrency"]) for r in result["rows"]} == {
+        (b, c) for b in ("on", "off") for c in (1, 4)
+    }
+    assert all(r["errors"] == {} for r in result["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_calibration_quick(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCHMARKS / "bench_calibration.py"), "--quick"]
+    cmd += ["--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [t["task"] for t in summary["tasks"]] == ["sms_spam"]
+    assert summary["limit"] == 40
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {
+        "sms_spam.json",
+        "sms_spam.report.md",
+        "sms_spam.reliability.png",
+        "summary.md",
+    } <= names

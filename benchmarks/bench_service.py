@@ -1,0 +1,183 @@
+"""HTTP load against a running server on loopback, with micro-batching on and off.
+
+Starts ``judge serve`` on a free loopback port (once with ``--max-batch-size 16``, once with
+``--max-batch-size 1``), waits for ``/ready``, then at concurrency 1, 4, 16 and 64 sends a
+fixed number of ``POST /judge`` requests (distinct SMS-style prompts, two choices) and
+reports throughput and p50/p95/p99 latency. Zero errors are expected; any are counted and
+reported. Prints the table and writes ``benchmarks/results/bench_service.json``.
+
+    python benchmarks/bench_service.py [--requests 128] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MESSAGES = [
+    "WINNER!! As a valued customer you have been selected to receive a 900 prize reward",
+    "Hey, are we still on for lunch tomorrow at the usual place?",
+    "URGENT! Your mobile number has won a 2000 bonus caller prize, call 09058094565 now",
+    "I'll be late tonight, don't wait up for me",
+    "Free ringtone! Reply REAL to 87131 to get yours, 1.50 per week",
+    "Can you send me the photos from the weekend when you get a chance",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(port: int, batch_size: int, dtype: str) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "judge.cli", "serve", "--port", str(port), "--dtype", dtype,
+        "--max-batch-size", str(batch_size), "--max-queue", "1024", "--log-level", "warning",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    stop_server(process)
+    raise RuntimeError("server never became ready")
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(30)
+
+
+async def load(url: str, concurrency: int, requests: int) -> dict[str, Any]:
+    """Send ``requests`` requests with at most ``concurrency`` in flight."""
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            body = {
+                "prompt": f"Is this SMS spam? {MESSAGES[i % len(MESSAGES)]} (#{i})",
+                "choices": ["spam", "ham"],
+            }
+            start = time.perf_counter()
+            try:
+                r = await client.post(f"{url}/judge", json=body)
+                if r.status_code != 200:
+                    errors[str(r.status_code)] = errors.get(str(r.status_code), 0) + 1
+            except httpx.HTTPError as exc:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+            latencies.append(time.perf_counter() - start)
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    ms = np.array(latencies) * 1000
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "seconds": elapsed,
+        "throughput_rps": requests / elapsed,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p95_ms": float(np.percentile(ms, 95)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "errors": errors,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=128, help="requests per concurrency level")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 12 requests")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_service.json")
+    args = parser.parse_args()
+    levels = [1, 4] if args.quick else [1, 4, 16, 64]
+    requests = 12 if args.quick else args.requests
+
+    rows = []
+    for batching, batch_size in (("on", 16), ("off", 1)):
+        port = free_port()
+        server = start_server(port, batch_size, args.dtype)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(load(url, 2, 4))  # warm-up
+            for concurrency in levels:
+                row = {"batching": batching, **asyncio.run(load(url, concurrency, requests))}
+                rows.append(row)
+                print(
+                    f"batching {batching:3}  concurrency {concurrency:3}  {row['throughput_rps']:6.2f} req/s  "
+                    f"p50 {row['p50_ms']:7.1f} ms  p95 {row['p95_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms  "
+                    f"errors {row['errors'] or 0}",
+                    flush=True,
+                )
+        finally:
+            stop_server(server)
+    speedups = {
+        c: next(
+            r["throughput_rps"] for r in rows if r["batching"] == "on" and r["concurrency"] == c
+        )
+        / next(
+            r["throughput_rps"] for r in rows if r["batching"] == "off" and r["concurrency"] == c
+        )
+        for c in levels
+    }
+    print(
+        "throughput, batching on / off: "
+        + ", ".join(f"c={c}: x{s:.2f}" for c, s in speedups.items())
+    )
+    machine = {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    result = {
+        "machine": machine,
+        "quick": args.quick,
+        "dtype": args.dtype,
+        "rows": rows,
+        "speedup": speedups,
+    }
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, args.out)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    main()
