@@ -254,25 +254,26 @@ class Judge:
         model once, with every question's remainder and choice trie packed after them.
         """
         start = time.perf_counter()
+        if not isinstance(context, str):
+            raise InvalidQueryError(f"context must be a string, got {type(context).__name__}")
         prepared = []
         for q in questions:
             query = _as_query(q)
-            if not isinstance(context, str):
-                raise InvalidQueryError(f"context must be a string, got {type(context).__name__}")
-            prepared.append(
-                self._prepare(msgspec.structs.replace(query, prompt=f"{context}\n\n{query.prompt}"))
-            )
+            prompt = f"{context}\n\n{query.prompt}"
+            prepared.append(self._prepare(msgspec.structs.replace(query, prompt=prompt)))
+        # A row holds the shared tokens once and as many branches as the token budget allows:
+        # with n tries sharing s tokens, the row is sum(packed lengths) - (n - 1) * s long.
         rows: list[list[_Prepared]] = []
-        size = 0
+        shared = total = 0
         for p in prepared:
-            # One row holds the context once and as many branches as the token budget allows.
-            branch = p.trie.packed_length - (len(rows[-1][0].trie.context) if rows else 0)
-            if rows and size + branch <= self.max_batch_tokens:
-                rows[-1].append(p)
-                size += branch
-            else:
-                rows.append([p])
-                size = p.trie.packed_length
+            if rows:
+                s = min(shared, common_prefix_length(rows[-1][0].trie.context, p.trie.context))
+                if total + p.trie.packed_length - len(rows[-1]) * s <= self.max_batch_tokens:
+                    rows[-1].append(p)
+                    shared, total = s, total + p.trie.packed_length
+                    continue
+            rows.append([p])
+            shared, total = len(p.trie.context), p.trie.packed_length
         return self._score(rows, start)
 
     def _score(self, rows: list[list[_Prepared]], start: float) -> list[Judgment]:
