@@ -157,12 +157,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         logits,
         labels,
         task.choices,
-        model=judge.model_id,
-        model_sha256=judge.weights_sha256,
         dtype=judge.dtype,
-        response_prefix=judge.response_prefix,
-        response_suffix=judge.response_suffix,
-        system=judge.system,
+        **judge.configuration(),
         dataset=f"{task.name}/{args.split}",
         dataset_sha256=digest,
         target_precision=args.target_precision,
@@ -192,14 +188,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     profile = load_profile(args.profile)
     judge, task, logits, labels, _ = _judge_split(args, cast(DType, profile.dtype))
-    profile.check(
-        model=judge.model_id,
-        model_sha256=judge.weights_sha256,
-        response_prefix=judge.response_prefix,
-        response_suffix=judge.response_suffix,
-        system=judge.system,
-        choices=task.choices,
-    )
+    profile.check(**judge.configuration(), choices=task.choices)
     order = [task.choices.index(c) for c in profile.choices]
     evaluation = evaluate_profile(
         profile, logits[:, order], np.array([order.index(y) for y in labels])

@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import msgspec
 import numpy as np
@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_RESPONSE_PREFIX",
     "DEFAULT_RESPONSE_SUFFIX",
     "MAX_CHOICES",
+    "Configuration",
     "Judge",
     "Judgment",
     "Query",
@@ -50,6 +51,16 @@ __all__ = [
 DEFAULT_RESPONSE_PREFIX = '{"answer": "'
 DEFAULT_RESPONSE_SUFFIX = '"}'
 MAX_CHOICES = 1024
+
+
+class Configuration(TypedDict):
+    """The model and effective response template a judgment was made with."""
+
+    model: str
+    model_sha256: str | None
+    response_prefix: str
+    response_suffix: str
+    system: str | None
 
 
 class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -179,6 +190,26 @@ class Judge:
     @property
     def dtype(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")
+
+    def configuration(
+        self,
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+    ) -> Configuration:
+        """What a calibration profile must match: the model and the effective template.
+
+        None arguments take the judge's defaults, as ``judge()`` does; the keys are the
+        keyword arguments of ``CalibrationProfile.check`` and ``fit_profile``.
+        """
+        return Configuration(
+            model=self.model_id,
+            model_sha256=self.weights_sha256,
+            response_prefix=self.response_prefix if response_prefix is None else response_prefix,
+            response_suffix=self.response_suffix if response_suffix is None else response_suffix,
+            system=self.system if system is None else system,
+        )
 
     def render(
         self, prompt: str, *, system: str | None = None, response_prefix: str | None = None

@@ -273,17 +273,12 @@ def _profile_for(
     if data.profile is None:
         return None
     profile = svc.store.get(data.profile)
-    prefix = getattr(data, "response_prefix", None)
-    suffix = getattr(data, "response_suffix", None)
-    system = getattr(data, "system", None)
-    profile.check(
-        model=engine.model_id,
-        model_sha256=engine.weights_sha256,
-        response_prefix=engine.response_prefix if prefix is None else prefix,
-        response_suffix=engine.response_suffix if suffix is None else suffix,
-        system=engine.system if system is None else system,
-        choices=data.choices,
+    configuration = engine.configuration(
+        system=getattr(data, "system", None),
+        response_prefix=getattr(data, "response_prefix", None),
+        response_suffix=getattr(data, "response_suffix", None),
     )
+    profile.check(**configuration, choices=data.choices)
     return profile
 
 
@@ -406,16 +401,12 @@ async def _fit(svc: _Service, engine: Judge, name: str, data: FitRequest) -> Cal
             logits,
             labels,
             data.choices,
-            model=engine.model_id,
-            model_sha256=engine.weights_sha256,
             dtype=engine.dtype,
-            response_prefix=engine.response_prefix
-            if data.response_prefix is None
-            else data.response_prefix,
-            response_suffix=engine.response_suffix
-            if data.response_suffix is None
-            else data.response_suffix,
-            system=engine.system if data.system is None else data.system,
+            **engine.configuration(
+                system=data.system,
+                response_prefix=data.response_prefix,
+                response_suffix=data.response_suffix,
+            ),
             dataset=f"POST /profiles/{name}/fit",
             dataset_sha256=digest,
             target_precision=data.target_precision,
