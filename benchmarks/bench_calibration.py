@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+from benchlib import write_atomic
 
 from judge import Judge
 from judge.tasks import Task, judge_items, load_split, load_task
@@ -97,8 +98,8 @@ def main() -> None:
         "delta": args.delta,
         "tasks": rows,
     }
-    _write(args.out / "summary.json", json.dumps(summary, indent=2))
-    _write(args.out / "summary.md", summary_markdown(summary))
+    write_atomic(args.out / "summary.json", json.dumps(summary, indent=2))
+    write_atomic(args.out / "summary.md", summary_markdown(summary))
     print(summary_markdown(summary))
 
 
@@ -131,8 +132,8 @@ def report_task(
     evaluation = evaluate_profile(profile, *test)
     out = args.out
     save_profile(profile, out / f"{task.name}.json")
-    _write(out / f"{task.name}.report.md", profile_markdown(profile, evaluation))
-    _write(
+    write_atomic(out / f"{task.name}.report.md", profile_markdown(profile, evaluation))
+    write_atomic(
         out / f"{task.name}.test.json",
         msgspec.json.format(msgspec.json.encode(evaluation)).decode(),
     )
@@ -193,13 +194,6 @@ def summary_markdown(summary: dict[str, object]) -> str:
         lines += ["", "Infeasible thresholds:"]
         lines += [f"- {r['task']}: {r['infeasible_reason']}" for r in infeasible]
     return "\n".join(lines) + "\n"
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from benchlib import cpu_model, write_atomic
 
 from judge import Judge, Query
 from judge.engine import json_escape
@@ -166,7 +166,7 @@ def main() -> None:
 
     judge = Judge.load(dtype=args.dtype)
     machine = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -188,15 +188,8 @@ def main() -> None:
         f"judge_batch {batch['items']} items: {batch['batched_items_per_s']:.1f} items/s batched, "
         f"{batch['sequential_items_per_s']:.1f} items/s sequential, x{batch['speedup']:.2f}"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(
-        json.dumps(
-            {"machine": machine, "quick": args.quick, "reps": reps, "rows": rows, "batch": batch},
-            indent=2,
-        )
-    )
-    os.replace(tmp, args.out)
+    result = {"machine": machine, "quick": args.quick, "reps": reps, "rows": rows, "batch": batch}
+    write_atomic(args.out, json.dumps(result, indent=2))
 
 
 def _format_row(row: Mapping[str, Any]) -> str:
@@ -205,16 +198,6 @@ def _format_row(row: Mapping[str, Any]) -> str:
         "judge {judge_ms:7.1f} ms  bare {bare_ms:7.1f} ms  floor {floor_ms:7.1f} ms  "
         "x bare {ratio_to_bare:5.2f}  x floor {ratio_to_floor:5.2f}"
     ).format(**row)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from benchlib import cpu_model, write_atomic
 
 from judge import Judge
 from judge.engine import json_escape
@@ -382,7 +383,7 @@ def main() -> None:
         "skipped": skipped,
         "elapsed_s": elapsed,
     }
-    _write_json(args.out, result)
+    write_atomic(args.out, json.dumps(result, indent=2))
 
 
 def _format_row(row: dict[str, Any]) -> str:
@@ -441,7 +442,7 @@ def _machine(judge: Judge) -> dict[str, Any]:
     import transformers
 
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -450,23 +451,6 @@ def _machine(judge: Judge) -> dict[str, Any]:
         "dtype": judge.dtype,
         "model": judge.model_id,
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _write_json(path: Path, data: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

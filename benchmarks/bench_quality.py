@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchlib import cpu_model, write_atomic
 
 from judge import Judge
 from judge.engine import json_escape
@@ -379,7 +380,7 @@ def main() -> None:
     start = time.perf_counter()
     judge = Judge.load(dtype=args.dtype)
     machine = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -421,8 +422,8 @@ def main() -> None:
         "tasks": rows,
         "elapsed_s": elapsed,
     }
-    _write(args.out_dir / "bench_quality.json", json.dumps(result, indent=2))
-    _write(
+    write_atomic(args.out_dir / "bench_quality.json", json.dumps(result, indent=2))
+    write_atomic(
         args.out_dir / "quality_failures_sample.jsonl",
         "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples),
     )
@@ -475,23 +476,6 @@ def format_summary(rows: list[dict[str, Any]]) -> str:
 
 def _log(message: str) -> None:
     print(f"  {message}", file=sys.stderr, flush=True)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

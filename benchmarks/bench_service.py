@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from benchlib import cpu_model, write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MESSAGES = [
@@ -155,9 +156,7 @@ def main() -> None:
         "throughput, batching on / off: "
         + ", ".join(f"c={c}: x{s:.2f}" for c, s in speedups.items())
     )
-    machine = {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()}
     result = {
         "machine": machine,
         "quick": args.quick,
@@ -165,18 +164,7 @@ def main() -> None:
         "rows": rows,
         "speedup": speedups,
     }
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, args.out)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    write_atomic(args.out, json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

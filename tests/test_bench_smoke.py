@@ -18,6 +18,8 @@ DATA = ROOT.parent / "shared" / "data"
 
 def _load(name: str) -> ModuleType:
     """Import a benchmark script as a module (benchmarks/ is not a package)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))  # where the scripts find benchlib, as when run
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
