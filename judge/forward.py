@@ -25,7 +25,7 @@ from judge.trie import ChoiceTrie, common_prefix_length
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["TrieScores", "score_rows", "score_tries"]
+__all__ = ["TrieScores", "score_rows"]
 
 
 @dataclass(frozen=True)
@@ -126,13 +126,6 @@ def _finish_logits(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor
     if isinstance(cap, int | float) and cap > 0:
         logits = torch.tanh(logits / cap) * cap
     return logits
-
-
-def score_tries(
-    model: PreTrainedModel, tries: Sequence[ChoiceTrie], pad_id: int
-) -> list[TrieScores]:
-    """One forward pass over ``tries``, one batch row each."""
-    return [scores[0] for scores in score_rows(model, [[t] for t in tries], pad_id)]
 
 
 @torch.inference_mode()

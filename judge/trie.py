@@ -44,11 +44,6 @@ class ChoiceTrie:
     def packed_length(self) -> int:
         return len(self.context) + len(self.tree_tokens)
 
-    @property
-    def max_position(self) -> int:
-        """Largest position id the packed input uses (0-based)."""
-        return len(self.context) - 1 + max(self.tree_depths, default=0)
-
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
     """Length of the longest common prefix of ``a`` and ``b``, known to be at least ``start``."""
