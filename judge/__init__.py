@@ -1,9 +1,14 @@
-"""judge: calibrated finite-choice judgments from one forward pass of a language model."""
+"""judge: calibrated finite-choice judgments from one forward pass of a language model.
+
+The engine only: it imports nothing from ``calibration``, ``tasks``, ``service`` or ``cli``
+(a test enforces it), so it can be used, and tested, on its own.
+"""
 
 from judge.engine import (
     DEFAULT_RESPONSE_PREFIX,
     DEFAULT_RESPONSE_SUFFIX,
     MAX_CHOICES,
+    Configuration,
     Judge,
     Judgment,
     Query,
@@ -23,6 +28,7 @@ from judge.errors import (
     TooFewChoicesError,
     TooManyChoicesError,
 )
+from judge.protocol import Engine
 
 __version__ = "0.1.0"
 
@@ -33,9 +39,11 @@ __all__ = [
     "AmbiguousChoicesError",
     "ChoiceTypeError",
     "ChoicesError",
+    "Configuration",
     "DuplicateChoiceError",
     "EmptyChoiceError",
     "EmptyContextError",
+    "Engine",
     "InvalidQueryError",
     "Judge",
     "JudgeError",

@@ -54,10 +54,15 @@ MAX_CHOICES = 1024
 
 
 class Configuration(TypedDict):
-    """The model and effective response template a judgment was made with."""
+    """The model, its dtype and the effective response template a judgment was made with.
+
+    Exactly what a calibration profile records and must match: the keys are keyword
+    arguments of ``calibration.fit_profile``.
+    """
 
     model: str
     model_sha256: str | None
+    dtype: str
     response_prefix: str
     response_suffix: str
     system: str | None
@@ -79,13 +84,23 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     choice: str  # the most probable choice
     confidence: float  # its probability
     probabilities: dict[str, float]  # every choice, in the order given; sums to 1
-    logits: dict[str, float]  # log-probabilities; probabilities are their softmax
+    # log P(choice) under decoding constrained to the choices; probabilities are their softmax
+    log_probabilities: dict[str, float]
     choice_mass: float  # full-vocabulary probability of the choices' first tokens
     prompt: str  # the exact text fed to the model, ending with the response prefix
     prompt_tokens: int
     forward_passes: int
     latency_ms: float  # wall time of the call that produced this judgment
     model: str
+
+    @property
+    def logits(self) -> dict[str, float]:
+        """The old name of ``log_probabilities`` (same values), kept so existing code runs.
+
+        They were never raw logits but normalized log-probabilities, hence the new name. Not
+        part of the JSON form, which carries ``log_probabilities`` only.
+        """
+        return self.log_probabilities
 
 
 def validate_choices(choices: object) -> list[str]:
@@ -198,14 +213,16 @@ class Judge:
         response_prefix: str | None = None,
         response_suffix: str | None = None,
     ) -> Configuration:
-        """What a calibration profile must match: the model and the effective template.
+        """What a calibration profile must match: the model, its dtype, the effective template.
 
-        None arguments take the judge's defaults, as ``judge()`` does; the keys are the
-        keyword arguments of ``CalibrationProfile.check`` and ``fit_profile``.
+        None arguments take the judge's defaults, as ``judge()`` does. The keys are keyword
+        arguments of ``calibration.fit_profile`` (``fit_profile(..., **configuration)``), and
+        ``CalibrationProfile.check(engine, ...)`` compares them field by field.
         """
         return Configuration(
             model=self.model_id,
             model_sha256=self.weights_sha256,
+            dtype=self.dtype,
             response_prefix=self.response_prefix if response_prefix is None else response_prefix,
             response_suffix=self.response_suffix if response_suffix is None else response_suffix,
             system=self.system if system is None else system,
@@ -382,7 +399,7 @@ class Judge:
             choice=prepared.choices[best],
             confidence=float(probs[best]),
             probabilities={c: float(p) for c, p in zip(prepared.choices, probs, strict=True)},
-            logits={c: float(lp) for c, lp in zip(prepared.choices, logps, strict=True)},
+            log_probabilities={c: float(lp) for c, lp in zip(prepared.choices, logps, strict=True)},
             choice_mass=scores.root_mass,
             prompt=prepared.prompt,
             prompt_tokens=prepared.prompt_tokens,

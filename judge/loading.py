@@ -13,8 +13,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from atomicio import replacing
 from judge.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -114,8 +113,9 @@ def _sha256(path: Path) -> str:
 def cached_directory(target: Path, build: Callable[[Path], None]) -> Path:
     """Return ``target``, first filling it with ``build(tmp)`` if it does not exist yet.
 
-    ``build`` writes into a fresh temporary directory beside ``target``, which is then renamed
-    into place: ``target`` is only ever seen complete. An exclusive lock makes a second
+    ``build`` writes into a fresh, empty temporary directory beside ``target``, which
+    ``atomicio.replacing`` flushes and renames into place: ``target`` is only ever seen
+    complete, and a failed build leaves nothing behind. An exclusive lock makes a second
     process wait for the first instead of building it again.
     """
     if target.is_dir():
@@ -125,13 +125,9 @@ def cached_directory(target: Path, build: Callable[[Path], None]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_dir():  # built by another process while we waited
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
+        with replacing(target) as tmp:
+            tmp.mkdir()
             build(tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return target
 
 

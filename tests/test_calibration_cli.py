@@ -2,79 +2,117 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from calibration.profile import load_profile
-from judge import Judge, cli
+from calibration import load_profile
+from cli.main import main
+from judge import Judge
 
 SMS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sms_spam"
+needs_data = pytest.mark.skipif(
+    not SMS.exists(), reason="the shared datasets are not beside this checkout"
+)
 
 
 @pytest.fixture
-def session_model(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> None:
+def session_model(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+
     def load(model: object = None, **options: Any) -> Judge:
+        calls.append(options)
         return judge
 
     monkeypatch.setattr(Judge, "load", staticmethod(load))
+    return calls
 
 
-@pytest.mark.skipif(not SMS.exists(), reason="the shared datasets are not beside this checkout")
-def test_calibrate_then_evaluate(
-    session_model: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], judge: Judge
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory: pytest.TempPathFactory, judge: Judge) -> Path:
+    """Profiles fitted once by `judge calibrate` on the first 48 calibration items."""
+    profiles = tmp_path_factory.mktemp("profiles")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Judge, "load", staticmethod(lambda model=None, **options: judge))
+        args = ["calibrate", "--task", str(SMS), "--limit", "48", "--profiles-dir", str(profiles)]
+        assert main(args) == 0
+    return profiles
+
+
+@needs_data
+def test_calibrate_writes_profile_report_and_diagram(
+    fitted: Path, judge: Judge, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    profiles = tmp_path / "profiles"
-    code = cli.main(
-        ["calibrate", "--task", str(SMS), "--limit", "48", "--profiles-dir", str(profiles)]
-    )
-    assert code == 0
-    out = capsys.readouterr().out
-    assert "accuracy" in out and "ECE" in out
-    assert sorted(p.name for p in profiles.iterdir()) == [
+    assert sorted(p.name for p in fitted.iterdir()) == [
         "sms_spam.json",
         "sms_spam.reliability.png",
         "sms_spam.report.md",
     ]
-    profile = load_profile(profiles / "sms_spam.json")
+    profile = load_profile(fitted / "sms_spam.json")
     assert profile.n_examples == 48
     assert profile.choices == ["ham", "spam"]
     assert profile.model == judge.model_id and profile.model_sha256 == judge.weights_sha256
     assert profile.dtype == judge.dtype
-    assert (profiles / "sms_spam.reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-    report = tmp_path / "eval.md"
-    code = cli.main(
-        [
-            "evaluate",
-            "--task",
-            str(SMS),
-            "--limit",
-            "32",
-            "--profile",
-            str(profiles / "sms_spam.json"),
-            "--report",
-            str(report),
-        ]
-    )
-    assert code == 0
-    assert "Held-out evaluation (32 items)" in capsys.readouterr().out
-    assert "Held-out evaluation" in report.read_text()
+    assert profile.dataset == "sms_spam/calibration"
+    assert (fitted / "sms_spam.reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "# Calibration profile `sms_spam`" in (fitted / "sms_spam.report.md").read_text()
 
 
-def test_evaluate_refuses_a_profile_for_other_choices(
-    session_model: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@needs_data
+def test_calibrate_prints_the_fit(
+    session_model: list[dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if not SMS.exists():
-        pytest.skip("the shared datasets are not beside this checkout")
-    profiles = tmp_path / "p"
-    assert (
-        cli.main(
-            ["calibrate", "--task", str(SMS), "--limit", "16", "--profiles-dir", str(profiles)]
-        )
-        == 0
-    )
+    args = ["calibrate", "--task", str(SMS), "--limit", "24", "--profiles-dir", str(tmp_path)]
+    assert main([*args, "--name", "tiny", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("profile tiny: method ")
+    assert "accuracy" in out and "ECE" in out
+    assert "wrote" in out and (tmp_path / "tiny.json").exists()
+    assert session_model == [
+        {
+            "dtype": "float32",
+            "device": "cpu",
+            "response_prefix": '{"answer": "',
+            "response_suffix": '"}',
+        }
+    ]
+
+
+@needs_data
+def test_evaluate_measures_the_served_policy(
+    fitted: Path,
+    session_model: list[dict[str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report, result = tmp_path / "eval.md", tmp_path / "eval.json"
+    profile = str(fitted / "sms_spam.json")
+    args = ["evaluate", "--task", str(SMS), "--limit", "32", "--profile", profile]
+    assert main([*args, "--report", str(report), "--json", str(result)]) == 0
+    out = capsys.readouterr().out
+    assert "Held-out evaluation (32 items)" in out and "served policy" in out
+    assert "Held-out evaluation" in report.read_text()
+    evaluation = json.loads(result.read_text())
+    assert evaluation["n"] == 32 and evaluation["profile"] == "sms_spam"
+    assert evaluation["threshold"] == load_profile(profile).threshold.threshold
+    assert session_model[0]["dtype"] == "float32"  # the profile's dtype
+
+    # An override is evaluated as the service would serve it: every gate, no certification.
+    assert main([*args, "--threshold", "1", "--json", str(result)]) == 0
+    evaluation = json.loads(result.read_text())
+    assert evaluation["threshold"] == 1.0 and evaluation["certified"] is False
+    assert evaluation["n_accepted"] == 0 and evaluation["escalations"]["below_threshold"] == 32
+
+
+@needs_data
+def test_evaluate_refuses_a_profile_for_other_choices(
+    fitted: Path,
+    session_model: list[dict[str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     other = tmp_path / "other"
     other.mkdir()
     (other / "task.json").write_text(
@@ -83,9 +121,37 @@ def test_evaluate_refuses_a_profile_for_other_choices(
     (other / "test.jsonl").write_text(
         "".join(f'{{"text": "item {i}", "label": "yes"}}\n' for i in range(12))
     )
-    capsys.readouterr()
-    code = cli.main(
-        ["evaluate", "--task", str(other), "--profile", str(profiles / "sms_spam.json")]
-    )
+    code = main(["evaluate", "--task", str(other), "--profile", str(fitted / "sms_spam.json")])
     assert code == 2
-    assert "fitted for choices ['ham', 'spam']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "judge: error (choices):" in err and "fitted for choices ['ham', 'spam']" in err
+
+
+@needs_data
+def test_too_few_examples_is_refused_before_loading(
+    session_model: list[dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["calibrate", "--task", str(SMS), "--limit", "10", "--profiles-dir", str(tmp_path)]
+    assert main(args) == 2
+    assert "needs at least 20 labeled examples" in capsys.readouterr().err
+    assert session_model == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_task_directory_is_a_usage_error(
+    session_model: list[dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["calibrate", "--task", str(tmp_path)]) == 2
+    assert "has no task.json" in capsys.readouterr().err
+    (tmp_path / "task.json").write_text('{"name": "t", "choices": ["a", "b"], "instruction": "?"}')
+    assert main(["calibrate", "--task", str(tmp_path)]) == 2
+    assert "has no split 'calibration'" in capsys.readouterr().err
+    assert session_model == []
+
+
+@pytest.mark.parametrize("option", ["--target-precision", "--delta", "--alpha"])
+def test_levels_must_be_strictly_between_0_and_1(
+    option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--task", str(tmp_path), option, "1"])
+    assert "strictly between 0 and 1" in capsys.readouterr().err

@@ -1,17 +1,43 @@
-"""The command line, in process, with the session's model."""
+"""`judge ask`, one prompt and batch gating, in process, with the session's real model."""
 
 from __future__ import annotations
 
+import io
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from judge import Judge, cli
+from calibration import CalibrationProfile, PolicyDefaults, fit_profile, make_policy, save_profile
+from cli.main import main
+from judge import Judge
+
+PROMPT = "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082."
+CHOICES = ["spam", "ham"]
+ANSWER_KEYS = {
+    "decision",
+    "choice",
+    "confidence",
+    "probabilities",
+    "raw_probabilities",
+    "prediction_set",
+    "reasons",
+    "reason_codes",
+    "threshold",
+    "certified",
+    "choice_mass",
+    "profile",
+    "model",
+    "latency_ms",
+}
 
 
 @pytest.fixture
 def loaded_once(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> list[dict[str, object]]:
+    """Judge.load hands out the session model (with the asked-for template) and logs its calls."""
     calls: list[dict[str, object]] = []
 
     def fake_load(model: object = None, **options: Any) -> Judge:
@@ -20,6 +46,7 @@ def loaded_once(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> list[dict[str,
             judge.model,
             judge.tokenizer,
             model_id=judge.model_id,
+            weights_sha256=judge.weights_sha256,
             response_prefix=options["response_prefix"],
             response_suffix=options["response_suffix"],
         )
@@ -28,17 +55,55 @@ def loaded_once(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> list[dict[str,
     return calls
 
 
-def test_ask_prints_a_judgment(
+@pytest.fixture(scope="module")
+def profile(judge: Judge) -> CalibrationProfile:
+    """A profile for the session model, fitted cheaply on synthetic log-probabilities."""
+    rng = np.random.default_rng(0)
+    n = 400
+    labels = rng.integers(0, 2, n)
+    p_right = rng.beta(8, 2, n)  # mostly confident, sometimes wrong
+    p = np.where(labels == 0, p_right, 1 - p_right)  # P(spam)
+    z = np.log(np.stack([p, 1 - p], axis=1))  # (n, 2) in CHOICES order
+    return fit_profile(
+        "sms",
+        z,
+        labels,
+        CHOICES,
+        choice_mass=np.full(n, 0.9),
+        **judge.configuration(),
+        dataset="synthetic",
+        dataset_sha256="0" * 64,
+    )
+
+
+@pytest.fixture
+def profile_file(profile: CalibrationProfile, tmp_path: Path) -> Path:
+    return save_profile(profile, tmp_path / "sms.json")
+
+
+def _ask(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main(["ask", *argv]) == 0
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_ask_without_a_profile_prints_the_decision_and_the_judgment(
     loaded_once: list[dict[str, object]], capsys: pytest.CaptureFixture[str], judge: Judge
 ) -> None:
-    code = cli.main(
-        ["ask", "Is this spam? WIN a free prize!", "--choice", "spam", "--choice", "ham"]
-    )
-    assert code == 0
-    out = json.loads(capsys.readouterr().out)
-    assert set(out["probabilities"]) == {"spam", "ham"}
-    expected = judge.judge("Is this spam? WIN a free prize!", ["spam", "ham"])
-    assert out["probabilities"]["spam"] == pytest.approx(expected.probabilities["spam"], abs=1e-6)
+    out = _ask(capsys, PROMPT, "--choice", "spam", "--choice", "ham")
+    assert set(out) == ANSWER_KEYS
+    expected = judge.judge(PROMPT, CHOICES)
+    for choice in CHOICES:
+        # No profile: the "calibrated" probabilities are the engine's own.
+        assert out["probabilities"][choice] == pytest.approx(
+            expected.probabilities[choice], abs=1e-6
+        )
+        assert out["raw_probabilities"][choice] == pytest.approx(out["probabilities"][choice])
+    assert out["choice"] == expected.choice
+    assert out["threshold"] == PolicyDefaults().threshold
+    assert out["profile"] is None and out["prediction_set"] is None and out["certified"] is False
+    assert out["decision"] == ("accept" if out["confidence"] >= 0.9 else "escalate")
+    assert out["model"] == judge.model_id
     assert loaded_once == [
         {
             "model": None,
@@ -50,15 +115,234 @@ def test_ask_prints_a_judgment(
     ]
 
 
+def test_ask_with_a_profile_uses_its_choices_dtype_and_policy(
+    loaded_once: list[dict[str, object]],
+    capsys: pytest.CaptureFixture[str],
+    judge: Judge,
+    profile: CalibrationProfile,
+    profile_file: Path,
+) -> None:
+    out = _ask(capsys, PROMPT, "--profile", str(profile_file))
+    assert set(out) == ANSWER_KEYS
+    judgment = judge.judge(PROMPT, profile.choices)
+    reference = make_policy(profile).decide(judgment)
+    assert out["profile"] == "sms" and out["certified"] == reference.certified
+    assert out["decision"] == reference.decision and out["choice"] == reference.choice
+    assert out["reason_codes"] == reference.reason_codes
+    assert out["prediction_set"] == reference.prediction_set
+    assert out["threshold"] == profile.threshold.threshold
+    assert list(out["probabilities"]) == profile.choices
+    for choice in CHOICES:
+        assert out["probabilities"][choice] == pytest.approx(
+            reference.probabilities[choice], abs=1e-6
+        )
+        assert out["raw_probabilities"][choice] == pytest.approx(
+            judgment.probabilities[choice], abs=1e-6
+        )
+    assert loaded_once[0]["dtype"] == profile.dtype == "float32"
+
+
+@pytest.mark.parametrize(("threshold", "codes"), [("0", []), ("1", ["below_threshold"])])
+def test_threshold_override(
+    loaded_once: list[dict[str, object]],
+    capsys: pytest.CaptureFixture[str],
+    profile_file: Path,
+    threshold: str,
+    codes: list[str],
+) -> None:
+    for extra in ([], ["--profile", str(profile_file)]):
+        argv = [PROMPT, "--choice", "ham", "--choice", "spam", "--threshold", threshold]
+        out = _ask(capsys, *argv, *extra)
+        want = list(codes)
+        if extra and len(out["prediction_set"]) != 1:  # a profile also gates on its conformal set
+            want.append("ambiguous_set")
+        assert out["reason_codes"] == want
+        assert out["decision"] == ("escalate" if want else "accept")
+        assert out["threshold"] == float(threshold) and out["certified"] is False
+        assert len(out["reasons"]) == len(want)
+
+
+def test_low_choice_mass_escalates(
+    loaded_once: list[dict[str, object]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [PROMPT, "--choice", "spam", "--choice", "ham", "--threshold", "0"]
+    out = _ask(capsys, *argv, "--min-choice-mass", "1")
+    assert out["decision"] == "escalate" and out["reason_codes"] == ["low_choice_mass"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--choice", "yes", "--choice", "no"], "choices"),
+        (["--system", "You are a pirate."], "system"),
+        (["--response-prefix", "Answer: "], "response_prefix"),
+    ],
+)
+def test_profile_mismatch_is_a_usage_error_naming_the_field(
+    loaded_once: list[dict[str, object]],
+    capsys: pytest.CaptureFixture[str],
+    profile_file: Path,
+    argv: list[str],
+    field: str,
+) -> None:
+    assert main(["ask", PROMPT, "--profile", str(profile_file), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"judge: error ({field}):" in captured.err
+
+
+def test_a_missing_or_broken_profile_is_a_usage_error(
+    loaded_once: list[dict[str, object]], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["ask", PROMPT, "--profile", str(tmp_path / "none.json")]) == 2
+    assert "no calibration profile" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"name": "x"}')
+    assert main(["ask", PROMPT, "--profile", str(broken)]) == 2
+    assert "not a valid calibration profile" in capsys.readouterr().err
+    assert loaded_once == []  # refused before any model was loaded
+
+
 def test_ask_reports_bad_input(
     loaded_once: list[dict[str, object]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = cli.main(["ask", "Which?", "--choice", "same", "--choice", "same"])
+    code = main(["ask", "Which?", "--choice", "same", "--choice", "same"])
     assert code == 2
     assert "'same' appears more than once" in capsys.readouterr().err
 
 
-def test_ask_requires_a_choice(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        cli.main(["ask", "Which?"])
-    assert "--choice" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ask", "Which?"], "--choice"),
+        (["ask", "--choice", "a", "--choice", "b"], "PROMPT or --input"),
+        (["ask", "Which?", "--input", "x.jsonl", "--choice", "a", "--choice", "b"], "not both"),
+        (["ask", "Which?", "--choice", "a", "--choice", "b", "--threshold", "1.5"], "[0, 1]"),
+        (["ask", "Which?", "--choice", "a", "--choice", "b", "--output", "o"], "--input"),
+        (["ask", "--input", "-", "--batch-size", "0"], "at least 1"),
+    ],
+)
+def test_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _batch_input(judge: Judge) -> tuple[str, list[dict[str, Any]]]:
+    """Input lines with bad ones in the middle, and what each output line must say."""
+    too_long = "spam " * (judge.context_window or 8192)
+    lines: list[tuple[str | dict[str, Any], dict[str, Any] | None]] = [
+        ({"prompt": PROMPT, "id": "first"}, {"id": "first", "prompt": PROMPT}),
+        ("this is not JSON", {"id": 2, "line": 2, "type": "InputLineError", "field": None}),
+        (
+            {"prompt": "Is this spam? Lunch at noon?"},
+            {"id": 3, "prompt": "Is this spam? Lunch at noon?"},
+        ),
+        (
+            {"id": 7, "choices": CHOICES},
+            {"id": 7, "line": 4, "type": "InputLineError", "field": "prompt"},
+        ),
+        ("", None),  # blank: skipped, no output
+        (
+            {"prompt": "Which?", "choices": ["ham", "ham"], "id": 2.5},
+            {"id": 2.5, "line": 6, "type": "DuplicateChoiceError", "field": "choices"},
+        ),
+        (
+            {"prompt": too_long, "id": "long"},
+            {"id": "long", "line": 7, "type": "PromptTooLongError", "field": "prompt"},
+        ),
+        (
+            {"prompt": "Spam?", "id": "extra", "label": "spam"},
+            {"id": "extra", "line": 8, "type": "InputLineError", "field": "label"},
+        ),
+        (
+            {"prompt": "Reply STOP to win", "choices": ["ham", "spam"], "id": True},
+            {"id": True, "prompt": "Reply STOP to win"},
+        ),
+    ]
+    text = "".join((raw if isinstance(raw, str) else json.dumps(raw)) + "\n" for raw, _ in lines)
+    return text, [expected for _, expected in lines if expected is not None]
+
+
+def _check_batch_output(out: str, expected: list[dict[str, Any]], judge: Judge) -> None:
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == [e["id"] for e in expected]  # order and ids kept
+    for row, want in zip(rows, expected, strict=True):
+        if "type" in want:
+            assert set(row) == {"id", "line", "error"}
+            assert row["line"] == want["line"]
+            assert row["error"]["type"] == want["type"]
+            assert row["error"]["field"] == want["field"]
+            assert row["error"]["detail"]
+        else:
+            assert set(row) == ANSWER_KEYS | {"id"}
+            raw = row["raw_probabilities"]
+            reference = judge.judge(want["prompt"], list(raw))
+            for choice, p in reference.probabilities.items():
+                assert raw[choice] == pytest.approx(p, abs=1e-4)
+
+
+def test_batch_from_a_file_keeps_order_ids_and_errors_in_place(
+    loaded_once: list[dict[str, object]],
+    capsys: pytest.CaptureFixture[str],
+    judge: Judge,
+    tmp_path: Path,
+) -> None:
+    text, expected = _batch_input(judge)
+    source, target = tmp_path / "items.jsonl", tmp_path / "out" / "decisions.jsonl"
+    source.write_text(text)
+    argv = ["ask", "--input", str(source), "--output", str(target), "--batch-size", "3"]
+    assert main([*argv, "--choice", "spam", "--choice", "ham"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    _check_batch_output(target.read_text(), expected, judge)
+    assert [p.name for p in target.parent.iterdir()] == ["decisions.jsonl"]  # no temporary left
+    summary = captured.err.strip().splitlines()
+    assert summary[-2].startswith("8 items: ") and summary[-2].endswith(", 5 errors")
+    assert "5 lines could not be judged (lines 2, 4, 6, 7, 8)" in summary[-1]
+    assert len(loaded_once) == 1
+
+
+def test_batch_from_stdin_with_a_profile(
+    loaded_once: list[dict[str, object]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    judge: Judge,
+    profile_file: Path,
+) -> None:
+    text, expected = _batch_input(judge)
+    mismatch = json.dumps({"prompt": "Yes?", "choices": ["yes", "no"], "id": "other"}) + "\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text + mismatch))
+    assert main(["ask", "--input", "-", "--profile", str(profile_file), "--threshold", "0"]) == 0
+    captured = capsys.readouterr()
+    expected.append({"id": "other", "line": 10, "type": "ProfileMismatchError", "field": "choices"})
+    _check_batch_output(captured.out, expected, judge)
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    judged = [r for r in rows if "decision" in r]
+    assert all(r["profile"] == "sms" and list(r["probabilities"]) == CHOICES for r in judged)
+    accepted = sum(r["decision"] == "accept" for r in judged)
+    ambiguous = sum("ambiguous_set" in r["reason_codes"] for r in judged)
+    assert accepted + ambiguous == len(judged) == 3
+    summary = captured.err.strip().splitlines()[-2]
+    assert summary.startswith(f"9 items: {accepted} accepted, {3 - accepted} escalated")
+    assert summary.endswith(", 6 errors")
+
+
+def test_batch_of_only_bad_lines_still_answers_every_line(
+    loaded_once: list[dict[str, object]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO('[1, 2]\n{"prompt": "no choices"}\n'))
+    assert main(["ask", "--input", "-"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["id"], r["error"]["field"]) for r in rows] == [(1, None), (2, "choices")]
+
+
+def test_batch_input_that_cannot_be_read_is_a_usage_error(
+    loaded_once: list[dict[str, object]], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["ask", "--input", str(tmp_path / "missing.jsonl"), "--choice", "a", "--choice", "b"]
+    assert main(argv) == 2
+    assert "cannot read --input" in capsys.readouterr().err

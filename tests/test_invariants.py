@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -13,13 +14,15 @@ from judge import Judge, Query
 PROMPT = "Is this SMS spam? Free entry in a weekly competition, text WIN to 80082 now!"
 
 
-def test_probabilities_sum_to_one_and_follow_the_logits(judge: Judge) -> None:
+def test_probabilities_sum_to_one_and_follow_the_log_probabilities(judge: Judge) -> None:
     result = judge.judge(PROMPT, ["spam", "ham", "spam_risky", "unsure"])
     assert list(result.probabilities) == ["spam", "ham", "spam_risky", "unsure"]
     assert sum(result.probabilities.values()) == pytest.approx(1.0, abs=1e-9)
-    norm = math.log(sum(math.exp(v) for v in result.logits.values()))
+    logps = result.log_probabilities
+    assert list(logps) == list(result.probabilities) and all(v < 0 for v in logps.values())
+    norm = math.log(sum(math.exp(v) for v in logps.values()))
     for choice, p in result.probabilities.items():
-        assert p == pytest.approx(math.exp(result.logits[choice] - norm), rel=1e-9)
+        assert p == pytest.approx(math.exp(logps[choice] - norm), rel=1e-9)
     assert result.choice == max(result.probabilities, key=result.probabilities.__getitem__)
     assert result.confidence == result.probabilities[result.choice]
     assert 0.0 < result.choice_mass <= 1.0
@@ -136,3 +139,25 @@ def test_judge_each_isolates_bad_items(judge: Judge) -> None:
     assert last.probabilities["1"] == pytest.approx(
         judge.judge("Is it?", ["1", "10"]).probabilities["1"], abs=1e-4
     )
+
+
+def test_logits_is_the_old_read_only_name_of_log_probabilities(judge: Judge) -> None:
+    result = judge.judge(PROMPT, ["spam", "ham"])
+    assert result.logits == result.log_probabilities
+    with pytest.raises(AttributeError):
+        result.logits = {}  # type: ignore[misc]
+    encoded = msgspec.json.decode(msgspec.json.encode(result))
+    assert encoded["log_probabilities"] == result.log_probabilities
+    assert "logits" not in encoded
+
+
+def test_configuration_names_the_dtype(judge: Judge) -> None:
+    assert judge.configuration() == {
+        "model": judge.model_id,
+        "model_sha256": judge.weights_sha256,
+        "dtype": "float32",
+        "response_prefix": judge.response_prefix,
+        "response_suffix": judge.response_suffix,
+        "system": None,
+    }
+    assert judge.configuration(system="Be brief.")["system"] == "Be brief."

@@ -1,45 +1,48 @@
-"""Labeled tasks on disk (``task.json`` plus ``<split>.jsonl``) and running the judge over them.
+"""Labeled tasks on disk: ``task.json`` plus one ``<split>.jsonl`` per split.
 
 A task directory holds ``task.json`` with ``name``, ``choices`` and ``instruction``, and one
-JSON object per line in ``calibration.jsonl`` / ``test.jsonl`` with ``text`` and ``label``.
-The prompt for an item is the instruction, the item's text, and the list of allowed answers.
+JSON object per line in ``calibration.jsonl`` / ``test.jsonl`` with ``text`` and ``label``
+(and optionally ``id``). The prompt for an item is the instruction, the item's text, and the
+list of allowed answers. Reading a split also returns the file's sha256, which a calibration
+profile records so that it can say exactly which data it was fitted on.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
-import numpy as np
-
-from judge.engine import Judge, Query
-from judge.errors import JudgeError
 
 __all__ = [
     "LabeledItem",
     "Task",
     "TaskError",
-    "judge_items",
     "load_split",
     "load_task",
     "task_prompt",
 ]
 
 
-class TaskError(JudgeError, ValueError):
-    """A task directory or one of its files is missing or malformed."""
+class TaskError(ValueError):
+    """A task directory or one of its files is missing or malformed.
+
+    Not a ``JudgeError``: the engine is fine, the data on disk is not.
+    """
 
 
 class LabeledItem(msgspec.Struct, frozen=True):
+    """One line of a split: its id (the 1-based line number if the line has none)."""
+
     id: str
     text: str
     label: str
 
 
 class Task(msgspec.Struct, frozen=True):
+    """A task's ``task.json``, and the directory it was read from."""
+
     name: str
     choices: list[str]
     instruction: str
@@ -53,6 +56,7 @@ class _TaskFile(msgspec.Struct):
 
 
 def load_task(path: str | Path) -> Task:
+    """Read ``<path>/task.json``; TaskError says what is missing or malformed."""
     folder = Path(path)
     try:
         spec = msgspec.json.decode((folder / "task.json").read_bytes(), type=_TaskFile)
@@ -67,6 +71,8 @@ def load_task(path: str | Path) -> Task:
 
 def load_split(task: Task, split: str, limit: int | None = None) -> tuple[list[LabeledItem], str]:
     """The items of ``<split>.jsonl`` (the first ``limit``) and the file's sha256."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise TaskError(f"limit must be a positive number of items, got {limit!r}")
     file = Path(task.path) / f"{split}.jsonl"
     try:
         data = file.read_bytes()
@@ -79,8 +85,10 @@ def load_split(task: Task, split: str, limit: int | None = None) -> tuple[list[L
         try:
             row = json.loads(line)
             item = LabeledItem(id=str(row.get("id", n)), text=row["text"], label=row["label"])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise TaskError(f"{file}:{n}: expected an object with text and label ({exc})") from exc
+        if not isinstance(item.text, str):
+            raise TaskError(f"{file}:{n}: text must be a string, got {type(item.text).__name__}")
         if item.label not in task.choices:
             raise TaskError(f"{file}:{n}: label {item.label!r} is not one of {task.choices}")
         items.append(item)
@@ -90,28 +98,6 @@ def load_split(task: Task, split: str, limit: int | None = None) -> tuple[list[L
 
 
 def task_prompt(task: Task, text: str) -> str:
+    """The prompt for one item: the instruction, the text, then the allowed answers."""
     allowed = ", ".join(task.choices)
     return f"{task.instruction}\n\n{text}\n\nAnswer with one of: {allowed}."
-
-
-def judge_items(
-    judge: Judge,
-    task: Task,
-    items: Sequence[LabeledItem],
-    *,
-    batch_size: int = 8,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per-choice logits (n, k) in ``task.choices`` order and label indices (n,)."""
-    logits = np.empty((len(items), len(task.choices)))
-    for start in range(0, len(items), batch_size):
-        chunk = items[start : start + batch_size]
-        queries = [
-            Query(prompt=task_prompt(task, item.text), choices=task.choices) for item in chunk
-        ]
-        for i, result in enumerate(judge.judge_batch(queries)):
-            logits[start + i] = [result.logits[c] for c in task.choices]
-        if progress is not None:
-            progress(len(chunk))
-    labels = np.array([task.choices.index(item.label) for item in items], dtype=np.int64)
-    return logits, labels

@@ -1,0 +1,7 @@
+"""``python -m cli``: the ``judge`` command line."""
+
+import sys
+
+from cli.main import main
+
+sys.exit(main())

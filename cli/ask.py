@@ -1,0 +1,355 @@
+"""``judge ask``: judge one prompt, or gate a JSONL file of them, and print the decisions.
+
+One prompt prints one JSON object: the decision (accept or escalate, with reasons) and the
+judgment behind it. With ``--input`` every line of a JSONL file (or stdin) is judged the same
+way and answered by one JSON line, in input order; a line that cannot be judged gets its error
+in its place, so the output lines up with the input and nothing is silently dropped.
+
+The decision always comes from ``calibration.make_policy(...).decide``, the same rule the HTTP
+service applies and ``judge evaluate`` measures; nothing here decides on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Literal, TextIO
+
+import msgspec
+
+from atomicio import replacing
+from calibration import (
+    CalibrationError,
+    CalibrationProfile,
+    Decision,
+    Policy,
+    PolicyDefaults,
+    ProfileMismatchError,
+    make_policy,
+)
+from cli.common import UsageError, load_engine, load_profile, to_json
+from judge import (
+    ChoicesError,
+    EmptyContextError,
+    Engine,
+    JudgeError,
+    Judgment,
+    PromptTooLongError,
+    Query,
+    TokenizerRoundTripError,
+)
+from judge.engine import validate_choices
+
+__all__ = ["Answer", "Failure", "InputLineError", "run"]
+
+Scalar = str | int | float | bool
+
+
+class Answer(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``judge ask`` prints per prompt: the decision and the judgment behind it."""
+
+    id: Scalar | msgspec.UnsetType = msgspec.UNSET  # batch mode only
+    decision: Literal["accept", "escalate"]
+    choice: str
+    confidence: float  # calibrated probability of ``choice``
+    probabilities: dict[str, float]  # calibrated (raw without a profile)
+    raw_probabilities: dict[str, float]  # the engine's, before calibration
+    prediction_set: list[str] | None  # conformal set; None without a profile
+    reasons: list[str]  # why it escalated; empty when accepted
+    reason_codes: list[str]  # one per reason
+    threshold: float | None
+    certified: bool  # the profile's certified rule decided, with no override
+    choice_mass: float
+    profile: str | None
+    model: str
+    latency_ms: float
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+    type: str  # the error's class name
+    detail: str  # what is wrong and how to fix it
+    field: str | None  # the input field at fault, where one is
+
+
+class Failure(msgspec.Struct, frozen=True, kw_only=True):
+    """What a batch line that could not be judged gets in its place."""
+
+    id: Scalar
+    line: int  # 1-based line number in the input
+    error: ErrorBody
+
+
+class InputLineError(ValueError):
+    """A line of ``--input`` is not a JSON object with a prompt (and optional choices, id)."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+_FIELDS = ("prompt", "choices", "id")
+
+
+class _Item(msgspec.Struct, frozen=True):
+    id: Scalar
+    line: int
+    query: Query
+
+
+def _answer(judgment: Judgment, decision: Decision, item_id: Scalar | msgspec.UnsetType) -> Answer:
+    return Answer(
+        id=item_id,
+        decision=decision.decision,
+        choice=decision.choice,
+        confidence=decision.confidence,
+        probabilities=decision.probabilities,
+        raw_probabilities=judgment.probabilities,
+        prediction_set=decision.prediction_set,
+        reasons=list(decision.reasons),
+        reason_codes=list(decision.reason_codes),
+        threshold=decision.threshold,
+        certified=decision.certified,
+        choice_mass=decision.choice_mass,
+        profile=decision.profile,
+        model=judgment.model,
+        latency_ms=judgment.latency_ms,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the profile and engine once, check them against each other, then judge."""
+    profile = load_profile(args.profile) if args.profile else None
+    try:
+        policy = make_policy(
+            profile,
+            threshold=args.threshold,
+            min_choice_mass=args.min_choice_mass,
+            defaults=PolicyDefaults(),
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    engine = load_engine(
+        args,
+        profile,
+        dtype=args.dtype,
+        response_prefix=args.response_prefix,
+        response_suffix=args.response_suffix,
+    )
+    if profile is not None:
+        # Once, before any item: every item shares the model, dtype, template and system.
+        profile.check(engine, system=args.system, choices=args.choice)
+    choices = args.choice or (list(profile.choices) if profile else None)
+    if args.input is None:
+        if choices is None:
+            raise UsageError("give the choices (--choice A --choice B) or a --profile")
+        judgment = engine.judge(args.prompt, choices, system=args.system)
+        sys.stdout.write(
+            to_json(_answer(judgment, policy.decide(judgment), msgspec.UNSET), indent=2) + "\n"
+        )
+        return 0
+    return _run_batch(args, engine, policy, profile, choices)
+
+
+def _run_batch(
+    args: argparse.Namespace,
+    engine: Engine,
+    policy: Policy,
+    profile: CalibrationProfile | None,
+    choices: list[str] | None,
+) -> int:
+    from tqdm import tqdm
+
+    lines, total = _input_lines(args.input)
+    counts: Counter[str] = Counter()
+    failed: list[int] = []
+    with (
+        _output(args.output) as out,
+        tqdm(total=total, unit="item", desc="judge ask", file=sys.stderr) as bar,
+    ):
+        for batch in _batches(lines, args.batch_size):
+            parsed = [_parse(raw, n, choices, profile, system=args.system) for n, raw in batch]
+            for row in _answer_batch(engine, policy, parsed):
+                if isinstance(row, Failure):
+                    counts["error"] += 1
+                    failed.append(row.line)
+                else:
+                    counts[row.decision] += 1
+                    counts.update(f"reason:{code}" for code in row.reason_codes)
+                out.write(to_json(row) + "\n")
+            out.flush()
+            bar.update(len(batch))
+    print(_summary(counts, failed), file=sys.stderr)
+    return 0
+
+
+def _answer_batch(
+    engine: Engine, policy: Policy, parsed: Sequence[_Item | Failure]
+) -> list[Answer | Failure]:
+    """Each parsed line's output row, in order; the valid ones judged in one call.
+
+    ``judge_each`` gives an item the engine refuses (a prompt too long, say) its error in its
+    place, so one bad item does not cost the rest of its batch.
+    """
+    items = [p for p in parsed if isinstance(p, _Item)]
+    results = dict(
+        zip((i.line for i in items), engine.judge_each([i.query for i in items]), strict=True)
+    )
+    judged = [r for r in results.values() if isinstance(r, Judgment)]
+    decisions = iter(policy.decide_many(judged))
+    rows: list[Answer | Failure] = []
+    for p in parsed:
+        if isinstance(p, Failure):
+            rows.append(p)
+            continue
+        result = results[p.line]
+        if isinstance(result, Judgment):
+            rows.append(_answer(result, next(decisions), p.id))
+        else:
+            rows.append(_failure(p.id, p.line, result))
+    return rows
+
+
+def _summary(counts: Counter[str], failed: Sequence[int]) -> str:
+    n = counts["accept"] + counts["escalate"] + counts["error"]
+    reasons = ", ".join(
+        f"{key.removeprefix('reason:')} {count}"
+        for key, count in sorted(counts.items())
+        if key.startswith("reason:")
+    )
+    lines = [
+        f"{_plural(n, 'item')}: {counts['accept']} accepted, {counts['escalate']} escalated"
+        + (f" ({reasons})" if reasons else "")
+        + f", {_plural(counts['error'], 'error')}"
+    ]
+    if failed:
+        shown = ", ".join(map(str, failed[:20])) + (", ..." if len(failed) > 20 else "")
+        lines.append(
+            f"{_plural(len(failed), 'line')} could not be judged "
+            f"({'line' if len(failed) == 1 else 'lines'} {shown}); each has its error in its "
+            "place in the output"
+        )
+    return "\n".join(lines)
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _input_lines(source: str) -> tuple[Iterator[tuple[int, bytes | str]], int | None]:
+    """Numbered lines of ``source`` (a path, or ``-`` for stdin) and how many are not blank."""
+    if source == "-":
+        stream: Iterable[bytes | str] = getattr(sys.stdin, "buffer", sys.stdin)
+        return enumerate(stream, start=1), None
+    try:
+        data = Path(source).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read --input {source!r}: {exc.strerror or exc}") from exc
+    rows = data.splitlines()
+    return enumerate(rows, start=1), sum(1 for r in rows if r.strip())
+
+
+def _batches(
+    lines: Iterator[tuple[int, bytes | str]], size: int
+) -> Iterator[list[tuple[int, bytes | str]]]:
+    """Non-blank lines in lists of ``size``; blank lines are skipped and get no output."""
+    batch: list[tuple[int, bytes | str]] = []
+    for n, raw in lines:
+        if not raw.strip():
+            continue
+        batch.append((n, raw))
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+@contextlib.contextmanager
+def _output(target: str | None) -> Iterator[TextIO]:
+    """stdout for None or ``-``; else the file, which appears whole once every line is in."""
+    if target in (None, "-"):
+        yield sys.stdout
+        return
+    with replacing(target) as temp, temp.open("w", encoding="utf-8") as handle:
+        yield handle
+
+
+def _parse(
+    raw: bytes | str,
+    n: int,
+    default_choices: list[str] | None,
+    profile: CalibrationProfile | None,
+    *,
+    system: str | None,
+) -> _Item | Failure:
+    """One input line as a query, or the Failure that says what is wrong with it."""
+    item_id: Scalar = n
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputLineError(None, f"line {n} is not JSON: {exc}") from None
+        if not isinstance(row, dict):
+            raise InputLineError(
+                None, f"line {n} must be a JSON object with a prompt, got {type(row).__name__}"
+            )
+        given = row.get("id")
+        if given is not None:
+            if isinstance(given, dict | list):
+                raise InputLineError("id", f"id must be a string or a number, got {given!r}")
+            item_id = given
+        unknown = sorted(set(row) - set(_FIELDS))
+        if unknown:
+            raise InputLineError(
+                unknown[0],
+                f"unknown field {unknown[0]!r}; a line has {', '.join(_FIELDS)}",
+            )
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str):
+            problem = "is missing" if prompt is None else f"must be a string, got {prompt!r}"
+            raise InputLineError("prompt", f"prompt {problem}")
+        choices = row.get("choices")
+        if choices is None:  # absent or null: the command line's (or the profile's)
+            choices = default_choices
+        if choices is None:
+            raise InputLineError(
+                "choices", "no choices: give the line a choices list, or pass --choice or --profile"
+            )
+        choices = validate_choices(choices)
+        if profile is not None and set(choices) != set(profile.choices):
+            raise ProfileMismatchError(
+                "choices",
+                f"profile {profile.name!r} was fitted for choices {profile.choices!r}, not "
+                f"{choices!r}; give the profile's choices (any order) or drop the line's",
+            )
+        return _Item(item_id, n, Query(prompt=prompt, choices=choices, system=system))
+    except UnicodeDecodeError as exc:
+        return _failure(item_id, n, InputLineError(None, f"line {n} is not UTF-8 text: {exc}"))
+    except (InputLineError, JudgeError, CalibrationError) as exc:
+        return _failure(item_id, n, exc)
+
+
+def _failure(item_id: Scalar, n: int, exc: Exception) -> Failure:
+    return Failure(
+        id=item_id,
+        line=n,
+        error=ErrorBody(type=type(exc).__name__, detail=str(exc), field=_field(exc)),
+    )
+
+
+def _field(exc: Exception) -> str | None:
+    """The input field an error is about, for the error body."""
+    field = getattr(exc, "field", None)
+    if isinstance(field, str) or isinstance(exc, InputLineError):
+        return field
+    if isinstance(exc, ChoicesError):
+        return "choices"
+    if isinstance(exc, PromptTooLongError | TokenizerRoundTripError | EmptyContextError):
+        return "prompt"
+    return None

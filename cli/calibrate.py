@@ -1,0 +1,130 @@
+"""``judge calibrate`` and ``judge evaluate``: fit a profile on a labeled task, then measure it.
+
+Both judge one split of a task directory (see ``tasks.files``) through ``tasks.judge_labeled``,
+the same path the service's fit endpoint and the calibration benchmark take. ``calibrate``
+fits with ``tasks.fit_labeled`` and writes the profile, a markdown report and a reliability
+diagram; ``evaluate`` measures the served policy, every gate included, on held-out items
+with ``calibration.evaluate_policy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+from atomicio import write_text
+from calibration import MIN_EXAMPLES, evaluate_policy
+from calibration.profile import NAME_PATTERN, save_profile
+from calibration.reliability import reliability_diagram
+from calibration.report import evaluation_markdown, metrics_table, profile_markdown
+from calibration.scaling import softmax
+from cli.common import UsageError, load_engine, load_profile, to_json
+from judge import Engine
+from tasks import (
+    LabeledItem,
+    LabeledScores,
+    Task,
+    fit_labeled,
+    judge_labeled,
+    labeled_queries,
+    load_split,
+    load_task,
+    task_prompt,
+)
+
+__all__ = ["run_calibrate", "run_evaluate"]
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    task = load_task(args.task)
+    name = args.name or task.name
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise UsageError(
+            f"profile name {name!r} must match {NAME_PATTERN} (pass --name to choose one)"
+        )
+    items, digest = load_split(task, args.split, args.limit)
+    if len(items) < MIN_EXAMPLES:
+        limited = f" with --limit {args.limit}" if args.limit else ""
+        raise UsageError(
+            f"{task.name}/{args.split} has {len(items)} items{limited}; a calibration profile "
+            f"needs at least {MIN_EXAMPLES} labeled examples"
+        )
+    engine = load_engine(args, dtype=args.dtype)
+    scores = _judge_items(engine, task, args.split, items, task.choices, args.batch_size)
+    profile = fit_labeled(
+        name,
+        scores,
+        task.choices,
+        engine.configuration(),
+        dataset=f"{task.name}/{args.split}",
+        dataset_sha256=digest,
+        target_precision=args.target_precision,
+        delta=args.delta,
+        alpha=args.alpha,
+    )
+    out = args.profiles_dir
+    save_profile(profile, out / f"{name}.json")
+    write_text(out / f"{name}.report.md", profile_markdown(profile))
+    z, labels = scores.log_probabilities, scores.labels
+    reliability_diagram(
+        (softmax(z), labels),
+        (profile.calibration_map.apply(z), labels),
+        out / f"{name}.reliability.png",
+        title=name,
+    )
+    fitted = profile.calibration_map
+    print(f"profile {name}: method {fitted.method}, temperature {fitted.temperature:.4f}")
+    print(profile.note)
+    print(metrics_table(profile.metrics_before, profile.metrics_after))
+    t = profile.threshold
+    if t.threshold is not None:
+        print(f"threshold: {t.threshold:.3f}, coverage {t.coverage:.3f} (on the certify split)")
+    else:
+        print(f"no certified threshold: {t.reason}")
+    print(f"wrote {out / name}.json, .report.md, .reliability.png")
+    return 0
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile)
+    task = load_task(args.task)
+    items, _ = load_split(task, args.split, args.limit)
+    engine = load_engine(args, profile)
+    # Before any item is judged: the task's choices and the engine must be the profile's.
+    profile.check(engine, choices=task.choices)
+    scores = _judge_items(engine, task, args.split, items, profile.choices, args.batch_size)
+    evaluation = evaluate_policy(
+        profile,
+        scores.log_probabilities,
+        scores.labels,
+        scores.choice_mass,
+        threshold=args.threshold,
+        min_choice_mass=args.min_choice_mass,
+    )
+    print(evaluation_markdown(evaluation))
+    if args.report:
+        write_text(args.report, profile_markdown(profile, evaluation))
+    if args.json:
+        write_text(args.json, to_json(evaluation, indent=2) + "\n")
+    return 0
+
+
+def _judge_items(
+    engine: Engine,
+    task: Task,
+    split: str,
+    items: Sequence[LabeledItem],
+    choices: Sequence[str],
+    batch_size: int,
+) -> LabeledScores:
+    """Judge ``items`` of ``task`` with a progress bar; score columns in ``choices`` order."""
+    from tqdm import tqdm
+
+    queries = labeled_queries([task_prompt(task, item.text) for item in items], task.choices)
+    labels = [item.label for item in items]
+    with tqdm(total=len(items), desc=f"{task.name}/{split}", unit="item", file=sys.stderr) as bar:
+        return judge_labeled(
+            engine, queries, labels, choices, batch_size=batch_size, progress=bar.update
+        )

@@ -1,0 +1,116 @@
+"""What the commands share: the usage error, engine loading, profile loading, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING, cast, get_args
+
+import msgspec
+
+from judge import DEFAULT_RESPONSE_PREFIX, DEFAULT_RESPONSE_SUFFIX, Judge
+from judge.loading import DType
+
+if TYPE_CHECKING:
+    from calibration import CalibrationProfile
+
+__all__ = [
+    "DTYPES",
+    "UsageError",
+    "load_engine",
+    "load_profile",
+    "open_probability",
+    "positive_int",
+    "probability",
+    "profile_dtype",
+    "to_json",
+]
+
+DTYPES: tuple[str, ...] = get_args(DType)
+
+
+class UsageError(Exception):
+    """The command line asks for something that cannot be done as given (exit status 2)."""
+
+
+def probability(text: str) -> float:
+    """An argparse type for a number in [0, 1], so a bad value stops before any model loads."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def open_probability(text: str) -> float:
+    """An argparse type for a number strictly between 0 and 1 (a precision target, a level)."""
+    value = probability(text)
+    if value in (0.0, 1.0):
+        raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def load_profile(path: str | os.PathLike[str]) -> CalibrationProfile:
+    """``calibration.load_profile``; a missing or invalid file raises ProfileError (exit 2)."""
+    from calibration import load_profile as load
+
+    return load(path)
+
+
+def profile_dtype(requested: str | None, profile: CalibrationProfile | None) -> DType:
+    """The dtype to load: the one asked for, else the profile's (it must match), else auto."""
+    if requested is not None:
+        return cast(DType, requested)
+    if profile is None:
+        return "auto"
+    if profile.dtype not in DTYPES:
+        raise UsageError(
+            f"profile {profile.name!r} was fitted in dtype {profile.dtype!r}, which cannot be "
+            f"loaded here (one of {', '.join(DTYPES)}); refit it"
+        )
+    return cast(DType, profile.dtype)
+
+
+def load_engine(
+    args: argparse.Namespace,
+    profile: CalibrationProfile | None = None,
+    *,
+    dtype: str | None = None,
+    response_prefix: str | None = None,
+    response_suffix: str | None = None,
+) -> Judge:
+    """``Judge.load`` with the command's --model and --device.
+
+    Anything given as None is the profile's when there is one, else the engine's default, so
+    that a profile works without repeating its dtype and template on the command line.
+    """
+    if response_prefix is None:
+        response_prefix = profile.response_prefix if profile else DEFAULT_RESPONSE_PREFIX
+    if response_suffix is None:
+        response_suffix = profile.response_suffix if profile else DEFAULT_RESPONSE_SUFFIX
+    return Judge.load(
+        args.model,
+        dtype=profile_dtype(dtype, profile),
+        device=args.device,
+        response_prefix=response_prefix,
+        response_suffix=response_suffix,
+    )
+
+
+def to_json(value: object, *, indent: int = 0) -> str:
+    """``value`` as JSON text (Structs, dicts, numbers); indented when ``indent`` > 0."""
+    data = msgspec.json.encode(value)
+    return (msgspec.json.format(data, indent=indent) if indent else data).decode()

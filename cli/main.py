@@ -1,0 +1,197 @@
+"""Command line.
+
+judge ask "PROMPT" --choice A --choice B      judge one prompt; print the decision as JSON
+judge ask --input items.jsonl --profile FILE  gate a JSONL file of prompts, one JSON line each
+judge calibrate --task DIR                    fit a calibration profile on a labeled task
+judge evaluate --task DIR --profile FILE      measure the served policy on a held-out split
+judge serve                                   run the HTTP service
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from calibration import CalibrationError
+from cli.common import DTYPES, UsageError, open_probability, positive_int, probability
+from judge import DEFAULT_RESPONSE_PREFIX, DEFAULT_RESPONSE_SUFFIX, JudgeError
+from tasks import TaskError
+
+__all__ = ["main", "parser"]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``judge`` argument parser, with one subcommand per command."""
+    root = argparse.ArgumentParser(
+        prog="judge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = root.add_subparsers(dest="command", required=True)
+
+    ask = commands.add_parser(
+        "ask",
+        help="judge a prompt (or a JSONL file of them) and print the decisions as JSON",
+        description="Print the decision (accept or escalate, with reasons) and the judgment "
+        "behind it. Give one PROMPT, or --input with one JSON object per line: "
+        '{"prompt": "...", "choices": [...] (optional), "id": ... (optional)}.',
+    )
+    ask.add_argument("prompt", nargs="?", help="the question or item to judge")
+    ask.add_argument(
+        "--choice",
+        action="append",
+        help="a choice; repeat for each (default with --profile: the profile's choices)",
+    )
+    ask.add_argument("--profile", type=Path, help="a calibration profile JSON file")
+    ask.add_argument(
+        "--threshold",
+        type=probability,
+        help="accept at this calibrated confidence or above (default: the profile's certified "
+        "threshold; 0.9 without a profile); overriding drops the certification",
+    )
+    ask.add_argument(
+        "--min-choice-mass",
+        type=probability,
+        help="escalate when the choices' share of the next-token distribution is below this "
+        "(default: the profile's; 0 without a profile)",
+    )
+    ask.add_argument("--system", default=None, help="system prompt (default: the model's own)")
+    ask.add_argument(
+        "--input",
+        help="judge every line of this JSONL file ('-' for stdin) instead of one PROMPT",
+    )
+    ask.add_argument("--output", help="with --input: write JSON lines here (default: stdout)")
+    ask.add_argument(
+        "--batch-size", type=positive_int, default=16, help="with --input: items per batch"
+    )
+    _model_arguments(ask, dtype_help="(default: the profile's, else auto)")
+    ask.add_argument(
+        "--response-prefix",
+        default=None,
+        help=f"default: the profile's, else {DEFAULT_RESPONSE_PREFIX!r}",
+    )
+    ask.add_argument(
+        "--response-suffix",
+        default=None,
+        help=f"default: the profile's, else {DEFAULT_RESPONSE_SUFFIX!r}",
+    )
+
+    fit = commands.add_parser(
+        "calibrate", help="fit a calibration profile on a task's labeled data"
+    )
+    _task_arguments(fit, split="calibration")
+    fit.add_argument("--name", help="profile name (default: the task's name)")
+    fit.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    fit.add_argument(
+        "--target-precision",
+        type=open_probability,
+        default=0.9,
+        help="precision to certify on accepted items",
+    )
+    fit.add_argument(
+        "--delta", type=open_probability, default=0.1, help="allowed failure probability"
+    )
+    fit.add_argument(
+        "--alpha", type=open_probability, default=0.1, help="conformal miscoverage level"
+    )
+
+    ev = commands.add_parser(
+        "evaluate", help="measure the served policy of a profile on a held-out split"
+    )
+    _task_arguments(ev, split="test", dtype=False)
+    ev.add_argument("--profile", type=Path, required=True, help="a profile JSON file")
+    ev.add_argument("--threshold", type=probability, help="evaluate with this threshold instead")
+    ev.add_argument(
+        "--min-choice-mass", type=probability, help="evaluate with this minimum choice mass"
+    )
+    ev.add_argument("--report", type=Path, help="also write a markdown report here")
+    ev.add_argument("--json", type=Path, help="also write the evaluation as JSON here")
+
+    serve = commands.add_parser("serve", help="run the HTTP service (POST /judge)")
+    serve.add_argument("--model", default=None, help="model id, directory or .gguf")
+    serve.add_argument("--dtype", default="auto", choices=DTYPES)
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    serve.add_argument("--max-batch-size", type=int, default=16, help="judgments per forward pass")
+    serve.add_argument("--max-wait-ms", type=float, default=5.0, help="wait for a batch to fill")
+    serve.add_argument("--max-queue", type=int, default=256, help="queued jobs before 503")
+    serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds")
+    serve.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    serve.add_argument("--default-threshold", type=probability, default=0.9)
+    serve.add_argument("--min-choice-mass", type=probability, default=0.0)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("JUDGE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+        "(default: $JUDGE_API_KEY; none: no auth)",
+    )
+    serve.add_argument("--log-level", default="info")
+    return root
+
+
+def _model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model id, directory or .gguf (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--dtype", default=None, choices=DTYPES, help=dtype_help or None)
+    parser.add_argument("--device", default="cpu")
+
+
+def _task_arguments(parser: argparse.ArgumentParser, *, split: str, dtype: bool = True) -> None:
+    parser.add_argument("--task", type=Path, required=True, help="task directory with task.json")
+    parser.add_argument("--split", default=split, help=f"which <split>.jsonl (default: {split})")
+    parser.add_argument("--limit", type=positive_int, help="use only the first N items")
+    parser.add_argument("--model", default=None, help="model id, directory or .gguf")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    if dtype:
+        parser.add_argument("--dtype", default="auto", choices=DTYPES)
+
+
+def _check_ask(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Argument combinations argparse cannot express; each is a usage error (exit 2)."""
+    if (args.prompt is None) == (args.input is None):
+        parser.error("ask: give one PROMPT or --input FILE (not both)")
+    if args.output is not None and args.input is None:
+        parser.error("ask: --output goes with --input")
+    if args.choice is not None and len(args.choice) < 2 and args.profile is None:
+        parser.error("ask: give at least two choices (--choice A --choice B)")
+    if args.choice is None and args.profile is None and args.input is None:
+        parser.error("ask: give the choices (--choice A --choice B) or a --profile")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; return its exit status (2: usage, profile or input error)."""
+    root = parser()
+    args = root.parse_args(argv)
+    try:
+        if args.command == "ask":
+            _check_ask(root, args)
+            from cli import ask
+
+            return ask.run(args)
+        if args.command == "calibrate":
+            from cli import calibrate
+
+            return calibrate.run_calibrate(args)
+        if args.command == "evaluate":
+            from cli import calibrate
+
+            return calibrate.run_evaluate(args)
+        from cli import serve
+
+        return serve.run(args)
+    except (JudgeError, CalibrationError, TaskError, UsageError) as exc:
+        field = getattr(exc, "field", None)
+        where = f" ({field})" if isinstance(field, str) else ""
+        print(f"judge: error{where}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Labeled tasks: files on disk, and "judge a labeled set, then fit a calibration profile".
+
+    tasks.files     Task, LabeledItem, load_task, load_split, task_prompt, TaskError
+    tasks.labeled   LabeledScores, labeled_queries, judge_labeled, scores_from_judgments,
+                    fit_labeled
+
+Sits above ``judge`` and ``calibration`` (it uses both) and below ``service`` and ``cli``
+(which use it), so the command line, the HTTP fit endpoint and the benchmarks calibrate the
+same way.
+"""
+
+from tasks.files import LabeledItem, Task, TaskError, load_split, load_task, task_prompt
+from tasks.labeled import (
+    LabeledScores,
+    fit_labeled,
+    judge_labeled,
+    labeled_queries,
+    scores_from_judgments,
+)
+
+__all__ = [
+    "LabeledItem",
+    "LabeledScores",
+    "Task",
+    "TaskError",
+    "fit_labeled",
+    "judge_labeled",
+    "labeled_queries",
+    "load_split",
+    "load_task",
+    "scores_from_judgments",
+    "task_prompt",
+]

@@ -1,0 +1,251 @@
+"""Judge a labeled set, then fit a calibration profile on it.
+
+The two halves of "calibrate on my data", shared by ``judge calibrate``, the service's
+``POST /profiles/{name}/fit`` and the calibration benchmark, so all three fit the same way:
+
+* ``judge_labeled`` runs an engine over labeled prompts in batches and keeps, per item, the
+  per-choice log-probabilities in one fixed choice order, the choice mass and the label index;
+* ``fit_labeled`` hands those arrays, with the engine's configuration, to
+  ``calibration.fit_profile``.
+
+The arrays travel as ``LabeledScores``, plain numpy data that can be cached on disk and
+refitted without the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from judge import Engine, Judgment, Query
+from tasks.files import TaskError
+
+if TYPE_CHECKING:
+    from calibration import CalibrationProfile
+
+__all__ = [
+    "LabeledScores",
+    "fit_labeled",
+    "judge_labeled",
+    "labeled_queries",
+    "scores_from_judgments",
+]
+
+# What ``Engine.configuration()`` returns, and what a profile records about its engine.
+_CONFIGURATION_KEYS = frozenset(
+    {"model", "model_sha256", "dtype", "response_prefix", "response_suffix", "system"}
+)
+
+
+@dataclass(frozen=True)
+class LabeledScores:
+    """An engine's scores on n labeled items with k choices, in one fixed choice order.
+
+    Attributes
+    ----------
+    log_probabilities : np.ndarray, shape (n, k)
+        log P(choice) per item; column j is the j-th choice of the order they were made in.
+    choice_mass : np.ndarray, shape (n,)
+        The choices' share of the model's full next-token distribution, per item.
+    labels : np.ndarray, shape (n,), int64
+        The index of each item's correct choice.
+    """
+
+    log_probabilities: np.ndarray
+    choice_mass: np.ndarray
+    labels: np.ndarray
+
+    def __post_init__(self) -> None:
+        z = np.asarray(self.log_probabilities, dtype=np.float64)
+        mass = np.asarray(self.choice_mass, dtype=np.float64)
+        labels = np.asarray(self.labels)
+        if z.ndim != 2 or z.shape[1] < 2:
+            raise ValueError(f"log_probabilities must have shape (n, k) with k >= 2, got {z.shape}")
+        n, k = z.shape
+        if mass.shape != (n,):
+            raise ValueError(f"choice_mass must have shape ({n},), got {mass.shape}")
+        if labels.shape != (n,):
+            raise ValueError(f"labels must have shape ({n},), got {labels.shape}")
+        if n and not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"labels must be choice indices (integers), got {labels.dtype}")
+        if n and (labels.min() < 0 or labels.max() >= k):
+            raise ValueError(
+                f"labels must be indices in [0, {k}), got {labels.min()}..{labels.max()}"
+            )
+        # Normalised copies: what is stored is what was checked.
+        object.__setattr__(self, "log_probabilities", z)
+        object.__setattr__(self, "choice_mass", mass)
+        object.__setattr__(self, "labels", labels.astype(np.int64))
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def labeled_queries(
+    prompts: Sequence[str],
+    choices: Sequence[str],
+    *,
+    system: str | None = None,
+    response_prefix: str | None = None,
+    response_suffix: str | None = None,
+) -> list[Query]:
+    """One query per prompt, every one with the same choices and template.
+
+    None template fields take the engine's defaults, as in ``Engine.judge``.
+    """
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a sequence of strings, got a single str")
+    return [
+        Query(
+            prompt=prompt,
+            choices=list(choices),
+            system=system,
+            response_prefix=response_prefix,
+            response_suffix=response_suffix,
+        )
+        for prompt in prompts
+    ]
+
+
+def scores_from_judgments(
+    judgments: Sequence[Judgment], labels: Sequence[str], choices: Sequence[str]
+) -> LabeledScores:
+    """Arrange judgments and their labels as arrays, columns in ``choices`` order.
+
+    Parameters
+    ----------
+    judgments : sequence of Judgment, length n
+        Each judged between exactly ``choices`` (in any order).
+    labels : sequence of str, length n
+        Each item's correct choice.
+    choices : sequence of str, length k
+        The column order of the result.
+
+    Raises
+    ------
+    TaskError
+        If the lengths differ, a label is not one of ``choices``, or a judgment was made
+        between other choices.
+    """
+    choices = list(choices)
+    if len(judgments) != len(labels):
+        raise TaskError(f"got {len(judgments)} judgments but {len(labels)} labels; pair them up")
+    index = {c: j for j, c in enumerate(choices)}
+    label_index = np.empty(len(labels), dtype=np.int64)
+    for i, label in enumerate(labels):
+        if label not in index:
+            raise TaskError(f"label {i} is {label!r}, which is not one of the choices {choices}")
+        label_index[i] = index[label]
+    z = np.empty((len(judgments), len(choices)))  # (n, k)
+    for i, judgment in enumerate(judgments):
+        if set(judgment.log_probabilities) != set(choices):
+            raise TaskError(
+                f"judgment {i} was made between {list(judgment.log_probabilities)}, "
+                f"not the choices {choices}"
+            )
+        z[i] = [judgment.log_probabilities[c] for c in choices]
+    mass = np.array([j.choice_mass for j in judgments], dtype=np.float64)  # (n,)
+    return LabeledScores(log_probabilities=z, choice_mass=mass, labels=label_index)
+
+
+def judge_labeled(
+    engine: Engine,
+    queries: Sequence[Query],
+    labels: Sequence[str],
+    choices: Sequence[str],
+    *,
+    batch_size: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> LabeledScores:
+    """Judge labeled queries ``batch_size`` at a time and arrange the scores as arrays.
+
+    Each batch goes through ``engine.judge_batch``, so a bad item fails the run with its
+    engine error: a calibration set with an unjudgeable item is a broken calibration set.
+
+    Parameters
+    ----------
+    engine : Engine
+    queries : sequence of Query, length n
+        Every one judged between ``choices`` (see ``labeled_queries``).
+    labels : sequence of str, length n
+        Each item's correct choice.
+    choices : sequence of str, length k
+        The column order of the result.
+    batch_size : int
+        Items per ``judge_batch`` call.
+    progress : callable, optional
+        Called with the number of items done after each batch (``tqdm.update`` fits).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if len(queries) != len(labels):
+        raise TaskError(f"got {len(queries)} queries but {len(labels)} labels; pair them up")
+    judgments: list[Judgment] = []
+    for start in range(0, len(queries), batch_size):
+        chunk = queries[start : start + batch_size]
+        judgments.extend(engine.judge_batch(chunk))
+        if progress is not None:
+            progress(len(chunk))
+    return scores_from_judgments(judgments, labels, choices)
+
+
+def fit_labeled(
+    name: str,
+    scores: LabeledScores,
+    choices: Sequence[str],
+    configuration: Mapping[str, Any],
+    *,
+    dataset: str,
+    dataset_sha256: str,
+    target_precision: float = 0.9,
+    delta: float = 0.1,
+    alpha: float = 0.1,
+) -> CalibrationProfile:
+    """Fit a calibration profile on ``scores``, for the engine that ``configuration`` describes.
+
+    Parameters
+    ----------
+    name : str
+        The profile's name.
+    scores : LabeledScores
+        Columns in ``choices`` order (as ``judge_labeled`` returns them).
+    choices : sequence of str
+    configuration : mapping
+        ``engine.configuration(...)`` for the template the scores were judged with: model,
+        model_sha256, dtype, response_prefix, response_suffix, system.
+    dataset, dataset_sha256 : str
+        What the scores were computed on, recorded in the profile.
+    target_precision, delta, alpha : float
+        See ``calibration.fit_profile``.
+    """
+    # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
+    from calibration import fit_profile
+
+    keys = set(configuration)
+    if keys != _CONFIGURATION_KEYS:
+        missing, extra = sorted(_CONFIGURATION_KEYS - keys), sorted(keys - _CONFIGURATION_KEYS)
+        raise TypeError(
+            f"configuration must be engine.configuration(...); missing {missing}, "
+            f"unexpected {extra}"
+        )
+    if scores.log_probabilities.shape[1] != len(choices):
+        raise ValueError(
+            f"scores have {scores.log_probabilities.shape[1]} columns but there are "
+            f"{len(choices)} choices"
+        )
+    return fit_profile(
+        name,
+        scores.log_probabilities,
+        scores.labels,
+        list(choices),
+        choice_mass=scores.choice_mass,
+        **configuration,
+        dataset=dataset,
+        dataset_sha256=dataset_sha256,
+        target_precision=target_precision,
+        delta=delta,
+        alpha=alpha,
+    )

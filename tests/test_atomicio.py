@@ -1,0 +1,80 @@
+"""Atomic writes: the target is the old content or the new, and no temporary is left behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from atomicio import replacing, write_bytes, write_text
+
+
+def test_round_trip_creates_missing_parents(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "report.md"
+    assert write_text(target, "héllo\n") == target
+    assert target.read_text(encoding="utf-8") == "héllo\n"
+    assert write_bytes(target, b"\x00\x01") == target
+    assert target.read_bytes() == b"\x00\x01"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["report.md"]
+
+
+def test_failure_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "profile.json"
+    write_text(target, "old")
+    with pytest.raises(RuntimeError, match="boom"), replacing(target) as temp:
+        temp.write_text("half of the new")
+        raise RuntimeError("boom")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+
+
+def test_the_temporary_is_hidden_beside_the_target_and_keeps_its_name(tmp_path: Path) -> None:
+    target = tmp_path / "plot.png"
+    with replacing(target) as temp:
+        # Tools that pick a format from the extension (savefig, np.savez) see the real one.
+        assert temp.name == "plot.png" and temp != target
+        hidden = temp.relative_to(tmp_path).parts[0]
+        assert hidden.startswith(".plot.png.")
+        assert not temp.exists() and not target.exists()
+        temp.write_bytes(b"png")
+    assert target.read_bytes() == b"png"
+    assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]
+
+
+def test_directory_replace(tmp_path: Path) -> None:
+    target = tmp_path / "cache" / "model"
+    with replacing(target) as temp:
+        temp.mkdir()
+        (temp / "weights.bin").write_bytes(b"w")
+        (temp / "sub").mkdir()
+        (temp / "sub" / "config.json").write_text("{}")
+        assert not target.exists()
+    assert (target / "weights.bin").read_bytes() == b"w"
+    assert (target / "sub" / "config.json").read_text() == "{}"
+    assert [p.name for p in target.parent.iterdir()] == ["model"]
+
+
+def test_failed_directory_build_leaves_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "model"
+    with pytest.raises(KeyboardInterrupt), replacing(target) as temp:
+        temp.mkdir()
+        (temp / "partial.bin").write_bytes(b"p")
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writing_nothing_is_an_error_that_keeps_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "out.json"
+    write_text(target, "old")
+    with pytest.raises(FileNotFoundError, match="nothing was written"), replacing(target):
+        pass
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_bad_arguments_are_named(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="use write_bytes"):
+        write_text(tmp_path / "x", b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="use write_text"):
+        write_bytes(tmp_path / "x", "text")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,243 @@
+"""Labeled tasks: files on disk, judging a labeled set in batches, fitting a profile on it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from judge import Configuration, Engine, Judge, JudgeError, Judgment, Query
+from tasks import (
+    LabeledScores,
+    TaskError,
+    fit_labeled,
+    judge_labeled,
+    labeled_queries,
+    load_split,
+    load_task,
+    scores_from_judgments,
+    task_prompt,
+)
+
+CHOICES = ["ham", "spam"]
+
+
+class FakeEngine:
+    """An Engine for the mechanics: P(spam) is read off the prompt, so results are known."""
+
+    model_id = "fake"
+    dtype = "float32"
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def configuration(
+        self,
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+    ) -> Configuration:
+        return Configuration(
+            model=self.model_id,
+            model_sha256=None,
+            dtype=self.dtype,
+            response_prefix=response_prefix or "<",
+            response_suffix=response_suffix or ">",
+            system=system,
+        )
+
+    def judge(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+    ) -> Judgment:
+        return self.judge_batch([Query(prompt=prompt, choices=list(choices))])[0]
+
+    def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
+        self.batches.append(len(queries))
+        return [self._judgment(q) for q in queries]
+
+    def judge_each(
+        self, queries: Sequence[Query | Mapping[str, Any]]
+    ) -> list[Judgment | JudgeError]:
+        return list(self.judge_batch(queries))
+
+    def judge_shared(
+        self, context: str, questions: Sequence[Query | Mapping[str, Any]]
+    ) -> list[Judgment]:
+        return self.judge_batch(questions)
+
+    def _judgment(self, query: Query | Mapping[str, Any]) -> Judgment:
+        assert isinstance(query, Query)
+        p_spam = float(query.prompt.split("=")[1])
+        probs = {c: p_spam if c == "spam" else 1 - p_spam for c in query.choices}
+        return Judgment(
+            choice=max(probs, key=probs.__getitem__),
+            confidence=max(probs.values()),
+            probabilities=probs,
+            log_probabilities={c: math.log(p) for c, p in probs.items()},
+            choice_mass=0.5 + p_spam / 4,
+            prompt=query.prompt,
+            prompt_tokens=1,
+            forward_passes=1,
+            latency_ms=0.0,
+            model=self.model_id,
+        )
+
+
+def test_engines_satisfy_the_protocol(judge: Judge) -> None:
+    fake: Engine = FakeEngine()  # checked by mypy: no cast, no ignore
+    real: Engine = judge
+    assert isinstance(fake, Engine) and isinstance(real, Engine)
+
+
+def test_judge_labeled_runs_in_batches_and_reports_progress() -> None:
+    engine, done = FakeEngine(), list[int]()
+    p_spam = [0.9, 0.2, 0.7, 0.6, 0.1, 0.95, 0.3]
+    labels = ["spam", "ham", "spam", "ham", "ham", "spam", "spam"]
+    # The queries list the choices spam-first; the columns follow CHOICES all the same.
+    queries = labeled_queries([f"p={p}" for p in p_spam], ["spam", "ham"])
+    scores = judge_labeled(engine, queries, labels, CHOICES, batch_size=3, progress=done.append)
+    assert engine.batches == [3, 3, 1] and done == [3, 3, 1]
+    np.testing.assert_allclose(np.exp(scores.log_probabilities[:, 1]), p_spam)
+    np.testing.assert_allclose(scores.choice_mass, [0.5 + p / 4 for p in p_spam])
+    assert scores.labels.tolist() == [1, 0, 1, 0, 0, 1, 1] and scores.labels.dtype == np.int64
+    assert len(scores) == 7
+
+
+def test_labeled_queries_carry_the_template() -> None:
+    queries = labeled_queries(["a", "b"], CHOICES, system="s", response_prefix="p")
+    assert [q.prompt for q in queries] == ["a", "b"]
+    assert all(q.choices == CHOICES and q.system == "s" for q in queries)
+    assert all(q.response_prefix == "p" and q.response_suffix is None for q in queries)
+    with pytest.raises(TypeError, match="single str"):
+        labeled_queries("ab", CHOICES)
+
+
+def test_scores_from_judgments_names_what_does_not_fit() -> None:
+    engine = FakeEngine()
+    judgments = engine.judge_batch(labeled_queries(["p=0.8", "p=0.3"], CHOICES))
+    with pytest.raises(TaskError, match="2 judgments but 1 labels"):
+        scores_from_judgments(judgments, ["spam"], CHOICES)
+    with pytest.raises(TaskError, match="label 1 is 'maybe'"):
+        scores_from_judgments(judgments, ["spam", "maybe"], CHOICES)
+    with pytest.raises(TaskError, match="judgment 0 was made between"):
+        scores_from_judgments(judgments, ["spam", "ham"], ["spam", "ham", "maybe"])
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        judge_labeled(engine, [], [], CHOICES, batch_size=0)
+
+
+def test_labeled_scores_check_their_shapes() -> None:
+    z = np.log(np.full((3, 2), 0.5))
+    with pytest.raises(ValueError, match=r"choice_mass must have shape \(3,\)"):
+        LabeledScores(z, np.ones(2), np.zeros(3, dtype=int))
+    with pytest.raises(ValueError, match=r"labels must be indices in \[0, 2\)"):
+        LabeledScores(z, np.ones(3), np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match="labels must be choice indices"):
+        LabeledScores(z, np.ones(3), np.array([0.0, 1.0, 0.5]))
+    with pytest.raises(ValueError, match=r"shape \(n, k\) with k >= 2"):
+        LabeledScores(np.zeros(3), np.ones(3), np.zeros(3, dtype=int))
+
+
+def test_fit_labeled_records_the_engine_and_the_data() -> None:
+    engine = FakeEngine()
+    rng = np.random.default_rng(0)
+    p_spam = rng.beta(2, 2, 120)
+    labels = ["spam" if rng.random() < p else "ham" for p in p_spam]
+    queries = labeled_queries([f"p={p}" for p in p_spam], CHOICES)
+    scores = judge_labeled(engine, queries, labels, CHOICES, batch_size=50)
+    configuration = engine.configuration(system="Be brief.")
+    profile = fit_labeled(
+        "fake",
+        scores,
+        CHOICES,
+        configuration,
+        dataset="fake/calibration",
+        dataset_sha256="ab" * 32,
+        target_precision=0.8,
+        delta=0.2,
+        alpha=0.2,
+    )
+    assert profile.name == "fake" and profile.choices == CHOICES and profile.n_examples == 120
+    assert (profile.model, profile.dtype, profile.response_prefix) == ("fake", "float32", "<")
+    assert profile.dataset == "fake/calibration" and profile.conformal_alpha == 0.2
+    assert profile.threshold.target_precision == 0.8 and profile.threshold.delta == 0.2
+    profile.check(engine, system="Be brief.", choices=["spam", "ham"])
+
+    with pytest.raises(TypeError, match=r"missing \['dtype'\], unexpected \['weights'\]"):
+        broken = {k: v for k, v in configuration.items() if k != "dtype"} | {"weights": 1}
+        fit_labeled("x", scores, CHOICES, broken, dataset="d", dataset_sha256="0")
+    with pytest.raises(ValueError, match="2 columns but there are 3 choices"):
+        fit_labeled(
+            "x", scores, [*CHOICES, "maybe"], configuration, dataset="d", dataset_sha256="0"
+        )
+
+
+def test_judge_labeled_agrees_with_judging_one_at_a_time(judge: Judge) -> None:
+    prompts = ["Is this spam? WIN a prize now!", "Is this spam? See you at lunch.", "Spam? Hi"]
+    queries = labeled_queries(prompts, ["spam", "ham"])
+    scores = judge_labeled(judge, queries, ["spam", "ham", "ham"], CHOICES, batch_size=2)
+    for row, prompt in enumerate(prompts):
+        single = judge.judge(prompt, ["spam", "ham"])
+        for col, choice in enumerate(CHOICES):
+            assert scores.log_probabilities[row, col] == pytest.approx(
+                single.log_probabilities[choice], abs=1e-4
+            )
+        assert scores.choice_mass[row] == pytest.approx(single.choice_mass, abs=1e-4)
+
+
+def _task(tmp_path: Path, lines: str) -> Path:
+    (tmp_path / "task.json").write_text(
+        '{"name": "t", "choices": ["ham", "spam"], "instruction": "Is this spam?"}'
+    )
+    (tmp_path / "calibration.jsonl").write_text(lines)
+    return tmp_path
+
+
+def test_task_files_round_trip(tmp_path: Path) -> None:
+    task = load_task(
+        _task(
+            tmp_path,
+            '{"text": "hi", "label": "ham", "id": 9}\n\n{"text": "WIN", "label": "spam"}\n',
+        )
+    )
+    items, digest = load_split(task, "calibration")
+    assert [(i.id, i.text, i.label) for i in items] == [("9", "hi", "ham"), ("3", "WIN", "spam")]
+    assert len(digest) == 64
+    assert [i.id for i in load_split(task, "calibration", 1)[0]] == ["9"]
+    assert task_prompt(task, "hi") == "Is this spam?\n\nhi\n\nAnswer with one of: ham, spam."
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ('{"text": "hi"}\n', "calibration.jsonl:1: expected an object with text and label"),
+        ("[1]\n", "calibration.jsonl:1: expected an object with text and label"),
+        ('{"text": 3, "label": "ham"}\n', "calibration.jsonl:1: text must be a string"),
+        ('{"text": "a", "label": "ham"}\n{"text": "b", "label": "eggs"}\n', ":2: label 'eggs'"),
+    ],
+)
+def test_bad_split_lines_are_named(tmp_path: Path, lines: str, message: str) -> None:
+    task = load_task(_task(tmp_path, lines))
+    with pytest.raises(TaskError, match=message):
+        load_split(task, "calibration")
+
+
+def test_task_errors_are_value_errors_not_engine_errors(tmp_path: Path) -> None:
+    assert issubclass(TaskError, ValueError) and not issubclass(TaskError, JudgeError)
+    with pytest.raises(TaskError, match=r"has no task\.json"):
+        load_task(tmp_path)
+    task = load_task(_task(tmp_path, ""))
+    with pytest.raises(TaskError, match="has no split 'test'"):
+        load_split(task, "test")
+    with pytest.raises(TaskError, match="limit must be a positive number"):
+        load_split(task, "calibration", 0)
