@@ -1,7 +1,12 @@
-"""Calibration of choice probabilities: fitted scaling, honest metrics, routing thresholds.
+"""Calibration of choice probabilities, and the gate that turns a judgment into a decision.
 
-Works on arrays of per-choice log-scores and labels; depends on neither the engine nor the
-service (no torch).
+Works on per-choice log-probabilities and labels; depends on neither the engine nor the
+service (no torch). A pipeline reads::
+
+    profile = load_profile("profiles/sms_spam.json")
+    profile.check(judge)                      # once: model, weights, dtype, template, system
+    decision = profile.decide(judge.judge(text, choices=profile.choices))
+    if decision.accepted: ...                 # else decision.reasons says why it escalated
 """
 
 from calibration.errors import (
@@ -10,39 +15,75 @@ from calibration.errors import (
     ProfileMismatchError,
     ProfileNotFoundError,
 )
-from calibration.fitting import ProfileEvaluation, evaluate_profile, fit_profile
+from calibration.fitting import (
+    MIN_EXAMPLES,
+    PolicyEvaluation,
+    evaluate_policy,
+    fit_profile,
+    fit_rule,
+)
 from calibration.metrics import Interval, MetricReport, evaluate
-from calibration.profile import CalibrationProfile, decode_profile, load_profile, save_profile
-from calibration.routing import ThresholdResult, route, select_threshold
+from calibration.policy import (
+    REASON_CODES,
+    Decision,
+    Policy,
+    PolicyDefaults,
+    ReasonCode,
+    ScoredJudgment,
+    make_policy,
+)
+from calibration.profile import (
+    CalibrationProfile,
+    DataSplit,
+    decode_profile,
+    load_profile,
+    save_profile,
+)
+from calibration.routing import ThresholdResult, select_threshold
 from calibration.scaling import (
+    BiasTemperature,
     BiasTemperatureScaler,
     CalibrationFit,
+    CalibrationMap,
+    Identity,
+    Temperature,
     TemperatureScaler,
-    apply_calibration,
     fit_calibrator,
 )
 
 __all__ = [
+    "MIN_EXAMPLES",
+    "REASON_CODES",
+    "BiasTemperature",
     "BiasTemperatureScaler",
     "CalibrationError",
     "CalibrationFit",
+    "CalibrationMap",
     "CalibrationProfile",
+    "DataSplit",
+    "Decision",
+    "Identity",
     "Interval",
     "MetricReport",
+    "Policy",
+    "PolicyDefaults",
+    "PolicyEvaluation",
     "ProfileError",
-    "ProfileEvaluation",
     "ProfileMismatchError",
     "ProfileNotFoundError",
+    "ReasonCode",
+    "ScoredJudgment",
+    "Temperature",
     "TemperatureScaler",
     "ThresholdResult",
-    "apply_calibration",
     "decode_profile",
     "evaluate",
-    "evaluate_profile",
+    "evaluate_policy",
     "fit_calibrator",
     "fit_profile",
+    "fit_rule",
     "load_profile",
-    "route",
+    "make_policy",
     "save_profile",
     "select_threshold",
 ]

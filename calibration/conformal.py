@@ -21,14 +21,20 @@ import numpy as np
 import numpy.typing as npt
 from sklearn import exceptions
 
-from calibration.metrics import _check_probs, _check_probs_labels, _check_unit_open
+from calibration.validation import check_probs, check_probs_labels, check_unit_open
 
 if TYPE_CHECKING:
     from typing import Self
 
     from numpy.typing import ArrayLike
 
-__all__ = ["ConformalClassifier", "conformal_quantile", "prediction_set"]
+__all__ = [
+    "ConformalClassifier",
+    "conformal_quantile",
+    "prediction_set",
+    "prediction_sets",
+    "set_membership",
+]
 
 _FloatArray = npt.NDArray[np.float64]
 
@@ -59,8 +65,8 @@ def conformal_quantile(probs: ArrayLike, y: ArrayLike, alpha: float) -> float:
     -------
     q_hat : float in [0, 1]
     """
-    p, labels = _check_probs_labels(probs, y)
-    alpha = _check_unit_open(alpha, "alpha")
+    p, labels = check_probs_labels(probs, y)
+    alpha = check_unit_open(alpha, "alpha")
     n = p.shape[0]
     rank = _rank(n, alpha)
     if rank > n:
@@ -79,7 +85,7 @@ def _check_q_hat(q_hat: float) -> float:
     return float(q_hat)
 
 
-def _sets(p: _FloatArray, q_hat: float) -> list[list[int]]:
+def _membership(p: _FloatArray, q_hat: float) -> npt.NDArray[np.bool_]:
     # Compare scores rather than p >= 1 - q_hat: 1 - (1 - p) need not round back to p, and the
     # set must contain exactly the choices whose score is within the threshold.
     member = (1.0 - p) <= q_hat
@@ -87,7 +93,11 @@ def _sets(p: _FloatArray, q_hat: float) -> list[list[int]]:
     # An empty set can only happen when q_hat is below every score of the row; adding the most
     # probable choice can only add coverage, so the guarantee is kept.
     member[empty, p[empty].argmax(axis=1)] = True
-    return [[int(j) for j in np.flatnonzero(row)] for row in member]
+    return member
+
+
+def _sets(p: _FloatArray, q_hat: float) -> list[list[int]]:
+    return [[int(j) for j in np.flatnonzero(row)] for row in _membership(p, q_hat)]
 
 
 def prediction_set(probs_row: ArrayLike, q_hat: float) -> list[int]:
@@ -104,8 +114,18 @@ def prediction_set(probs_row: ArrayLike, q_hat: float) -> list[int]:
     row = np.asarray(probs_row, dtype=np.float64)
     if row.ndim != 1:
         raise ValueError(f"probs_row must be a 1-D array of shape (k,), got shape {row.shape}")
-    p = _check_probs(row[None, :], name="probs_row")
+    p = check_probs(row[None, :], name="probs_row")
     return _sets(p, _check_q_hat(q_hat))[0]
+
+
+def prediction_sets(probs: ArrayLike, q_hat: float) -> list[list[int]]:
+    """``prediction_set`` for every row of (n, k) probabilities: one sorted index list each."""
+    return _sets(check_probs(probs), _check_q_hat(q_hat))
+
+
+def set_membership(probs: ArrayLike, q_hat: float) -> npt.NDArray[np.bool_]:
+    """(n, k) booleans: whether choice j is in row i's prediction set (never an empty row)."""
+    return _membership(check_probs(probs), _check_q_hat(q_hat))
 
 
 class ConformalClassifier:
@@ -127,7 +147,7 @@ class ConformalClassifier:
 
     def fit(self, probs: ArrayLike, y: ArrayLike, alpha: float = 0.1) -> Self:
         """Fit q_hat on probabilities of shape (n, k) and correct choice indices of shape (n,)."""
-        p, labels = _check_probs_labels(probs, y)
+        p, labels = check_probs_labels(probs, y)
         self.quantile_ = conformal_quantile(p, labels, alpha)
         self.alpha_ = float(alpha)
         self.n_classes_ = int(p.shape[1])
@@ -139,7 +159,7 @@ class ConformalClassifier:
             raise exceptions.NotFittedError(
                 "this ConformalClassifier is not fitted yet; call fit(probs, y) first"
             )
-        p = _check_probs(probs)
+        p = check_probs(probs)
         if p.shape[1] != self.n_classes_:
             raise ValueError(
                 f"probs have {p.shape[1]} choices per row but the classifier was fitted on "

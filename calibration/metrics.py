@@ -9,10 +9,8 @@ is what a measured ECE should be read against.
 Conventions: ``probs`` is an (n, k) array whose rows sum to 1, ``y`` an (n,) array of correct
 choice indices in 0..k-1. Binned metrics use equal-width bins over [0, 1] where bin i covers
 (i/B, (i+1)/B] and a value of exactly 0 falls in the first bin (Guo et al. 2017, "On
-Calibration of Modern Neural Networks"). Everything is computed in float64.
-
-This module is also the home of the input validators the rest of the package shares, so that
-every function rejects bad input with the same messages.
+Calibration of Modern Neural Networks"). Everything is computed in float64. Inputs are checked
+by ``calibration.validation``.
 """
 
 from __future__ import annotations
@@ -22,6 +20,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 import numpy.typing as npt
+
+from calibration.validation import check_confidences, check_int, check_probs_labels
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -47,7 +47,6 @@ _BoolArray = npt.NDArray[np.bool_]
 
 # float32 probabilities from an engine can miss 1 by a few ulps per choice; anything further
 # off is a caller error (log-probabilities passed as probabilities, a missing softmax, ...).
-_ROW_SUM_TOL = 1e-5
 _NLL_CLIP = 1e-12
 # Bootstrap and noise-floor simulations run in blocks of at most this many (draw, item) cells
 # so that memory stays bounded for large calibration sets.
@@ -82,116 +81,6 @@ class MetricReport(msgspec.Struct, frozen=True, kw_only=True):
     classwise_ece: Interval
     ece_noise_floor: float  # mean ECE of a perfectly calibrated judge with these confidences
     ece_noise_floor_p95: float  # its 95th percentile
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation shared by the package.
-
-
-def _first_bad(mask: npt.NDArray[np.bool_]) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.argwhere(mask)[0])
-
-
-def _check_probs(probs: ArrayLike, name: str = "probs") -> _FloatArray:
-    arr = np.asarray(probs, dtype=np.float64)
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D array of shape (n, k), got shape {arr.shape}")
-    n, k = arr.shape
-    if n == 0:
-        raise ValueError(f"{name} is empty (shape {arr.shape}); need at least one item")
-    if k < 2:
-        raise ValueError(f"{name} must have at least 2 choices per row, got k={k}")
-    if not np.all(np.isfinite(arr)):
-        i, j = _first_bad(~np.isfinite(arr))
-        raise ValueError(f"{name}[{i}, {j}] = {arr[i, j]} is not finite")
-    if np.any((arr < 0.0) | (arr > 1.0)):
-        i, j = _first_bad((arr < 0.0) | (arr > 1.0))
-        raise ValueError(f"{name}[{i}, {j}] = {arr[i, j]} is not a probability in [0, 1]")
-    sums = arr.sum(axis=1)
-    off = np.abs(sums - 1.0) > _ROW_SUM_TOL
-    if np.any(off):
-        i = int(np.argmax(off))
-        raise ValueError(
-            f"row {i} of {name} sums to {sums[i]}, not 1; pass probabilities (softmax of the "
-            "logits), not log-probabilities"
-        )
-    return arr
-
-
-def _check_labels(y: ArrayLike, n: int, k: int, name: str = "y") -> _IntArray:
-    arr = np.asarray(y)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D array of shape (n,), got shape {arr.shape}")
-    if arr.shape[0] != n:
-        raise ValueError(f"{name} has {arr.shape[0]} labels but there are {n} rows of scores")
-    if arr.dtype == np.bool_ or not (
-        np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
-    ):
-        raise ValueError(f"{name} must hold integer choice indices, got dtype {arr.dtype}")
-    if np.issubdtype(arr.dtype, np.floating):
-        bad = ~np.isfinite(arr) | (arr != np.round(arr))
-        if np.any(bad):
-            i = int(np.argmax(bad))
-            raise ValueError(f"{name}[{i}] = {arr[i]} is not an integer choice index")
-    out = arr.astype(np.int64)
-    bad = (out < 0) | (out >= k)
-    if np.any(bad):
-        i = int(np.argmax(bad))
-        raise ValueError(f"{name}[{i}] = {out[i]} is out of range: choice indices are 0..{k - 1}")
-    return out
-
-
-def _check_confidences(confidences: ArrayLike, name: str = "confidences") -> _FloatArray:
-    arr = np.asarray(confidences, dtype=np.float64)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D array of shape (n,), got shape {arr.shape}")
-    if arr.shape[0] == 0:
-        raise ValueError(f"{name} is empty; need at least one item")
-    bad = ~np.isfinite(arr) | (arr < 0.0) | (arr > 1.0)
-    if np.any(bad):
-        i = int(np.argmax(bad))
-        raise ValueError(f"{name}[{i}] = {arr[i]} is not a probability in [0, 1]")
-    return arr
-
-
-def _check_correct(correct: ArrayLike, n: int, name: str = "correct") -> _BoolArray:
-    arr = np.asarray(correct)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D array of shape (n,), got shape {arr.shape}")
-    if arr.shape[0] != n:
-        raise ValueError(f"{name} has {arr.shape[0]} entries but there are {n} confidences")
-    if arr.dtype == np.bool_:
-        return arr
-    if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-        raise ValueError(f"{name} must be booleans or 0/1, got dtype {arr.dtype}")
-    bad = (arr != 0) & (arr != 1)
-    if np.any(bad):
-        i = int(np.argmax(bad))
-        raise ValueError(f"{name}[{i}] = {arr[i]} is not 0/1 (or a boolean)")
-    return arr == 1
-
-
-def _check_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_unit_open(value: object, name: str) -> float:
-    """A float strictly inside (0, 1), as alpha, delta and target precisions must be."""
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise ValueError(f"{name} must be a number in (0, 1), got {value!r}")
-    out = float(value)
-    if not (0.0 < out < 1.0):
-        raise ValueError(f"{name} must be in the open interval (0, 1), got {value!r}")
-    return out
-
-
-def _check_probs_labels(probs: ArrayLike, y: ArrayLike) -> tuple[_FloatArray, _IntArray]:
-    p = _check_probs(probs)
-    return p, _check_labels(y, p.shape[0], p.shape[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +130,7 @@ def accuracy(probs: ArrayLike, y: ArrayLike) -> float:
     probs : array of shape (n, k)
     y : array of shape (n,)
     """
-    p, labels = _check_probs_labels(probs, y)
+    p, labels = check_probs_labels(probs, y)
     return float(_top_label(p, labels)[1].mean())
 
 
@@ -253,7 +142,7 @@ def nll(probs: ArrayLike, y: ArrayLike) -> float:
     probs : array of shape (n, k)
     y : array of shape (n,)
     """
-    p, labels = _check_probs_labels(probs, y)
+    p, labels = check_probs_labels(probs, y)
     return float(_item_nll(p, labels).mean())
 
 
@@ -277,7 +166,7 @@ def brier(probs: ArrayLike, y: ArrayLike) -> float:
     probs : array of shape (n, k)
     y : array of shape (n,)
     """
-    p, labels = _check_probs_labels(probs, y)
+    p, labels = check_probs_labels(probs, y)
     return float(_item_brier(p, labels).mean())
 
 
@@ -293,8 +182,8 @@ def ece(probs: ArrayLike, y: ArrayLike, n_bins: int = 15) -> float:
     y : array of shape (n,)
     n_bins : int
     """
-    p, labels = _check_probs_labels(probs, y)
-    n_bins = _check_int(n_bins, "n_bins", 1)
+    p, labels = check_probs_labels(probs, y)
+    n_bins = check_int(n_bins, "n_bins", 1)
     confidences, hits = _top_label(p, labels)
     return _ece_of(confidences, hits, _bin_index(confidences, n_bins), n_bins)
 
@@ -319,8 +208,8 @@ def adaptive_ece(probs: ArrayLike, y: ArrayLike, n_bins: int = 15) -> float:
     y : array of shape (n,)
     n_bins : int
     """
-    p, labels = _check_probs_labels(probs, y)
-    n_bins = _check_int(n_bins, "n_bins", 1)
+    p, labels = check_probs_labels(probs, y)
+    n_bins = check_int(n_bins, "n_bins", 1)
     confidences, hits = _top_label(p, labels)
     order = np.argsort(confidences, kind="stable")
     bins = _equal_mass_bins(len(order), n_bins)
@@ -338,8 +227,8 @@ def mce(probs: ArrayLike, y: ArrayLike, n_bins: int = 15) -> float:
     y : array of shape (n,)
     n_bins : int
     """
-    p, labels = _check_probs_labels(probs, y)
-    n_bins = _check_int(n_bins, "n_bins", 1)
+    p, labels = check_probs_labels(probs, y)
+    n_bins = check_int(n_bins, "n_bins", 1)
     confidences, hits = _top_label(p, labels)
     counts, sum_hits, sum_conf = _binned_sums(
         confidences, hits, _bin_index(confidences, n_bins), n_bins
@@ -361,8 +250,8 @@ def classwise_ece(probs: ArrayLike, y: ArrayLike, n_bins: int = 15) -> float:
     y : array of shape (n,)
     n_bins : int
     """
-    p, labels = _check_probs_labels(probs, y)
-    n_bins = _check_int(n_bins, "n_bins", 1)
+    p, labels = check_probs_labels(probs, y)
+    n_bins = check_int(n_bins, "n_bins", 1)
     k = p.shape[1]
     per_class = [
         _ece_of(p[:, c], (labels == c).astype(np.float64), _bin_index(p[:, c], n_bins), n_bins)
@@ -388,8 +277,8 @@ def calibration_bins(
     accuracy : float array of shape (n_bins,), NaN in empty bins
     confidence : float array of shape (n_bins,), NaN in empty bins
     """
-    p, labels = _check_probs_labels(probs, y)
-    n_bins = _check_int(n_bins, "n_bins", 1)
+    p, labels = check_probs_labels(probs, y)
+    n_bins = check_int(n_bins, "n_bins", 1)
     confidences, hits = _top_label(p, labels)
     counts, sum_hits, sum_conf = _binned_sums(
         confidences, hits, _bin_index(confidences, n_bins), n_bins
@@ -423,10 +312,10 @@ def ece_noise_floor(
     -------
     (mean, p95) : the mean and the 95th percentile of the simulated ECE over ``n_draws`` draws.
     """
-    conf = _check_confidences(confidences)
-    n_bins = _check_int(n_bins, "n_bins", 1)
-    n_draws = _check_int(n_draws, "n_draws", 1)
-    seed = _check_int(seed, "seed", 0)
+    conf = check_confidences(confidences)
+    n_bins = check_int(n_bins, "n_bins", 1)
+    n_draws = check_int(n_draws, "n_draws", 1)
+    seed = check_int(seed, "seed", 0)
     n = conf.shape[0]
     bins = _bin_index(conf, n_bins)
     # The bins depend only on the confidences, so one (n, n_bins) indicator matrix turns every
@@ -531,10 +420,10 @@ def evaluate(
     y : array of shape (n,)
     n_bootstrap, seed, n_bins : int
     """
-    p, labels = _check_probs_labels(probs, y)
-    n_bootstrap = _check_int(n_bootstrap, "n_bootstrap", 1)
-    seed = _check_int(seed, "seed", 0)
-    n_bins = _check_int(n_bins, "n_bins", 1)
+    p, labels = check_probs_labels(probs, y)
+    n_bootstrap = check_int(n_bootstrap, "n_bootstrap", 1)
+    seed = check_int(seed, "seed", 0)
+    n_bins = check_int(n_bins, "n_bins", 1)
     n = p.shape[0]
     data = _BootstrapData(p, labels, n_bins)
     point = data.metrics(np.arange(n)[None, :])
@@ -552,7 +441,7 @@ def evaluate(
         intervals[name] = Interval(
             value=value, low=min(float(low), value), high=max(float(high), value)
         )
-    floor, floor_p95 = ece_noise_floor(data.conf, n_bins=n_bins, seed=seed)
+    floor, floor_p95 = ece_noise_floor(data.conf, n_bins=n_bins, n_draws=n_bootstrap, seed=seed)
     return MetricReport(
         n=int(n),
         accuracy=intervals["accuracy"],

@@ -9,17 +9,17 @@ and written atomically, so a reader never sees a half-written file.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
-import tempfile
 from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib import figure
 from matplotlib.backends import backend_agg
 
-from calibration.metrics import _check_int, _check_probs_labels, calibration_bins, ece
+from atomicio import replacing
+from calibration.metrics import calibration_bins, ece
+from calibration.validation import check_int, check_probs_labels
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -96,8 +96,8 @@ def reliability_diagram(
         The same or different items; typically held-out probabilities without and with
         calibration.
     path : str or path-like
-        Destination PNG; its directory must exist. Written via a temporary file in the same
-        directory and ``os.replace``, so it appears complete or not at all.
+        Destination PNG; its directory must exist. Written with ``atomicio.replacing`` (a
+        temporary beside it, then a rename), so it appears complete or not at all.
     n_bins : int
     title : str
         Figure title.
@@ -106,12 +106,12 @@ def reliability_diagram(
     -------
     The path written, as a ``pathlib.Path``.
     """
-    n_bins = _check_int(n_bins, "n_bins", 1)
+    n_bins = check_int(n_bins, "n_bins", 1)
     columns = []
     for label, pair in (("before calibration", before), ("after calibration", after)):
         if not isinstance(pair, tuple) or len(pair) != 2:
             raise ValueError(f"{label.split()[0]} must be a (probs, y) tuple, got {pair!r}")
-        columns.append((label, *_check_probs_labels(*pair)))
+        columns.append((label, *check_probs_labels(*pair)))
     target = pathlib.Path(path)
     if not target.parent.is_dir():
         raise ValueError(
@@ -126,13 +126,6 @@ def reliability_diagram(
     if title:
         fig.suptitle(title)
 
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            fig.savefig(handle, format="png", dpi=100)
-        os.replace(tmp_name, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
+    with replacing(target) as temp:
+        fig.savefig(temp, format="png", dpi=100)
     return target

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from calibration.fitting import ProfileEvaluation
+from calibration.fitting import PolicyEvaluation
 from calibration.metrics import Interval, MetricReport
 from calibration.profile import CalibrationProfile
 
@@ -40,32 +40,38 @@ def _threshold_line(profile: CalibrationProfile) -> str:
     t = profile.threshold
     if t.feasible and t.threshold is not None:
         return (
-            f"accept when calibrated confidence >= **{t.threshold:.3f}**: certified precision "
-            f">= {t.target_precision} with probability >= {1 - t.delta:.2f} ({t.method}); "
-            f"coverage on the calibration data {t.coverage:.3f}, precision {t.precision:.4f}, "
-            f"lower bound {t.precision_lower_bound:.4f}"
+            f"accept when calibrated confidence >= **{t.threshold:.3f}** (and the choice mass "
+            f">= {profile.min_choice_mass:g} and the conformal set holds one choice): certified "
+            f"precision >= {t.target_precision} with probability >= {1 - t.delta:.2f} "
+            f"({t.method}) on {t.n} examples the map was not fitted on; coverage there "
+            f"{t.coverage:.3f}, precision {t.precision:.4f}, lower bound "
+            f"{t.precision_lower_bound:.4f}"
         )
-    return f"**infeasible**: {t.reason}"
+    return f"**no certified threshold**: {t.reason}; every item escalates unless a caller sets one"
 
 
 def profile_markdown(
-    profile: CalibrationProfile, evaluation: ProfileEvaluation | None = None
+    profile: CalibrationProfile, evaluation: PolicyEvaluation | None = None
 ) -> str:
+    m = profile.calibration_map
+    bias = getattr(m, "bias", None)
+    s = profile.split
     parts = [
         f"# Calibration profile `{profile.name}`",
         "",
         f"- model: `{profile.model}` (sha256 {profile.model_sha256 or 'n/a'}), dtype {profile.dtype}",
         f"- choices: {', '.join(f'`{c}`' for c in profile.choices)}",
-        f"- data: `{profile.dataset}`, {profile.n_examples} examples (sha256 {profile.dataset_sha256[:16]}...)",
-        f"- method: **{profile.method}**, temperature {profile.temperature:.4f}"
-        + (f", bias {[round(b, 4) for b in profile.bias]}" if profile.bias else ""),
-        f"- cross-validated NLL: {', '.join(f'{k} {v:.4f}' for k, v in profile.cv_nll.items())}",
+        f"- data: `{profile.dataset}`, {profile.n_examples} examples (sha256 {profile.dataset_sha256[:16]}...), "
+        f"split {s.fit} to fit the map / {s.conformal} for the conformal quantile / {s.certify} to certify the threshold (seed {s.seed})",
+        f"- map: **{m.method}**, temperature {m.temperature:.4f}"
+        + (f", bias {[round(b, 4) for b in bias]}" if bias else ""),
+        f"- cross-validated NLL (fit split): {', '.join(f'{k} {v:.4f}' for k, v in profile.cv_nll.items())}",
         f"- {profile.note}",
         f"- routing: {_threshold_line(profile)}",
         f"- conformal (LAC, alpha {profile.conformal_alpha}): quantile {profile.conformal_quantile:.4f}",
         f"- created {profile.created_at}",
         "",
-        "## On the calibration data (after = out-of-fold)",
+        "## On the calibration data (before: every example; after: the examples the map was not fitted on)",
         "",
         metrics_table(profile.metrics_before, profile.metrics_after),
     ]
@@ -74,23 +80,26 @@ def profile_markdown(
     return "\n".join(parts) + "\n"
 
 
-def evaluation_markdown(evaluation: ProfileEvaluation) -> str:
+def evaluation_markdown(evaluation: PolicyEvaluation) -> str:
     e = evaluation
-    if e.threshold is None:
-        routing = "threshold infeasible: every item escalates"
+    threshold = "none (no certified threshold)" if e.threshold is None else f"{e.threshold:.3f}"
+    if e.precision is None:
+        precision = "n/a (nothing accepted)"
     else:
-        precision = "n/a (nothing accepted)" if e.precision is None else f"{e.precision:.4f}"
-        routing = (
-            f"threshold {e.threshold:.3f}: coverage {e.coverage:.3f} ({e.n_accepted} of {e.n} "
-            f"accepted), precision {precision} (target {e.target_precision})"
-        )
+        low, high = e.precision_interval or (0.0, 1.0)
+        precision = f"{e.precision:.4f} [{low:.4f}, {high:.4f}] (target {e.target_precision})"
+    escalated = e.n - e.n_accepted
+    kinds = ", ".join(f"{code} {count}" for code, count in e.escalations.items()) or "none"
     return "\n".join(
         [
             f"## Held-out evaluation ({e.n} items)",
             "",
             metrics_table(e.before, e.after),
             "",
-            f"- routing: {routing}",
+            f"- served policy: threshold {threshold}, min choice mass {e.min_choice_mass:g}, "
+            f"single-choice conformal set; {'certified' if e.certified else 'NOT certified (overridden or none)'}",
+            f"- accepted {e.n_accepted} of {e.n} (coverage {e.coverage:.3f}), precision {precision}",
+            f"- escalated {escalated}; by reason (an item may have several): {kinds}",
             f"- conformal sets (alpha {e.conformal_alpha}): coverage {e.conformal_coverage:.3f}, "
             f"mean size {e.mean_set_size:.2f}, single-choice {e.singleton_rate:.3f}",
         ]

@@ -2,14 +2,31 @@
 
 A judgment is accepted automatically when its confidence reaches a threshold and escalated
 (to a person or a stronger model) otherwise. ``select_threshold`` picks the lowest threshold,
-and so the most automation, whose precision on accepted items is certified to reach a target:
-for every threshold of a grid fixed in advance it computes a one-sided Clopper-Pearson lower
-confidence bound on the precision of the items the threshold accepts, at level delta / |grid|
-(Bonferroni). With probability at least 1 - delta over the draw of the calibration set, every
-threshold it certifies has true precision >= the target on the distribution the calibration
-set was drawn from (a "Learn then Test" style guarantee, Angelopoulos et al. 2021, here with
-the simplest family-wise correction). The guarantee is about that distribution: it does not
-survive a shift in the kind of items judged, or a change of model or calibration.
+and so the most automation, whose precision on accepted items is certified to reach a target.
+Each threshold t of a grid fixed in advance is a hypothesis test of H_t: "precision(t) <
+target"; with k of the m accepted items correct, H_t is rejected (t is certified) when the
+one-sided Clopper-Pearson lower bound on k / m at the test's level is >= target, which is the
+exact binomial test (Clopper & Pearson 1934). Given m, the accepted items are an i.i.d. draw
+from the items the threshold accepts, so k ~ Binomial(m, precision(t)) and each test is exact.
+
+Certifying many thresholds at once needs a family-wise correction. Two are implemented, both
+controlling the probability of certifying any threshold whose true precision is below target
+at delta ("Learn then Test", Angelopoulos, Bates, Candes, Jordan & Lei 2021):
+
+* ``"fixed_sequence"`` (the default): test the thresholds from the highest down, each at level
+  delta, and stop at the first that fails. Fixed-sequence testing controls the family-wise
+  error at delta for any order fixed before the data are seen (Maurer, Hothorn & Lehmacher
+  1995; LTT section 4). Precision usually falls as the threshold falls, so the sequence
+  follows the natural order, and every test runs at the full delta instead of delta / |grid|.
+  Its weakness is the top of the grid, where few items are accepted and a test can fail for
+  lack of data, ending the sequence; so the sequence starts at ``start``, a threshold chosen on
+  data independent of the certification set (``sequence_start``: the highest threshold at
+  which enough items are expected to be accepted for a test to possibly pass).
+* ``"bonferroni"``: every grid threshold at level delta / |grid| (a union bound).
+
+The guarantee is about the distribution the certification set was drawn from: it does not
+survive a shift in the kind of items judged, or a change of model or calibration map. That is
+why ``calibration.fitting`` certifies on items the map was not fitted on.
 
 ``risk_coverage`` describes the whole trade-off curve (selective classification, El-Yaniv &
 Wiener 2010; AURC as in Geifman et al. 2019).
@@ -17,6 +34,7 @@ Wiener 2010; AURC as in Geifman et al. 2019).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -24,12 +42,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy import stats
 
-from calibration.metrics import (
-    _check_confidences,
-    _check_correct,
-    _check_int,
-    _check_unit_open,
-)
+from calibration.validation import check_confidences, check_correct, check_int, check_unit_open
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -38,12 +51,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_GRID",
+    "PROCEDURES",
     "RiskCoverage",
     "ThresholdResult",
     "clopper_pearson_lower",
+    "minimum_accepted",
     "risk_coverage",
-    "route",
     "select_threshold",
+    "sequence_start",
 ]
 
 DEFAULT_GRID: tuple[float, ...] = (
@@ -53,15 +68,19 @@ DEFAULT_GRID: tuple[float, ...] = (
 )
 """Thresholds 0.50, 0.51, ..., 0.99, 0.995, 0.999.
 
-Fixed in advance and never derived from the data: the Bonferroni correction in
-``select_threshold`` is valid only for a family of hypotheses chosen before the calibration set
-is seen. Thresholds placed at the observed confidences would be a data-dependent family, and
-their lower bounds would be optimistic. Below 0.5 a top choice is no better than its
-alternatives combined, so the grid starts there; 52 thresholds cost a factor of 52 in the
-per-threshold error level, i.e. only a few points of certified precision at n in the hundreds.
+Fixed in advance and never derived from the data: a family-wise correction is valid only for
+hypotheses chosen before the certification set is seen. Thresholds placed at the observed
+confidences would be a data-dependent family, and their lower bounds would be optimistic.
+Below 0.5 a top choice is no better than its alternatives combined, so the grid starts there.
+Under Bonferroni its 52 thresholds cost a factor of 52 in each test's level; fixed-sequence
+testing pays nothing for the grid's size.
 """
 
-_METHOD = "clopper-pearson+bonferroni"
+PROCEDURES = ("fixed_sequence", "bonferroni")
+_METHODS = {
+    "fixed_sequence": "clopper-pearson, fixed-sequence testing (LTT)",
+    "bonferroni": "clopper-pearson, bonferroni",
+}
 _FloatArray = npt.NDArray[np.float64]
 _IntArray = npt.NDArray[np.int64]
 
@@ -78,9 +97,12 @@ class ThresholdResult(msgspec.Struct, frozen=True, kw_only=True):
     precision_lower_bound: float | None  # its corrected lower confidence bound
     n_accepted: int
     n: int
-    best_certified_precision: float  # max over the grid of the corrected lower bound
+    best_certified_precision: float  # max over the tested thresholds of the corrected lower bound
     grid_size: int
-    method: str
+    tested: int  # thresholds tested (fixed sequence: from ``start`` down to the first failure)
+    start: float | None  # where the fixed sequence started; None for bonferroni
+    procedure: str  # "fixed_sequence" | "bonferroni"
+    method: str  # the procedure in words
     reason: str
 
 
@@ -115,11 +137,11 @@ def clopper_pearson_lower(successes: int, trials: int, alpha: float) -> float:
     trials : int >= 0
     alpha : float in (0, 1)
     """
-    trials = _check_int(trials, "trials", 0)
-    successes = _check_int(successes, "successes", 0)
+    trials = check_int(trials, "trials", 0)
+    successes = check_int(successes, "successes", 0)
     if successes > trials:
         raise ValueError(f"successes = {successes} exceeds trials = {trials}")
-    alpha = _check_unit_open(alpha, "alpha")
+    alpha = check_unit_open(alpha, "alpha")
     if trials == 0 or successes == 0:
         return 0.0
     return float(stats.beta.ppf(alpha, successes, trials - successes + 1))
@@ -139,6 +161,50 @@ def _check_grid(grid: Sequence[float]) -> _FloatArray:
     return np.sort(arr)
 
 
+def minimum_accepted(target_precision: float, delta: float) -> int:
+    """The fewest accepted items for which a test at level delta can certify the target.
+
+    With m items all correct the Clopper-Pearson bound is delta ** (1 / m), so certification is
+    possible only when target ** m <= delta.
+    """
+    target_precision = check_unit_open(target_precision, "target_precision")
+    delta = check_unit_open(delta, "delta")
+    return max(1, math.ceil(math.log(delta) / math.log(target_precision) - 1e-9))
+
+
+def sequence_start(
+    confidences: ArrayLike,
+    n_certify: int,
+    *,
+    target_precision: float = 0.9,
+    delta: float = 0.1,
+    grid: Sequence[float] = DEFAULT_GRID,
+    margin: float = 2.0,
+) -> float:
+    """Where a fixed sequence should start, judged on data independent of the certification set.
+
+    The highest grid threshold at which a certification set of ``n_certify`` items is expected
+    to accept at least ``margin`` times ``minimum_accepted`` items, the expectation taken from
+    ``confidences`` (items drawn like the certification set but not part of it). Above it a
+    test would most likely fail for lack of accepted items and end the sequence. Falls back to
+    the lowest grid threshold when none qualifies.
+
+    Parameters
+    ----------
+    confidences : array of shape (m,)
+        Confidences of items independent of the certification set (0 for items that other
+        gates would escalate anyway).
+    n_certify : int >= 1
+    """
+    conf = check_confidences(confidences)
+    n_certify = check_int(n_certify, "n_certify", 1)
+    thresholds = _check_grid(grid)
+    needed = margin * minimum_accepted(target_precision, delta)
+    expected = n_certify * (conf[None, :] >= thresholds[:, None]).mean(axis=1)  # (grid,)
+    ok = np.flatnonzero(expected >= needed)
+    return float(thresholds[ok[-1]] if ok.size else thresholds[0])
+
+
 def select_threshold(
     confidences: ArrayLike,
     correct: ArrayLike,
@@ -146,62 +212,91 @@ def select_threshold(
     target_precision: float = 0.9,
     delta: float = 0.1,
     grid: Sequence[float] = DEFAULT_GRID,
+    procedure: str = "fixed_sequence",
+    start: float | None = None,
 ) -> ThresholdResult:
-    """The lowest grid threshold whose precision on accepted items is certified >= target.
+    """The lowest certified grid threshold: precision on accepted items >= target, w.p. 1 - delta.
 
-    For each threshold t of ``grid``, the items with confidence >= t are accepted; with k of
-    the m accepted items correct, the precision is certified when the Clopper-Pearson lower
-    bound at level delta / len(grid) is >= ``target_precision``. With probability >= 1 - delta
-    every certified threshold has true precision >= target on the distribution the items were
-    drawn from (union bound over the fixed grid), so returning the certified threshold with
-    the highest coverage keeps the guarantee. A threshold that accepts nothing is never
-    certified.
+    An item is accepted at threshold t when its confidence is >= t (give 0 to an item that
+    other gates escalate anyway, so that the certificate covers the rule as served). With
+    probability >= 1 - delta over the draw of the items, every threshold this certifies has
+    true precision >= ``target_precision`` on the distribution they were drawn from, so
+    returning the certified threshold with the most coverage keeps the guarantee. A threshold
+    that accepts nothing is never certified.
 
     Parameters
     ----------
     confidences : array of shape (n,)
         Confidence of each item's chosen answer, in [0, 1] (calibrated or not: the guarantee
-        does not depend on calibration, only on the items being representative).
+        does not depend on calibration, only on the items being representative and unused by
+        whatever produced the confidences).
     correct : array of shape (n,)
         Whether each chosen answer was correct (booleans or 0/1).
     target_precision, delta : float in (0, 1)
     grid : sequence of distinct thresholds in [0, 1], fixed before seeing the data.
+    procedure : "fixed_sequence" (default) or "bonferroni"; see the module docstring.
+    start : float, a grid threshold, for "fixed_sequence": test from it downwards. It must
+        not depend on these items (``sequence_start`` on independent ones). None: the top.
     """
-    conf = _check_confidences(confidences)
-    hits = _check_correct(correct, conf.shape[0])
-    target_precision = _check_unit_open(target_precision, "target_precision")
-    delta = _check_unit_open(delta, "delta")
+    conf = check_confidences(confidences)
+    hits = check_correct(correct, conf.shape[0])
+    target_precision = check_unit_open(target_precision, "target_precision")
+    delta = check_unit_open(delta, "delta")
     thresholds = _check_grid(grid)
+    if procedure not in PROCEDURES:
+        raise ValueError(f"procedure must be one of {PROCEDURES}, got {procedure!r}")
     n = int(conf.shape[0])
+    grid_size = int(thresholds.shape[0])
 
     accepted = conf[None, :] >= thresholds[:, None]  # (grid, n)
     n_acc = accepted.sum(axis=1)
     n_hits = (accepted & hits[None, :]).sum(axis=1)
-    lower = _lower_bounds(n_hits, n_acc, delta / thresholds.shape[0])
-    certified = (n_acc > 0) & (lower >= target_precision)
-    best = float(lower.max())
-    grid_size = int(thresholds.shape[0])
-    if np.any(certified):
-        i = int(np.argmax(certified))  # thresholds are sorted: the first is the lowest
+    if procedure == "bonferroni":
+        lower = _lower_bounds(n_hits, n_acc, delta / grid_size)
+        passed = (n_acc > 0) & (lower >= target_precision)
+        tested = np.ones(grid_size, dtype=bool)
+        start = None
+        how = f"Clopper-Pearson, Bonferroni over {grid_size} thresholds"
+    else:
+        top = grid_size - 1
+        if start is not None:
+            matches = np.flatnonzero(np.isclose(thresholds, start, rtol=0, atol=1e-12))
+            if matches.size == 0:
+                raise ValueError(f"start {start!r} is not a threshold of the grid")
+            top = int(matches[0])
+        lower = _lower_bounds(n_hits, n_acc, delta)
+        ok = (n_acc > 0) & (lower >= target_precision)
+        passed = np.zeros(grid_size, dtype=bool)
+        tested = np.zeros(grid_size, dtype=bool)
+        for i in range(top, -1, -1):  # from the highest threshold down, stop at the first failure
+            tested[i] = True
+            if not ok[i]:
+                break
+            passed[i] = True
+        start = float(thresholds[top])
+        how = f"Clopper-Pearson, fixed-sequence testing from {start:g} down (LTT)"
+    best = float(lower[tested].max())
+    if np.any(passed):
+        i = int(np.argmax(passed))  # thresholds are sorted: the first is the lowest
         m, k = int(n_acc[i]), int(n_hits[i])
         threshold: float | None = float(thresholds[i])
         bound: float | None = float(lower[i])
         reason = (
             f"threshold {threshold:g} accepts {m} of {n} items with precision {k / m:.4f}; "
             f"its lower bound {bound:.4f} >= {target_precision:g} holds with probability "
-            f">= {1 - delta:g} (Clopper-Pearson, Bonferroni over {grid_size} thresholds)"
+            f">= {1 - delta:g} ({how})"
         )
     else:
         m, k, threshold, bound = 0, 0, None, None
         head = (
-            f"no threshold on the grid certifies precision {target_precision:g} at delta "
-            f"{delta:g} with n={n}"
+            f"no threshold certifies precision {target_precision:g} at delta {delta:g} "
+            f"with n={n} ({how})"
         )
+        at = float(thresholds[tested][int(np.argmax(lower[tested]))])
         reason = (
-            f"{head}; the best certified is {best:.4f} "
-            f"(at threshold {float(thresholds[int(np.argmax(lower))]):g})"
+            f"{head}; the best lower bound is {best:.4f} (at threshold {at:g})"
             if best > 0
-            else f"{head}: no threshold accepts a correct item"
+            else f"{head}: no tested threshold accepts a correct item"
         )
     return ThresholdResult(
         feasible=threshold is not None,
@@ -215,21 +310,12 @@ def select_threshold(
         n=n,
         best_certified_precision=best,
         grid_size=grid_size,
-        method=_METHOD,
+        tested=int(tested.sum()),
+        start=start,
+        procedure=procedure,
+        method=_METHODS[procedure],
         reason=reason,
     )
-
-
-def route(confidence: float, threshold: float) -> str:
-    """ "accept" when ``confidence`` >= ``threshold``, else "escalate"."""
-    for name, value in (("confidence", confidence), ("threshold", threshold)):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float | np.floating)
-            or not 0.0 <= value <= 1.0
-        ):
-            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return "accept" if confidence >= threshold else "escalate"
 
 
 def risk_coverage(confidences: ArrayLike, correct: ArrayLike) -> RiskCoverage:
@@ -245,8 +331,8 @@ def risk_coverage(confidences: ArrayLike, correct: ArrayLike) -> RiskCoverage:
     confidences : array of shape (n,)
     correct : array of shape (n,), booleans or 0/1
     """
-    conf = _check_confidences(confidences)
-    hits = _check_correct(correct, conf.shape[0])
+    conf = check_confidences(confidences)
+    hits = check_correct(correct, conf.shape[0])
     n = conf.shape[0]
     order = np.argsort(-conf, kind="stable")
     counts = np.arange(1, n + 1, dtype=np.float64)

@@ -9,12 +9,14 @@ from scipy import stats
 
 from calibration.routing import (
     DEFAULT_GRID,
+    PROCEDURES,
     RiskCoverage,
     ThresholdResult,
     clopper_pearson_lower,
+    minimum_accepted,
     risk_coverage,
-    route,
     select_threshold,
+    sequence_start,
 )
 
 
@@ -45,28 +47,96 @@ def true_precision(threshold: float) -> float:
     return (1.0 + max(threshold, 0.5)) / 2.0
 
 
-def test_guarantee_holds_over_simulated_calibration_sets() -> None:
+@pytest.mark.parametrize("procedure", PROCEDURES)
+def test_guarantee_holds_over_simulated_calibration_sets(procedure: str) -> None:
     target, delta, draws = 0.85, 0.1, 200
     rng = np.random.default_rng(0)
     failures = feasible = 0
     for _ in range(draws):
         conf = rng.uniform(0.5, 1.0, size=500)
         correct = rng.random(500) < conf
-        result = select_threshold(conf, correct, target_precision=target, delta=delta)
+        # The sequence's start comes from items the certification set does not contain.
+        start = sequence_start(rng.uniform(0.5, 1.0, size=200), 500, target_precision=target)
+        result = select_threshold(
+            conf,
+            correct,
+            target_precision=target,
+            delta=delta,
+            procedure=procedure,
+            start=start if procedure == "fixed_sequence" else None,
+        )
         if result.feasible:
             feasible += 1
             assert result.threshold is not None
             failures += true_precision(result.threshold) < target - 1e-12
-    # Bonferroni over 52 thresholds makes failures far rarer than delta; the rule is usable.
     assert failures / draws <= delta
     assert feasible >= draws // 2  # not vacuous: most draws certify a threshold
+
+
+def test_fixed_sequence_certifies_more_than_bonferroni() -> None:
+    rng = np.random.default_rng(3)
+    lower_fs, lower_bf = [], []
+    for _ in range(50):
+        conf = rng.uniform(0.5, 1.0, size=500)
+        correct = rng.random(500) < conf
+        fs = select_threshold(conf, correct, target_precision=0.85, start=0.95)
+        bf = select_threshold(conf, correct, target_precision=0.85, procedure="bonferroni")
+        lower_fs.append(fs.threshold or 1.0)
+        lower_bf.append(bf.threshold or 1.0)
+    # Every test runs at delta instead of delta / 52: the certified thresholds sit lower.
+    assert np.mean(lower_fs) < np.mean(lower_bf) - 0.02
+
+
+def test_fixed_sequence_stops_at_the_first_failure() -> None:
+    # Thresholds 0.9 and 0.8 accept only correct items; 0.7 adds many errors; 0.6 adds so many
+    # correct items that its precision would pass again. The sequence must stop at 0.7.
+    conf = np.array([0.95] * 60 + [0.85] * 60 + [0.75] * 60 + [0.65] * 2000)
+    correct = np.array([True] * 120 + [False] * 60 + [True] * 2000)
+    grid = [0.6, 0.7, 0.8, 0.9]
+    result = select_threshold(conf, correct, target_precision=0.9, grid=grid)
+    assert result.threshold == 0.8
+    assert result.tested == 3 and result.start == 0.9
+    assert result.procedure == "fixed_sequence"
+    bonferroni = select_threshold(
+        conf, correct, target_precision=0.9, grid=grid, procedure="bonferroni"
+    )
+    assert bonferroni.threshold == 0.6 and bonferroni.tested == 4
+
+
+def test_fixed_sequence_starts_where_told() -> None:
+    conf = np.array([0.999] * 3 + [0.9] * 200)
+    correct = np.ones(203, dtype=bool)
+    # From the top, 0.999 accepts 3 items: 0.9 ** 3 > delta, so the sequence ends at once.
+    assert select_threshold(conf, correct, grid=[0.9, 0.999]).threshold is None
+    started = select_threshold(conf, correct, grid=[0.9, 0.999], start=0.9)
+    assert started.threshold == 0.9 and started.tested == 1
+    with pytest.raises(ValueError, match=r"start 0\.95 is not a threshold of the grid"):
+        select_threshold(conf, correct, grid=[0.9, 0.999], start=0.95)
+    with pytest.raises(ValueError, match="procedure must be one of"):
+        select_threshold(conf, correct, procedure="holm")
+
+
+def test_minimum_accepted_and_sequence_start() -> None:
+    # 0.9 ** 21 = 0.109 > 0.1 >= 0.9 ** 22 = 0.098
+    assert minimum_accepted(0.9, 0.1) == 22
+    assert minimum_accepted(0.5, 0.5) == 1
+    conf = np.linspace(0.5, 1.0, 101)
+    # 500 items expected, 44 needed: the highest threshold where >= 8.8% of items lie above.
+    start = sequence_start(conf, 500, target_precision=0.9, delta=0.1)
+    assert start in DEFAULT_GRID
+    assert 500 * np.mean(conf >= start) >= 44
+    above = [t for t in DEFAULT_GRID if t > start]
+    assert all(500 * np.mean(conf >= t) < 44 for t in above)
+    assert sequence_start(np.zeros(10), 5) == DEFAULT_GRID[0]
 
 
 def test_feasible_result_fields() -> None:
     rng = np.random.default_rng(1)
     conf = rng.uniform(0.5, 1.0, size=2000)
     correct = rng.random(2000) < conf
-    result = select_threshold(conf, correct, target_precision=0.85, delta=0.1)
+    result = select_threshold(
+        conf, correct, target_precision=0.85, delta=0.1, procedure="bonferroni"
+    )
     assert result.feasible
     assert result.threshold is not None
     assert result.threshold in DEFAULT_GRID
@@ -82,7 +152,7 @@ def test_feasible_result_fields() -> None:
     )
     assert result.best_certified_precision >= result.precision_lower_bound
     assert result.grid_size == 52
-    assert result.method == "clopper-pearson+bonferroni"
+    assert result.method == "clopper-pearson, bonferroni" and result.start is None
     assert result.n == 2000
     # The next lower grid threshold is not certified (the returned one has the most coverage).
     lower_t = DEFAULT_GRID[DEFAULT_GRID.index(result.threshold) - 1]
@@ -95,7 +165,9 @@ def test_infeasible_when_confidence_carries_no_signal() -> None:
     rng = np.random.default_rng(2)
     conf = np.full(400, 0.5)
     correct = rng.random(400) < 0.5
-    result = select_threshold(conf, correct, target_precision=0.9, delta=0.1)
+    result = select_threshold(
+        conf, correct, target_precision=0.9, delta=0.1, procedure="bonferroni"
+    )
     assert not result.feasible
     assert result.threshold is None
     assert result.coverage == 0.0
@@ -103,17 +175,15 @@ def test_infeasible_when_confidence_carries_no_signal() -> None:
     assert result.precision_lower_bound is None
     assert result.n_accepted == 0
     assert 0.0 < result.best_certified_precision < 0.5
-    assert "no threshold on the grid certifies precision 0.9 at delta 0.1 with n=400" in (
-        result.reason
-    )
-    assert "the best certified is" in result.reason
+    assert "no threshold certifies precision 0.9 at delta 0.1 with n=400" in result.reason
+    assert "the best lower bound is" in result.reason
 
 
 def test_thresholds_with_no_accepted_items_are_never_certified() -> None:
     result = select_threshold([0.2, 0.3], [True, True], target_precision=0.5, grid=[0.9, 0.95])
     assert not result.feasible
     assert result.best_certified_precision == 0.0
-    assert "no threshold accepts a correct item" in result.reason
+    assert "no tested threshold accepts a correct item" in result.reason
 
 
 def test_select_threshold_validation() -> None:
@@ -135,14 +205,6 @@ def test_select_threshold_validation() -> None:
         clopper_pearson_lower(3, 2, 0.1)
     with pytest.raises(ValueError, match="alpha must be in the open interval"):
         clopper_pearson_lower(1, 2, 0.0)
-
-
-def test_route() -> None:
-    assert route(0.9, 0.9) == "accept"
-    assert route(0.95, 0.9) == "accept"
-    assert route(0.89, 0.9) == "escalate"
-    with pytest.raises(ValueError, match="confidence must be a number in"):
-        route(1.2, 0.9)
 
 
 def test_risk_coverage_by_hand() -> None:

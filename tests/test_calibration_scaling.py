@@ -12,10 +12,12 @@ from sklearn.exceptions import NotFittedError
 
 from calibration.metrics import nll
 from calibration.scaling import (
+    BiasTemperature,
     BiasTemperatureScaler,
     CalibrationFit,
+    Identity,
+    Temperature,
     TemperatureScaler,
-    apply_calibration,
     fit_calibrator,
     softmax,
 )
@@ -76,7 +78,7 @@ def test_stays_near_one_on_calibrated_data() -> None:
 def test_temperature_keeps_the_argmax_and_rows_sum_to_one(
     logits: np.ndarray, temperature: float
 ) -> None:
-    scaled = apply_calibration(logits, "temperature", temperature, None)
+    scaled = Temperature(temperature=temperature).apply(logits)
     np.testing.assert_allclose(scaled.sum(axis=1), 1.0, rtol=1e-12)
     # Order is kept weakly everywhere (a larger score never gets a smaller probability) ...
     for z_row, p_row in zip(logits, scaled, strict=True):
@@ -110,26 +112,25 @@ def test_fitted_temperature_does_not_hurt_held_out_nll() -> None:
 def test_fit_calibrator_keeps_calibrated_data_unscaled() -> None:
     z, y = synthetic(5, n=2000)
     fit = fit_calibrator(z, y)
-    assert fit.method == "none"
-    assert fit.temperature == 1.0
-    assert fit.bias is None
+    assert fit.map == Identity()
+    assert fit.map.method == "none" and fit.map.temperature == 1.0
     assert set(fit.cv_nll) == {"none", "temperature", "bias_temperature"}
     assert "temperature stays 1.0" in fit.note
     # Held-out check on a fresh draw: applying the fit loses nothing against no scaling.
     z_test, y_test = synthetic(6, n=2000)
-    applied = apply_calibration(z_test, fit.method, fit.temperature, fit.bias)
+    applied = fit.map.apply(z_test)
     assert nll(applied, y_test) <= nll(softmax(z_test), y_test) + 1e-12
 
 
 def test_fit_calibrator_picks_temperature_and_improves_held_out_nll() -> None:
     z, y = synthetic(7, temperature=2.5, n=2000)
     fit = fit_calibrator(z, y)
-    assert fit.method in {"temperature", "bias_temperature"}
-    assert fit.cv_nll[fit.method] < fit.cv_nll["none"]
-    assert fit.temperature == pytest.approx(2.5, abs=0.3)
-    assert fit.note.startswith(f"{fit.method} won")
+    assert isinstance(fit.map, Temperature | BiasTemperature)
+    assert fit.cv_nll[fit.map.method] < fit.cv_nll["none"]
+    assert fit.map.temperature == pytest.approx(2.5, abs=0.3)
+    assert fit.note.startswith(f"{fit.map.method} won")
     z_test, y_test = synthetic(8, temperature=2.5, n=2000)
-    applied = apply_calibration(z_test, fit.method, fit.temperature, fit.bias)
+    applied = fit.map.apply(z_test)
     assert nll(applied, y_test) < nll(softmax(z_test), y_test) - 0.05
 
 
@@ -145,14 +146,11 @@ def test_bias_recovery_and_selection() -> None:
     np.testing.assert_allclose(scaler.predict_proba(z).sum(axis=1), 1.0, rtol=1e-12)
 
     fit = fit_calibrator(z, y)
-    assert fit.method == "bias_temperature"
-    assert fit.bias is not None
-    assert len(fit.bias) == 3
-    assert all(type(v) is float for v in fit.bias)
-    np.testing.assert_allclose(np.diff(fit.bias), np.diff(b_true), atol=0.2)
-    np.testing.assert_allclose(
-        apply_calibration(z, fit.method, fit.temperature, fit.bias), scaler.predict_proba(z)
-    )
+    assert isinstance(fit.map, BiasTemperature)
+    assert len(fit.map.bias) == 3
+    assert all(type(v) is float for v in fit.map.bias)
+    np.testing.assert_allclose(np.diff(fit.map.bias), np.diff(b_true), atol=0.2)
+    np.testing.assert_allclose(fit.map.apply(z), scaler.predict_proba(z))
 
 
 def test_bias_stays_finite_for_an_absent_class() -> None:
@@ -167,18 +165,20 @@ def test_calibration_fit_is_plain_frozen_data() -> None:
     z, y = synthetic(11, bias=[0.0, 1.0, -1.0], n=600, k=3)
     fit = fit_calibrator(z, y, methods=("bias_temperature",), cv=3)
     assert set(fit.cv_nll) == {"none", "bias_temperature"}
-    assert type(fit.temperature) is float
+    assert type(fit.map.temperature) is float
     assert all(type(v) is float for v in fit.cv_nll.values())
-    decoded = msgspec.json.decode(msgspec.json.encode(fit), type=CalibrationFit)
+    encoded = msgspec.json.encode(fit)
+    assert b'"map":{"method":"' in encoded  # a tagged union: the method names the parameters
+    decoded = msgspec.json.decode(encoded, type=CalibrationFit)
     assert decoded == fit
     with pytest.raises(AttributeError):
-        fit.method = "none"  # type: ignore[misc]
+        fit.map = Identity()  # type: ignore[misc]
 
 
 def test_tiny_and_unstratifiable_sets_still_fit() -> None:
     z = np.array([[2.0, 0.0], [0.0, 2.0], [1.0, 0.0]])
     fit = fit_calibrator(z, [0, 1, 1], cv=5)  # cv reduced to n=3, class 0 has one member
-    assert fit.method in {"none", "temperature", "bias_temperature"}
+    assert fit.map.method in {"none", "temperature", "bias_temperature"}
     assert "3-fold CV" in fit.note
 
 
@@ -207,11 +207,27 @@ def test_validation_errors() -> None:
         fit_calibrator(np.zeros((4, 2)), [0, 1, 0, 1], cv=1)
     with pytest.raises(ValueError, match="at least 2 labelled items"):
         fit_calibrator(np.zeros((1, 2)), [0])
-    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0, got 0\.0"):
-        apply_calibration(np.zeros((1, 2)), "temperature", 0.0, None)
-    with pytest.raises(ValueError, match="bias has shape"):
-        apply_calibration(np.zeros((1, 2)), "bias_temperature", 1.0, [0.0, 0.0, 0.0])
-    with pytest.raises(ValueError, match="takes no bias"):
-        apply_calibration(np.zeros((1, 2)), "temperature", 1.0, [0.0, 0.0])
-    with pytest.raises(ValueError, match=r"needs temperature 1\.0"):
-        apply_calibration(np.zeros((1, 2)), "none", 2.0, None)
+    with pytest.raises(msgspec.ValidationError, match=r"temperature must be in \[0.01, 100\]"):
+        Temperature(temperature=0.0)
+    with pytest.raises(msgspec.ValidationError, match="temperature must be in"):
+        Temperature(temperature=1e-300)
+    with pytest.raises(msgspec.ValidationError, match="bias must be"):
+        BiasTemperature(temperature=1.0, bias=[1e308, -1e308])
+    with pytest.raises(ValueError, match="3 per-choice offsets but the logits have 2"):
+        BiasTemperature(temperature=1.0, bias=[0.0, 0.0, 0.0]).apply(np.zeros((1, 2)))
+
+
+def test_maps_decode_by_their_method_tag() -> None:
+    from calibration.scaling import CalibrationMap
+
+    def decode(text: str) -> object:
+        return msgspec.json.decode(text, type=CalibrationMap)
+
+    assert decode('{"method": "none"}') == Identity()
+    assert decode('{"method": "temperature", "temperature": 2.0}') == Temperature(temperature=2.0)
+    with pytest.raises(msgspec.ValidationError):
+        decode('{"method": "none", "temperature": 2.0}')  # "none" has no parameters
+    with pytest.raises(msgspec.ValidationError, match="bias"):
+        decode('{"method": "bias_temperature", "temperature": 2.0}')
+    with pytest.raises(msgspec.ValidationError):
+        decode('{"method": "platt", "temperature": 2.0}')

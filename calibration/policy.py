@@ -1,0 +1,312 @@
+"""The gate: one policy turns a judgment into a decision, accept or escalate, with its reasons.
+
+Every caller that decides (the HTTP service, ``judge ask``, ``judge evaluate``, a Python
+pipeline) goes through ``make_policy(...).decide(...)``, so the rule that is evaluated is the
+rule that is served. A decision accepts only when every gate passes:
+
+* the calibrated confidence of the top choice reaches the threshold (``below_threshold``), and
+  a threshold exists at all: a profile that certified none escalates everything
+  (``no_certified_threshold``) unless the caller sets one;
+* the choices' share of the model's full next-token distribution reaches the minimum choice
+  mass (``low_choice_mass``): a low mass means the model wanted to say something else;
+* with a profile, the conformal prediction set holds one choice (``ambiguous_set``).
+
+Which threshold and minimum mass apply is decided in one place, ``make_policy``: the request's
+value, else the profile's, else the server's default. A decision is ``certified`` when it used
+the profile's certified threshold and minimum mass unchanged, the rule whose precision
+``calibration.fitting`` certified; an override is the caller's own choice and carries no
+guarantee.
+
+A judgment is anything with per-choice ``log_probabilities`` and a ``choice_mass`` (the
+engine's ``Judgment`` qualifies), so this module needs neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from calibration.conformal import set_membership
+from calibration.errors import ProfileMismatchError
+from calibration.scaling import CalibrationMap, Identity
+from calibration.validation import check_probability
+
+if TYPE_CHECKING:
+    from calibration.profile import CalibrationProfile
+
+__all__ = [
+    "REASON_CODES",
+    "Decision",
+    "Gates",
+    "Policy",
+    "PolicyDefaults",
+    "ReasonCode",
+    "ScoredJudgment",
+    "make_policy",
+]
+
+REASON_CODES = ("no_certified_threshold", "below_threshold", "low_choice_mass", "ambiguous_set")
+ReasonCode = Literal[
+    "no_certified_threshold", "below_threshold", "low_choice_mass", "ambiguous_set"
+]
+ThresholdSource = Literal["request", "profile", "default"]
+
+
+class ScoredJudgment(Protocol):
+    """What a policy needs of a judgment."""
+
+    @property
+    def log_probabilities(self) -> Mapping[str, float]: ...
+
+    @property
+    def choice_mass(self) -> float: ...
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """Accept or escalate, and everything that went into it. Plain data."""
+
+    decision: Literal["accept", "escalate"]
+    choice: str  # the most probable choice after calibration
+    confidence: float  # its calibrated probability
+    probabilities: dict[str, float]  # calibrated; the profile's choice order (else the judgment's)
+    prediction_set: list[str] | None  # the conformal set; None without a profile
+    reasons: list[str]  # why it escalated, in words; empty when accepted
+    reason_codes: list[ReasonCode]  # one code per reason, for counting
+    threshold: float | None  # None: no certified threshold and none given
+    min_choice_mass: float
+    choice_mass: float
+    certified: bool  # the profile's certified rule, unchanged, made this decision
+    profile: str | None
+
+    @property
+    def accepted(self) -> bool:
+        return self.decision == "accept"
+
+
+@dataclass(frozen=True)
+class Gates:
+    """A policy's gates over n items, as arrays (see ``Policy.gates``)."""
+
+    probabilities: npt.NDArray[np.float64]  # (n, k) calibrated
+    best: npt.NDArray[np.int64]  # (n,) index of the top choice
+    confidence: npt.NDArray[np.float64]  # (n,) its probability
+    choice_mass: npt.NDArray[np.float64]  # (n,)
+    below_threshold: npt.NDArray[np.bool_]  # (n,) True everywhere when there is no threshold
+    low_choice_mass: npt.NDArray[np.bool_]  # (n,)
+    membership: npt.NDArray[np.bool_] | None  # (n, k) conformal sets; None without a profile
+    accepted: npt.NDArray[np.bool_]  # (n,) every gate passed
+
+
+class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
+    """What applies when neither the request nor a profile says otherwise."""
+
+    threshold: float = 0.9
+    min_choice_mass: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_probability(self.threshold, "threshold")
+        check_probability(self.min_choice_mass, "min_choice_mass")
+
+
+class Policy(msgspec.Struct, frozen=True, kw_only=True):
+    """A resolved rule: a calibration map and the gates. Build it with ``make_policy``."""
+
+    profile: str | None
+    choices: list[str] | None  # the profile's choices; None: any choices
+    calibration_map: CalibrationMap
+    threshold: float | None
+    threshold_source: ThresholdSource
+    no_threshold_reason: str | None  # why the profile certified no threshold
+    min_choice_mass: float
+    conformal_quantile: float | None
+    certified: bool
+
+    def decide(self, judgment: ScoredJudgment) -> Decision:
+        """The decision for one judgment."""
+        return self.decide_many([judgment])[0]
+
+    def decide_many(self, judgments: Sequence[ScoredJudgment]) -> list[Decision]:
+        """Decisions for many judgments, in order, computed together per set of choices."""
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, j in enumerate(judgments):
+            groups.setdefault(self._order(j.log_probabilities), []).append(i)
+        out: list[Decision | None] = [None] * len(judgments)
+        for choices, rows in groups.items():
+            z = np.array([[judgments[i].log_probabilities[c] for c in choices] for i in rows])
+            mass = np.array([judgments[i].choice_mass for i in rows], dtype=np.float64)
+            for i, d in zip(rows, self.decide_arrays(choices, z, mass), strict=True):
+                out[i] = d
+        return [d for d in out if d is not None]
+
+    def decide_arrays(
+        self,
+        choices: Sequence[str],
+        log_probabilities: npt.ArrayLike,
+        choice_mass: npt.ArrayLike | None = None,
+    ) -> list[Decision]:
+        """Decisions for (n, k) log-probabilities whose columns follow ``choices``.
+
+        ``choice_mass`` is (n,); None counts as 1 (nothing known against the choices).
+        """
+        g = self.gates(choices, log_probabilities, choice_mass)
+        decisions = []
+        for i in range(g.probabilities.shape[0]):
+            codes: list[ReasonCode] = []
+            reasons: list[str] = []
+            if self.threshold is None:
+                codes.append("no_certified_threshold")
+                reasons.append(
+                    f"profile {self.profile!r} certifies no threshold: {self.no_threshold_reason}"
+                )
+            elif g.below_threshold[i]:
+                codes.append("below_threshold")
+                reasons.append(
+                    f"confidence {g.confidence[i]:.4f} is below the threshold {self.threshold:.4f}"
+                )
+            if g.low_choice_mass[i]:
+                codes.append("low_choice_mass")
+                reasons.append(
+                    f"choice mass {g.choice_mass[i]:.4f} is below the minimum "
+                    f"{self.min_choice_mass:.4f}"
+                )
+            members = None
+            if g.membership is not None:
+                members = [choices[int(j)] for j in np.flatnonzero(g.membership[i])]
+                if len(members) != 1:
+                    codes.append("ambiguous_set")
+                    reasons.append(
+                        f"the conformal prediction set holds {len(members)} choices "
+                        f"({', '.join(members)}), not one"
+                    )
+            decisions.append(
+                Decision(
+                    decision="escalate" if codes else "accept",
+                    choice=choices[int(g.best[i])],
+                    confidence=float(g.confidence[i]),
+                    probabilities={
+                        c: float(p) for c, p in zip(choices, g.probabilities[i], strict=True)
+                    },
+                    prediction_set=members,
+                    reasons=reasons,
+                    reason_codes=codes,
+                    threshold=self.threshold,
+                    min_choice_mass=self.min_choice_mass,
+                    choice_mass=float(g.choice_mass[i]),
+                    certified=self.certified,
+                    profile=self.profile,
+                )
+            )
+        return decisions
+
+    def gates(
+        self,
+        choices: Sequence[str],
+        log_probabilities: npt.ArrayLike,
+        choice_mass: npt.ArrayLike | None = None,
+    ) -> Gates:
+        """Every gate of the policy for (n, k) log-probabilities, as arrays.
+
+        ``decide_arrays`` turns these into decisions; for large evaluations, ``Gates.accepted``
+        and ``Gates.best`` are the decisions without building an object per item.
+        """
+        if self.choices is not None and list(choices) != self.choices:
+            raise ProfileMismatchError(
+                "choices",
+                f"profile {self.profile!r} decides between {self.choices!r}, not {list(choices)!r}",
+            )
+        probs = self.calibration_map.apply(np.asarray(log_probabilities, dtype=np.float64))
+        if probs.ndim != 2 or probs.shape[1] != len(choices):
+            raise ValueError(
+                f"log_probabilities must have shape (n, {len(choices)}), got {probs.shape}"
+            )
+        n = probs.shape[0]
+        mass = np.ones(n) if choice_mass is None else np.asarray(choice_mass, dtype=np.float64)
+        if mass.shape != (n,):
+            raise ValueError(f"choice_mass must have shape ({n},), got {mass.shape}")
+        best = probs.argmax(axis=1)  # (n,)
+        confidence = probs[np.arange(n), best]  # (n,)
+        below = np.ones(n, dtype=bool) if self.threshold is None else confidence < self.threshold
+        low_mass = mass < self.min_choice_mass
+        membership = (
+            None
+            if self.conformal_quantile is None
+            else set_membership(probs, self.conformal_quantile)
+        )  # (n, k)
+        ambiguous = np.zeros(n, dtype=bool) if membership is None else membership.sum(axis=1) != 1
+        return Gates(
+            probabilities=probs,
+            best=best,
+            confidence=confidence,
+            choice_mass=mass,
+            below_threshold=below,
+            low_choice_mass=low_mass,
+            membership=membership,
+            accepted=~(below | low_mass | ambiguous),
+        )
+
+    def _order(self, log_probabilities: Mapping[str, float]) -> tuple[str, ...]:
+        if self.choices is None:
+            return tuple(log_probabilities)
+        if set(log_probabilities) != set(self.choices):
+            raise ProfileMismatchError(
+                "choices",
+                f"profile {self.profile!r} was fitted for choices {self.choices!r}, not "
+                f"{list(log_probabilities)!r}; judge with the profile's choices (any order)",
+            )
+        return tuple(self.choices)
+
+
+def make_policy(
+    profile: CalibrationProfile | None,
+    *,
+    threshold: float | None = None,
+    min_choice_mass: float | None = None,
+    defaults: PolicyDefaults | None = None,
+) -> Policy:
+    """The policy in force: the request's settings over the profile's over the defaults.
+
+    This is the only place where that precedence is written. ``threshold`` and
+    ``min_choice_mass`` are the caller's overrides (None: not set); they must be in [0, 1].
+    """
+    if threshold is not None:
+        threshold = check_probability(threshold, "threshold")
+    if min_choice_mass is not None:
+        min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
+    defaults = defaults or PolicyDefaults()
+    if profile is None:
+        return Policy(
+            profile=None,
+            choices=None,
+            calibration_map=Identity(),
+            threshold=defaults.threshold if threshold is None else threshold,
+            threshold_source="default" if threshold is None else "request",
+            no_threshold_reason=None,
+            min_choice_mass=defaults.min_choice_mass
+            if min_choice_mass is None
+            else min_choice_mass,
+            conformal_quantile=None,
+            certified=False,
+        )
+    certified_threshold = profile.threshold.threshold  # None when the fit certified none
+    chosen_threshold = certified_threshold if threshold is None else threshold
+    chosen_mass = profile.min_choice_mass if min_choice_mass is None else min_choice_mass
+    return Policy(
+        profile=profile.name,
+        choices=list(profile.choices),
+        calibration_map=profile.calibration_map,
+        threshold=chosen_threshold,
+        threshold_source="profile" if threshold is None else "request",
+        no_threshold_reason=None if certified_threshold is not None else profile.threshold.reason,
+        min_choice_mass=chosen_mass,
+        conformal_quantile=profile.conformal_quantile,
+        certified=(
+            certified_threshold is not None
+            and chosen_threshold == certified_threshold
+            and chosen_mass == profile.min_choice_mass
+        ),
+    )

@@ -1,0 +1,214 @@
+"""The gate: one policy object decides, with precedence, every gate and its reasons."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from calibration import (
+    Decision,
+    PolicyDefaults,
+    ProfileMismatchError,
+    evaluate_policy,
+    fit_profile,
+    make_policy,
+)
+from calibration.profile import CalibrationProfile
+from calibration.routing import ThresholdResult
+from calibration.scaling import Temperature
+
+CHOICES = ["ham", "spam"]
+CONFIG: dict[str, Any] = {
+    "model": "m",
+    "model_sha256": None,
+    "dtype": "float32",
+    "response_prefix": "",
+    "response_suffix": "",
+    "system": None,
+}
+
+
+class Scored(msgspec.Struct, frozen=True):
+    """A judgment as the policy sees it: log-probabilities and the choice mass."""
+
+    log_probabilities: dict[str, float]
+    choice_mass: float = 1.0
+
+
+def scored(p_spam: float, mass: float = 1.0, order: tuple[str, str] = ("ham", "spam")) -> Scored:
+    logp = {"ham": math.log(1 - p_spam), "spam": math.log(p_spam)}
+    return Scored({c: logp[c] for c in order}, mass)
+
+
+@pytest.fixture(scope="module")
+def profile() -> CalibrationProfile:
+    rng = np.random.default_rng(0)
+    z = rng.normal(0, 3, size=(400, 2))
+    p = np.exp(z / 2) / np.exp(z / 2).sum(1, keepdims=True)
+    y = (rng.random(400) > p[:, 0]).astype(int)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    return fit_profile(
+        "sms", logp, y, CHOICES, **CONFIG, dataset="d", dataset_sha256="0", n_bootstrap=20
+    )
+
+
+def with_threshold(profile: CalibrationProfile, t: float | None) -> CalibrationProfile:
+    result = msgspec.structs.replace(
+        profile.threshold, threshold=t, feasible=t is not None, reason="test"
+    )
+    return msgspec.structs.replace(profile, threshold=result)
+
+
+def test_without_a_profile_the_defaults_apply_and_requests_override() -> None:
+    policy = make_policy(None, defaults=PolicyDefaults(threshold=0.8, min_choice_mass=0.1))
+    d = policy.decide(scored(0.85))
+    assert d.accepted and d.decision == "accept" and d.reasons == [] and d.reason_codes == []
+    assert d.choice == "spam" and d.confidence == pytest.approx(0.85)
+    assert d.probabilities == pytest.approx({"ham": 0.15, "spam": 0.85})
+    assert d.threshold == 0.8 and d.min_choice_mass == 0.1
+    assert d.prediction_set is None and d.profile is None and not d.certified
+    low = policy.decide(scored(0.7))
+    assert not low.accepted and low.reason_codes == ["below_threshold"]
+    assert low.reasons == ["confidence 0.7000 is below the threshold 0.8000"]
+    both = make_policy(None, threshold=0.95, min_choice_mass=0.5).decide(scored(0.9, mass=0.2))
+    assert both.reason_codes == ["below_threshold", "low_choice_mass"]
+    assert both.threshold == 0.95 and both.min_choice_mass == 0.5
+    assert make_policy(None).threshold == PolicyDefaults().threshold == 0.9
+
+
+def test_the_profile_is_between_request_and_default(profile: CalibrationProfile) -> None:
+    certified = with_threshold(profile, 0.7)
+    defaults = PolicyDefaults(threshold=0.99, min_choice_mass=0.3)
+    policy = make_policy(certified, defaults=defaults)
+    assert policy.threshold == 0.7 and policy.threshold_source == "profile"
+    assert policy.min_choice_mass == certified.min_choice_mass == 0.0  # not the default's 0.3
+    assert policy.certified
+    overridden = make_policy(certified, threshold=0.8, defaults=defaults)
+    assert overridden.threshold == 0.8 and overridden.threshold_source == "request"
+    assert not overridden.certified
+    assert not make_policy(certified, min_choice_mass=0.2).certified
+
+
+def test_a_profile_without_a_certified_threshold_escalates_everything(
+    profile: CalibrationProfile,
+) -> None:
+    none = with_threshold(profile, None)
+    d = none.decide(scored(0.999))
+    assert not d.accepted and d.threshold is None and not d.certified
+    assert d.reason_codes[0] == "no_certified_threshold"
+    assert d.reasons[0] == "profile 'sms' certifies no threshold: test"
+    # A caller may still choose a threshold of its own; the decision then says it is uncertified.
+    own = none.decide(scored(0.999), threshold=0.5)
+    assert "no_certified_threshold" not in own.reason_codes and not own.certified
+
+
+def test_profile_decisions_calibrate_and_use_the_conformal_set(
+    profile: CalibrationProfile,
+) -> None:
+    p = with_threshold(profile, 0.5)
+    judgment = scored(0.9, order=("spam", "ham"))
+    d = p.decide(judgment)
+    assert list(d.probabilities) == CHOICES  # the profile's order, whatever the judgment's
+    expected = profile.calibration_map.apply(np.log([0.1, 0.9]))
+    assert d.probabilities["spam"] == pytest.approx(expected[1])
+    assert d.prediction_set is not None and d.choice in d.prediction_set
+    # A set of two choices escalates even above the threshold.
+    wide = msgspec.structs.replace(p, conformal_quantile=1.0)
+    w = wide.decide(judgment)
+    assert w.prediction_set == CHOICES and w.reason_codes == ["ambiguous_set"]
+    assert "holds 2 choices (ham, spam), not one" in w.reasons[0]
+
+
+def test_decide_many_equals_deciding_one_by_one(profile: CalibrationProfile) -> None:
+    p = with_threshold(profile, 0.6)
+    rng = np.random.default_rng(1)
+    judgments = [
+        scored(float(q), mass=float(m), order=("ham", "spam") if i % 2 else ("spam", "ham"))
+        for i, (q, m) in enumerate(
+            zip(rng.uniform(0.01, 0.99, 50), rng.uniform(0, 1, 50), strict=True)
+        )
+    ]
+    many = p.decide_many(judgments, min_choice_mass=0.3)
+    assert many == [p.decide(j, min_choice_mass=0.3) for j in judgments]
+    assert {d.decision for d in many} == {"accept", "escalate"}
+    # Without a profile, judgments with different choices are decided in one call too.
+    mixed = [scored(0.95), Scored({"a": math.log(0.5), "b": math.log(0.3), "c": math.log(0.2)})]
+    out = make_policy(None).decide_many(mixed)
+    assert out[0].accepted and out[1].choice == "a" and not out[1].accepted
+
+
+def test_wrong_choices_are_refused(profile: CalibrationProfile) -> None:
+    bad = Scored({"ham": -0.1, "eggs": -2.0})
+    with pytest.raises(ProfileMismatchError) as info:
+        profile.decide(bad)
+    assert info.value.field == "choices"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"threshold": 1.5}, "threshold"), ({"min_choice_mass": -0.1}, "min_choice_mass")],
+)
+def test_overrides_and_defaults_are_validated(kwargs: dict[str, float], name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be in"):
+        make_policy(
+            None, threshold=kwargs.get("threshold"), min_choice_mass=kwargs.get("min_choice_mass")
+        )
+    with pytest.raises(ValueError, match=f"{name} must be in"):
+        PolicyDefaults(**kwargs)
+    with pytest.raises(ValueError, match=f"{name} must be a number"):
+        make_policy(None, **{name: "0.5"})  # type: ignore[arg-type]
+
+
+def test_decisions_are_plain_data(profile: CalibrationProfile) -> None:
+    d = profile.decide(scored(0.9))
+    assert msgspec.json.decode(msgspec.json.encode(d), type=Decision) == d
+    assert b"accepted" not in msgspec.json.encode(d)  # a property, derived from decision
+
+
+def test_evaluate_policy_counts_what_decide_decides(profile: CalibrationProfile) -> None:
+    p = with_threshold(profile, 0.7)
+    rng = np.random.default_rng(2)
+    z = rng.normal(0, 3, size=(300, 2))
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    y = rng.integers(0, 2, 300)
+    mass = rng.uniform(0, 1, 300)
+    e = evaluate_policy(p, logp, y, mass, min_choice_mass=0.2)
+    decisions = p.decide_many(
+        [
+            Scored(dict(zip(CHOICES, row, strict=True)), m)
+            for row, m in zip(logp, mass, strict=True)
+        ],
+        min_choice_mass=0.2,
+    )
+    accepted = [d for d in decisions if d.accepted]
+    assert e.n_accepted == len(accepted) and e.coverage == pytest.approx(len(accepted) / 300)
+    hits = sum(
+        CHOICES.index(d.choice) == t for d, t in zip(decisions, y, strict=True) if d.accepted
+    )
+    assert e.precision == pytest.approx(hits / len(accepted))
+    assert e.precision_interval is not None
+    assert e.precision_interval[0] <= hits / len(accepted) <= e.precision_interval[1]
+    for code in ("below_threshold", "low_choice_mass", "ambiguous_set"):
+        assert e.escalations.get(code, 0) == sum(code in d.reason_codes for d in decisions)
+    assert not e.certified and e.threshold == 0.7 and e.min_choice_mass == 0.2
+
+
+def test_a_temperature_map_changes_confidence_not_the_choice() -> None:
+    hot = Temperature(temperature=4.0)
+    policy = msgspec.structs.replace(make_policy(None, threshold=0.0), calibration_map=hot)
+    d = policy.decide(scored(0.95))
+    assert d.choice == "spam" and 0.5 < d.confidence < 0.95
+
+
+def test_threshold_results_stay_in_range_on_upload(profile: CalibrationProfile) -> None:
+    data = msgspec.json.decode(msgspec.json.encode(profile))
+    data["threshold"]["threshold"] = -5.0
+    from calibration import ProfileError, decode_profile
+
+    with pytest.raises(ProfileError, match="threshold must be in"):
+        decode_profile(msgspec.json.encode(data))
+    assert isinstance(profile.threshold, ThresholdResult)
