@@ -12,14 +12,14 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from calibration.metrics import MetricReport
+from calibration import MIN_EXAMPLES, MetricReport, ThresholdResult
 from calibration.profile import NAME_PATTERN
-from calibration.routing import ThresholdResult
-from judge.engine import MAX_CHOICES
+from judge import MAX_CHOICES
 
 __all__ = [
     "BatchRequest",
     "BatchResponse",
+    "CalibrationMapSummary",
     "ErrorBody",
     "FitRequest",
     "JudgeRequest",
@@ -52,20 +52,26 @@ class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class JudgeResponse(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type", tag="judgment"
 ):
-    choice: str
-    confidence: float
-    probabilities: dict[str, float]  # calibrated when a profile applies
-    raw_probabilities: dict[str, float]
+    """One judgment and the policy's decision on it (``calibration.Decision``, flattened)."""
+
+    choice: str  # the most probable choice, after calibration
+    confidence: float  # its probability, calibrated when a profile applies
+    probabilities: dict[str, float]  # calibrated when a profile applies; the request's order
+    raw_probabilities: dict[str, float]  # the model's own, in the request's order
     decision: Literal["accept", "escalate"]
-    reason: str | None  # why it escalated
-    threshold: float | None
-    temperature: float | None
+    reasons: list[str]  # why it escalated, one line each; empty when accepted
+    # One per reason, for programs: below_threshold, no_certified_threshold, low_choice_mass,
+    # ambiguous_set (calibration.Decision.reason_codes).
+    reason_codes: list[str]
+    threshold: float | None  # the threshold in force; None when the profile has none
+    certified: bool  # the threshold is the profile's certified one, with no override
+    temperature: float | None  # the profile's fitted temperature
     choice_mass: float
+    prediction_set: list[str] | None  # the profile's conformal set; None without a profile
     profile: str | None
     model: str
     latency_ms: float
-    prediction_set: list[str] | None = None
-    prompt: str | None = None
+    prompt: str | None = None  # only with return_prompt
 
 
 class BatchRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -106,7 +112,7 @@ class LabeledExample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 class FitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     choices: Choices
-    examples: Annotated[list[LabeledExample], Meta(min_length=10, max_length=20_000)]
+    examples: Annotated[list[LabeledExample], Meta(min_length=MIN_EXAMPLES, max_length=20_000)]
     system: str | None = None
     response_prefix: str | None = None
     response_suffix: str | None = None
@@ -115,12 +121,16 @@ class FitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     alpha: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.1
 
 
+class CalibrationMapSummary(msgspec.Struct, frozen=True, kw_only=True):
+    method: str
+    temperature: float
+
+
 class ProfileSummary(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     model: str
     choices: list[str]
-    method: str
-    temperature: float
+    calibration_map: CalibrationMapSummary
     threshold: ThresholdResult
     metrics_after: MetricReport
     n_examples: int

@@ -3,33 +3,53 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from litestar.testing import TestClient
 
-from judge import Judge, Judgment
+from calibration import decode_profile
+from judge import (
+    DEFAULT_RESPONSE_PREFIX,
+    DEFAULT_RESPONSE_SUFFIX,
+    Configuration,
+    Engine,
+    Judge,
+    JudgeError,
+    Judgment,
+    Query,
+)
 from service import ServiceConfig, create_app
 
 SPAM = "Is this SMS spam? WINNER!! You have won a free cruise, text CLAIM to 80082 now."
 EXAMPLES = [
-    ("Free entry in a weekly competition to win FA Cup final tickets, text FA to 87121", "spam"),
-    ("URGENT! You have won a 1 week FREE membership, call 09061701461 to claim", "spam"),
-    ("Congratulations, you have been selected for a cash prize. Reply WIN now", "spam"),
-    ("SIX chances to win CASH! From 100 to 20,000 pounds, txt CSH11 to 87575", "spam"),
-    (
-        "Had your mobile 11 months or more? Update to the latest colour phone for free, call now",
-        "spam",
-    ),
-    ("Ok lar... Joking wif u oni...", "ham"),
-    ("I'm gonna be home soon and i don't want to talk about this stuff anymore tonight", "ham"),
-    ("Sorry, I'll call later", "ham"),
-    ("Did you catch the bus? Are you frying an egg?", "ham"),
-    ("Ahhh. Work. I vaguely remember that! What does it feel like?", "ham"),
+    ("Free entry in a weekly draw to win concert tickets! Text WIN to 80808 now", "spam"),
+    ("URGENT! Your mobile number has won a 2000 pound prize. Call 09061234567 to claim", "spam"),
+    ("Congratulations, you have been selected for a cash reward. Reply YES to collect", "spam"),
+    ("You have 1 new voicemail. Call 0906 555 0199 now to listen, 1.50 per min", "spam"),
+    ("Your phone is due a FREE upgrade to the latest model, call our team today", "spam"),
+    ("Claim your 100 pound shopping voucher now! Text SHOP to 85023, T&Cs apply", "spam"),
+    ("FINAL NOTICE: your parcel is held, pay the 2.99 fee at the link to release it", "spam"),
+    ("Hot singles in your area want to chat! Reply DATE to 69121, 3 pounds per msg", "spam"),
+    ("Your bank account has been suspended, verify your details at the link below", "spam"),
+    ("You are a WINNER of our weekly quiz, reply with your name to get the prize", "spam"),
+    ("Cheap loans approved in minutes, no credit checks! Text LOAN to 60300", "spam"),
+    ("Get 50% off ringtones this week only, text TONE to 87070 to subscribe", "spam"),
+    ("Ok, see you at the station at 6", "ham"),
+    ("I'm running late, the bus hasn't come yet. Start without me", "ham"),
+    ("Sorry, I'll call you later, I'm in a meeting", "ham"),
+    ("Did you remember to feed the cat this morning?", "ham"),
+    ("Happy birthday! Hope you have a lovely day, see you Saturday", "ham"),
+    ("Can you pick up some bread and milk on your way home?", "ham"),
+    ("The film starts at 8, shall we eat before?", "ham"),
+    ("Thanks for lunch today, it was great to catch up", "ham"),
+    ("Mum says dinner is at 7, don't be late", "ham"),
+    ("Just got home, the traffic was awful. Talk tomorrow?", "ham"),
     ("Is that seriously how you spell his name?", "ham"),
     ("K, I'll be there around 8", "ham"),
 ]
@@ -64,7 +84,9 @@ def test_health_ready_metrics_and_docs(client: TestClient[Any]) -> None:
     metrics = client.get("/metrics").text
     assert 'judge_http_requests_total{method="POST",route="/judge",status="200"}' in metrics
     assert "judge_batch_size_bucket" in metrics and "judge_decisions_total" in metrics
-    assert "/judge" in client.get("/schema/openapi.json").json()["paths"]
+    schema = client.get("/schema/openapi.json").json()
+    assert "/judge" in schema["paths"]
+    assert "security" not in schema  # no API key, no security scheme
 
 
 def test_judge_matches_the_engine(client: TestClient[Any], judge: Judge) -> None:
@@ -75,20 +97,27 @@ def test_judge_matches_the_engine(client: TestClient[Any], judge: Judge) -> None
     assert body["probabilities"] == body["raw_probabilities"]  # no profile
     assert body["choice"] == alone.choice and body["confidence"] == pytest.approx(alone.confidence)
     assert body["prompt"] == alone.prompt and body["model"] == judge.model_id
-    assert body["threshold"] == 0.9 and body["profile"] is None
-    assert body["decision"] == ("accept" if alone.confidence >= 0.9 else "escalate")
+    assert body["threshold"] == 0.9 and body["profile"] is None and body["certified"] is False
+    assert body["prediction_set"] is None and body["temperature"] is None
+    accepted = alone.confidence >= 0.9
+    assert body["decision"] == ("accept" if accepted else "escalate")
+    assert body["reason_codes"] == ([] if accepted else ["below_threshold"])
+    assert len(body["reasons"]) == len(body["reason_codes"])
 
 
 def test_threshold_routes(client: TestClient[Any]) -> None:
     _, low = post(client, {"prompt": SPAM, "choices": ["spam", "ham"], "threshold": 0.0})
-    assert low["decision"] == "accept" and low["reason"] is None
+    assert low["decision"] == "accept" and low["reasons"] == [] and low["reason_codes"] == []
     _, high = post(client, {"prompt": SPAM, "choices": ["spam", "ham"], "threshold": 1.0})
-    assert high["decision"] == "escalate" and "below the threshold 1.0000" in high["reason"]
+    assert high["decision"] == "escalate" and high["reason_codes"] == ["below_threshold"]
+    assert "below the threshold 1.0000" in high["reasons"][0]
+    assert high["threshold"] == 1.0 and high["certified"] is False
     _, mass = post(
         client,
         {"prompt": SPAM, "choices": ["spam", "ham"], "threshold": 0.0, "min_choice_mass": 1.0},
     )
-    assert mass["decision"] == "escalate" and "choice mass" in mass["reason"]
+    assert mass["decision"] == "escalate" and mass["reason_codes"] == ["low_choice_mass"]
+    assert "choice mass" in mass["reasons"][0]
 
 
 @pytest.mark.parametrize(
@@ -176,20 +205,34 @@ def test_batch_items_and_shared_context(client: TestClient[Any], judge: Judge) -
     assert status == 400 and body["field"] == "items"
 
 
-def test_profiles_fit_use_list_get_put_delete(client: TestClient[Any], judge: Judge) -> None:
+@pytest.fixture(scope="module")
+def fitted(client: TestClient[Any]) -> dict[str, Any]:
+    """The "sms" profile, fitted over HTTP on EXAMPLES with the default template."""
     fit = {"choices": ["spam", "ham"], "examples": [{"prompt": p, "label": y} for p, y in EXAMPLES]}
     r = client.post("/profiles/sms/fit", json=fit)
     assert r.status_code == 200, r.text
-    profile = r.json()
+    profile: dict[str, Any] = r.json()
+    return profile
+
+
+def test_profiles_fit_use_list_get_put_delete(
+    client: TestClient[Any], judge: Judge, fitted: dict[str, Any]
+) -> None:
+    profile = fitted
     assert profile["name"] == "sms" and profile["n_examples"] == len(EXAMPLES)
     assert profile["model"] == judge.model_id and profile["dtype"] == judge.dtype
-    assert [p["name"] for p in client.get("/profiles").json()] == ["sms"]
+    summaries = {p["name"]: p for p in client.get("/profiles").json()}
+    assert summaries["sms"]["calibration_map"] == {
+        "method": profile["calibration_map"]["method"],
+        "temperature": decode_profile(json.dumps(profile)).calibration_map.temperature,
+    }
     assert client.get("/profiles/sms").json() == profile
 
     status, body = post(client, {"prompt": SPAM, "choices": ["ham", "spam"], "profile": "sms"})
     assert status == 200 and body["profile"] == "sms"
-    assert body["temperature"] == profile["temperature"]
+    assert body["temperature"] == summaries["sms"]["calibration_map"]["temperature"]
     assert sum(body["probabilities"].values()) == pytest.approx(1.0)
+    assert list(body["probabilities"]) == list(body["raw_probabilities"]) == ["ham", "spam"]
     assert body["prediction_set"] is not None
 
     # The profile was fitted for spam/ham with the default template: anything else is refused.
@@ -218,33 +261,117 @@ def test_profiles_fit_use_list_get_put_delete(client: TestClient[Any], judge: Ju
     status, body = post(client, {"prompt": SPAM, "choices": ["spam", "ham"], "profile": "other"})
     assert status == 422 and body["field"] == "model"
     assert client.put("/profiles/mismatch", json=other).json()["field"] == "name"
-    assert (
-        client.put(
-            "/profiles/broken", json={**other, "name": "broken", "temperature": -1}
-        ).status_code
-        == 400
-    )
+    broken = {
+        **other,
+        "name": "broken",
+        "calibration_map": {"method": "temperature", "temperature": -1},
+    }
+    assert client.put("/profiles/broken", json=broken).status_code == 400
     assert client.put("/profiles/broken", json={"name": "broken"}).status_code == 400
 
     assert client.delete("/profiles/other").status_code == 204
     assert client.get("/profiles/other").status_code == 404
     assert client.delete("/profiles/other").status_code == 404
 
-    bad = {"choices": ["spam", "ham"], "examples": [{"prompt": "x", "label": "eggs"}] * 10}
+    bad = {"choices": ["spam", "ham"], "examples": [{"prompt": "x", "label": "eggs"}] * 20}
     r = client.post("/profiles/x/fit", json=bad)
     assert r.status_code == 400 and r.json()["field"] == "examples[0].label"
+    few = {"choices": ["spam", "ham"], "examples": [{"prompt": "x", "label": "spam"}] * 19}
+    r = client.post("/profiles/x/fit", json=few)
+    assert r.status_code == 400 and r.json()["field"] == "examples"
     r = client.post("/profiles/x/fit", json={"choices": ["spam", "ham"], "examples": []})
     assert r.status_code == 400 and r.json()["field"] == "examples"
+    assert client.get("/profiles/x").status_code == 404
+
+
+def test_the_response_is_the_profiles_own_decision(
+    client: TestClient[Any], judge: Judge, fitted: dict[str, Any]
+) -> None:
+    """One object decides: the service answers what profile.decide says, in Python, directly."""
+    profile = decode_profile(client.get("/profiles/sms").content)
+    prompts = [SPAM, "Is this SMS spam? See you at 8 for dinner?"]
+    overrides: list[dict[str, float]] = [{}, {"threshold": 0.5}, {"min_choice_mass": 0.5}]
+    for prompt in prompts:
+        for override in overrides:
+            request = {"prompt": prompt, "choices": ["ham", "spam"], "profile": "sms", **override}
+            status, body = post(client, request)
+            assert status == 200, body
+            expected = profile.decide(judge.judge(prompt, ["ham", "spam"]), **override)
+            assert body["decision"] == expected.decision
+            assert body["reasons"] == expected.reasons
+            assert body["reason_codes"] == expected.reason_codes
+            assert body["threshold"] == expected.threshold
+            assert body["certified"] == expected.certified
+            assert body["prediction_set"] == expected.prediction_set
+            assert body["choice"] == expected.choice
+            assert body["confidence"] == pytest.approx(expected.confidence, abs=1e-6)
+            assert body["probabilities"] == pytest.approx(expected.probabilities, abs=1e-6)
+            assert body["choice_mass"] == pytest.approx(expected.choice_mass, abs=1e-6)
+
+
+def test_threshold_precedence_and_certification(
+    client: TestClient[Any], fitted: dict[str, Any]
+) -> None:
+    ask = {"prompt": SPAM, "choices": ["spam", "ham"]}
+    # The fitted profile's own threshold applies when the request sets none.
+    _, body = post(client, {**ask, "profile": "sms"})
+    certified = fitted["threshold"]["threshold"]
+    if certified is None:  # too few examples to certify one: everything escalates
+        assert body["threshold"] is None and body["certified"] is False
+        assert body["decision"] == "escalate"
+        assert "no_certified_threshold" in body["reason_codes"]
+    else:
+        assert body["threshold"] == certified and body["certified"] is True
+
+    # Both cases, whatever the fit gave: a profile that certifies 0.6, one that certifies none.
+    uncertified = {"feasible": False, "threshold": None, "reason": "too few examples"}
+    profiles = {
+        "certified": {**fitted["threshold"], "feasible": True, "threshold": 0.6},
+        "uncertified": {**fitted["threshold"], **uncertified},
+    }
+    for name, threshold in profiles.items():
+        r = client.put(f"/profiles/{name}", json={**fitted, "name": name, "threshold": threshold})
+        assert r.status_code == 200, r.text
+    try:
+        _, body = post(client, {**ask, "profile": "certified"})
+        assert body["threshold"] == 0.6 and body["certified"] is True
+        assert "no_certified_threshold" not in body["reason_codes"]
+        _, body = post(client, {**ask, "profile": "certified", "threshold": 0.75})
+        assert body["threshold"] == 0.75 and body["certified"] is False
+        _, body = post(client, {**ask, "profile": "certified", "min_choice_mass": 0.01})
+        assert body["threshold"] == 0.6 and body["certified"] is False
+
+        _, body = post(client, {**ask, "profile": "uncertified"})
+        assert body["threshold"] is None and body["certified"] is False
+        assert body["decision"] == "escalate"
+        assert body["reason_codes"][0] == "no_certified_threshold"
+        assert "too few examples" in body["reasons"][0]
+        _, body = post(client, {**ask, "profile": "uncertified", "threshold": 0.0})
+        assert body["threshold"] == 0.0 and body["certified"] is False
+        assert "no_certified_threshold" not in body["reason_codes"]
+    finally:
+        for name in profiles:
+            client.delete(f"/profiles/{name}")
 
 
 def test_api_key(judge: Judge, tmp_path: Path) -> None:
     app = create_app(judge, config=ServiceConfig(profiles_dir=tmp_path, api_key="s3cret"))
+    refused = {
+        "status_code": 401,
+        "detail": "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        "field": "Authorization",
+    }
     with TestClient(app=app) as c:
         assert c.get("/health").status_code == 200
-        for path in ("/ready", "/metrics", "/profiles", "/schema/openapi.json"):
-            r = c.get(path)
-            assert r.status_code == 401 and r.json()["field"] == "Authorization"
-            assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        for path in ("/ready", "/metrics", "/profiles", "/schema/openapi.json", "/schema"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                r = c.get(path, headers=headers)
+                assert r.status_code == 401 and r.json() == refused, (path, r.text)
+                assert r.headers["WWW-Authenticate"] == "Bearer"
+        # The guard runs before the body is read: a broken or oversized body is still a 401.
+        for content in (b'{"prompt": ', b"x" * 2_000_000):
+            r = c.post("/judge", content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 401 and r.json() == refused
         auth = {"Authorization": "Bearer s3cret"}
         for _ in range(600):
             if c.get("/ready", headers=auth).status_code == 200:
@@ -252,28 +379,67 @@ def test_api_key(judge: Judge, tmp_path: Path) -> None:
             time.sleep(0.05)
         r = c.post("/judge", json={"prompt": SPAM, "choices": ["spam", "ham"]}, headers=auth)
         assert r.status_code == 200
-        assert (
-            c.post("/judge", json={"prompt": SPAM, "choices": ["spam", "ham"]}).status_code == 401
-        )
+        r = c.post("/judge", json={"prompt": SPAM, "choices": ["spam", "ham"]})
+        assert r.status_code == 401 and r.json() == refused
+        schema = c.get("/schema/openapi.json", headers=auth).json()
+        assert schema["components"]["securitySchemes"] == {
+            "BearerAuth": {"type": "http", "scheme": "bearer"}
+        }
+        assert schema["security"] == [{"BearerAuth": []}]
+        assert 'route="/judge",status="401"' in c.get("/metrics", headers=auth).text
 
 
 class SlowEngine:
-    """A stand-in engine for the error paths of the service's own machinery."""
+    """A stand-in engine for the error paths of the service's own machinery (judge.Engine)."""
 
-    model_id, weights_sha256, dtype = "fake", None, "float32"
-    response_prefix, response_suffix, system = '{"answer": "', '"}', None
+    model_id = "fake"
+    dtype = "float32"
 
     def __init__(self, delay: float, fail: bool = False) -> None:
         self.delay, self.fail = delay, fail
 
-    def judge(self, prompt: str, choices: list[str]) -> Judgment:
-        return self._one(choices)
+    def configuration(
+        self,
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+    ) -> Configuration:
+        return Configuration(
+            model=self.model_id,
+            model_sha256=None,
+            dtype=self.dtype,
+            response_prefix=response_prefix or DEFAULT_RESPONSE_PREFIX,
+            response_suffix=response_suffix or DEFAULT_RESPONSE_SUFFIX,
+            system=system,
+        )
 
-    def judge_each(self, queries: list[Any]) -> list[Judgment]:
+    def judge(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+    ) -> Judgment:
+        return self._one(list(choices))
+
+    def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
+        return [self._one(_choices(q)) for q in queries]
+
+    def judge_each(
+        self, queries: Sequence[Query | Mapping[str, Any]]
+    ) -> list[Judgment | JudgeError]:
         time.sleep(self.delay)
         if self.fail:
             raise RuntimeError("secret internal detail")
-        return [self._one(q.choices) for q in queries]
+        return [self._one(_choices(q)) for q in queries]
+
+    def judge_shared(
+        self, context: str, questions: Sequence[Query | Mapping[str, Any]]
+    ) -> list[Judgment]:
+        return self.judge_batch(questions)
 
     def _one(self, choices: list[str]) -> Judgment:
         p = 1 / len(choices)
@@ -281,21 +447,25 @@ class SlowEngine:
             choice=choices[0],
             confidence=p,
             probabilities=dict.fromkeys(choices, p),
-            logits=dict.fromkeys(choices, 0.0),
+            log_probabilities=dict.fromkeys(choices, math.log(p)),
             choice_mass=1.0,
             prompt="",
             prompt_tokens=1,
             forward_passes=1,
             latency_ms=1.0,
-            model="fake",
+            model=self.model_id,
         )
+
+
+def _choices(query: Query | Mapping[str, Any]) -> list[str]:
+    return list(query.choices if isinstance(query, Query) else query["choices"])
 
 
 def test_queue_full_and_timeout_answer_503(tmp_path: Path) -> None:
     config = ServiceConfig(
         profiles_dir=tmp_path, max_queue=1, max_batch_size=1, request_timeout_s=0.5
     )
-    app = create_app(SlowEngine(delay=0.3), config=config)  # type: ignore[arg-type]
+    app = create_app(SlowEngine(delay=0.3), config=config)
     with TestClient(app=app) as c:
         wait_ready(c)
         statuses: list[int] = []
@@ -317,7 +487,7 @@ def test_queue_full_and_timeout_answer_503(tmp_path: Path) -> None:
 
 
 def test_unexpected_errors_are_a_bare_500(tmp_path: Path) -> None:
-    app = create_app(SlowEngine(delay=0, fail=True), config=ServiceConfig(profiles_dir=tmp_path))  # type: ignore[arg-type]
+    app = create_app(SlowEngine(delay=0, fail=True), config=ServiceConfig(profiles_dir=tmp_path))
     with TestClient(app=app) as c:
         wait_ready(c)
         r = c.post("/judge", json={"prompt": "x", "choices": ["a", "b"]})
@@ -344,3 +514,23 @@ def test_not_ready_until_loaded(tmp_path: Path, judge: Judge) -> None:
         gate.set()
         wait_ready(c)
         assert json.loads(c.get("/ready").text)["model"] == judge.model_id
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
+def test_config_refuses_defaults_outside_0_1(value: float) -> None:
+    with pytest.raises(ValueError, match="default_threshold"):
+        ServiceConfig(default_threshold=value)
+    with pytest.raises(ValueError, match="min_choice_mass"):
+        ServiceConfig(min_choice_mass=value)
+
+
+def test_a_fake_engine_serves_the_same_contract(tmp_path: Path) -> None:
+    engine: Engine = SlowEngine(delay=0)  # satisfies the protocol, no type: ignore
+    app = create_app(engine, config=ServiceConfig(profiles_dir=tmp_path, default_threshold=0.4))
+    with TestClient(app=app) as c:
+        wait_ready(c)
+        status, body = post(c, {"prompt": "x", "choices": ["a", "b"]})
+        assert status == 200 and body["decision"] == "accept" and body["threshold"] == 0.4
+        status, body = post(c, {"prompt": "x", "choices": ["a", "b", "c"]})
+        assert body["decision"] == "escalate" and body["reason_codes"] == ["below_threshold"]
+        assert c.get("/ready").json() == {"status": "ready", "model": "fake", "dtype": "float32"}

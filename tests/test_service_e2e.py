@@ -29,7 +29,7 @@ def start(profiles: Path) -> Server:
     command = [
         sys.executable,
         "-m",
-        "judge.cli",
+        "cli.main",
         "serve",
         "--port",
         str(port),
@@ -130,5 +130,8 @@ def test_fitted_profile_survives_a_restart(tmp_path: Path) -> None:
             timeout=60,
         )
         assert r.status_code == 200 and r.json()["profile"] == "sms"
+        body = r.json()
+        assert body["certified"] == (fitted["threshold"]["threshold"] is not None)
+        assert len(body["reasons"]) == len(body["reason_codes"])
     finally:
         second.stop()

@@ -1,0 +1,121 @@
+"""Errors become responses here, and only here.
+
+Each domain error has a row in ``STATUS``: its status code and the request field it names.
+The body is always ``{"status_code", "detail", "field"?}``; a batch item's error has the same
+shape, in its place among the results. Anything unexpected is a bare 500 with nothing internal
+in the body, and a log line with the traceback.
+
+The service's own errors:
+
+    BadFieldError    400: the request passed the schema but one field is still wrong
+    NotReadyError    503: the model is still loading or warming up
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, NotAuthorizedException, ValidationException
+
+from calibration import ProfileError, ProfileMismatchError, ProfileNotFoundError
+from judge import ChoicesError, InvalidQueryError, JudgeError
+from service.batcher import QueueFullError
+
+__all__ = ["STATUS", "BadFieldError", "NotReadyError", "error_body", "exception_handlers"]
+
+log = logging.getLogger("judge.service")
+
+
+class BadFieldError(Exception):
+    """A request that passed the schema but is still wrong in one field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class NotReadyError(Exception):
+    """The model is still loading or warming up."""
+
+
+# Domain error -> (status, field). The first matching class wins, so subclasses come first;
+# an error with its own ``field`` attribute (BadFieldError, ProfileMismatchError) names that.
+STATUS: list[tuple[type[Exception], int, str | None]] = [
+    (BadFieldError, 400, None),
+    (ChoicesError, 400, "choices"),
+    (InvalidQueryError, 400, "prompt"),
+    (JudgeError, 422, "prompt"),  # too long for the model, or a tokenizer that cannot round-trip
+    (ProfileNotFoundError, 404, "profile"),
+    (ProfileMismatchError, 422, None),
+    (ProfileError, 400, "profile"),
+    (QueueFullError, 503, None),
+    (TimeoutError, 503, None),
+    (NotReadyError, 503, None),
+]
+
+
+def error_body(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """The status code and body for ``exc``: its row in STATUS, or a bare 500."""
+    for cls, status, field_name in STATUS:
+        if isinstance(exc, cls):
+            name = getattr(exc, "field", None) or field_name
+            detail = str(exc)
+            if isinstance(exc, TimeoutError):
+                detail = "the request timed out waiting for the model; retry later"
+            elif isinstance(exc, QueueFullError):
+                detail = f"the server is at capacity ({exc}); retry later"
+            body: dict[str, Any] = {"status_code": status, "detail": detail}
+            if name:
+                body["field"] = name
+            return status, body
+    return 500, {"status_code": 500, "detail": "Internal Server Error"}
+
+
+Handler = Callable[[Request[Any, Any, Any], Any], Response[Any]]
+
+
+def _domain(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    status, body = error_body(exc)
+    if status >= 500:
+        log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return Response(body, status_code=status, headers=headers)
+
+
+def _validation(request: Request[Any, Any, Any], exc: ValidationException) -> Response[Any]:
+    """A body that does not fit the schema: name the first field msgspec complained about."""
+    errors = exc.extra if isinstance(exc.extra, list) else []
+    first = errors[0] if errors and isinstance(errors[0], dict) else {}
+    key = first.get("key")
+    named = re.search(r"field `([^`]+)`", str(first.get("message", "")))
+    if named and key in (None, "data"):
+        key = named.group(1)  # a missing or unknown field: name it, not the whole body
+    detail = f"{key}: {first.get('message')}" if key else (first.get("message") or exc.detail)
+    body = {"status_code": exc.status_code, "detail": detail, "field": key, "errors": errors}
+    return Response(body, status_code=exc.status_code)
+
+
+def _not_authorized(request: Request[Any, Any, Any], exc: NotAuthorizedException) -> Response[Any]:
+    body = {"status_code": exc.status_code, "detail": exc.detail, "field": "Authorization"}
+    return Response(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def _http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    body: dict[str, Any] = {"status_code": exc.status_code, "detail": exc.detail}
+    if exc.status_code in (400, 413):  # the body as a whole: not JSON, or too large
+        body["field"] = "body"
+    return Response(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def exception_handlers() -> dict[int | type[Exception], Handler]:
+    """The app's handler map; Litestar picks the closest class in the exception's MRO."""
+    handlers: dict[int | type[Exception], Handler] = {cls: _domain for cls, _, _ in STATUS}
+    handlers[ValidationException] = _validation
+    handlers[NotAuthorizedException] = _not_authorized
+    handlers[HTTPException] = _http
+    handlers[Exception] = _domain
+    return handlers
