@@ -1,14 +1,16 @@
 """Calibration on every shared dataset: fitted on the calibration split, measured on test.
 
 For each task under ../shared/data (or --data), runs the default model over the calibration
-and test splits, fits a profile on the calibration split only (target precision 0.9 at
-delta 0.1 unless told otherwise) and evaluates it on the test split. Writes, under
+and test splits, fits a profile on the calibration split only (``tasks.fit_labeled``; target precision 0.9
+at delta 0.1 unless told otherwise) and evaluates the served policy, every gate included, on
+the test split (``calibration.evaluate_policy``): coverage and precision of what it accepts,
+and what it escalates, by reason. Writes, under
 ``benchmarks/results/calibration/``: each task's profile, markdown report, reliability
 diagram and evaluation JSON, and ``summary.md`` / ``summary.json`` with one row per task.
 
-Judging every split takes a while on a CPU, so per-choice logits are cached (keyed by
-model hash, dtype, task, split and the split file's hash) in --cache; --judge-only fills the
-cache and stops.
+Judging every split takes a while on a CPU, so the per-choice log-probabilities, choice
+masses and labels are cached (keyed by task, split, limit, dtype, model hash and the split
+file's hash) in --cache; --judge-only fills the cache and stops.
 
     python benchmarks/bench_calibration.py [--tasks sms_spam rte] [--limit N] [--quick]
 """
@@ -17,41 +19,63 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import msgspec
 import numpy as np
-from benchlib import write_atomic
 
+from atomicio import replacing, write_text
 from judge import Judge
-from judge.tasks import Task, judge_items, load_split, load_task
+from tasks import (
+    LabeledScores,
+    Task,
+    judge_labeled,
+    labeled_queries,
+    load_split,
+    load_task,
+    task_prompt,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "calibration"
 DATA = ROOT.parent / "shared" / "data"
 
 
-def cached_logits(
+def cached_scores(
     judge: Judge, task: Task, split: str, limit: int | None, cache: Path
-) -> tuple[np.ndarray, np.ndarray, str]:
+) -> tuple[LabeledScores, str]:
+    """The engine's scores on a split (columns in ``task.choices`` order) and its sha256.
+
+    Cached as ``<key>.npz`` with arrays ``log_probabilities`` (n, k), ``choice_mass`` (n,) and
+    ``labels`` (n,); the key names everything the scores depend on.
+    """
     items, digest = load_split(task, split, limit)
-    key = f"{task.name}-{split}-{limit or 'all'}-{judge.dtype}-{(judge.weights_sha256 or judge.model_id)[:16]}-{digest[:16]}"
+    weights = (judge.weights_sha256 or judge.model_id)[:16]
+    key = f"{task.name}-{split}-{limit or 'all'}-{judge.dtype}-{weights}-{digest[:16]}"
     file = cache / f"{key}.npz"
     if file.exists():
-        saved = np.load(file)
-        return saved["logits"], saved["labels"], digest
+        with np.load(file) as saved:
+            scores = LabeledScores(
+                log_probabilities=saved["log_probabilities"],
+                choice_mass=saved["choice_mass"],
+                labels=saved["labels"],
+            )
+        return scores, digest
     start = time.perf_counter()
-    logits, labels = judge_items(judge, task, items, batch_size=8)
+    queries = labeled_queries([task_prompt(task, item.text) for item in items], task.choices)
+    labels = [item.label for item in items]
+    scores = judge_labeled(judge, queries, labels, task.choices, batch_size=8)
     elapsed = time.perf_counter() - start
     print(f"  judged {task.name}/{split}: {len(items)} items in {elapsed:.0f} s", file=sys.stderr)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = cache / f".{key}.tmp.npz"
-    np.savez(tmp, logits=logits, labels=labels)
-    os.replace(tmp, file)
-    return logits, labels, digest
+    with replacing(file) as temp:  # temp keeps the .npz name, so savez adds no suffix
+        np.savez(
+            temp,
+            log_probabilities=scores.log_probabilities,
+            choice_mass=scores.choice_mass,
+            labels=scores.labels,
+        )
+    return scores, digest
 
 
 def main() -> None:
@@ -76,20 +100,13 @@ def main() -> None:
     rows = []
     for name in names:
         task = load_task(args.data / name)
-        cal_logits, cal_labels, cal_digest = cached_logits(
-            judge, task, "calibration", limit, args.cache
-        )
-        test_logits, test_labels, _ = cached_logits(judge, task, "test", limit, args.cache)
+        fitted_on, digest = cached_scores(judge, task, "calibration", limit, args.cache)
+        held_out, _ = cached_scores(judge, task, "test", limit, args.cache)
         if args.judge_only:
             continue
-        rows.append(
-            report_task(
-                judge, task, args, (cal_logits, cal_labels, cal_digest), (test_logits, test_labels)
-            )
-        )
+        rows.append(report_task(judge, task, args, fitted_on, digest, held_out))
     if args.judge_only:
         return
-    args.out.mkdir(parents=True, exist_ok=True)
     summary = {
         "model": judge.model_id,
         "dtype": judge.dtype,
@@ -98,8 +115,8 @@ def main() -> None:
         "delta": args.delta,
         "tasks": rows,
     }
-    write_atomic(args.out / "summary.json", json.dumps(summary, indent=2))
-    write_atomic(args.out / "summary.md", summary_markdown(summary))
+    write_text(args.out / "summary.json", json.dumps(summary, indent=2))
+    write_text(args.out / "summary.md", summary_markdown(summary))
     print(summary_markdown(summary))
 
 
@@ -107,41 +124,43 @@ def report_task(
     judge: Judge,
     task: Task,
     args: argparse.Namespace,
-    calibration: tuple[np.ndarray, np.ndarray, str],
-    test: tuple[np.ndarray, np.ndarray],
+    fitted_on: LabeledScores,
+    digest: str,
+    test: LabeledScores,
 ) -> dict[str, object]:
-    from calibration.fitting import evaluate_profile, fit_profile
-    from calibration.profile import save_profile
+    """Fit on the calibration split, evaluate the served policy on test, write the artifacts."""
+    import msgspec
+
+    from calibration import evaluate_policy, save_profile
     from calibration.reliability import reliability_diagram
     from calibration.report import profile_markdown
-    from calibration.scaling import apply_calibration, softmax
+    from calibration.scaling import softmax
+    from tasks import fit_labeled
 
-    cal_logits, cal_labels, digest = calibration
-    profile = fit_profile(
+    profile = fit_labeled(
         task.name,
-        cal_logits,
-        cal_labels,
+        fitted_on,
         task.choices,
-        dtype=judge.dtype,
-        **judge.configuration(),
+        judge.configuration(),
         dataset=f"{task.name}/calibration",
         dataset_sha256=digest,
         target_precision=args.target_precision,
         delta=args.delta,
     )
-    evaluation = evaluate_profile(profile, *test)
+    evaluation = evaluate_policy(
+        profile, test.log_probabilities, test.labels, test.choice_mass
+    )  # columns are in task.choices order, which is profile.choices
     out = args.out
     save_profile(profile, out / f"{task.name}.json")
-    write_atomic(out / f"{task.name}.report.md", profile_markdown(profile, evaluation))
-    write_atomic(
+    write_text(out / f"{task.name}.report.md", profile_markdown(profile, evaluation))
+    write_text(
         out / f"{task.name}.test.json",
         msgspec.json.format(msgspec.json.encode(evaluation)).decode(),
     )
-    test_logits, test_labels = test
-    calibrated = apply_calibration(test_logits, profile.method, profile.temperature, profile.bias)
+    z = test.log_probabilities
     reliability_diagram(
-        (softmax(test_logits), test_labels),
-        (calibrated, test_labels),
+        (softmax(z), test.labels),
+        (profile.calibration_map.apply(z), test.labels),
         out / f"{task.name}.reliability.png",
         title=f"{task.name} (test split)",
     )
@@ -150,19 +169,22 @@ def report_task(
         "task": task.name,
         "n_calibration": profile.n_examples,
         "n_test": evaluation.n,
-        "method": profile.method,
-        "temperature": profile.temperature,
+        "method": profile.calibration_map.method,
+        "temperature": profile.calibration_map.temperature,
         "accuracy": evaluation.after.accuracy.value,
         "nll_before": evaluation.before.nll.value,
         "nll_after": evaluation.after.nll.value,
         "ece_before": evaluation.before.ece.value,
         "ece_after": evaluation.after.ece.value,
         "ece_noise_floor": evaluation.after.ece_noise_floor,
-        "feasible": t.feasible,
+        "feasible": t.threshold is not None,
         "threshold": t.threshold,
+        "infeasible_reason": None if t.threshold is not None else t.reason,
+        "min_choice_mass": evaluation.min_choice_mass,
         "test_coverage": evaluation.coverage,
         "test_precision": evaluation.precision,
-        "infeasible_reason": None if t.feasible else t.reason,
+        "test_precision_interval": evaluation.precision_interval,
+        "escalations": evaluation.escalations,
         "conformal_coverage": evaluation.conformal_coverage,
         "mean_set_size": evaluation.mean_set_size,
     }
@@ -172,26 +194,28 @@ def summary_markdown(summary: dict[str, object]) -> str:
     lines = [
         f"# Calibration on the shared datasets ({summary['model']}, {summary['dtype']})",
         "",
-        f"Fitted on each calibration split, measured on the test split. Threshold: target "
+        f"Fitted on each calibration split; the served policy (threshold, choice mass, "
+        f"single-choice conformal set) measured on the test split. Threshold: target "
         f"precision {summary['target_precision']} at delta {summary['delta']}."
         + (f" First {summary['limit']} items per split only." if summary["limit"] else ""),
         "",
-        "| task | n cal/test | method | T | accuracy | NLL before → after | ECE before → after (floor) | threshold | test coverage | test precision | conformal cov / size |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| task | n cal/test | method | T | accuracy | NLL before → after | ECE before → after (floor) | threshold | test coverage | test precision | escalated by reason | conformal cov / size |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["tasks"]:  # type: ignore[attr-defined]
-        threshold = f"{r['threshold']:.2f}" if r["feasible"] else "infeasible"
+        threshold = f"{r['threshold']:.2f}" if r["feasible"] else "none certified"
         precision = "-" if r["test_precision"] is None else f"{r['test_precision']:.3f}"
+        escalated = ", ".join(f"{k} {v}" for k, v in r["escalations"].items()) or "-"
         lines.append(
             f"| {r['task']} | {r['n_calibration']}/{r['n_test']} | {r['method']} | {r['temperature']:.2f} "
             f"| {r['accuracy']:.3f} | {r['nll_before']:.3f} → {r['nll_after']:.3f} "
             f"| {r['ece_before']:.3f} → {r['ece_after']:.3f} ({r['ece_noise_floor']:.3f}) "
-            f"| {threshold} | {r['test_coverage']:.3f} | {precision} "
+            f"| {threshold} | {r['test_coverage']:.3f} | {precision} | {escalated} "
             f"| {r['conformal_coverage']:.3f} / {r['mean_set_size']:.2f} |"
         )
     infeasible = [r for r in summary["tasks"] if not r["feasible"]]  # type: ignore[attr-defined]
     if infeasible:
-        lines += ["", "Infeasible thresholds:"]
+        lines += ["", "No certified threshold (every test item escalates):"]
         lines += [f"- {r['task']}: {r['infeasible_reason']}" for r in infeasible]
     return "\n".join(lines) + "\n"
 

@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from benchlib import cpu_model, write_atomic
+from benchlib import cpu_model
 
+from atomicio import write_text
 from judge import Judge, Query
 from judge.engine import json_escape
 
@@ -189,7 +190,7 @@ def main() -> None:
         f"{batch['sequential_items_per_s']:.1f} items/s sequential, x{batch['speedup']:.2f}"
     )
     result = {"machine": machine, "quick": args.quick, "reps": reps, "rows": rows, "batch": batch}
-    write_atomic(args.out, json.dumps(result, indent=2))
+    write_text(args.out, json.dumps(result, indent=2))
 
 
 def _format_row(row: Mapping[str, Any]) -> str:

@@ -57,8 +57,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchlib import cpu_model, write_atomic
+from benchlib import cpu_model
 
+from atomicio import write_text
 from judge import Judge
 from judge.engine import json_escape
 
@@ -383,7 +384,7 @@ def main() -> None:
         "skipped": skipped,
         "elapsed_s": elapsed,
     }
-    write_atomic(args.out, json.dumps(result, indent=2))
+    write_text(args.out, json.dumps(result, indent=2))
 
 
 def _format_row(row: dict[str, Any]) -> str:

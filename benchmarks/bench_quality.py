@@ -2,11 +2,11 @@
 
 For each task under ../shared/data (or --data), on the default model:
 
-* ``judge``: per-choice logits from ``judge.tasks.judge_items`` on the calibration and test
-  splits; a calibrator (``calibration.scaling.fit_calibrator``) is fitted on the calibration
-  split only and applied (``apply_calibration``) to the test split. Reported on the test split,
-  raw (softmax of the logits) and calibrated: accuracy, NLL and ECE (``calibration.metrics``,
-  15 equal-width bins).
+* ``judge``: per-choice log-probabilities from ``tasks.judge_labeled`` on the calibration and
+  test splits; a calibration map (``calibration.scaling.fit_calibrator``) is fitted on the
+  calibration split only and applied (``fit.map.apply``) to the test split. Reported on the
+  test split, raw (softmax of the log-probabilities) and calibrated: accuracy, NLL and ECE
+  (``calibration.metrics``, 15 equal-width bins).
 * ``generate``: generate-then-parse on the test split: the task's prompt with its last line
   replaced by ``Answer as JSON {"answer": "<choice>"} with one of the choices: <choices>.``,
   rendered with the chat template's generation prompt and no response prefix, greedy ``model.generate`` (``do_sample=False``)
@@ -69,11 +69,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import cpu_model, write_atomic
+from benchlib import cpu_model
 
+from atomicio import write_text
 from judge import Judge
 from judge.engine import json_escape
-from judge.tasks import LabeledItem, Task, judge_items, load_split, load_task, task_prompt
+from tasks import (
+    LabeledItem,
+    LabeledScores,
+    Task,
+    judge_labeled,
+    labeled_queries,
+    load_split,
+    load_task,
+    task_prompt,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -234,11 +244,20 @@ def generate_outputs(
     return outputs
 
 
+def _judge_items(
+    judge: Judge, task: Task, items: list[LabeledItem], batch_size: int
+) -> LabeledScores:
+    """The judge's scores on ``items``, columns in ``task.choices`` order."""
+    queries = labeled_queries([task_prompt(task, item.text) for item in items], task.choices)
+    labels = [item.label for item in items]
+    return judge_labeled(judge, queries, labels, task.choices, batch_size=batch_size)
+
+
 def bench_task(
     judge: Judge, task: Task, args: argparse.Namespace
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from calibration.metrics import accuracy, ece, nll
-    from calibration.scaling import apply_calibration, fit_calibrator, softmax
+    from calibration.scaling import fit_calibrator, softmax
 
     splits: dict[str, Any] = {}
     items: dict[str, list[LabeledItem]] = {}
@@ -254,18 +273,17 @@ def bench_task(
         )
 
     start = time.perf_counter()
-    cal_logits, cal_labels = judge_items(
-        judge, task, items["calibration"], batch_size=args.batch_size
-    )
+    cal = _judge_items(judge, task, items["calibration"], args.batch_size)
     judge_cal_s = time.perf_counter() - start
     start = time.perf_counter()
-    test_logits, test_labels = judge_items(judge, task, items["test"], batch_size=args.batch_size)
+    test = _judge_items(judge, task, items["test"], args.batch_size)
+    test_labels = test.labels
     judge_test_s = time.perf_counter() - start
     _log(f"{task.name}: judged in {judge_cal_s + judge_test_s:.0f} s")
 
-    fit = fit_calibrator(cal_logits, cal_labels)
-    raw = softmax(test_logits)
-    calibrated = apply_calibration(test_logits, fit.method, fit.temperature, fit.bias)
+    fit = fit_calibrator(cal.log_probabilities, cal.labels)
+    raw = softmax(test.log_probabilities)
+    calibrated = fit.map.apply(test.log_probabilities)
 
     def metrics(probs: np.ndarray) -> dict[str, float]:
         return {
@@ -317,9 +335,9 @@ def bench_task(
             "raw": metrics(raw),
             "calibrated": {
                 **metrics(calibrated),
-                "method": fit.method,
-                "temperature": fit.temperature,
-                "bias": fit.bias,
+                "method": fit.map.method,
+                "temperature": fit.map.temperature,
+                "bias": getattr(fit.map, "bias", None),
                 "note": fit.note,
             },
             "calibration_seconds": judge_cal_s,
@@ -352,7 +370,7 @@ def main() -> None:
     parser.add_argument("--max-items", type=int, default=300, help="per split, seeded subsample")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--batch-size", type=int, default=8, help="judge_items batch size")
+    parser.add_argument("--batch-size", type=int, default=8, help="judge_labeled batch size")
     parser.add_argument("--gen-batch-size", type=int, default=8)
     parser.add_argument(
         "--gen-slack", type=int, default=4, help="generate: tokens beyond the longest answer"
@@ -422,8 +440,8 @@ def main() -> None:
         "tasks": rows,
         "elapsed_s": elapsed,
     }
-    write_atomic(args.out_dir / "bench_quality.json", json.dumps(result, indent=2))
-    write_atomic(
+    write_text(args.out_dir / "bench_quality.json", json.dumps(result, indent=2))
+    write_text(
         args.out_dir / "quality_failures_sample.jsonl",
         "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples),
     )

@@ -26,7 +26,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-from benchlib import cpu_model, write_atomic
+from benchlib import cpu_model
+
+from atomicio import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MESSAGES = [
@@ -47,7 +49,7 @@ def free_port() -> int:
 
 def start_server(port: int, batch_size: int, dtype: str) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable, "-m", "judge.cli", "serve", "--port", str(port), "--dtype", dtype,
+        sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--dtype", dtype,
         "--max-batch-size", str(batch_size), "--max-queue", "1024", "--log-level", "warning",
     ]  # fmt: skip
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
@@ -164,7 +166,7 @@ def main() -> None:
         "rows": rows,
         "speedup": speedups,
     }
-    write_atomic(args.out, json.dumps(result, indent=2))
+    write_text(args.out, json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""What the benchmark scripts share: the machine's CPU model and atomic result files."""
+"""What the benchmark scripts share: the machine's CPU model.
+
+Result files are written with ``atomicio.write_text``, like every other file the project writes.
+"""
 
 from __future__ import annotations
 
-import os
 import platform
 from pathlib import Path
 
-__all__ = ["cpu_model", "write_atomic"]
+__all__ = ["cpu_model"]
 
 
 def cpu_model() -> str:
@@ -17,11 +19,3 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

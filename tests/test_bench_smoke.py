@@ -195,3 +195,18 @@ def test_bench_calibration_quick(tmp_path: Path) -> None:
         "sms_spam.reliability.png",
         "summary.md",
     } <= names
+
+
+def test_bench_gating_quick(tmp_path: Path) -> None:
+    out = tmp_path / "gating.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_gating.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["procedure"] for r in rows] == ["fixed_sequence", "bonferroni"]
+    assert all(0 <= r["failure_rate"] <= r["certified"] <= 1 for r in rows)
+    assert "| 500 | fixed_sequence |" in done.stdout
