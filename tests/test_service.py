@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -11,13 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes import FakeEngine
 from litestar.testing import TestClient
 
 from calibration import decode_profile
 from judge import (
-    DEFAULT_RESPONSE_PREFIX,
-    DEFAULT_RESPONSE_SUFFIX,
-    Configuration,
     Engine,
     Judge,
     JudgeError,
@@ -389,44 +386,11 @@ def test_api_key(judge: Judge, tmp_path: Path) -> None:
         assert 'route="/judge",status="401"' in c.get("/metrics", headers=auth).text
 
 
-class SlowEngine:
-    """A stand-in engine for the error paths of the service's own machinery (judge.Engine)."""
-
-    model_id = "fake"
-    dtype = "float32"
+class SlowEngine(FakeEngine):
+    """A stand-in engine for the error paths of the service's own machinery."""
 
     def __init__(self, delay: float, fail: bool = False) -> None:
         self.delay, self.fail = delay, fail
-
-    def configuration(
-        self,
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-    ) -> Configuration:
-        return Configuration(
-            model=self.model_id,
-            model_sha256=None,
-            dtype=self.dtype,
-            response_prefix=response_prefix or DEFAULT_RESPONSE_PREFIX,
-            response_suffix=response_suffix or DEFAULT_RESPONSE_SUFFIX,
-            system=system,
-        )
-
-    def judge(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-    ) -> Judgment:
-        return self._one(list(choices))
-
-    def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
-        return [self._one(_choices(q)) for q in queries]
 
     def judge_each(
         self, queries: Sequence[Query | Mapping[str, Any]]
@@ -434,31 +398,7 @@ class SlowEngine:
         time.sleep(self.delay)
         if self.fail:
             raise RuntimeError("secret internal detail")
-        return [self._one(_choices(q)) for q in queries]
-
-    def judge_shared(
-        self, context: str, questions: Sequence[Query | Mapping[str, Any]]
-    ) -> list[Judgment]:
-        return self.judge_batch(questions)
-
-    def _one(self, choices: list[str]) -> Judgment:
-        p = 1 / len(choices)
-        return Judgment(
-            choice=choices[0],
-            confidence=p,
-            probabilities=dict.fromkeys(choices, p),
-            log_probabilities=dict.fromkeys(choices, math.log(p)),
-            choice_mass=1.0,
-            prompt="",
-            prompt_tokens=1,
-            forward_passes=1,
-            latency_ms=1.0,
-            model=self.model_id,
-        )
-
-
-def _choices(query: Query | Mapping[str, Any]) -> list[str]:
-    return list(query.choices if isinstance(query, Query) else query["choices"])
+        return super().judge_each(queries)
 
 
 def test_queue_full_and_timeout_answer_503(tmp_path: Path) -> None:

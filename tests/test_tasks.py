@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from fakes import FakeEngine, judgment_of
 
 from judge import Configuration, Engine, Judge, JudgeError, Judgment, Query
 from tasks import (
@@ -26,11 +26,8 @@ from tasks import (
 CHOICES = ["ham", "spam"]
 
 
-class FakeEngine:
-    """An Engine for the mechanics: P(spam) is read off the prompt, so results are known."""
-
-    model_id = "fake"
-    dtype = "float32"
+class PromptEngine(FakeEngine):
+    """P(spam) is read off the prompt ("p=0.9"), so results are known; batches are recorded."""
 
     def __init__(self) -> None:
         self.batches: list[int] = []
@@ -42,66 +39,30 @@ class FakeEngine:
         response_prefix: str | None = None,
         response_suffix: str | None = None,
     ) -> Configuration:
-        return Configuration(
-            model=self.model_id,
-            model_sha256=None,
-            dtype=self.dtype,
+        return super().configuration(
+            system=system,
             response_prefix=response_prefix or "<",
             response_suffix=response_suffix or ">",
-            system=system,
         )
-
-    def judge(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-    ) -> Judgment:
-        return self.judge_batch([Query(prompt=prompt, choices=list(choices))])[0]
 
     def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
         self.batches.append(len(queries))
-        return [self._judgment(q) for q in queries]
+        return super().judge_batch(queries)
 
-    def judge_each(
-        self, queries: Sequence[Query | Mapping[str, Any]]
-    ) -> list[Judgment | JudgeError]:
-        return list(self.judge_batch(queries))
-
-    def judge_shared(
-        self, context: str, questions: Sequence[Query | Mapping[str, Any]]
-    ) -> list[Judgment]:
-        return self.judge_batch(questions)
-
-    def _judgment(self, query: Query | Mapping[str, Any]) -> Judgment:
-        assert isinstance(query, Query)
+    def judgment(self, query: Query) -> Judgment:
         p_spam = float(query.prompt.split("=")[1])
         probs = {c: p_spam if c == "spam" else 1 - p_spam for c in query.choices}
-        return Judgment(
-            choice=max(probs, key=probs.__getitem__),
-            confidence=max(probs.values()),
-            probabilities=probs,
-            log_probabilities={c: math.log(p) for c, p in probs.items()},
-            choice_mass=0.5 + p_spam / 4,
-            prompt=query.prompt,
-            prompt_tokens=1,
-            forward_passes=1,
-            latency_ms=0.0,
-            model=self.model_id,
-        )
+        return judgment_of(probs, prompt=query.prompt, mass=0.5 + p_spam / 4)
 
 
 def test_engines_satisfy_the_protocol(judge: Judge) -> None:
-    fake: Engine = FakeEngine()  # checked by mypy: no cast, no ignore
+    fake: Engine = PromptEngine()  # checked by mypy: no cast, no ignore
     real: Engine = judge
     assert isinstance(fake, Engine) and isinstance(real, Engine)
 
 
 def test_judge_labeled_runs_in_batches_and_reports_progress() -> None:
-    engine, done = FakeEngine(), list[int]()
+    engine, done = PromptEngine(), list[int]()
     p_spam = [0.9, 0.2, 0.7, 0.6, 0.1, 0.95, 0.3]
     labels = ["spam", "ham", "spam", "ham", "ham", "spam", "spam"]
     # The queries list the choices spam-first; the columns follow CHOICES all the same.
@@ -124,7 +85,7 @@ def test_labeled_queries_carry_the_template() -> None:
 
 
 def test_scores_from_judgments_names_what_does_not_fit() -> None:
-    engine = FakeEngine()
+    engine = PromptEngine()
     judgments = engine.judge_batch(labeled_queries(["p=0.8", "p=0.3"], CHOICES))
     with pytest.raises(TaskError, match="2 judgments but 1 labels"):
         scores_from_judgments(judgments, ["spam"], CHOICES)
@@ -149,7 +110,7 @@ def test_labeled_scores_check_their_shapes() -> None:
 
 
 def test_fit_labeled_records_the_engine_and_the_data() -> None:
-    engine = FakeEngine()
+    engine = PromptEngine()
     rng = np.random.default_rng(0)
     p_spam = rng.beta(2, 2, 120)
     labels = ["spam" if rng.random() < p else "ham" for p in p_spam]
