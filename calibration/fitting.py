@@ -41,7 +41,7 @@ from calibration.policy import Policy
 from calibration.profile import FORMAT_VERSION, CalibrationProfile, DataSplit, sha256_text
 from calibration.routing import ThresholdResult, select_threshold, sequence_start
 from calibration.scaling import CalibrationFit, fit_calibrator, softmax
-from calibration.validation import check_labels, check_probability
+from calibration.validation import check_labels, check_logits, check_probability
 
 __all__ = [
     "MIN_EXAMPLES",
@@ -117,10 +117,10 @@ def fit_rule(
     See the module docstring for the split and why. ``procedure`` is the multiple-testing
     procedure of ``select_threshold``.
     """
-    z = np.asarray(log_probabilities, dtype=np.float64)
-    labels = check_labels(y, z.shape[0], z.shape[1]) if z.ndim == 2 else np.asarray(y)
-    if z.ndim != 2 or z.shape[0] < MIN_EXAMPLES:
-        raise ValueError(f"need (n, k) log-probabilities with n >= {MIN_EXAMPLES}, got {z.shape}")
+    z = check_logits(log_probabilities, name="log_probabilities")
+    if z.shape[0] < MIN_EXAMPLES:
+        raise ValueError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
+    labels = check_labels(y, z.shape[0], z.shape[1])
     mass = _check_mass(choice_mass, z.shape[0])
     min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
     fit_idx, conformal_idx, certify_idx = split_examples(labels, seed)

@@ -29,7 +29,7 @@ from scipy import optimize
 from sklearn import exceptions, model_selection
 from threadpoolctl import threadpool_limits
 
-from calibration.validation import check_int, check_labels
+from calibration.validation import check_int, check_labels, check_logits
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -175,7 +175,7 @@ def _check_temperature(temperature: float) -> None:
 
 
 def _scaled(logits: ArrayLike, temperature: float, bias: Sequence[float] | None) -> _FloatArray:
-    z = _check_logits(logits, allow_1d=True)
+    z = check_logits(logits, allow_1d=True)
     s = z / temperature
     if bias is not None:
         b = np.asarray(bias, dtype=np.float64)
@@ -191,23 +191,6 @@ def _scaled(logits: ArrayLike, temperature: float, bias: Sequence[float] | None)
 
 # ---------------------------------------------------------------------------------------------
 # Softmax and validation.
-
-
-def _check_logits(logits: ArrayLike, name: str = "logits", allow_1d: bool = False) -> _FloatArray:
-    arr = np.asarray(logits, dtype=np.float64)
-    if arr.ndim == 1 and allow_1d:
-        arr = arr[None, :]
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D array of shape (n, k), got shape {arr.shape}")
-    n, k = arr.shape
-    if n == 0:
-        raise ValueError(f"{name} is empty (shape {arr.shape}); need at least one item")
-    if k < 2:
-        raise ValueError(f"{name} must have at least 2 choices per row, got k={k}")
-    if not np.all(np.isfinite(arr)):
-        i, j = (int(v) for v in np.argwhere(~np.isfinite(arr))[0])
-        raise ValueError(f"{name}[{i}, {j}] = {arr[i, j]} is not finite")
-    return arr
 
 
 def _log_softmax(s: _FloatArray) -> _FloatArray:
@@ -231,7 +214,7 @@ def softmax(logits: ArrayLike) -> _FloatArray:
     -------
     probs : float64 array of the same shape; each row sums to 1.
     """
-    z = _check_logits(logits, allow_1d=True)
+    z = check_logits(logits, allow_1d=True)
     p = _softmax(z)
     return p[0] if np.ndim(logits) == 1 else p
 
@@ -293,7 +276,7 @@ class TemperatureScaler:
 
     def fit(self, logits: ArrayLike, y: ArrayLike) -> Self:
         """Fit T on log-scores of shape (n, k) and correct choice indices of shape (n,)."""
-        z = _check_logits(logits)
+        z = check_logits(logits)
         labels = check_labels(y, z.shape[0], z.shape[1])
         self.temperature_ = 1.0 / _fit_beta(z, labels)
         self.n_classes_ = int(z.shape[1])
@@ -302,7 +285,7 @@ class TemperatureScaler:
     def predict_proba(self, logits: ArrayLike) -> _FloatArray:
         """Calibrated probabilities of shape (n, k) for log-scores of shape (n, k)."""
         _check_fitted(self, "temperature_")
-        z = _check_logits(logits)
+        z = check_logits(logits)
         _check_width(z, self.n_classes_)
         return _softmax(z / self.temperature_)
 
@@ -341,7 +324,7 @@ class BiasTemperatureScaler:
         """Fit T and b on log-scores of shape (n, k) and correct choice indices of shape (n,)."""
         if isinstance(self.l2, bool) or not isinstance(self.l2, int | float) or self.l2 < 0:
             raise ValueError(f"l2 must be a non-negative number, got {self.l2!r}")
-        z = _check_logits(logits)
+        z = check_logits(logits)
         n, k = z.shape
         labels = check_labels(y, n, k)
         onehot = np.zeros((n, k))
@@ -381,7 +364,7 @@ class BiasTemperatureScaler:
     def predict_proba(self, logits: ArrayLike) -> _FloatArray:
         """Calibrated probabilities of shape (n, k) for log-scores of shape (n, k)."""
         _check_fitted(self, "bias_")
-        z = _check_logits(logits)
+        z = check_logits(logits)
         _check_width(z, self.n_classes_)
         return _softmax(z / self.temperature_ + self.bias_)
 
@@ -448,7 +431,7 @@ def fit_calibrator(
     min_improvement_se : float
         Required improvement, in standard errors, for a more flexible method to be chosen.
     """
-    z = _check_logits(logits)
+    z = check_logits(logits)
     n, k = z.shape
     labels = check_labels(y, n, k)
     if isinstance(methods, str):

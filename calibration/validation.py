@@ -20,6 +20,7 @@ __all__ = [
     "check_correct",
     "check_int",
     "check_labels",
+    "check_logits",
     "check_probability",
     "check_probs",
     "check_probs_labels",
@@ -149,3 +150,21 @@ def check_probability(value: object, name: str) -> float:
     if not 0.0 <= out <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     return out
+
+
+def check_logits(logits: ArrayLike, name: str = "logits", allow_1d: bool = False) -> _FloatArray:
+    """Per-choice log-scores as a float64 (n, k) array; ``allow_1d`` takes one (k,) row too."""
+    arr = np.asarray(logits, dtype=np.float64)
+    if arr.ndim == 1 and allow_1d:
+        arr = arr[None, :]
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array of shape (n, k), got shape {arr.shape}")
+    n, k = arr.shape
+    if n == 0:
+        raise ValueError(f"{name} is empty (shape {arr.shape}); need at least one item")
+    if k < 2:
+        raise ValueError(f"{name} must have at least 2 choices per row, got k={k}")
+    if not np.all(np.isfinite(arr)):
+        i, j = _first_bad(~np.isfinite(arr))
+        raise ValueError(f"{name}[{i}, {j}] = {arr[i, j]} is not finite")
+    return arr
