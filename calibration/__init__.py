@@ -11,6 +11,7 @@ service (no torch). A pipeline reads::
 
 from calibration.errors import (
     CalibrationError,
+    FitError,
     ProfileError,
     ProfileMismatchError,
     ProfileNotFoundError,
@@ -62,6 +63,7 @@ __all__ = [
     "CalibrationProfile",
     "DataSplit",
     "Decision",
+    "FitError",
     "Identity",
     "Interval",
     "MetricReport",

@@ -1,6 +1,7 @@
 """The errors the calibration package raises on purpose.
 
     CalibrationError
+    ├── FitError                     the labeled examples cannot support a profile
     ├── ProfileError                 a profile file is missing, unreadable or invalid
     │   └── ProfileNotFoundError     no profile by that name
     └── ProfileMismatchError         a profile does not fit the judgment it is applied to
@@ -10,11 +11,21 @@ Input validation of arrays (shapes, labels) raises ValueError with the bad value
 
 from __future__ import annotations
 
-__all__ = ["CalibrationError", "ProfileError", "ProfileMismatchError", "ProfileNotFoundError"]
+__all__ = [
+    "CalibrationError",
+    "FitError",
+    "ProfileError",
+    "ProfileMismatchError",
+    "ProfileNotFoundError",
+]
 
 
 class CalibrationError(Exception):
     """Base class of the calibration package's own errors."""
+
+
+class FitError(CalibrationError, ValueError):
+    """Too few labeled examples, or too little variety in them, to fit a profile."""
 
 
 class ProfileError(CalibrationError, ValueError):

@@ -36,6 +36,7 @@ from numpy.typing import ArrayLike
 from scipy import stats
 
 from calibration.conformal import conformal_quantile
+from calibration.errors import FitError
 from calibration.metrics import MetricReport, evaluate
 from calibration.policy import Policy
 from calibration.profile import FORMAT_VERSION, CalibrationProfile, DataSplit, sha256_text
@@ -66,7 +67,7 @@ def _check(
     if z.ndim != 2 or z.shape[1] != len(choices):
         raise ValueError(f"log_probabilities must have shape (n, {len(choices)}), got {z.shape}")
     if z.shape[0] < minimum:
-        raise ValueError(f"need at least {minimum} labeled examples, got {z.shape[0]}")
+        raise FitError(f"need at least {minimum} labeled examples, got {z.shape[0]}")
     return z, check_labels(y, z.shape[0], z.shape[1])
 
 
@@ -119,8 +120,15 @@ def fit_rule(
     """
     z = check_logits(log_probabilities, name="log_probabilities")
     if z.shape[0] < MIN_EXAMPLES:
-        raise ValueError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
+        raise FitError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
     labels = check_labels(y, z.shape[0], z.shape[1])
+    if np.unique(labels).shape[0] < 2:
+        # A map fitted on one label learns to always answer it, and a certificate on such
+        # data vouches only for data where that answer is always right.
+        raise FitError(
+            f"every labeled example has the same label (choice {int(labels[0])}); a profile "
+            "needs examples of at least two different choices"
+        )
     mass = _check_mass(choice_mass, z.shape[0])
     min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
     fit_idx, conformal_idx, certify_idx = split_examples(labels, seed)

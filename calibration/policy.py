@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 import msgspec
 import numpy as np
@@ -50,10 +50,10 @@ __all__ = [
     "make_policy",
 ]
 
-REASON_CODES = ("no_certified_threshold", "below_threshold", "low_choice_mass", "ambiguous_set")
 ReasonCode = Literal[
     "no_certified_threshold", "below_threshold", "low_choice_mass", "ambiguous_set"
 ]
+REASON_CODES: tuple[str, ...] = get_args(ReasonCode)
 ThresholdSource = Literal["request", "profile", "default"]
 
 

@@ -30,6 +30,7 @@ from calibration import (
     Policy,
     PolicyDefaults,
     ProfileMismatchError,
+    ReasonCode,
     make_policy,
 )
 from cli.common import UsageError, load_engine, load_profile, to_json
@@ -61,7 +62,7 @@ class Answer(msgspec.Struct, frozen=True, kw_only=True):
     raw_probabilities: dict[str, float]  # the engine's, before calibration
     prediction_set: list[str] | None  # conformal set; None without a profile
     reasons: list[str]  # why it escalated; empty when accepted
-    reason_codes: list[str]  # one per reason
+    reason_codes: list[ReasonCode]  # one per reason
     threshold: float | None
     certified: bool  # the profile's certified rule decided, with no override
     choice_mass: float

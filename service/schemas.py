@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from calibration import MIN_EXAMPLES, MetricReport, ThresholdResult
+from calibration import MIN_EXAMPLES, MetricReport, ReasonCode, ThresholdResult
 from calibration.profile import NAME_PATTERN
 from judge import MAX_CHOICES
 
@@ -62,7 +62,7 @@ class JudgeResponse(
     reasons: list[str]  # why it escalated, one line each; empty when accepted
     # One per reason, for programs: below_threshold, no_certified_threshold, low_choice_mass,
     # ambiguous_set (calibration.Decision.reason_codes).
-    reason_codes: list[str]
+    reason_codes: list[ReasonCode]
     threshold: float | None  # the threshold in force; None when the profile has none
     certified: bool  # the threshold is the profile's certified one, with no override
     temperature: float | None  # the profile's fitted temperature

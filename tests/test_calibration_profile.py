@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from calibration.errors import ProfileError, ProfileMismatchError, ProfileNotFoundError
+from calibration.errors import FitError, ProfileError, ProfileMismatchError, ProfileNotFoundError
 from calibration.fitting import evaluate_policy, fit_profile
 from calibration.profile import CalibrationProfile, decode_profile, load_profile, save_profile
 from calibration.scaling import BiasTemperature, Temperature
@@ -96,10 +96,13 @@ def test_each_step_has_its_own_examples(profile: CalibrationProfile) -> None:
     assert profile.threshold.procedure == "fixed_sequence"
 
 
-def test_too_few_examples_is_an_error() -> None:
+def test_too_few_or_too_uniform_examples_are_refused() -> None:
     z, y = synthetic(19, seed=3)
-    with pytest.raises(ValueError, match="at least 20 labeled examples, got 19"):
+    with pytest.raises(FitError, match="at least 20 labeled examples, got 19"):
         fit_profile("p", z, y, CHOICES, dataset="d", dataset_sha256="0", **CONFIG)
+    z, _ = synthetic(40, seed=4)
+    with pytest.raises(FitError, match="every labeled example has the same label"):
+        fit_profile("p", z, np.ones(40, int), CHOICES, dataset="d", dataset_sha256="0", **CONFIG)
 
 
 def test_round_trip(tmp_path: Path, profile: CalibrationProfile) -> None:

@@ -278,6 +278,10 @@ def test_profiles_fit_use_list_get_put_delete(
     assert r.status_code == 400 and r.json()["field"] == "examples"
     r = client.post("/profiles/x/fit", json={"choices": ["spam", "ham"], "examples": []})
     assert r.status_code == 400 and r.json()["field"] == "examples"
+    one_label = [{"prompt": p, "label": "ham"} for p, y in EXAMPLES if y == "ham"] * 2
+    r = client.post("/profiles/x/fit", json={"choices": ["spam", "ham"], "examples": one_label})
+    assert r.status_code == 400 and r.json()["field"] == "examples"
+    assert "same label" in r.json()["detail"]
     assert client.get("/profiles/x").status_code == 404
 
 
