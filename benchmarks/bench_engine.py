@@ -165,7 +165,9 @@ def main() -> None:
     counts = [2, 16] if args.quick else [2, 4, 16, 64, 255]
     reps = 3 if args.quick else args.reps
 
-    judge = Judge.load(dtype=args.dtype)
+    # The cache off: these rows measure one pass against a bare pass over the same tokens
+    # (bench_prefix_cache.py measures what the cache saves).
+    judge = Judge.load(dtype=args.dtype, prefix_cache_mb=0)
     machine = {
         "cpu": cpu_model(),
         "torch_threads": torch.get_num_threads(),

@@ -344,7 +344,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    judge = Judge.load(dtype=args.dtype)
+    judge = Judge.load(dtype=args.dtype, prefix_cache_mb=0)  # each method pays for its prompt
     machine = _machine(judge)
     print(f"# {machine}")
     print(

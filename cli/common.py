@@ -52,6 +52,17 @@ def open_probability(text: str) -> float:
     return value
 
 
+def megabytes(text: str) -> float:
+    """An argparse type for a memory budget in MB, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MB, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An argparse type for a count of at least 1."""
     try:

@@ -16,8 +16,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from calibration import CalibrationError
-from cli.common import DTYPES, UsageError, open_probability, positive_int, probability
-from judge import DEFAULT_RESPONSE_PREFIX, DEFAULT_RESPONSE_SUFFIX, JudgeError
+from cli.common import (
+    DTYPES,
+    UsageError,
+    megabytes,
+    open_probability,
+    positive_int,
+    probability,
+)
+from judge import (
+    DEFAULT_PREFIX_CACHE_MB,
+    DEFAULT_RESPONSE_PREFIX,
+    DEFAULT_RESPONSE_SUFFIX,
+    JudgeError,
+)
 from tasks import TaskError
 
 __all__ = ["main", "parser"]
@@ -122,6 +134,12 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=1_000_000)
     serve.add_argument("--default-threshold", type=probability, default=0.9)
     serve.add_argument("--min-choice-mass", type=probability, default=0.0)
+    serve.add_argument(
+        "--prefix-cache-mb",
+        type=megabytes,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="memory for cached prompt prefixes, reused across requests (0: off)",
+    )
     serve.add_argument(
         "--api-key",
         default=os.environ.get("JUDGE_API_KEY"),

@@ -30,7 +30,13 @@ def run(args: argparse.Namespace) -> int:
         min_choice_mass=args.min_choice_mass,
     )
     app = create_app(
-        loader=lambda: Judge.load(args.model, dtype=args.dtype, device=args.device), config=config
+        loader=lambda: Judge.load(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            prefix_cache_mb=args.prefix_cache_mb,
+        ),
+        config=config,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -5,6 +5,7 @@ The engine only: it imports nothing from ``calibration``, ``tasks``, ``service``
 """
 
 from judge.engine import (
+    DEFAULT_PREFIX_CACHE_MB,
     DEFAULT_RESPONSE_PREFIX,
     DEFAULT_RESPONSE_SUFFIX,
     MAX_CHOICES,
@@ -28,11 +29,13 @@ from judge.errors import (
     TooFewChoicesError,
     TooManyChoicesError,
 )
+from judge.prefix_cache import PrefixCache, PrefixCacheStats
 from judge.protocol import Engine
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_PREFIX_CACHE_MB",
     "DEFAULT_RESPONSE_PREFIX",
     "DEFAULT_RESPONSE_SUFFIX",
     "MAX_CHOICES",
@@ -49,6 +52,8 @@ __all__ = [
     "JudgeError",
     "Judgment",
     "ModelLoadError",
+    "PrefixCache",
+    "PrefixCacheStats",
     "PromptTooLongError",
     "Query",
     "TokenizerRoundTripError",

@@ -29,6 +29,7 @@ from judge.errors import (
     TooFewChoicesError,
     TooManyChoicesError,
 )
+from judge.prefix_cache import PrefixCache
 from judge.tokens import PathEncoder
 from judge.trie import ChoiceTrie, build_trie, common_prefix_length
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from judge.loading import DType
 
 __all__ = [
+    "DEFAULT_PREFIX_CACHE_MB",
     "DEFAULT_RESPONSE_PREFIX",
     "DEFAULT_RESPONSE_SUFFIX",
     "MAX_CHOICES",
@@ -51,6 +53,7 @@ __all__ = [
 DEFAULT_RESPONSE_PREFIX = '{"answer": "'
 DEFAULT_RESPONSE_SUFFIX = '"}'
 MAX_CHOICES = 1024
+DEFAULT_PREFIX_CACHE_MB = 256
 
 
 class Configuration(TypedDict):
@@ -88,7 +91,12 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     log_probabilities: dict[str, float]
     choice_mass: float  # full-vocabulary probability of the choices' first tokens
     prompt: str  # the exact text fed to the model, ending with the response prefix
-    prompt_tokens: int
+    prompt_tokens: int  # tokens of ``prompt``
+    # Leading prompt tokens read from the prefix cache, and the tokens of this judgment's
+    # packed input (prompt and choice trie) computed in its pass; a context shared by several
+    # questions counts for each of them.
+    cached_tokens: int
+    computed_tokens: int
     forward_passes: int
     latency_ms: float  # wall time of the call that produced this judgment
     model: str
@@ -159,6 +167,8 @@ class Judge:
         response_suffix: str = DEFAULT_RESPONSE_SUFFIX,
         max_batch_size: int = 16,
         max_batch_tokens: int = 8192,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        prefix_cache_block: int = 32,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -169,6 +179,14 @@ class Judge:
         self.response_suffix = response_suffix
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        if not (isinstance(prefix_cache_mb, int | float) and prefix_cache_mb >= 0):
+            raise ValueError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
+        # None: off (a budget of 0, or a model whose layers keep only a sliding window).
+        self.prefix_cache = (
+            PrefixCache(int(prefix_cache_mb * 2**20), prefix_cache_block)
+            if prefix_cache_mb > 0 and _full_attention(model)
+            else None
+        )
         self.context_window = _context_window(model, tokenizer)
         self._encoder = PathEncoder(tokenizer)
         pad = tokenizer.pad_token_id
@@ -331,7 +349,9 @@ class Judge:
         scores: list[list[Any]] = [[] for _ in rows]
         for chunk in self._chunks(rows):
             batch = [[p.trie for p in rows[i]] for i in chunk]
-            for i, s in zip(chunk, score_rows(self.model, batch, self._pad_id), strict=True):
+            for i, s in zip(
+                chunk, score_rows(self.model, batch, self._pad_id, self.prefix_cache), strict=True
+            ):
                 scores[i] = s
         latency_ms = (time.perf_counter() - start) * 1000
         return [
@@ -403,6 +423,8 @@ class Judge:
             choice_mass=scores.root_mass,
             prompt=prepared.prompt,
             prompt_tokens=prepared.prompt_tokens,
+            cached_tokens=scores.cached_tokens,
+            computed_tokens=prepared.trie.packed_length - scores.cached_tokens,
             forward_passes=1,
             latency_ms=latency_ms,
             model=self.model_id,
@@ -430,6 +452,15 @@ def _as_query(item: Query | Mapping[str, Any]) -> Query:
 def _logsumexp(x: np.ndarray) -> float:
     m = float(np.max(x))
     return m + math.log(float(np.sum(np.exp(x - m))))
+
+
+def _full_attention(model: PreTrainedModel) -> bool:
+    """Whether every layer attends to the whole past, so a cached prefix can be reused."""
+    config = model.config
+    types = getattr(config, "layer_types", None) or []
+    return getattr(config, "sliding_window", None) is None and all(
+        t == "full_attention" for t in types
+    )
 
 
 def _context_window(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | None:

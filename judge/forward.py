@@ -9,17 +9,27 @@ attends only to itself so that no softmax row is empty.
 
 Logits are computed only where they are read: at each scored node, the vocabulary rows of its
 children; at the root, the full vocabulary once, for the probability mass on the choices.
+
+With a prefix cache (``judge.prefix_cache``), each row's leading plain-causal tokens are looked
+up first; the cached keys and values go in as the model's past, right-aligned per row, and only
+the rest of the row is fed, at the same positions it would have had. Every fed token attends to
+its row's whole cached prefix (all of it is its ancestry) and to its ancestors among the fed
+tokens. The pass returns its own keys and values, and the row's plain prefix is stored back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
+from judge.prefix_cache import Block, PrefixCache
 from judge.trie import ChoiceTrie, common_prefix_length
 
 if TYPE_CHECKING:
@@ -34,6 +44,7 @@ class TrieScores:
 
     node_logits: list[np.ndarray]  # per scored node: (n_children,) logits of its children
     root_mass: float  # full-vocabulary probability of the root's children
+    cached_tokens: int = 0  # leading tokens of its row read from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -73,17 +84,44 @@ def _row(tries: Sequence[ChoiceTrie]) -> _Row:
     return _Row(tokens, parents, positions, shared, query_rows)
 
 
+def _cut(row: _Row, cached: int) -> _Row:
+    """The row without its first ``cached`` tokens, which come from the cache as the past.
+
+    Only plain-chain tokens are cut, and never the last one (``cached < chain``), so every
+    read position stays in the row; a parent index of -1 now means the past's last token.
+    """
+    if cached == 0:
+        return row
+    return _Row(
+        tokens=row.tokens[cached:],
+        parents=[p - cached if p >= cached else -1 for p in row.parents[cached:]],
+        positions=row.positions[cached:],
+        chain=row.chain - cached,
+        query_rows=[[q - cached for q in qs] for qs in row.query_rows],
+    )
+
+
 @dataclass(frozen=True)
 class _Packed:
     input_ids: torch.Tensor  # (B, T)
     position_ids: torch.Tensor | None  # (B, T)
-    attention_mask: torch.Tensor | None  # (B, 1, T, T) additive
+    attention_mask: torch.Tensor | None  # (B, 1, T, P + T) additive
     query_rows: list[list[list[int]]]  # per row, per trie, per scored node: flat index b*T+t
 
 
-def _pack(rows: Sequence[_Row], pad_id: int, dtype: torch.dtype, device: torch.device) -> _Packed:
+def _pack(
+    rows: Sequence[_Row],
+    pad_id: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    past: Sequence[int] = (),
+) -> _Packed:
+    """Left-pad rows into one batch; ``past[b]`` cached tokens precede row b (right-aligned
+    in P = max(past) slots of the model's past)."""
     T = max(len(r.tokens) for r in rows)
     B = len(rows)
+    past = list(past) or [0] * B
+    P = max(past)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     query_rows = []
     for b, r in enumerate(rows):
@@ -91,24 +129,28 @@ def _pack(rows: Sequence[_Row], pad_id: int, dtype: torch.dtype, device: torch.d
         ids[b, offset:] = torch.tensor(r.tokens)
         query_rows.append([[b * T + offset + q for q in qs] for qs in r.query_rows])
 
-    if all(r.chain == len(r.tokens) == T for r in rows):
-        # Nothing to pack and nothing padded: the model's own causal path, as a bare pass takes.
+    if all(r.chain == len(r.tokens) == T for r in rows) and all(p == P for p in past):
+        # Nothing to pack, nothing padded and the same past everywhere: the model's own causal
+        # path (after its past, at the positions that follow it), as a bare pass takes.
         return _Packed(ids.to(device), None, None, query_rows)
 
     positions = torch.zeros((B, T), dtype=torch.long)
-    allowed = torch.zeros((B, T, T), dtype=torch.bool)
+    allowed = torch.zeros((B, T, P + T), dtype=torch.bool)
     for b, r in enumerate(rows):
         o, n = T - len(r.tokens), r.chain
         positions[b, o:] = torch.tensor(r.positions)
-        allowed[b, o : o + n, o : o + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        # Every fed token descends from the whole cached prefix of its row.
+        allowed[b, o:, P - past[b] : P] = True
+        c = P + o  # the row's first fed token, as a key column
+        allowed[b, o : o + n, c : c + n] = torch.ones(n, n, dtype=torch.bool).tril()
         for i in range(n, len(r.tokens)):
             # A token sees what its parent sees, plus itself.
             if r.parents[i] >= 0:
                 allowed[b, o + i] = allowed[b, o + r.parents[i]]
-            allowed[b, o + i, o + i] = True
+            allowed[b, o + i, c + i] = True
         pad = torch.arange(o)
-        allowed[b, pad, pad] = True  # padding sees itself only, so no softmax row is empty
-    mask = torch.zeros((B, 1, T, T), dtype=dtype)
+        allowed[b, pad, P + pad] = True  # padding sees itself only, so no softmax row is empty
+    mask = torch.zeros((B, 1, T, P + T), dtype=dtype)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     return _Packed(ids.to(device), positions.to(device), mask.to(device), query_rows)
 
@@ -130,21 +172,41 @@ def _finish_logits(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor
 
 @torch.inference_mode()
 def score_rows(
-    model: PreTrainedModel, rows: Sequence[Sequence[ChoiceTrie]], pad_id: int
+    model: PreTrainedModel,
+    rows: Sequence[Sequence[ChoiceTrie]],
+    pad_id: int,
+    cache: PrefixCache | None = None,
 ) -> list[list[TrieScores]]:
     """One forward pass; each batch row packs the tries of one inner list, sharing their
     common context. Returns the logits each trie needs, in the same nesting."""
     head = model.get_output_embeddings()
     W = head.weight  # (V, H)
     bias = getattr(head, "bias", None)
-    packed = _pack([_row(r) for r in rows], pad_id, W.dtype, W.device)
+    full = [_row(r) for r in rows]
+    # The last chain token is always fed: a root may be read there.
+    chains = [cache.lookup(r.tokens, r.chain - 1) if cache else [] for r in full]
+    block = cache.block_tokens if cache else 0
+    past = [len(c) * block for c in chains]
+    fed = [_cut(r, p) for r, p in zip(full, past, strict=True)]
+    packed = _pack(fed, pad_id, W.dtype, W.device, past)
 
-    out = model.get_decoder()(
+    decoder = model.get_decoder()
+    kwargs: dict[str, object] = {}
+    if cache is not None and max(past) > 0:
+        layers, _ = cache.assemble(chains)
+        past_kv = DynamicCache()
+        for i, (keys, values) in enumerate(layers):
+            past_kv.update(keys.to(W.device), values.to(W.device), i)
+        kwargs[_cache_argument(decoder)] = past_kv
+    out = decoder(
         input_ids=packed.input_ids,
         attention_mask=packed.attention_mask,
         position_ids=packed.position_ids,
-        use_cache=False,
+        use_cache=cache is not None,
+        **kwargs,
     )
+    if cache is not None:
+        _store(cache, out, full, fed, chains, past, packed.input_ids.shape[1])
     hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
     tries = [t for r in rows for t in r]
     flat_rows = [q for per_row in packed.query_rows for per_trie in per_row for q in per_trie]
@@ -178,7 +240,35 @@ def score_rows(
         # Rounding can push a mass of one a hair above it.
         scores.append(TrieScores(node_logits=node_logits, root_mass=min(mass, 1.0)))
     nested, k = [], 0
-    for r in rows:
-        nested.append(scores[k : k + len(r)])
+    for r, p in zip(rows, past, strict=True):
+        nested.append([dataclasses.replace(s, cached_tokens=p) for s in scores[k : k + len(r)]])
         k += len(r)
     return nested
+
+
+def _cache_argument(decoder: torch.nn.Module) -> str:
+    # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name is deprecated).
+    names = inspect.signature(decoder.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def _store(
+    cache: PrefixCache,
+    out: object,
+    full: Sequence[_Row],
+    fed: Sequence[_Row],
+    chains: Sequence[Sequence[Block]],
+    past: Sequence[int],
+    T: int,
+) -> None:
+    """Store each row's plain prefix: its keys and values were just computed (or cached)."""
+    returned = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if returned is None:
+        return
+    P = max(past)
+    layers = [(layer.keys, layer.values) for layer in returned.layers]  # (B, H, P + T, D)
+    for b, (row, cut) in enumerate(zip(full, fed, strict=True)):
+        start = P + T - len(cut.tokens)  # the row's first fed token, as a key column
+        new = row.chain - past[b]  # its plain-prefix tokens computed in this pass
+        kv = [(k[b, :, start : start + new], v[b, :, start : start + new]) for k, v in layers]
+        cache.store(row.tokens[: row.chain], chains[b], kv)

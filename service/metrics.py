@@ -1,4 +1,5 @@
-"""Prometheus metrics: requests by status, latency, batch sizes, decisions, queue depth.
+"""Prometheus metrics: requests by status, latency, batch sizes, decisions, queue depth, and
+the engine's prefix cache (hits, misses, tokens reused, evictions, bytes held).
 
 Each app gets its own registry, so several apps in one process (tests) never collide.
 """
@@ -7,9 +8,13 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable, Iterator
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from judge import PrefixCacheStats
 
 __all__ = ["ServiceMetrics"]
 
@@ -60,6 +65,10 @@ class ServiceMetrics:
             "judge_queue_depth", "Jobs waiting for the model.", registry=self.registry
         )
 
+    def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        """Export the engine's prefix-cache counters, read at every scrape."""
+        self.registry.register(_PrefixCacheCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -87,3 +96,30 @@ class ServiceMetrics:
                 self.latency.labels(route).observe(time.perf_counter() - start)
 
         return measured
+
+
+class _PrefixCacheCollector:
+    """The cache keeps its own counters; this reads them when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        for name, doc, value in (
+            ("hits", "Lookups that reused at least one cached block.", s.hits),
+            ("misses", "Lookups that reused nothing.", s.misses),
+            (
+                "tokens_reused",
+                "Prompt tokens read from the cache instead of computed.",
+                s.tokens_reused,
+            ),
+            ("evictions", "Blocks evicted to stay within the budget.", s.evictions),
+        ):
+            yield CounterMetricFamily(f"judge_prefix_cache_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "judge_prefix_cache_bytes", "Bytes of keys and values held.", value=s.bytes
+        )
+        yield GaugeMetricFamily(
+            "judge_prefix_cache_budget_bytes", "The cache's budget.", value=s.budget_bytes
+        )

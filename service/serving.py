@@ -30,7 +30,7 @@ from calibration import (
     make_policy,
 )
 from calibration.profile import NAME_PATTERN
-from judge import Engine, JudgeError, Judgment, Query
+from judge import Engine, JudgeError, Judgment, PrefixCache, Query
 from service.batcher import Batcher
 from service.config import ServiceConfig
 from service.errors import BadFieldError, NotReadyError, error_body
@@ -96,6 +96,9 @@ class Service:
             log.exception("loading the model failed")
             self.failure = f"{type(exc).__name__}: {exc}"
             return
+        cache = getattr(engine, "prefix_cache", None)  # a Judge's; other engines may have none
+        if isinstance(cache, PrefixCache):
+            self.metrics.watch_prefix_cache(cache.stats)
         self.loaded = engine
         log.info("ready: model %s, dtype %s", engine.model_id, engine.dtype)
 

@@ -37,6 +37,8 @@ def judgment_of(
         choice_mass=mass,
         prompt=prompt,
         prompt_tokens=1,
+        cached_tokens=0,
+        computed_tokens=1,
         forward_passes=1,
         latency_ms=1.0,
         model="fake",

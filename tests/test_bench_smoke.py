@@ -210,3 +210,21 @@ def test_bench_gating_quick(tmp_path: Path) -> None:
     assert [r["procedure"] for r in rows] == ["fixed_sequence", "bonferroni"]
     assert all(0 <= r["failure_rate"] <= r["certified"] <= 1 for r in rows)
     assert "| 500 | fixed_sequence |" in done.stdout
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_prefix_cache_quick(tmp_path: Path) -> None:
+    out = tmp_path / "prefix.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_prefix_cache.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["head_tokens"] > 500 and [r["choices"] for r in result["rows"]] == [2, 5]
+    for row in result["rows"]:
+        # A warm call computes the item, not the head (the times are for the benchmark).
+        assert row["median"]["computed_warm"] < row["median"]["computed_off"] / 5
+        assert row["bytes"] > 0

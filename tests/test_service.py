@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -91,7 +92,8 @@ def test_judge_matches_the_engine(client: TestClient[Any], judge: Judge) -> None
     assert status == 200
     alone = judge.judge(SPAM, ["spam", "ham"])
     assert body["raw_probabilities"] == pytest.approx(alone.probabilities, abs=1e-6)
-    assert body["probabilities"] == body["raw_probabilities"]  # no profile
+    # No profile: the identity map, softmax of the log-probabilities again (to the last ulp).
+    assert body["probabilities"] == pytest.approx(body["raw_probabilities"], rel=1e-12, abs=1e-15)
     assert body["choice"] == alone.choice and body["confidence"] == pytest.approx(alone.confidence)
     assert body["prompt"] == alone.prompt and body["model"] == judge.model_id
     assert body["threshold"] == 0.9 and body["profile"] is None and body["certified"] is False
@@ -478,3 +480,29 @@ def test_a_fake_engine_serves_the_same_contract(tmp_path: Path) -> None:
         status, body = post(c, {"prompt": "x", "choices": ["a", "b", "c"]})
         assert body["decision"] == "escalate" and body["reason_codes"] == ["below_threshold"]
         assert c.get("/ready").json() == {"status": "ready", "model": "fake", "dtype": "float32"}
+
+
+def test_metrics_export_the_prefix_cache(client: TestClient[Any], judge: Judge) -> None:
+    def value(text: str, name: str) -> float:
+        match = re.search(rf"^{name} (\S+)$", text, re.M)
+        assert match, f"{name} is not exported"
+        return float(match.group(1))
+
+    before = client.get("/metrics").text
+    for _ in range(2):
+        assert post(client, {"prompt": SPAM + " Reply now.", "choices": ["spam", "ham"]})[0] == 200
+    after = client.get("/metrics").text
+    assert value(after, "judge_prefix_cache_hits_total") > value(
+        before, "judge_prefix_cache_hits_total"
+    )
+    assert value(after, "judge_prefix_cache_tokens_reused_total") > 0
+    assert (
+        0
+        < value(after, "judge_prefix_cache_bytes")
+        <= value(after, "judge_prefix_cache_budget_bytes")
+    )
+    assert judge.prefix_cache is not None
+    assert value(after, "judge_prefix_cache_bytes") == judge.prefix_cache.stats().bytes
+    assert (
+        "judge_prefix_cache_evictions_total" in after and "judge_prefix_cache_misses_total" in after
+    )
