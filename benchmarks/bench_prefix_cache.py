@@ -12,14 +12,17 @@ items are SMS messages from ../shared/data/sms_spam (20-100 tokens each), judged
   the same cached prefix given as the model's past: what a hit cannot beat.
 
 Reports per-item medians, the median of item-by-item ratios, tokens computed per item and the
-bytes the cache holds. Writes ``benchmarks/results/bench_prefix_cache.json``.
+bytes the cache holds. Then over HTTP: ``judge serve`` with the cache off and on, the same
+distinct items (the rubric as the request's system prompt, 2 choices) at concurrency 1 and 16,
+throughput and median latency. Writes ``benchmarks/results/bench_prefix_cache.json``.
 
-    python benchmarks/bench_prefix_cache.py [--items 100] [--quick]
+    python benchmarks/bench_prefix_cache.py [--items 100] [--http-requests 48] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import inspect
 import json
 import statistics
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from benchlib import cpu_model
 from transformers import DynamicCache
@@ -143,7 +147,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=100, help="items per choice set")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--quick", action="store_true", help="4 items per choice set")
+    parser.add_argument("--http-requests", type=int, default=48, help="per concurrency level")
+    parser.add_argument("--quick", action="store_true", help="4 items per choice set, no HTTP")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_prefix_cache.json")
     args = parser.parse_args()
     n_items = 4 if args.quick else args.items
@@ -219,6 +224,9 @@ def main() -> None:
         },
         "head_tokens": head_tokens,
         "rows": rows,
+        "http": []
+        if args.quick
+        else http_rows(texts_for_http(off, args.http_requests), args.dtype),
         "quick": args.quick,
     }
     lines = [
@@ -236,8 +244,48 @@ def main() -> None:
             f"| {m['computed_off']:.0f} / {m['computed_warm']:.0f} | {r['bytes'] / 2**20:.1f} "
             f"| {r['max_abs_diff']:.1e} |"
         )
+    if result["http"]:
+        lines += [
+            "",
+            "| HTTP | concurrency | requests/s | p50 ms |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| cache {h['cache']} | {h['concurrency']} | {h['throughput_rps']:.2f} | {h['p50_ms']:.0f} |"
+            for h in result["http"]
+        ]
     print("\n".join(lines))
     write_text(args.out, json.dumps(result, indent=2))
+
+
+def texts_for_http(judge: Judge, per_level: int) -> list[str]:
+    """Distinct items for both levels, so that no level finds another's items cached."""
+    return items(judge, 2 * per_level)
+
+
+def http_rows(texts: list[str], dtype: str) -> list[dict[str, Any]]:
+    from bench_service import free_port, load, start_server, stop_server
+
+    half = len(texts) // 2
+    out = []
+    for mb in (0, 256):
+        port = free_port()
+        server = start_server(port, 16, dtype, ["--prefix-cache-mb", str(mb)])
+        try:
+            url = f"http://127.0.0.1:{port}"
+            prime = {"prompt": "Not an item.", "choices": ["pass", "fail"], "system": RUBRIC}
+            httpx.post(f"{url}/judge", json=prime, timeout=300).raise_for_status()
+            for level, batch in ((1, texts[:half]), (16, texts[half:])):
+
+                def body(i: int, batch: list[str] = batch) -> dict[str, Any]:
+                    return {"prompt": batch[i], "choices": ["pass", "fail"], "system": RUBRIC}
+
+                row = asyncio.run(load(url, level, len(batch), body))
+                assert not row["errors"], row["errors"]
+                out.append({"cache": "on" if mb else "off", **row})
+        finally:
+            stop_server(server)
+    return out
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(port: int, batch_size: int, dtype: str) -> subprocess.Popen[bytes]:
+def start_server(
+    port: int, batch_size: int, dtype: str, extra: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--dtype", dtype,
         "--max-batch-size", str(batch_size), "--max-queue", "1024", "--log-level", "warning",
+        *extra,
     ]  # fmt: skip
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -72,8 +76,21 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
     process.wait(30)
 
 
-async def load(url: str, concurrency: int, requests: int) -> dict[str, Any]:
-    """Send ``requests`` requests with at most ``concurrency`` in flight."""
+def sms_body(i: int) -> dict[str, Any]:
+    return {
+        "prompt": f"Is this SMS spam? {MESSAGES[i % len(MESSAGES)]} (#{i})",
+        "choices": ["spam", "ham"],
+    }
+
+
+async def load(
+    url: str,
+    concurrency: int,
+    requests: int,
+    body: Callable[[int], dict[str, Any]] = sms_body,
+) -> dict[str, Any]:
+    """Send ``requests`` requests (the i-th is ``body(i)``) with at most ``concurrency`` in
+    flight."""
     latencies: list[float] = []
     errors: dict[str, int] = {}
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -86,13 +103,9 @@ async def load(url: str, concurrency: int, requests: int) -> dict[str, Any]:
                 i = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            body = {
-                "prompt": f"Is this SMS spam? {MESSAGES[i % len(MESSAGES)]} (#{i})",
-                "choices": ["spam", "ham"],
-            }
             start = time.perf_counter()
             try:
-                r = await client.post(f"{url}/judge", json=body)
+                r = await client.post(f"{url}/judge", json=body(i))
                 if r.status_code != 200:
                     errors[str(r.status_code)] = errors.get(str(r.status_code), 0) + 1
             except httpx.HTTPError as exc:

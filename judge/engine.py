@@ -344,19 +344,28 @@ class Judge:
 
     def _score(self, rows: list[list[_Prepared]], start: float) -> list[Judgment]:
         """Run ``rows`` (each packed into one batch row) in bounded batches, in order."""
-        from judge.forward import score_rows
+        from judge.forward import prefill, score_rows
 
         scores: list[list[Any]] = [[] for _ in rows]
+        passes = [1] * len(rows)
         for chunk in self._chunks(rows):
             batch = [[p.trie for p in rows[i]] for i in chunk]
+            if self.prefix_cache is not None and len(batch) > 1:
+                # Rows that share a head not cached yet (concurrent requests with one rubric):
+                # compute the head once, in a pass of its own, so that every row reads it.
+                head = batch[0][0].context
+                shared = min(common_prefix_length(head, t.context) for r in batch for t in r)
+                if prefill(self.model, head[:shared], self.prefix_cache):
+                    for i in chunk:
+                        passes[i] = 2
             for i, s in zip(
                 chunk, score_rows(self.model, batch, self._pad_id, self.prefix_cache), strict=True
             ):
                 scores[i] = s
         latency_ms = (time.perf_counter() - start) * 1000
         return [
-            self._result(p, s, latency_ms)
-            for row, row_scores in zip(rows, scores, strict=True)
+            self._result(p, s, latency_ms, n)
+            for row, row_scores, n in zip(rows, scores, passes, strict=True)
             for p, s in zip(row, row_scores, strict=True)
         ]
 
@@ -407,7 +416,9 @@ class Judge:
                 chunks.append([i])
         return chunks
 
-    def _result(self, prepared: _Prepared, scores: Any, latency_ms: float) -> Judgment:
+    def _result(
+        self, prepared: _Prepared, scores: Any, latency_ms: float, passes: int = 1
+    ) -> Judgment:
         # log P(choice) = sum over the scored nodes on its path of the restricted log-softmax.
         node_logprobs = [z - _logsumexp(z) for z in scores.node_logits]
         logps = np.array(
@@ -425,7 +436,7 @@ class Judge:
             prompt_tokens=prepared.prompt_tokens,
             cached_tokens=scores.cached_tokens,
             computed_tokens=prepared.trie.packed_length - scores.cached_tokens,
-            forward_passes=1,
+            forward_passes=passes,
             latency_ms=latency_ms,
             model=self.model_id,
         )

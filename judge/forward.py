@@ -35,7 +35,7 @@ from judge.trie import ChoiceTrie, common_prefix_length
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["TrieScores", "score_rows"]
+__all__ = ["TrieScores", "prefill", "score_rows"]
 
 
 @dataclass(frozen=True)
@@ -244,6 +244,38 @@ def score_rows(
         nested.append([dataclasses.replace(s, cached_tokens=p) for s in scores[k : k + len(r)]])
         k += len(r)
     return nested
+
+
+@torch.inference_mode()
+def prefill(model: PreTrainedModel, tokens: Sequence[int], cache: PrefixCache) -> bool:
+    """Compute and cache the whole blocks of ``tokens`` (a plain prompt prefix) not cached
+    yet, keeping at least one token back (it is where a root may be read). Returns whether a
+    pass ran; nothing runs when less than one block would be added."""
+    b = cache.block_tokens
+    chain = cache.lookup(tokens, len(tokens) - 1)
+    end = (len(tokens) - 1) // b * b
+    start = len(chain) * b
+    if end - start < b:
+        return False
+    decoder = model.get_decoder()
+    kwargs: dict[str, object] = {}
+    if chain:
+        past_kv = DynamicCache()
+        for i, (keys, values) in enumerate(cache.assemble([chain])[0]):
+            past_kv.update(keys, values, i)
+        kwargs[_cache_argument(decoder)] = past_kv
+    out = decoder(
+        input_ids=torch.tensor([list(tokens[start:end])], device=model.device),
+        position_ids=torch.arange(start, end, device=model.device)[None],
+        use_cache=True,
+        **kwargs,
+    )
+    returned = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if returned is None:
+        return False
+    kv = [(layer.keys[0, :, start:end], layer.values[0, :, start:end]) for layer in returned.layers]
+    cache.store(tokens[:end], chain, kv)
+    return True
 
 
 def _cache_argument(decoder: torch.nn.Module) -> str:

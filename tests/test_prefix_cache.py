@@ -185,3 +185,18 @@ def test_one_row_assembly_is_reused_and_counted() -> None:
     assert cache.stats().bytes == 64 * 5 + 64 * 3 == cache.budget_bytes
     cache.store([9, 9], [], _kv(2))  # room is made by dropping the assembly, not a block
     assert cache.stats().evictions == 0 and cache.stats().bytes == 64 * 6
+
+
+def test_a_batch_computes_its_common_head_once(judge: Judge, uncached: Judge) -> None:
+    engine = cached_judge(judge, block=8)
+    items = [
+        {"prompt": RUBRIC + f"Answer {i}: 'Sure.'", "choices": ["pass", "fail"]} for i in range(3)
+    ]
+    got, want = engine.judge_batch(items), uncached.judge_batch(items)
+    for g, w in zip(got, want, strict=True):
+        assert g.probabilities == pytest.approx(w.probabilities, abs=1e-4)
+        # The head ran in a pass of its own; each row then read it from the cache.
+        assert g.forward_passes == 2 and g.cached_tokens > len(RUBRIC) // 8
+        assert g.computed_tokens < 40
+    again = engine.judge_batch([{**item, "prompt": item["prompt"] + "!"} for item in items])
+    assert all(r.forward_passes == 1 for r in again)  # the head is cached now
