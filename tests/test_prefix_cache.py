@@ -9,7 +9,7 @@ import torch
 from reference import reference_probabilities
 from test_exactness import CASES
 
-from judge import Judge
+from judge import Judge, Query
 from judge.prefix_cache import PrefixCache
 
 RUBRIC = (
@@ -189,14 +189,13 @@ def test_one_row_assembly_is_reused_and_counted() -> None:
 
 def test_a_batch_computes_its_common_head_once(judge: Judge, uncached: Judge) -> None:
     engine = cached_judge(judge, block=8)
-    items = [
-        {"prompt": RUBRIC + f"Answer {i}: 'Sure.'", "choices": ["pass", "fail"]} for i in range(3)
-    ]
+    prompts = [RUBRIC + f"Answer {i}: 'Sure.'" for i in range(3)]
+    items = [Query(prompt=p, choices=["pass", "fail"]) for p in prompts]
     got, want = engine.judge_batch(items), uncached.judge_batch(items)
     for g, w in zip(got, want, strict=True):
         assert g.probabilities == pytest.approx(w.probabilities, abs=1e-4)
         # The head ran in a pass of its own; each row then read it from the cache.
         assert g.forward_passes == 2 and g.cached_tokens > len(RUBRIC) // 8
         assert g.computed_tokens < 40
-    again = engine.judge_batch([{**item, "prompt": item["prompt"] + "!"} for item in items])
+    again = engine.judge_batch([Query(prompt=p + "!", choices=["pass", "fail"]) for p in prompts])
     assert all(r.forward_passes == 1 for r in again)  # the head is cached now
