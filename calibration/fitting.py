@@ -42,7 +42,12 @@ from calibration.policy import Policy
 from calibration.profile import FORMAT_VERSION, CalibrationProfile, DataSplit, sha256_text
 from calibration.routing import ThresholdResult, select_threshold, sequence_start
 from calibration.scaling import CalibrationFit, fit_calibrator, softmax
-from calibration.validation import check_labels, check_logits, check_probability
+from calibration.validation import (
+    check_choice_mass,
+    check_labels,
+    check_logits,
+    check_probability,
+)
 
 __all__ = [
     "MIN_EXAMPLES",
@@ -69,15 +74,6 @@ def _check(
     if z.shape[0] < minimum:
         raise FitError(f"need at least {minimum} labeled examples, got {z.shape[0]}")
     return z, check_labels(y, z.shape[0], z.shape[1])
-
-
-def _check_mass(choice_mass: ArrayLike | None, n: int) -> np.ndarray:
-    if choice_mass is None:
-        return np.ones(n)
-    mass = np.asarray(choice_mass, dtype=np.float64)
-    if mass.shape != (n,) or not np.all((mass >= 0) & (mass <= 1)):
-        raise ValueError(f"choice_mass must be {n} numbers in [0, 1], got shape {mass.shape}")
-    return mass
 
 
 def split_examples(labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -129,7 +125,7 @@ def fit_rule(
             f"every labeled example has the same label (choice {int(labels[0])}); a profile "
             "needs examples of at least two different choices"
         )
-    mass = _check_mass(choice_mass, z.shape[0])
+    mass = check_choice_mass(choice_mass, z.shape[0])
     min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
     fit_idx, conformal_idx, certify_idx = split_examples(labels, seed)
 
@@ -293,7 +289,7 @@ def evaluate_policy(
     ``min_choice_mass`` are overrides, as a request would give them.
     """
     z, labels = _check(log_probabilities, y, profile.choices, 1)
-    mass = _check_mass(choice_mass, z.shape[0])
+    mass = check_choice_mass(choice_mass, z.shape[0])
     policy = profile.policy(threshold=threshold, min_choice_mass=min_choice_mass)
     g = policy.gates(profile.choices, z, mass)  # what decide() decides, as arrays
     accepted = g.accepted

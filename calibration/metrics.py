@@ -43,10 +43,7 @@ __all__ = [
 
 _FloatArray = npt.NDArray[np.float64]
 _IntArray = npt.NDArray[np.int64]
-_BoolArray = npt.NDArray[np.bool_]
 
-# float32 probabilities from an engine can miss 1 by a few ulps per choice; anything further
-# off is a caller error (log-probabilities passed as probabilities, a missing softmax, ...).
 _NLL_CLIP = 1e-12
 # Bootstrap and noise-floor simulations run in blocks of at most this many (draw, item) cells
 # so that memory stays bounded for large calibration sets.

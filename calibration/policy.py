@@ -34,7 +34,7 @@ import numpy.typing as npt
 from calibration.conformal import set_membership
 from calibration.errors import ProfileMismatchError
 from calibration.scaling import CalibrationMap, Identity
-from calibration.validation import check_probability
+from calibration.validation import check_choice_mass, check_probability
 
 if TYPE_CHECKING:
     from calibration.profile import CalibrationProfile
@@ -225,9 +225,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                 f"log_probabilities must have shape (n, {len(choices)}), got {probs.shape}"
             )
         n = probs.shape[0]
-        mass = np.ones(n) if choice_mass is None else np.asarray(choice_mass, dtype=np.float64)
-        if mass.shape != (n,):
-            raise ValueError(f"choice_mass must have shape ({n},), got {mass.shape}")
+        mass = check_choice_mass(choice_mass, n)
         best = probs.argmax(axis=1)  # (n,)
         confidence = probs[np.arange(n), best]  # (n,)
         below = np.ones(n, dtype=bool) if self.threshold is None else confidence < self.threshold

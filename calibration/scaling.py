@@ -70,19 +70,18 @@ _BETA_MAX = 1.0 / T_MIN
 _NLL_CLIP = 1e-12
 
 
-class Identity(
-    msgspec.Struct,
-    frozen=True,
-    kw_only=True,
-    forbid_unknown_fields=True,
-    tag_field="method",
-    tag="none",
+class _Map(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="method"
 ):
-    """No scaling: the model's own probabilities, softmax(logits)."""
+    """What every calibration map shares: its JSON tag, "method", names it."""
 
     @property
     def method(self) -> str:
-        return "none"
+        return str(self.__struct_config__.tag)
+
+
+class Identity(_Map, frozen=True, tag="none"):
+    """No scaling: the model's own probabilities, softmax(logits)."""
 
     @property
     def temperature(self) -> float:
@@ -93,14 +92,7 @@ class Identity(
         return _scaled(logits, 1.0, None)
 
 
-class Temperature(
-    msgspec.Struct,
-    frozen=True,
-    kw_only=True,
-    forbid_unknown_fields=True,
-    tag_field="method",
-    tag="temperature",
-):
+class Temperature(_Map, frozen=True, tag="temperature"):
     """Temperature scaling: softmax(logits / temperature)."""
 
     temperature: float
@@ -108,23 +100,12 @@ class Temperature(
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
 
-    @property
-    def method(self) -> str:
-        return "temperature"
-
     def apply(self, logits: ArrayLike) -> _FloatArray:
         """Probabilities of the same shape as ``logits`` ((n, k) or (k,))."""
         return _scaled(logits, self.temperature, None)
 
 
-class BiasTemperature(
-    msgspec.Struct,
-    frozen=True,
-    kw_only=True,
-    forbid_unknown_fields=True,
-    tag_field="method",
-    tag="bias_temperature",
-):
+class BiasTemperature(_Map, frozen=True, tag="bias_temperature"):
     """Bias + temperature scaling: softmax(logits / temperature + bias), bias per choice."""
 
     temperature: float
@@ -139,10 +120,6 @@ class BiasTemperature(
                 f"bias must be at least 2 finite numbers within +-{MAX_ABS_BIAS:g}, "
                 f"got {self.bias!r}"
             )
-
-    @property
-    def method(self) -> str:
-        return "bias_temperature"
 
     def apply(self, logits: ArrayLike) -> _FloatArray:
         """Probabilities of the same shape as ``logits``; its width must match ``bias``."""

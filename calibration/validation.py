@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
 __all__ = [
+    "check_choice_mass",
     "check_confidences",
     "check_correct",
     "check_int",
@@ -41,17 +42,7 @@ def _first_bad(mask: npt.NDArray[np.bool_]) -> tuple[int, ...]:
 
 
 def check_probs(probs: ArrayLike, name: str = "probs") -> _FloatArray:
-    arr = np.asarray(probs, dtype=np.float64)
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D array of shape (n, k), got shape {arr.shape}")
-    n, k = arr.shape
-    if n == 0:
-        raise ValueError(f"{name} is empty (shape {arr.shape}); need at least one item")
-    if k < 2:
-        raise ValueError(f"{name} must have at least 2 choices per row, got k={k}")
-    if not np.all(np.isfinite(arr)):
-        i, j = _first_bad(~np.isfinite(arr))
-        raise ValueError(f"{name}[{i}, {j}] = {arr[i, j]} is not finite")
+    arr = check_logits(probs, name)  # the same shape and finiteness rules
     if np.any((arr < 0.0) | (arr > 1.0)):
         i, j = _first_bad((arr < 0.0) | (arr > 1.0))
         raise ValueError(f"{name}[{i}, {j}] = {arr[i, j]} is not a probability in [0, 1]")
@@ -150,6 +141,17 @@ def check_probability(value: object, name: str) -> float:
     if not 0.0 <= out <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     return out
+
+
+def check_choice_mass(choice_mass: ArrayLike | None, n: int) -> _FloatArray:
+    """(n,) choice masses in [0, 1]; None counts as 1 for every item (nothing known against the
+    choices)."""
+    if choice_mass is None:
+        return np.ones(n)
+    mass = np.asarray(choice_mass, dtype=np.float64)
+    if mass.shape != (n,) or not np.all((mass >= 0) & (mass <= 1)):
+        raise ValueError(f"choice_mass must be {n} numbers in [0, 1], got shape {mass.shape}")
+    return mass
 
 
 def check_logits(logits: ArrayLike, name: str = "logits", allow_1d: bool = False) -> _FloatArray:
