@@ -191,19 +191,12 @@ def score_rows(
     packed = _pack(fed, pad_id, W.dtype, W.device, past)
 
     decoder = model.get_decoder()
-    kwargs: dict[str, object] = {}
-    if cache is not None and max(past) > 0:
-        layers, _ = cache.assemble(chains)
-        past_kv = DynamicCache()
-        for i, (keys, values) in enumerate(layers):
-            past_kv.update(keys.to(W.device), values.to(W.device), i)
-        kwargs[_cache_argument(decoder)] = past_kv
     out = decoder(
         input_ids=packed.input_ids,
         attention_mask=packed.attention_mask,
         position_ids=packed.position_ids,
         use_cache=cache is not None,
-        **kwargs,
+        **_past(decoder, cache, chains, W.device),
     )
     if cache is not None:
         _store(cache, out, full, fed, chains, past, packed.input_ids.shape[1])
@@ -258,30 +251,43 @@ def prefill(model: PreTrainedModel, tokens: Sequence[int], cache: PrefixCache) -
     if end - start < b:
         return False
     decoder = model.get_decoder()
-    kwargs: dict[str, object] = {}
-    if chain:
-        past_kv = DynamicCache()
-        for i, (keys, values) in enumerate(cache.assemble([chain])[0]):
-            past_kv.update(keys, values, i)
-        kwargs[_cache_argument(decoder)] = past_kv
     out = decoder(
         input_ids=torch.tensor([list(tokens[start:end])], device=model.device),
         position_ids=torch.arange(start, end, device=model.device)[None],
         use_cache=True,
-        **kwargs,
+        **_past(decoder, cache, [chain], model.device),
     )
-    returned = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    if returned is None:
+    layers = _returned_layers(out)
+    if layers is None:
         return False
-    kv = [(layer.keys[0, :, start:end], layer.values[0, :, start:end]) for layer in returned.layers]
+    kv = [(k[0, :, start:end], v[0, :, start:end]) for k, v in layers]
     cache.store(tokens[:end], chain, kv)
     return True
 
 
-def _cache_argument(decoder: torch.nn.Module) -> str:
-    # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name is deprecated).
+def _past(
+    decoder: torch.nn.Module,
+    cache: PrefixCache | None,
+    chains: Sequence[Sequence[Block]],
+    device: torch.device,
+) -> dict[str, DynamicCache]:
+    """The decoder's keyword argument carrying the rows' cached prefixes as its past; none
+    when nothing is cached. transformers 5 renamed ``past_key_values`` to ``cache``."""
+    if cache is None or not any(chains):
+        return {}
+    past_kv = DynamicCache()
+    for i, (keys, values) in enumerate(cache.assemble(chains)[0]):
+        past_kv.update(keys.to(device), values.to(device), i)
     names = inspect.signature(decoder.forward).parameters
-    return "cache" if "cache" in names else "past_key_values"
+    return {"cache" if "cache" in names else "past_key_values": past_kv}
+
+
+def _returned_layers(out: object) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Per layer, the keys and values a decoder call returns (under either name)."""
+    returned = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if returned is None:
+        return None
+    return [(layer.keys, layer.values) for layer in returned.layers]
 
 
 def _store(
@@ -294,11 +300,10 @@ def _store(
     T: int,
 ) -> None:
     """Store each row's plain prefix: its keys and values were just computed (or cached)."""
-    returned = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    if returned is None:
+    layers = _returned_layers(out)  # (B, H, P + T, D) each
+    if layers is None:
         return
     P = max(past)
-    layers = [(layer.keys, layer.values) for layer in returned.layers]  # (B, H, P + T, D)
     for b, (row, cut) in enumerate(zip(full, fed, strict=True)):
         start = P + T - len(cut.tokens)  # the row's first fed token, as a key column
         new = row.chain - past[b]  # its plain-prefix tokens computed in this pass
