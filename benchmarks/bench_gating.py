@@ -22,41 +22,17 @@ from pathlib import Path
 import numpy as np
 
 import atomicio
-from calibration import fit_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from test_gating_simulation import CHOICES, CONFIGURATION, world  # noqa: E402
+from test_gating_simulation import simulate  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def run(procedure: str, n: int, resamples: int, target: float, delta: float) -> dict[str, object]:
-    fresh_z, _, fresh_p = world(20_000, np.random.default_rng(0))
-    precision, coverage = [], []
     start = time.perf_counter()
-    for r in range(resamples):
-        z, y, _ = world(n, np.random.default_rng(1000 + r))
-        profile = fit_profile(
-            "sim",
-            z,
-            y,
-            CHOICES,
-            **CONFIGURATION,
-            dataset="synthetic",
-            dataset_sha256="0",
-            target_precision=target,
-            delta=delta,
-            seed=r,
-            n_bootstrap=10,  # the metrics are evidence only; the rule does not depend on them
-            procedure=procedure,
-        )
-        gates = profile.policy().gates(CHOICES, fresh_z)
-        coverage.append(float(gates.accepted.mean()))
-        chosen = fresh_p[np.arange(fresh_z.shape[0]), gates.best]
-        precision.append(
-            float(chosen[gates.accepted].mean()) if gates.accepted.any() else float("nan")
-        )
+    precision, coverage = simulate(resamples, n, target=target, delta=delta, procedure=procedure)
     certified = [p for p in precision if p == p]
     return {
         "procedure": procedure,

@@ -47,13 +47,21 @@ def world(
     return z, y.astype(np.int64), p
 
 
-@pytest.fixture(scope="module")
-def outcomes() -> tuple[list[float], list[float]]:
-    """Per resample: the served policy's true precision (nan if it accepts nothing), coverage."""
+def simulate(
+    resamples: int,
+    n: int,
+    *,
+    target: float = TARGET,
+    delta: float = DELTA,
+    procedure: str = "fixed_sequence",
+) -> tuple[list[float], list[float]]:
+    """Per resample of ``n`` calibration items: the served policy's true precision on the fresh
+    sample (nan if it accepts nothing) and its coverage. benchmarks/bench_gating.py runs this
+    too, once per multiple-testing procedure."""
     fresh_z, _, fresh_p = world(N_FRESH, np.random.default_rng(0))
     precision, coverage = [], []
-    for r in range(RESAMPLES):
-        z, y, _ = world(N_CALIBRATION, np.random.default_rng(1000 + r))
+    for r in range(resamples):
+        z, y, _ = world(n, np.random.default_rng(1000 + r))
         profile = fit_profile(
             "sim",
             z,
@@ -62,10 +70,11 @@ def outcomes() -> tuple[list[float], list[float]]:
             **CONFIGURATION,
             dataset="synthetic",
             dataset_sha256="0",
-            target_precision=TARGET,
-            delta=DELTA,
+            target_precision=target,
+            delta=delta,
             seed=r,
             n_bootstrap=10,  # the metrics are evidence only; the rule does not depend on them
+            procedure=procedure,
         )
         gates = profile.policy().gates(CHOICES, fresh_z)
         accepted = gates.accepted
@@ -73,6 +82,11 @@ def outcomes() -> tuple[list[float], list[float]]:
         chosen = fresh_p[np.arange(N_FRESH), gates.best]
         precision.append(float(chosen[accepted].mean()) if accepted.any() else float("nan"))
     return precision, coverage
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> tuple[list[float], list[float]]:
+    return simulate(RESAMPLES, N_CALIBRATION)
 
 
 def test_precision_falls_below_target_in_at_most_delta_of_resamples(
