@@ -32,7 +32,6 @@ __all__ = [
     "ConformalClassifier",
     "conformal_quantile",
     "prediction_set",
-    "prediction_sets",
     "set_membership",
 ]
 
@@ -116,11 +115,6 @@ def prediction_set(probs_row: ArrayLike, q_hat: float) -> list[int]:
         raise ValueError(f"probs_row must be a 1-D array of shape (k,), got shape {row.shape}")
     p = check_probs(row[None, :], name="probs_row")
     return _sets(p, _check_q_hat(q_hat))[0]
-
-
-def prediction_sets(probs: ArrayLike, q_hat: float) -> list[list[int]]:
-    """``prediction_set`` for every row of (n, k) probabilities: one sorted index list each."""
-    return _sets(check_probs(probs), _check_q_hat(q_hat))
 
 
 def set_membership(probs: ArrayLike, q_hat: float) -> npt.NDArray[np.bool_]:
