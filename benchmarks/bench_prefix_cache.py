@@ -224,9 +224,7 @@ def main() -> None:
         },
         "head_tokens": head_tokens,
         "rows": rows,
-        "http": []
-        if args.quick
-        else http_rows(texts_for_http(off, args.http_requests), args.dtype),
+        "http": [] if args.quick else http_rows(items(off, 2 * args.http_requests), args.dtype),
         "quick": args.quick,
     }
     lines = [
@@ -258,12 +256,9 @@ def main() -> None:
     write_text(args.out, json.dumps(result, indent=2))
 
 
-def texts_for_http(judge: Judge, per_level: int) -> list[str]:
-    """Distinct items for both levels, so that no level finds another's items cached."""
-    return items(judge, 2 * per_level)
-
-
 def http_rows(texts: list[str], dtype: str) -> list[dict[str, Any]]:
+    """Half the texts at concurrency 1, the other half at 16, so that no level finds another's
+    items cached."""
     from bench_service import free_port, load, start_server, stop_server
 
     half = len(texts) // 2

@@ -308,12 +308,11 @@ def evaluate_policy(
         "low_choice_mass": int(g.low_choice_mass.sum()),
         "ambiguous_set": int((sizes != 1).sum()),
     }
-    calibrated = profile.calibration_map.apply(z)
     return PolicyEvaluation(
         profile=profile.name,
         n=len(labels),
         before=evaluate(softmax(z), labels),
-        after=evaluate(calibrated, labels),
+        after=evaluate(g.probabilities, labels),
         threshold=policy.threshold,
         min_choice_mass=policy.min_choice_mass,
         certified=policy.certified,

@@ -19,7 +19,6 @@ tokens. The pass returns its own keys and values, and the row's plain prefix is 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -223,6 +222,7 @@ def score_rows(
     flat = child_logits.double().cpu().numpy()
     scores = []
     start = 0
+    cached = [p for r, p in zip(rows, past, strict=True) for _ in r]  # per trie: its row's past
     for n, t in enumerate(tries):
         node_logits = []
         for c in t.node_children:
@@ -231,10 +231,12 @@ def score_rows(
         root_children = torch.tensor(t.node_children[0], device=root_logprobs.device)
         mass = float(torch.logsumexp(root_logprobs[n, root_children], dim=0).exp())
         # Rounding can push a mass of one a hair above it.
-        scores.append(TrieScores(node_logits=node_logits, root_mass=min(mass, 1.0)))
+        scores.append(
+            TrieScores(node_logits=node_logits, root_mass=min(mass, 1.0), cached_tokens=cached[n])
+        )
     nested, k = [], 0
-    for r, p in zip(rows, past, strict=True):
-        nested.append([dataclasses.replace(s, cached_tokens=p) for s in scores[k : k + len(r)]])
+    for r in rows:
+        nested.append(scores[k : k + len(r)])
         k += len(r)
     return nested
 
