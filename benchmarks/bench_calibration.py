@@ -30,11 +30,9 @@ from judge import Judge
 from tasks import (
     LabeledScores,
     Task,
-    judge_labeled,
-    labeled_queries,
+    judge_task_items,
     load_split,
     load_task,
-    task_prompt,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,9 +61,7 @@ def cached_scores(
             )
         return scores, digest
     start = time.perf_counter()
-    queries = labeled_queries([task_prompt(task, item.text) for item in items], task.choices)
-    labels = [item.label for item in items]
-    scores = judge_labeled(judge, queries, labels, task.choices, batch_size=8)
+    scores = judge_task_items(judge, task, items, batch_size=8)
     elapsed = time.perf_counter() - start
     print(f"  judged {task.name}/{split}: {len(items)} items in {elapsed:.0f} s", file=sys.stderr)
     with replacing(file) as temp:  # temp keeps the .npz name, so savez adds no suffix

@@ -2,7 +2,7 @@
 
 For each task under ../shared/data (or --data), on the default model:
 
-* ``judge``: per-choice log-probabilities from ``tasks.judge_labeled`` on the calibration and
+* ``judge``: per-choice log-probabilities from ``tasks.judge_task_items`` on the calibration and
   test splits; a calibration map (``calibration.scaling.fit_calibrator``) is fitted on the
   calibration split only and applied (``fit.map.apply``) to the test split. Reported on the
   test split, raw (softmax of the log-probabilities) and calibrated: accuracy, NLL and ECE
@@ -78,8 +78,7 @@ from tasks import (
     LabeledItem,
     LabeledScores,
     Task,
-    judge_labeled,
-    labeled_queries,
+    judge_task_items,
     load_split,
     load_task,
     task_prompt,
@@ -248,9 +247,7 @@ def _judge_items(
     judge: Judge, task: Task, items: list[LabeledItem], batch_size: int
 ) -> LabeledScores:
     """The judge's scores on ``items``, columns in ``task.choices`` order."""
-    queries = labeled_queries([task_prompt(task, item.text) for item in items], task.choices)
-    labels = [item.label for item in items]
-    return judge_labeled(judge, queries, labels, task.choices, batch_size=batch_size)
+    return judge_task_items(judge, task, items, batch_size=batch_size)
 
 
 def bench_task(

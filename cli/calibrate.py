@@ -1,6 +1,6 @@
 """``judge calibrate`` and ``judge evaluate``: fit a profile on a labeled task, then measure it.
 
-Both judge one split of a task directory (see ``tasks.files``) through ``tasks.judge_labeled``,
+Both judge one split of a task directory (see ``tasks.files``) through ``tasks.judge_task_items``,
 the same path the service's fit endpoint and the calibration benchmark take. ``calibrate``
 fits with ``tasks.fit_labeled`` and writes the profile, a markdown report and a reliability
 diagram; ``evaluate`` measures the served policy, every gate included, on held-out items
@@ -27,11 +27,9 @@ from tasks import (
     LabeledScores,
     Task,
     fit_labeled,
-    judge_labeled,
-    labeled_queries,
+    judge_task_items,
     load_split,
     load_task,
-    task_prompt,
 )
 
 __all__ = ["run_calibrate", "run_evaluate"]
@@ -122,9 +120,7 @@ def _judge_items(
     """Judge ``items`` of ``task`` with a progress bar; score columns in ``choices`` order."""
     from tqdm import tqdm
 
-    queries = labeled_queries([task_prompt(task, item.text) for item in items], task.choices)
-    labels = [item.label for item in items]
     with tqdm(total=len(items), desc=f"{task.name}/{split}", unit="item", file=sys.stderr) as bar:
-        return judge_labeled(
-            engine, queries, labels, choices, batch_size=batch_size, progress=bar.update
+        return judge_task_items(
+            engine, task, items, choices=choices, batch_size=batch_size, progress=bar.update
         )

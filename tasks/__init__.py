@@ -1,8 +1,8 @@
 """Labeled tasks: files on disk, and "judge a labeled set, then fit a calibration profile".
 
     tasks.files     Task, LabeledItem, load_task, load_split, task_prompt, TaskError
-    tasks.labeled   LabeledScores, labeled_queries, judge_labeled, scores_from_judgments,
-                    fit_labeled
+    tasks.labeled   LabeledScores, labeled_queries, judge_labeled, judge_task_items,
+                    scores_from_judgments, fit_labeled
 
 Sits above ``judge`` and ``calibration`` (it uses both) and below ``service`` and ``cli``
 (which use it), so the command line, the HTTP fit endpoint and the benchmarks calibrate the
@@ -14,6 +14,7 @@ from tasks.labeled import (
     LabeledScores,
     fit_labeled,
     judge_labeled,
+    judge_task_items,
     labeled_queries,
     scores_from_judgments,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "TaskError",
     "fit_labeled",
     "judge_labeled",
+    "judge_task_items",
     "labeled_queries",
     "load_split",
     "load_task",

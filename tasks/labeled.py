@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from judge import Engine, Judgment, Query
-from tasks.files import TaskError
+from tasks.files import LabeledItem, Task, TaskError, task_prompt
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
@@ -30,6 +30,7 @@ __all__ = [
     "LabeledScores",
     "fit_labeled",
     "judge_labeled",
+    "judge_task_items",
     "labeled_queries",
     "scores_from_judgments",
 ]
@@ -190,6 +191,23 @@ def judge_labeled(
         if progress is not None:
             progress(len(chunk))
     return scores_from_judgments(judgments, labels, choices)
+
+
+def judge_task_items(
+    engine: Engine,
+    task: Task,
+    items: Sequence[LabeledItem],
+    *,
+    choices: Sequence[str] | None = None,
+    batch_size: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> LabeledScores:
+    """``judge_labeled`` on a task's items, each prompt as ``task_prompt`` writes it; the
+    columns follow ``choices`` (default: ``task.choices``)."""
+    queries = labeled_queries([task_prompt(task, item.text) for item in items], task.choices)
+    labels = [item.label for item in items]
+    columns = task.choices if choices is None else choices
+    return judge_labeled(engine, queries, labels, columns, batch_size=batch_size, progress=progress)
 
 
 def fit_labeled(

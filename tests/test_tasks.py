@@ -12,10 +12,13 @@ from fakes import FakeEngine, judgment_of
 
 from judge import Configuration, Engine, Judge, JudgeError, Judgment, Query
 from tasks import (
+    LabeledItem,
     LabeledScores,
+    Task,
     TaskError,
     fit_labeled,
     judge_labeled,
+    judge_task_items,
     labeled_queries,
     load_split,
     load_task,
@@ -202,3 +205,27 @@ def test_task_errors_are_value_errors_not_engine_errors(tmp_path: Path) -> None:
         load_split(task, "test")
     with pytest.raises(TaskError, match="limit must be a positive number"):
         load_split(task, "calibration", 0)
+
+
+class RecordingEngine(FakeEngine):
+    """Uniform judgments; remembers every query it was given."""
+
+    def __init__(self) -> None:
+        self.queries: list[Query] = []
+
+    def judgment(self, query: Query) -> Judgment:
+        self.queries.append(query)
+        return super().judgment(query)
+
+
+def test_judge_task_items_uses_the_task_prompt_and_column_order() -> None:
+    task = Task(name="t", choices=["ham", "spam"], instruction="Spam?", path=".")
+    labels = ["ham", "spam", "ham"]
+    items = [LabeledItem(id=str(i), text=f"message {i}", label=y) for i, y in enumerate(labels)]
+    engine, done = RecordingEngine(), list[int]()
+    scores = judge_task_items(engine, task, items, batch_size=2, progress=done.append)
+    assert [q.prompt for q in engine.queries] == [task_prompt(task, it.text) for it in items]
+    assert all(q.choices == task.choices for q in engine.queries) and done == [2, 1]
+    assert scores.labels.tolist() == [0, 1, 0]
+    flipped = judge_task_items(engine, task, items, choices=["spam", "ham"])
+    assert flipped.labels.tolist() == [1, 0, 1]
