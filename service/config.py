@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from calibration import PolicyDefaults
+from calibration.validation import check_probability
 
 __all__ = ["ServiceConfig"]
 
@@ -27,9 +28,7 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         for name in ("default_threshold", "min_choice_mass"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+            check_probability(getattr(self, name), name)  # named as the server's settings
         if self.fit_chunk < 1:
             raise ValueError(f"fit_chunk must be at least 1, got {self.fit_chunk!r}")
         defaults = PolicyDefaults(
