@@ -346,3 +346,33 @@ def test_batch_input_that_cannot_be_read_is_a_usage_error(
     argv = ["ask", "--input", str(tmp_path / "missing.jsonl"), "--choice", "a", "--choice", "b"]
     assert main(argv) == 2
     assert "cannot read --input" in capsys.readouterr().err
+
+
+def test_serve_passes_its_settings_to_the_app_and_the_loader(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import uvicorn
+
+    import service
+
+    seen: dict[str, Any] = {}
+
+    def fake_create_app(*, loader: Any, config: service.ServiceConfig) -> str:
+        seen["loader"], seen["config"] = loader, config
+        return "app"
+
+    def fake_load(model: object = None, **options: Any) -> str:
+        seen["load"] = {"model": model, **options}
+        return "engine"
+
+    monkeypatch.setattr(service, "create_app", fake_create_app)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("run", (app, kw)))
+    monkeypatch.setattr(Judge, "load", staticmethod(fake_load))
+    argv = ["serve", "--port", "9", "--prefix-cache-mb", "12.5", "--default-threshold", "0.7"]
+    assert main([*argv, "--profiles-dir", str(tmp_path)]) == 0
+    assert seen["run"][0] == "app" and seen["run"][1]["port"] == 9
+    assert seen["config"].default_threshold == 0.7 and seen["config"].profiles_dir == tmp_path
+    assert seen["loader"]() == "engine"  # the model loads in the server, with the cache budget
+    assert seen["load"]["prefix_cache_mb"] == 12.5
+    with pytest.raises(SystemExit):
+        main(["serve", "--prefix-cache-mb", "-1"])
