@@ -15,14 +15,18 @@ from calibration.errors import (
     ProfileError,
     ProfileMismatchError,
     ProfileNotFoundError,
+    RuleError,
+    ValuesError,
 )
 from calibration.fitting import (
     MIN_EXAMPLES,
     PolicyEvaluation,
     evaluate_policy,
+    fit_label_free_profile,
     fit_profile,
     fit_rule,
 )
+from calibration.label_free import CONTENT_FREE_INPUTS, LabelFree, estimate_prior, prior_correction
 from calibration.metrics import Interval, MetricReport, evaluate
 from calibration.policy import (
     REASON_CODES,
@@ -42,6 +46,7 @@ from calibration.profile import (
 )
 from calibration.routing import ThresholdResult, select_threshold
 from calibration.scaling import (
+    BatchTemperatureScaler,
     BiasTemperature,
     BiasTemperatureScaler,
     CalibrationFit,
@@ -51,10 +56,14 @@ from calibration.scaling import (
     TemperatureScaler,
     fit_calibrator,
 )
+from calibration.scores import numeral_values, value_moments
+from calibration.signal import SignalReport, signal_report
 
 __all__ = [
+    "CONTENT_FREE_INPUTS",
     "MIN_EXAMPLES",
     "REASON_CODES",
+    "BatchTemperatureScaler",
     "BiasTemperature",
     "BiasTemperatureScaler",
     "CalibrationError",
@@ -66,6 +75,7 @@ __all__ = [
     "FitError",
     "Identity",
     "Interval",
+    "LabelFree",
     "MetricReport",
     "Policy",
     "PolicyDefaults",
@@ -74,18 +84,27 @@ __all__ = [
     "ProfileMismatchError",
     "ProfileNotFoundError",
     "ReasonCode",
+    "RuleError",
     "ScoredJudgment",
+    "SignalReport",
     "Temperature",
     "TemperatureScaler",
     "ThresholdResult",
+    "ValuesError",
     "decode_profile",
+    "estimate_prior",
     "evaluate",
     "evaluate_policy",
     "fit_calibrator",
+    "fit_label_free_profile",
     "fit_profile",
     "fit_rule",
     "load_profile",
     "make_policy",
+    "numeral_values",
+    "prior_correction",
     "save_profile",
     "select_threshold",
+    "signal_report",
+    "value_moments",
 ]

@@ -4,7 +4,8 @@
     ├── FitError                     the labeled examples cannot support a profile
     ├── ProfileError                 a profile file is missing, unreadable or invalid
     │   └── ProfileNotFoundError     no profile by that name
-    └── ProfileMismatchError         a profile does not fit the judgment it is applied to
+    ├── ProfileMismatchError         a profile does not fit the judgment it is applied to
+    └── ValuesError                  a score's values or its max_std cannot be used
 
 Input validation of arrays (shapes, labels) raises ValueError with the bad value named.
 """
@@ -17,6 +18,7 @@ __all__ = [
     "ProfileError",
     "ProfileMismatchError",
     "ProfileNotFoundError",
+    "ValuesError",
 ]
 
 
@@ -42,3 +44,22 @@ class ProfileMismatchError(CalibrationError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field  # which property differs, for the service's error body
+
+
+class ValuesError(CalibrationError, ValueError):
+    """``values`` (a number per choice) or ``max_std`` is missing, incomplete or not finite."""
+
+    def __init__(self, message: str, field: str = "values") -> None:
+        super().__init__(message)
+        self.field = field  # "values" or "max_std", for the service's error body
+
+
+class RuleError(CalibrationError):
+    """A value of the right type that breaks a rule its type cannot state: a number that is not
+    finite, two fields that disagree (a bias with one entry per choice, split counts that add up
+    to at most the examples).
+
+    Deliberately not a ValueError: msgspec turns a ValueError raised while decoding into a
+    ValidationError like any type mismatch, whereas this one passes through as itself, so a
+    server can tell "breaks the schema" (400) from "fits the schema, breaks a rule" (422).
+    """

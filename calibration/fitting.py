@@ -22,11 +22,16 @@ with, and its guarantee would be approximate (cross-conformal: 1 - 2 alpha, Barb
 2021); sample splitting gives up data for an exact statement. The map has at most k + 1
 parameters and needs few items; the certificate's bound tightens with the square root of its
 items, so it gets the largest share. The map is served as fitted on split 1, not refitted.
+
+Every labeled profile also says whether the calibrated judge beats the label prior (the class
+frequencies of split 1) on splits 2 and 3 (``calibration.signal``), and ``evaluate_policy``
+says the same on held-out data. A label-free profile (``fit_label_free_profile``) has no
+labels: it certifies nothing and reports no metrics, and says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -37,11 +42,14 @@ from scipy import stats
 
 from calibration.conformal import conformal_quantile
 from calibration.errors import FitError
+from calibration.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.metrics import MetricReport, evaluate
-from calibration.policy import Policy
+from calibration.policy import Policy, check_max_std
 from calibration.profile import FORMAT_VERSION, CalibrationProfile, DataSplit, sha256_text
-from calibration.routing import ThresholdResult, select_threshold, sequence_start
+from calibration.routing import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
 from calibration.scaling import CalibrationFit, fit_calibrator, softmax
+from calibration.scores import check_values
+from calibration.signal import SignalReport, label_prior, signal_report
 from calibration.validation import (
     check_choice_mass,
     check_labels,
@@ -54,12 +62,14 @@ __all__ = [
     "FittedRule",
     "PolicyEvaluation",
     "evaluate_policy",
+    "fit_label_free_profile",
     "fit_profile",
     "fit_rule",
     "split_examples",
 ]
 
 MIN_EXAMPLES = 20
+DEFAULT_METHODS = ("temperature", "bias_temperature")
 # Of every ten examples (per label, in random order): three fit the map, two set the conformal
 # quantile, five certify the threshold.
 _PATTERN = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
@@ -74,6 +84,18 @@ def _check(
     if z.shape[0] < minimum:
         raise FitError(f"need at least {minimum} labeled examples, got {z.shape[0]}")
     return z, check_labels(y, z.shape[0], z.shape[1])
+
+
+def _check_classes(labels: np.ndarray, choices: Sequence[str] | None) -> None:
+    if labels.shape[0] and np.unique(labels).shape[0] < 2:
+        # A map fitted on one label learns to always answer it (T at its bound, P = 1), and a
+        # certificate on such data vouches only for data where that answer is always right.
+        label = int(labels[0])
+        name = repr(choices[label]) if choices is not None else f"index {label}"
+        raise FitError(
+            f"all {labels.shape[0]} examples have label {name}; need at least two classes "
+            "(examples of at least two different choices) to fit a profile"
+        )
 
 
 def split_examples(labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -95,6 +117,7 @@ class FittedRule:
     split: DataSplit
     probabilities: np.ndarray  # (n, k) calibrated probabilities of every example
     held_out: np.ndarray  # indices the map was not fitted on (conformal + certify)
+    prior: np.ndarray  # (k,) label frequencies of the fit split: the prior predictor
 
 
 def fit_rule(
@@ -108,28 +131,31 @@ def fit_rule(
     min_choice_mass: float = 0.0,
     seed: int = 0,
     procedure: str = "fixed_sequence",
+    choices: Sequence[str] | None = None,
+    values: Mapping[str, float] | None = None,
+    max_std: float | None = None,
+    methods: Sequence[str] = DEFAULT_METHODS,
 ) -> FittedRule:
     """The whole fitting procedure on (n, k) log-probabilities and (n,) label indices.
 
     See the module docstring for the split and why. ``procedure`` is the multiple-testing
-    procedure of ``select_threshold``.
+    procedure of ``select_threshold``; ``choices`` name the columns (for messages, and for
+    ``values``); ``values`` and ``max_std`` make the certified rule include the score's
+    ``high_std`` gate; ``methods`` are ``fit_calibrator``'s candidates.
     """
     z = check_logits(log_probabilities, name="log_probabilities")
+    labels = check_labels(y, z.shape[0], z.shape[1])
+    _check_classes(labels, choices)
     if z.shape[0] < MIN_EXAMPLES:
         raise FitError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
-    labels = check_labels(y, z.shape[0], z.shape[1])
-    if np.unique(labels).shape[0] < 2:
-        # A map fitted on one label learns to always answer it, and a certificate on such
-        # data vouches only for data where that answer is always right.
-        raise FitError(
-            f"every labeled example has the same label (choice {int(labels[0])}); a profile "
-            "needs examples of at least two different choices"
-        )
     mass = check_choice_mass(choice_mass, z.shape[0])
     min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
+    columns = [str(j) for j in range(z.shape[1])] if choices is None else list(choices)
+    checked_values = None if values is None else check_values(values, columns)
+    max_std = None if max_std is None else check_max_std(max_std)
     fit_idx, conformal_idx, certify_idx = split_examples(labels, seed)
 
-    fit = fit_calibrator(z[fit_idx], labels[fit_idx], random_state=seed)
+    fit = fit_calibrator(z[fit_idx], labels[fit_idx], methods=methods, random_state=seed)
     probs = fit.map.apply(z)  # (n, k)
     q_hat = conformal_quantile(probs[conformal_idx], labels[conformal_idx], alpha)
     # The served rule accepts an item only if every gate passes; an item that another gate
@@ -145,7 +171,10 @@ def fit_rule(
         min_choice_mass=min_choice_mass,
         conformal_quantile=q_hat,
         certified=False,
-    ).gates([str(j) for j in range(z.shape[1])], z, mass)
+        values=checked_values,
+        max_std=max_std,
+        max_std_source="profile",
+    ).gates(columns, z, mass)
     confidence = np.where(gates.accepted, gates.confidence, 0.0)
     correct = probs.argmax(axis=1) == labels
     start = None
@@ -177,6 +206,7 @@ def fit_rule(
         ),
         probabilities=probs,
         held_out=np.sort(np.concatenate([conformal_idx, certify_idx])),
+        prior=label_prior(labels[fit_idx], z.shape[1]),
     )
 
 
@@ -202,14 +232,24 @@ def fit_profile(
     seed: int = 0,
     n_bootstrap: int = 1000,
     procedure: str = "fixed_sequence",
+    values: Mapping[str, float] | None = None,
+    max_std: float | None = None,
+    methods: Sequence[str] = DEFAULT_METHODS,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
     The keyword arguments from ``model`` to ``system`` are an engine's ``configuration()``;
     ``n_bootstrap`` sets the resamples behind the metrics' intervals (evidence only: the map,
     quantile and threshold do not depend on it); ``procedure`` is ``select_threshold``'s.
+    ``values`` (a number per choice) and ``max_std`` make it a score profile (see
+    ``calibration.policy``); ``methods`` are the labeled candidates of ``fit_calibrator``
+    (add "batch_temperature" to let a batch-calibrated start compete).
     """
-    z, labels = _check(log_probabilities, y, choices, MIN_EXAMPLES)
+    z = np.asarray(log_probabilities, dtype=np.float64)
+    if z.ndim != 2 or z.shape[1] != len(choices):
+        raise ValueError(f"log_probabilities must have shape (n, {len(choices)}), got {z.shape}")
+    _check_classes(check_labels(y, z.shape[0], z.shape[1]), choices)
+    z, labels = _check(z, y, choices, MIN_EXAMPLES)
     rule = fit_rule(
         z,
         labels,
@@ -220,8 +260,21 @@ def fit_profile(
         min_choice_mass=min_choice_mass,
         seed=seed,
         procedure=procedure,
+        choices=choices,
+        values=values,
+        max_std=max_std,
+        methods=methods,
     )
     held = rule.held_out
+    label_free = None
+    if rule.fit.prior is not None:
+        label_free = LabelFree(
+            method="batch",
+            n_inputs=rule.split.fit,
+            source=f"the {rule.split.fit} examples of the fit split of {dataset}, labels "
+            "ignored, then a temperature fitted on their labels (batch_temperature)",
+            prior=rule.fit.prior,
+        )
     return CalibrationProfile(
         format_version=FORMAT_VERSION,
         name=name,
@@ -248,6 +301,119 @@ def fit_profile(
         dataset=dataset,
         dataset_sha256=dataset_sha256,
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        values=None if values is None else check_values(values, choices),
+        max_std=max_std,
+        label_free=label_free,
+        signal=signal_report(
+            rule.probabilities[held],
+            labels[held],
+            rule.prior,
+            rule.fit.map.temperature,
+            list(choices),
+            n_bootstrap=n_bootstrap,
+            seed=seed,
+        ),
+    )
+
+
+def fit_label_free_profile(
+    name: str,
+    log_probabilities: ArrayLike,
+    choices: Sequence[str],
+    *,
+    method: str,
+    source: str,
+    model: str,
+    model_sha256: str | None,
+    dtype: str,
+    response_prefix: str,
+    response_suffix: str,
+    system: str | None,
+    dataset: str,
+    dataset_sha256: str,
+    min_choice_mass: float = 0.0,
+    target_precision: float = 0.9,
+    delta: float = 0.1,
+    alpha: float = 0.1,
+    values: Mapping[str, float] | None = None,
+    max_std: float | None = None,
+) -> CalibrationProfile:
+    """A profile that divides out the prior estimated from unlabeled (n, k) log-probabilities.
+
+    ``method`` is "contextual" (the rows are content-free inputs) or "batch" (unlabeled items);
+    ``source`` says in words what the rows were, and is stored. Without labels nothing is
+    certified (every decision escalates unless the caller sets a threshold), there is no
+    conformal set, and there are no metrics; ``target_precision``, ``delta`` and ``alpha`` are
+    recorded only so that the profile reads like any other. The keyword arguments from
+    ``model`` to ``system`` are an engine's ``configuration()``.
+    """
+    if method not in ("contextual", "batch"):
+        raise ValueError(f"method must be 'contextual' or 'batch', got {method!r}")
+    z = np.asarray(log_probabilities, dtype=np.float64)
+    if z.ndim != 2 or z.shape[0] == 0:
+        what = "content-free inputs" if method == "contextual" else "unlabeled inputs"
+        raise FitError(f"the set of {what} is empty: label-free calibration needs at least one")
+    if z.shape[1] != len(choices):
+        raise ValueError(f"log_probabilities must have shape (n, {len(choices)}), got {z.shape}")
+    prior = estimate_prior(z, name="log_probabilities")
+    min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
+    n = int(z.shape[0])
+    no_labels = (
+        f"label-free profile ({method} calibration on {n} unlabeled inputs): with no labels, "
+        "no threshold can be certified"
+    )
+    threshold = ThresholdResult(
+        feasible=False,
+        threshold=None,
+        target_precision=target_precision,
+        delta=delta,
+        coverage=0.0,
+        precision=None,
+        precision_lower_bound=None,
+        n_accepted=0,
+        n=0,
+        best_certified_precision=0.0,
+        grid_size=len(DEFAULT_GRID),
+        tested=0,
+        start=None,
+        procedure="none",
+        method="none: no labels",
+        reason=no_labels,
+    )
+    shown = ", ".join(f"{c} {p:.4f}" for c, p in zip(choices, prior, strict=True))
+    return CalibrationProfile(
+        format_version=FORMAT_VERSION,
+        name=name,
+        model=model,
+        model_sha256=model_sha256,
+        dtype=dtype,
+        response_prefix=response_prefix,
+        response_suffix=response_suffix,
+        system_sha256=sha256_text(system),
+        choices=list(choices),
+        calibration_map=prior_correction(prior),
+        cv_nll={},
+        note=(
+            f"{method} calibration (label-free): the model's prior over the choices, estimated "
+            f"as the mean probability vector of {n} inputs ({shown}), is divided out; "
+            "temperature 1. No labels were used, so nothing is certified and no accuracy is "
+            "known: whether this judge beats the label prior is untested"
+        ),
+        threshold=threshold,
+        min_choice_mass=min_choice_mass,
+        conformal_alpha=alpha,
+        conformal_quantile=None,
+        split=DataSplit(fit=n, conformal=0, certify=0, seed=0),
+        metrics_before=None,
+        metrics_after=None,
+        n_examples=n,
+        dataset=dataset,
+        dataset_sha256=dataset_sha256,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        values=None if values is None else check_values(values, choices),
+        max_std=None if max_std is None else check_max_std(max_std),
+        label_free=LabelFree(method=method, n_inputs=n, source=source, prior=prior),  # type: ignore[arg-type]
+        signal=None,
     )
 
 
@@ -269,9 +435,13 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
     precision_interval: list[float] | None  # its two-sided 95% Clopper-Pearson interval
     escalations: dict[str, int]  # items escalated for each reason code (an item may have several)
     conformal_alpha: float
-    conformal_coverage: float  # fraction of items whose prediction set holds the label
-    mean_set_size: float
-    singleton_rate: float  # fraction of sets with exactly one choice
+    conformal_coverage: float | None  # fraction of items whose set holds the label; None: no sets
+    mean_set_size: float | None
+    singleton_rate: float | None  # fraction of sets with exactly one choice
+    # The calibrated judge against the label prior (the profile's, else these items' own
+    # label frequencies: see ``signal_prior``).
+    signal: SignalReport
+    signal_prior: str  # where the prior predictor's frequencies came from
 
 
 def evaluate_policy(
@@ -282,15 +452,17 @@ def evaluate_policy(
     *,
     threshold: float | None = None,
     min_choice_mass: float | None = None,
+    max_std: float | None = None,
+    n_bootstrap: int = 1000,
 ) -> PolicyEvaluation:
     """Metrics before and after calibration, and the policy exactly as served, on held-out data.
 
-    ``log_probabilities`` is (n, k) with columns in ``profile.choices`` order; ``threshold`` and
-    ``min_choice_mass`` are overrides, as a request would give them.
+    ``log_probabilities`` is (n, k) with columns in ``profile.choices`` order; ``threshold``,
+    ``min_choice_mass`` and ``max_std`` are overrides, as a request would give them.
     """
     z, labels = _check(log_probabilities, y, profile.choices, 1)
     mass = check_choice_mass(choice_mass, z.shape[0])
-    policy = profile.policy(threshold=threshold, min_choice_mass=min_choice_mass)
+    policy = profile.policy(threshold=threshold, min_choice_mass=min_choice_mass, max_std=max_std)
     g = policy.gates(profile.choices, z, mass)  # what decide() decides, as arrays
     accepted = g.accepted
     correct = g.best == labels
@@ -300,19 +472,26 @@ def evaluate_policy(
         low = float(stats.beta.ppf(0.025, k, m - k + 1)) if k else 0.0
         high = float(stats.beta.ppf(0.975, k + 1, m - k)) if k < m else 1.0
         interval = [low, high]
-    assert g.membership is not None  # a profile's policy always has conformal sets
-    sizes = g.membership.sum(axis=1)
+    sizes = None if g.membership is None else g.membership.sum(axis=1)
     escalations = {
         "no_certified_threshold": len(labels) if policy.threshold is None else 0,
         "below_threshold": 0 if policy.threshold is None else int(g.below_threshold.sum()),
         "low_choice_mass": int(g.low_choice_mass.sum()),
-        "ambiguous_set": int((sizes != 1).sum()),
+        "ambiguous_set": 0 if sizes is None else int((sizes != 1).sum()),
+        "high_std": int(g.high_std.sum()),
     }
+    if profile.signal is not None:
+        prior, prior_source = np.asarray(profile.signal.prior), "the profile's fit split"
+    else:
+        # A label-free or older profile knows no label frequencies; these items' own are the
+        # strongest prior predictor there is, so beating it is the harder test.
+        prior = label_prior(labels, z.shape[1])
+        prior_source = "these items' own label frequencies (the profile records none)"
     return PolicyEvaluation(
         profile=profile.name,
         n=len(labels),
-        before=evaluate(softmax(z), labels),
-        after=evaluate(g.probabilities, labels),
+        before=evaluate(softmax(z), labels, n_bootstrap=n_bootstrap),
+        after=evaluate(g.probabilities, labels, n_bootstrap=n_bootstrap),
         threshold=policy.threshold,
         min_choice_mass=policy.min_choice_mass,
         certified=policy.certified,
@@ -324,7 +503,18 @@ def evaluate_policy(
         precision_interval=interval,
         escalations={code: count for code, count in escalations.items() if count},
         conformal_alpha=profile.conformal_alpha,
-        conformal_coverage=float(g.membership[np.arange(len(labels)), labels].mean()),
-        mean_set_size=float(sizes.mean()),
-        singleton_rate=float((sizes == 1).mean()),
+        conformal_coverage=None
+        if g.membership is None
+        else float(g.membership[np.arange(len(labels)), labels].mean()),
+        mean_set_size=None if sizes is None else float(sizes.mean()),
+        singleton_rate=None if sizes is None else float((sizes == 1).mean()),
+        signal=signal_report(
+            g.probabilities,
+            labels,
+            prior,
+            profile.calibration_map.temperature,
+            list(profile.choices),
+            n_bootstrap=n_bootstrap,
+        ),
+        signal_prior=prior_source,
     )

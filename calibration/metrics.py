@@ -15,12 +15,15 @@ by ``calibration.validation``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
+from msgspec import Meta
 
+from calibration.errors import RuleError
 from calibration.validation import check_confidences, check_int, check_probs_labels
 
 if TYPE_CHECKING:
@@ -64,11 +67,18 @@ class Interval(msgspec.Struct, frozen=True, kw_only=True):
     low: float
     high: float
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.value) and math.isfinite(self.low) and math.isfinite(self.high)):
+            raise RuleError(
+                f"an interval's value, low and high must be finite, got {self.value!r}, "
+                f"{self.low!r}, {self.high!r}"
+            )
+
 
 class MetricReport(msgspec.Struct, frozen=True, kw_only=True):
     """Every calibration metric of one set of probabilities, with bootstrap intervals."""
 
-    n: int
+    n: Annotated[int, Meta(ge=1)]
     accuracy: Interval
     nll: Interval
     brier: Interval
@@ -78,6 +88,12 @@ class MetricReport(msgspec.Struct, frozen=True, kw_only=True):
     classwise_ece: Interval
     ece_noise_floor: float  # mean ECE of a perfectly calibrated judge with these confidences
     ece_noise_floor_p95: float  # its 95th percentile
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise RuleError(f"metrics n must be at least 1, got {self.n}")
+        if not (math.isfinite(self.ece_noise_floor) and math.isfinite(self.ece_noise_floor_p95)):
+            raise RuleError("metrics ece_noise_floor must be finite")
 
 
 # ---------------------------------------------------------------------------------------------

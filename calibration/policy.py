@@ -9,11 +9,15 @@ rule that is served. A decision accepts only when every gate passes:
   (``no_certified_threshold``) unless the caller sets one;
 * the choices' share of the model's full next-token distribution reaches the minimum choice
   mass (``low_choice_mass``): a low mass means the model wanted to say something else;
-* with a profile, the conformal prediction set holds one choice (``ambiguous_set``).
+* with a profile, the conformal prediction set holds one choice (``ambiguous_set``);
+* for a score (choices that stand for numbers, see ``calibration.scores``), the standard
+  deviation of the calibrated distribution over the values is at most ``max_std``
+  (``high_std``): a judge torn between "1" and "5" has not given a grade.
 
-Which threshold and minimum mass apply is decided in one place, ``make_policy``: the request's
-value, else the profile's, else the server's default. A decision is ``certified`` when it used
-the profile's certified threshold and minimum mass unchanged, the rule whose precision
+Which threshold, minimum mass, values and maximum std apply is decided in one place,
+``make_policy``: the request's value, else the profile's, else the server's default (for
+values: the numerals themselves when every choice is one). A decision is ``certified`` when it used
+the profile's certified threshold, minimum mass and maximum std unchanged, the rule whose precision
 ``calibration.fitting`` certified; an override is the caller's own choice and carries no
 guarantee.
 
@@ -32,8 +36,9 @@ import numpy as np
 import numpy.typing as npt
 
 from calibration.conformal import set_membership
-from calibration.errors import ProfileMismatchError
+from calibration.errors import ProfileMismatchError, ValuesError
 from calibration.scaling import CalibrationMap, Identity
+from calibration.scores import check_values, numeral_values, value_moments
 from calibration.validation import check_choice_mass, check_probability
 
 if TYPE_CHECKING:
@@ -51,10 +56,20 @@ __all__ = [
 ]
 
 ReasonCode = Literal[
-    "no_certified_threshold", "below_threshold", "low_choice_mass", "ambiguous_set"
+    "no_certified_threshold", "below_threshold", "low_choice_mass", "ambiguous_set", "high_std"
 ]
 REASON_CODES: tuple[str, ...] = get_args(ReasonCode)
 ThresholdSource = Literal["request", "profile", "default"]
+
+
+def check_max_std(value: object) -> float:
+    """A finite number >= 0, as a bound on a score's standard deviation must be."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise ValuesError(f"max_std must be a number >= 0, got {value!r}", "max_std")
+    out = float(value)
+    if not (np.isfinite(out) and out >= 0):
+        raise ValuesError(f"max_std must be a finite number >= 0, got {value!r}", "max_std")
+    return out
 
 
 class ScoredJudgment(Protocol):
@@ -82,6 +97,11 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     choice_mass: float
     certified: bool  # the profile's certified rule, unchanged, made this decision
     profile: str | None
+    # For a score (the choices have values): the calibrated distribution's mean and standard
+    # deviation over the values, and the bound on the std in force. None otherwise.
+    expected_value: float | None = None
+    std: float | None = None
+    max_std: float | None = None
 
     @property
     def accepted(self) -> bool:
@@ -99,6 +119,9 @@ class Gates:
     below_threshold: npt.NDArray[np.bool_]  # (n,) True everywhere when there is no threshold
     low_choice_mass: npt.NDArray[np.bool_]  # (n,)
     membership: npt.NDArray[np.bool_] | None  # (n, k) conformal sets; None without a profile
+    expected_value: npt.NDArray[np.float64] | None  # (n,) for a score; None without values
+    std: npt.NDArray[np.float64] | None  # (n,) for a score; None without values
+    high_std: npt.NDArray[np.bool_]  # (n,) std above max_std; False everywhere without a bound
     accepted: npt.NDArray[np.bool_]  # (n,) every gate passed
 
 
@@ -107,10 +130,13 @@ class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
 
     threshold: float = 0.9
     min_choice_mass: float = 0.0
+    max_std: float | None = None  # no bound on a score's std
 
     def __post_init__(self) -> None:
         check_probability(self.threshold, "threshold")
         check_probability(self.min_choice_mass, "min_choice_mass")
+        if self.max_std is not None:
+            check_max_std(self.max_std)
 
 
 class Policy(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,6 +151,11 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     min_choice_mass: float
     conformal_quantile: float | None
     certified: bool
+    # A number per choice (request, else profile); None: the numerals themselves, if the
+    # choices are numerals, else no score.
+    values: dict[str, float] | None = None
+    max_std: float | None = None
+    max_std_source: ThresholdSource = "default"
 
     def decide(self, judgment: ScoredJudgment) -> Decision:
         """The decision for one judgment."""
@@ -183,6 +214,14 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                         f"the conformal prediction set holds {len(members)} choices "
                         f"({', '.join(members)}), not one"
                     )
+            if g.high_std[i]:
+                assert g.std is not None and self.max_std is not None
+                codes.append("high_std")
+                reasons.append(
+                    f"the score's standard deviation {g.std[i]:.4f} is above the maximum "
+                    f"{self.max_std:.4f}"
+                )
+            scored = g.expected_value is not None and g.std is not None
             decisions.append(
                 Decision(
                     decision="escalate" if codes else "accept",
@@ -199,6 +238,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     choice_mass=float(g.choice_mass[i]),
                     certified=self.certified,
                     profile=self.profile,
+                    expected_value=float(g.expected_value[i]) if scored else None,  # type: ignore[index]
+                    std=float(g.std[i]) if scored else None,  # type: ignore[index]
+                    max_std=self.max_std if scored else None,
                 )
             )
         return decisions
@@ -236,6 +278,13 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             else set_membership(probs, self.conformal_quantile)
         )  # (n, k)
         ambiguous = np.zeros(n, dtype=bool) if membership is None else membership.sum(axis=1) != 1
+        expected = std = None
+        high_std = np.zeros(n, dtype=bool)
+        values = self.values_for(choices)
+        if values is not None:
+            expected, std = value_moments(probs, values)  # (n,), (n,)
+            if self.max_std is not None:
+                high_std = std > self.max_std
         return Gates(
             probabilities=probs,
             best=best,
@@ -244,8 +293,30 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             below_threshold=below,
             low_choice_mass=low_mass,
             membership=membership,
-            accepted=~(below | low_mass | ambiguous),
+            expected_value=expected,
+            std=std,
+            high_std=high_std,
+            accepted=~(below | low_mass | ambiguous | high_std),
         )
+
+    def values_for(self, choices: Sequence[str]) -> npt.NDArray[np.float64] | None:
+        """The number of each of ``choices`` (k,), or None when the judgment is not a score.
+
+        A ``max_std`` that the request or the profile set needs values: without them it is a
+        ValuesError, not a silently skipped gate. A server default applies to scores only.
+        """
+        values = (
+            numeral_values(choices) if self.values is None else check_values(self.values, choices)
+        )
+        if values is None:
+            if self.max_std is not None and self.max_std_source != "default":
+                raise ValuesError(
+                    f"max_std {self.max_std:g} needs a number per choice, and the choices "
+                    f"{list(choices)!r} are not all numerals; give values",
+                    "values",
+                )
+            return None
+        return np.array([values[c] for c in choices], dtype=np.float64)
 
     def _order(self, log_probabilities: Mapping[str, float]) -> tuple[str, ...]:
         if self.choices is None:
@@ -264,17 +335,24 @@ def make_policy(
     *,
     threshold: float | None = None,
     min_choice_mass: float | None = None,
+    max_std: float | None = None,
+    values: Mapping[str, float] | None = None,
     defaults: PolicyDefaults | None = None,
 ) -> Policy:
     """The policy in force: the request's settings over the profile's over the defaults.
 
     This is the only place where that precedence is written. ``threshold`` and
     ``min_choice_mass`` are the caller's overrides (None: not set); they must be in [0, 1].
+    ``values`` (a number per choice) and ``max_std`` (>= 0) are a score's; see
+    ``Policy.values_for``.
     """
     if threshold is not None:
         threshold = check_probability(threshold, "threshold")
     if min_choice_mass is not None:
         min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
+    if max_std is not None:
+        max_std = check_max_std(max_std)
+    checked_values = None if values is None else check_values(values)
     defaults = defaults or PolicyDefaults()
     if profile is None:
         return Policy(
@@ -289,7 +367,22 @@ def make_policy(
             else min_choice_mass,
             conformal_quantile=None,
             certified=False,
+            values=checked_values,
+            max_std=defaults.max_std if max_std is None else max_std,
+            max_std_source="default" if max_std is None else "request",
         )
+    if checked_values is not None:
+        checked_values = check_values(checked_values, profile.choices)
+    profile_values = profile.values
+    chosen_values = profile_values if checked_values is None else checked_values
+    std_source: ThresholdSource
+    chosen_std: float | None
+    if max_std is not None:
+        chosen_std, std_source = max_std, "request"
+    elif profile.max_std is not None:
+        chosen_std, std_source = profile.max_std, "profile"
+    else:
+        chosen_std, std_source = defaults.max_std, "default"
     certified_threshold = profile.threshold.threshold  # None when the fit certified none
     chosen_threshold = certified_threshold if threshold is None else threshold
     chosen_mass = profile.min_choice_mass if min_choice_mass is None else min_choice_mass
@@ -306,5 +399,10 @@ def make_policy(
             certified_threshold is not None
             and chosen_threshold == certified_threshold
             and chosen_mass == profile.min_choice_mass
+            and chosen_std == profile.max_std
+            and (profile.max_std is None or chosen_values == profile_values)
         ),
+        values=chosen_values,
+        max_std=chosen_std,
+        max_std_source=std_source,
     )

@@ -5,26 +5,49 @@ choices it was fitted on; ``CalibrationProfile.check`` refuses anything else by 
 returning a silently wrong probability. ``profile.decide(judgment)`` applies its map and gates
 (see ``calibration.policy``). Files are written atomically (temporary file, fsync, rename), so a
 reader never sees half a profile and a crash never leaves one.
+
+Decoding validates everything a profile claims, so a file or an upload with a negative count,
+a non-finite number or an out-of-range threshold is refused with the field named, instead of
+being served. Fields added after format 2 (``values``, ``max_std``, ``label_free``,
+``signal``) are optional, so older files still load.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
 import atomicio
-from calibration.errors import ProfileError, ProfileMismatchError, ProfileNotFoundError
+from calibration.errors import (
+    ProfileError,
+    ProfileMismatchError,
+    ProfileNotFoundError,
+    RuleError,
+    ValuesError,
+)
+from calibration.label_free import LabelFree
 from calibration.metrics import MetricReport
-from calibration.policy import Decision, Policy, PolicyDefaults, ScoredJudgment, make_policy
+from calibration.policy import (
+    Decision,
+    Policy,
+    PolicyDefaults,
+    ScoredJudgment,
+    check_max_std,
+    make_policy,
+)
 from calibration.routing import ThresholdResult
 from calibration.scaling import CalibrationMap
+from calibration.scores import check_values, numeral_values
+from calibration.signal import SignalReport
 
 __all__ = [
     "FORMAT_VERSION",
@@ -42,6 +65,11 @@ FORMAT_VERSION = 2
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 
 
+# Single-field constraints are in the types, so msgspec checks them and the OpenAPI document
+# shows them; rules across fields and finiteness are checked in __post_init__ (RuleError).
+Count = Annotated[int, Meta(ge=0)]
+
+
 def sha256_text(text: str | None) -> str | None:
     """Hash of a system prompt; None stands for the model's default system prompt."""
     return None if text is None else hashlib.sha256(text.encode()).hexdigest()
@@ -50,17 +78,22 @@ def sha256_text(text: str | None) -> str | None:
 class DataSplit(msgspec.Struct, frozen=True, kw_only=True):
     """How the labeled examples were divided, so that each guarantee rests on unused data."""
 
-    fit: int  # examples the calibration map was fitted on
-    conformal: int  # examples the conformal quantile was computed on
-    certify: int  # examples the threshold was certified on
+    fit: Count  # examples the calibration map was fitted on
+    conformal: Count  # examples the conformal quantile was computed on
+    certify: Count  # examples the threshold was certified on
     seed: int
+
+    def __post_init__(self) -> None:
+        for field in ("fit", "conformal", "certify"):
+            if getattr(self, field) < 0:
+                raise RuleError(f"split.{field} must be >= 0, got {getattr(self, field)}")
 
 
 class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything needed to apply a calibration and gate on it, and to know when not to."""
 
     format_version: int
-    name: str
+    name: Annotated[str, Meta(pattern=f"^{NAME_PATTERN}$")]
     # What it was fitted on: a profile applies only where all of these match.
     model: str
     model_sha256: str | None
@@ -68,26 +101,40 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     response_prefix: str
     response_suffix: str
     system_sha256: str | None
-    choices: list[str]
+    choices: Annotated[list[str], Meta(min_length=2, extra_json_schema={"uniqueItems": True})]
     # The fitted map, from per-choice log-probabilities to calibrated probabilities.
     calibration_map: CalibrationMap
-    cv_nll: dict[str, float]
+    cv_nll: dict[str, float]  # empty for a label-free profile: nothing to cross-validate
     note: str
     # The certified rule: accept when the calibrated confidence reaches threshold.threshold,
-    # the choice mass reaches min_choice_mass and the conformal set holds one choice.
+    # the choice mass reaches min_choice_mass and the conformal set holds one choice. A
+    # label-free profile certifies nothing (threshold.reason says so) and has no conformal
+    # quantile.
     threshold: ThresholdResult
-    min_choice_mass: float
-    conformal_alpha: float
-    conformal_quantile: float
+    min_choice_mass: Annotated[float, Meta(ge=0.0, le=1.0)]
+    conformal_alpha: Annotated[float, Meta(gt=0.0, lt=1.0)]
+    conformal_quantile: Annotated[float, Meta(ge=0.0, le=1.0)] | None
     split: DataSplit
     # Evidence: before = raw probabilities of every example; after = calibrated probabilities
-    # of the examples the map was not fitted on.
-    metrics_before: MetricReport
-    metrics_after: MetricReport
-    n_examples: int
+    # of the examples the map was not fitted on. None for a label-free profile (no labels).
+    metrics_before: MetricReport | None
+    metrics_after: MetricReport | None
+    n_examples: Annotated[
+        int, Meta(ge=1)
+    ]  # labeled examples; for a label-free profile, the inputs averaged
     dataset: str
     dataset_sha256: str
     created_at: str
+    # A score: the number each choice stands for (None: the numerals, if the choices are), and
+    # the bound on the calibrated std above which a decision escalates (high_std).
+    values: dict[str, float] | None = None
+    max_std: Annotated[float, Meta(ge=0.0)] | None = None
+    # The label-free prior correction in the map, if any: alone (a label-free profile) or
+    # under a labeled temperature (method batch_temperature).
+    label_free: LabelFree | None = None
+    # Whether the calibrated judge beats the label prior on held-out examples; None for a
+    # label-free profile and for profiles written before it existed.
+    signal: SignalReport | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -110,12 +157,60 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             problems.append(f"threshold must be in [0, 1], got {t!r}")
         if not 0 <= self.min_choice_mass <= 1:
             problems.append(f"min_choice_mass must be in [0, 1], got {self.min_choice_mass!r}")
-        if not 0 < self.conformal_alpha < 1 or not 0 <= self.conformal_quantile <= 1:
+        q = self.conformal_quantile
+        if not 0 < self.conformal_alpha < 1 or (q is not None and not 0 <= q <= 1):
             problems.append("conformal_alpha must be in (0, 1) and conformal_quantile in [0, 1]")
         if self.n_examples < 1:
             problems.append(f"n_examples must be positive, got {self.n_examples}")
+        s = self.split
+        if s.fit + s.conformal + s.certify > self.n_examples:
+            problems.append(
+                f"split counts {s.fit} + {s.conformal} + {s.certify} exceed n_examples "
+                f"{self.n_examples}"
+            )
+        problems += _threshold_problems(self.threshold)
+        for method, value in self.cv_nll.items():
+            if not (math.isfinite(value) and value >= 0):
+                problems.append(f"cv_nll[{method!r}] must be a finite number >= 0, got {value!r}")
+        for field in ("metrics_before", "metrics_after"):
+            report = getattr(self, field)
+            if report is None and self.label_free is None:
+                problems.append(f"{field} is missing; only a label-free profile has none")
+            if report is not None and report.n > self.n_examples:
+                problems.append(f"{field}.n {report.n} exceeds n_examples {self.n_examples}")
+        labeled = self.label_free is None or self.metrics_after is not None
+        if self.conformal_quantile is None and (labeled or self.threshold.threshold is not None):
+            problems.append("conformal_quantile is missing; only a label-free profile has none")
+        problems += self._score_problems()
+        if self.label_free is not None and len(self.label_free.prior) != len(self.choices):
+            problems.append(
+                f"label_free.prior has {len(self.label_free.prior)} entries for "
+                f"{len(self.choices)} choices"
+            )
+        if self.signal is not None and len(self.signal.prior) != len(self.choices):
+            problems.append(
+                f"signal.prior has {len(self.signal.prior)} entries for {len(self.choices)} choices"
+            )
         if problems:
-            raise msgspec.ValidationError("; ".join(problems))
+            raise RuleError("; ".join(problems))
+
+    def _score_problems(self) -> list[str]:
+        problems = []
+        if self.values is not None:
+            try:
+                check_values(self.values, self.choices)
+            except ValuesError as exc:
+                problems.append(str(exc))
+        if self.max_std is not None:
+            try:
+                check_max_std(self.max_std)
+            except ValuesError as exc:
+                problems.append(str(exc))
+            if self.values is None and numeral_values(self.choices) is None:
+                problems.append(
+                    "max_std needs values: the choices are not all numerals and values is null"
+                )
+        return problems
 
     def check(
         self,
@@ -175,11 +270,18 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         *,
         threshold: float | None = None,
         min_choice_mass: float | None = None,
+        max_std: float | None = None,
+        values: Mapping[str, float] | None = None,
         defaults: PolicyDefaults | None = None,
     ) -> Policy:
         """This profile's policy, with the caller's overrides (see ``make_policy``)."""
         return make_policy(
-            self, threshold=threshold, min_choice_mass=min_choice_mass, defaults=defaults
+            self,
+            threshold=threshold,
+            min_choice_mass=min_choice_mass,
+            max_std=max_std,
+            values=values,
+            defaults=defaults,
         )
 
     def decide(
@@ -202,6 +304,23 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         """``decide`` for many judgments at once."""
         policy = self.policy(threshold=threshold, min_choice_mass=min_choice_mass)
         return policy.decide_many(judgments)
+
+
+def _threshold_problems(t: ThresholdResult) -> list[str]:
+    problems = []
+    if not 0 <= t.coverage <= 1:
+        problems.append(f"threshold.coverage must be in [0, 1], got {t.coverage!r}")
+    if not 0 < t.target_precision < 1 or not 0 < t.delta < 1:
+        problems.append("threshold.target_precision and threshold.delta must be in (0, 1)")
+    if not 0 <= t.n_accepted <= t.n:
+        problems.append(f"threshold.n_accepted must be in [0, n={t.n}], got {t.n_accepted}")
+    for field in ("precision", "precision_lower_bound", "best_certified_precision", "start"):
+        value = getattr(t, field)
+        if value is not None and not 0 <= value <= 1:
+            problems.append(f"threshold.{field} must be in [0, 1], got {value!r}")
+    if t.feasible != (t.threshold is not None):
+        problems.append("threshold.feasible must be true exactly when a threshold is given")
+    return problems
 
 
 class Configured(Protocol):
@@ -237,5 +356,5 @@ def decode_profile(data: bytes | str, *, source: str = "profile") -> Calibration
     """Validate JSON as a profile (for uploads as much as for files)."""
     try:
         return msgspec.json.decode(data, type=CalibrationProfile)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, RuleError) as exc:
         raise ProfileError(f"{source} is not a valid calibration profile: {exc}") from exc

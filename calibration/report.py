@@ -1,12 +1,17 @@
-"""Markdown reports of a profile and of its evaluation on held-out data."""
+"""Markdown reports of a profile and of its evaluation on held-out data.
+
+Each report opens with whether the judge beats the label prior (``calibration.signal``), in
+words, before any metric: a well-calibrated prior predictor must not pass for a judge.
+"""
 
 from __future__ import annotations
 
 from calibration.fitting import PolicyEvaluation
 from calibration.metrics import Interval, MetricReport
 from calibration.profile import CalibrationProfile
+from calibration.signal import SignalReport
 
-__all__ = ["evaluation_markdown", "metrics_table", "profile_markdown"]
+__all__ = ["evaluation_markdown", "metrics_table", "profile_markdown", "signal_markdown"]
 
 _ROWS = [
     ("accuracy", "accuracy"),
@@ -36,6 +41,26 @@ def metrics_table(before: MetricReport, after: MetricReport) -> str:
     return "\n".join(lines)
 
 
+def signal_markdown(signal: SignalReport | None, *, label_free: bool = False) -> str:
+    """The verdict on the judge against the label prior, as one markdown line."""
+    if signal is None:
+        if label_free:
+            return (
+                "- **signal: untested**: a label-free profile has no labels, so whether the "
+                "judge beats the label prior is unknown; run `judge evaluate` on labeled data"
+            )
+        return "- **signal: not recorded** (a profile written before signal reports; refit it)"
+    head = "beats the label prior" if signal.beats_prior else "NO SIGNAL"
+    auroc = "n/a" if signal.auroc is None else f"{signal.auroc:.3f}"
+    return (
+        f"- **signal: {head}** (accuracy gain {signal.accuracy_gain.value:+.3f} "
+        f"[{signal.accuracy_gain.low:+.3f}, {signal.accuracy_gain.high:+.3f}], NLL gain "
+        f"{signal.nll_gain.value:+.4f} [{signal.nll_gain.low:+.4f}, {signal.nll_gain.high:+.4f}]"
+        f" nats/item, AUROC {auroc}, temperature at bound: "
+        f"{'yes' if signal.temperature_at_bound else 'no'}): {signal.verdict}"
+    )
+
+
 def _threshold_line(profile: CalibrationProfile) -> str:
     t = profile.threshold
     if t.feasible and t.threshold is not None:
@@ -56,25 +81,54 @@ def profile_markdown(
     m = profile.calibration_map
     bias = getattr(m, "bias", None)
     s = profile.split
+    lf = profile.label_free
     parts = [
         f"# Calibration profile `{profile.name}`",
         "",
+        signal_markdown(profile.signal, label_free=profile.metrics_after is None),
         f"- model: `{profile.model}` (sha256 {profile.model_sha256 or 'n/a'}), dtype {profile.dtype}",
         f"- choices: {', '.join(f'`{c}`' for c in profile.choices)}",
         f"- data: `{profile.dataset}`, {profile.n_examples} examples (sha256 {profile.dataset_sha256[:16]}...), "
         f"split {s.fit} to fit the map / {s.conformal} for the conformal quantile / {s.certify} to certify the threshold (seed {s.seed})",
         f"- map: **{m.method}**, temperature {m.temperature:.4f}"
         + (f", bias {[round(b, 4) for b in bias]}" if bias else ""),
-        f"- cross-validated NLL (fit split): {', '.join(f'{k} {v:.4f}' for k, v in profile.cv_nll.items())}",
+        f"- cross-validated NLL (fit split): {', '.join(f'{k} {v:.4f}' for k, v in profile.cv_nll.items()) or 'none (no labels)'}",
         f"- {profile.note}",
-        f"- routing: {_threshold_line(profile)}",
-        f"- conformal (LAC, alpha {profile.conformal_alpha}): quantile {profile.conformal_quantile:.4f}",
-        f"- created {profile.created_at}",
-        "",
-        "## On the calibration data (before: every example; after: the examples the map was not fitted on)",
-        "",
-        metrics_table(profile.metrics_before, profile.metrics_after),
     ]
+    if lf is not None:
+        prior = ", ".join(f"{c} {p:.4f}" for c, p in zip(profile.choices, lf.prior, strict=True))
+        parts.append(
+            f"- label-free prior correction: **{lf.method}** calibration on {lf.n_inputs} "
+            f"inputs ({lf.source}); estimated prior {prior}"
+        )
+    if profile.values is not None or profile.max_std is not None:
+        shown = (
+            ", ".join(f"`{c}`={v:g}" for c, v in profile.values.items())
+            if profile.values is not None
+            else "the numerals themselves"
+        )
+        bound = "none" if profile.max_std is None else f"{profile.max_std:g}"
+        parts.append(f"- score: values {shown}; escalate when the std exceeds {bound}")
+    quantile = (
+        "none (no labels: no conformal set)"
+        if profile.conformal_quantile is None
+        else f"quantile {profile.conformal_quantile:.4f}"
+    )
+    parts += [
+        f"- routing: {_threshold_line(profile)}",
+        f"- conformal (LAC, alpha {profile.conformal_alpha}): {quantile}",
+        f"- created {profile.created_at}",
+    ]
+    if profile.metrics_before is not None and profile.metrics_after is not None:
+        parts += [
+            "",
+            "## On the calibration data (before: every example; after: the examples the map "
+            "was not fitted on)",
+            "",
+            metrics_table(profile.metrics_before, profile.metrics_after),
+        ]
+    else:
+        parts += ["", "No metrics: the profile was fitted without labels."]
     if evaluation is not None:
         parts += ["", evaluation_markdown(evaluation)]
     return "\n".join(parts) + "\n"
@@ -90,9 +144,18 @@ def evaluation_markdown(evaluation: PolicyEvaluation) -> str:
         precision = f"{e.precision:.4f} [{low:.4f}, {high:.4f}] (target {e.target_precision})"
     escalated = e.n - e.n_accepted
     kinds = ", ".join(f"{code} {count}" for code, count in e.escalations.items()) or "none"
+    if e.conformal_coverage is None or e.mean_set_size is None or e.singleton_rate is None:
+        sets = "- conformal sets: none (the profile has no conformal quantile)"
+    else:
+        sets = (
+            f"- conformal sets (alpha {e.conformal_alpha}): coverage {e.conformal_coverage:.3f}, "
+            f"mean size {e.mean_set_size:.2f}, single-choice {e.singleton_rate:.3f}"
+        )
     return "\n".join(
         [
             f"## Held-out evaluation ({e.n} items)",
+            "",
+            signal_markdown(e.signal) + f" (prior predictor: {e.signal_prior})",
             "",
             metrics_table(e.before, e.after),
             "",
@@ -100,7 +163,6 @@ def evaluation_markdown(evaluation: PolicyEvaluation) -> str:
             f"single-choice conformal set; {'certified' if e.certified else 'NOT certified (overridden or none)'}",
             f"- accepted {e.n_accepted} of {e.n} (coverage {e.coverage:.3f}), precision {precision}",
             f"- escalated {escalated}; by reason (an item may have several): {kinds}",
-            f"- conformal sets (alpha {e.conformal_alpha}): coverage {e.conformal_coverage:.3f}, "
-            f"mean size {e.mean_set_size:.2f}, single-choice {e.singleton_rate:.3f}",
+            sets,
         ]
     )

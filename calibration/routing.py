@@ -35,11 +35,12 @@ Wiener 2010; AURC as in Geifman et al. 2019).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
+from msgspec import Meta
 from scipy import stats
 
 from calibration.validation import check_confidences, check_correct, check_int, check_unit_open
@@ -89,14 +90,15 @@ class ThresholdResult(msgspec.Struct, frozen=True, kw_only=True):
     """The chosen routing threshold and the evidence for it (or why none qualifies)."""
 
     feasible: bool
-    threshold: float | None  # accept when confidence >= threshold; None when infeasible
+    threshold: Annotated[float, Meta(ge=0.0, le=1.0)] | None  # accept at >= threshold; None: none
     target_precision: float
     delta: float  # the guarantee holds with probability >= 1 - delta
-    coverage: float  # fraction of the given items accepted at the threshold; 0 when infeasible
+    # The fraction of the given items accepted at the threshold; 0 when infeasible.
+    coverage: Annotated[float, Meta(ge=0.0, le=1.0)]
     precision: float | None  # empirical precision on the accepted items
     precision_lower_bound: float | None  # its corrected lower confidence bound
-    n_accepted: int
-    n: int
+    n_accepted: Annotated[int, Meta(ge=0)]
+    n: Annotated[int, Meta(ge=0)]
     best_certified_precision: float  # max over the tested thresholds of the corrected lower bound
     grid_size: int
     tested: int  # thresholds tested (fixed sequence: from ``start`` down to the first failure)

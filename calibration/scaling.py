@@ -9,7 +9,11 @@ most of this without touching the model:
   Networks"): one parameter, never changes the most probable choice;
 * bias + temperature, softmax(z / T + b): a per-choice offset that also corrects label-prior
   and letter bias (in the spirit of vector scaling, Guo et al. 2017, and of contextual
-  calibration, Zhao et al. 2021, "Calibrate Before Use"). It can change the top choice.
+  calibration, Zhao et al. 2021, "Calibrate Before Use"). It can change the top choice;
+* batch + temperature, softmax((z - log p_prior) / T): the prior p_prior is the mean
+  probability vector of the fitting items, estimated without their labels (batch calibration,
+  Zhou et al. 2023), and only T is fitted on labels. Opt-in: pass it in ``methods``. It is
+  stored as a ``BiasTemperature``, since it is one.
 
 ``fit_calibrator`` chooses between them, and no scaling at all, by cross-validated NLL, so a
 calibration set too small or too clean to support a method leaves the probabilities alone.
@@ -20,15 +24,17 @@ The fitted map is one typed value (``CalibrationMap``: ``Identity``, ``Temperatu
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
+from msgspec import Meta
 from scipy import optimize
 from sklearn import exceptions, model_selection
 from threadpoolctl import threadpool_limits
 
+from calibration.errors import RuleError
 from calibration.validation import check_int, check_labels, check_logits
 
 if TYPE_CHECKING:
@@ -42,6 +48,7 @@ __all__ = [
     "METHODS",
     "T_MAX",
     "T_MIN",
+    "BatchTemperatureScaler",
     "BiasTemperature",
     "BiasTemperatureScaler",
     "CalibrationFit",
@@ -56,7 +63,7 @@ __all__ = [
 _FloatArray = npt.NDArray[np.float64]
 _IntArray = npt.NDArray[np.int64]
 
-METHODS = ("none", "temperature", "bias_temperature")
+METHODS = ("none", "temperature", "batch_temperature", "bias_temperature")
 """Every calibration method, from the simplest to the most flexible."""
 
 # The search runs over beta = 1/T, in which the NLL is convex (it is a log-sum-exp of functions
@@ -68,6 +75,10 @@ MAX_ABS_BIAS = 1000.0
 _BETA_MIN = 1.0 / T_MAX
 _BETA_MAX = 1.0 / T_MIN
 _NLL_CLIP = 1e-12
+
+
+# The fitter's range, with the tolerance _check_temperature allows for the search's rounding.
+TemperatureValue = Annotated[float, Meta(ge=T_MIN * (1 - 1e-9), le=T_MAX * (1 + 1e-9))]
 
 
 class _Map(
@@ -95,7 +106,7 @@ class Identity(_Map, frozen=True, tag="none"):
 class Temperature(_Map, frozen=True, tag="temperature"):
     """Temperature scaling: softmax(logits / temperature)."""
 
-    temperature: float
+    temperature: TemperatureValue
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
@@ -108,15 +119,17 @@ class Temperature(_Map, frozen=True, tag="temperature"):
 class BiasTemperature(_Map, frozen=True, tag="bias_temperature"):
     """Bias + temperature scaling: softmax(logits / temperature + bias), bias per choice."""
 
-    temperature: float
-    bias: list[float]
+    temperature: TemperatureValue
+    bias: Annotated[
+        list[Annotated[float, Meta(ge=-MAX_ABS_BIAS, le=MAX_ABS_BIAS)]], Meta(min_length=2)
+    ]
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
         if len(self.bias) < 2 or not all(
             math.isfinite(b) and abs(b) <= MAX_ABS_BIAS for b in self.bias
         ):
-            raise msgspec.ValidationError(
+            raise RuleError(
                 f"bias must be at least 2 finite numbers within +-{MAX_ABS_BIAS:g}, "
                 f"got {self.bias!r}"
             )
@@ -140,15 +153,15 @@ class CalibrationFit(msgspec.Struct, frozen=True, kw_only=True):
     map: CalibrationMap
     cv_nll: dict[str, float]  # cross-validated NLL of every candidate, including "none"
     note: str  # which method won and by how much, or why nothing was applied
+    method: str = ""  # the winning candidate ("batch_temperature" is stored as bias_temperature)
+    prior: list[float] | None = None  # batch_temperature's label-free prior, choice order
 
 
 def _check_temperature(temperature: float) -> None:
     # The fitter searches 1/T in [1/T_MAX, 1/T_MIN]; a stored value outside that range did not
     # come from a fit, and values like 1e-300 would turn every probability into 0 or 1.
     if not (math.isfinite(temperature) and T_MIN * (1 - 1e-9) <= temperature <= T_MAX * (1 + 1e-9)):
-        raise msgspec.ValidationError(
-            f"temperature must be in [{T_MIN:g}, {T_MAX:g}], got {temperature!r}"
-        )
+        raise RuleError(f"temperature must be in [{T_MIN:g}, {T_MAX:g}], got {temperature!r}")
 
 
 def _scaled(logits: ArrayLike, temperature: float, bias: Sequence[float] | None) -> _FloatArray:
@@ -346,12 +359,60 @@ class BiasTemperatureScaler:
         return _softmax(z / self.temperature_ + self.bias_)
 
 
+class BatchTemperatureScaler:
+    """Batch calibration, then temperature: probabilities softmax((logits - log prior) / T).
+
+    ``prior_`` is the mean of softmax(logits) over the fitting items (their labels unused);
+    T is then fitted on the corrected scores like ``TemperatureScaler``. ``bias_`` is the
+    equivalent centred offset, -log(prior_) / T minus its mean, so that the map is
+    softmax(logits / T + bias_).
+
+    Attributes
+    ----------
+    prior_ : float array of shape (n_classes_,), summing to 1
+    temperature_ : float
+    bias_ : float array of shape (n_classes_,), summing to 0
+    n_classes_ : int
+    """
+
+    prior_: _FloatArray
+    temperature_: float
+    bias_: _FloatArray
+    n_classes_: int
+
+    def fit(self, logits: ArrayLike, y: ArrayLike) -> Self:
+        """Estimate the prior on log-scores (n, k), then fit T on the labels (n,)."""
+        z = check_logits(logits)
+        labels = check_labels(y, z.shape[0], z.shape[1])
+        prior = _softmax(z).mean(axis=0)  # (k,)
+        log_prior = np.log(np.maximum(prior, 1e-300))
+        self.temperature_ = 1.0 / _fit_beta(z - log_prior, labels)
+        bias = -log_prior / self.temperature_
+        self.prior_ = prior / prior.sum()
+        self.bias_ = bias - bias.mean()
+        self.n_classes_ = int(z.shape[1])
+        return self
+
+    def predict_proba(self, logits: ArrayLike) -> _FloatArray:
+        """Calibrated probabilities of shape (n, k) for log-scores of shape (n, k)."""
+        _check_fitted(self, "bias_")
+        z = check_logits(logits)
+        _check_width(z, self.n_classes_)
+        return _softmax(z / self.temperature_ + self.bias_)
+
+
 # ---------------------------------------------------------------------------------------------
 # Model selection.
 
+_Scaler = TemperatureScaler | BatchTemperatureScaler | BiasTemperatureScaler
 
-def _make_scaler(method: str) -> TemperatureScaler | BiasTemperatureScaler:
-    return TemperatureScaler() if method == "temperature" else BiasTemperatureScaler()
+
+def _make_scaler(method: str) -> _Scaler:
+    if method == "temperature":
+        return TemperatureScaler()
+    if method == "batch_temperature":
+        return BatchTemperatureScaler()
+    return BiasTemperatureScaler()
 
 
 def _folds(
@@ -473,11 +534,18 @@ def _fit_calibrator(
             f"(without scaling) by more than {min_improvement_se:g} standard error(s) "
             f"({others}; {scheme}); temperature stays 1.0"
         )
-        return CalibrationFit(map=Identity(), cv_nll=cv_nll, note=note)
+        return CalibrationFit(map=Identity(), cv_nll=cv_nll, note=note, method="none")
 
     scaler = _make_scaler(chosen).fit(z, labels)
     gain = cv_nll["none"] - cv_nll[chosen]
-    bias = [float(v) for v in scaler.bias_] if isinstance(scaler, BiasTemperatureScaler) else None
+    bias = None if isinstance(scaler, TemperatureScaler) else [float(v) for v in scaler.bias_]
+    if bias is not None and max(abs(b) for b in bias) > MAX_ABS_BIAS:
+        # Only a prior near 0 at a temperature near T_MIN gets here; a stored map must obey
+        # the bound that profiles enforce (the note below shows the clipped offsets).
+        bias = [float(np.clip(b, -MAX_ABS_BIAS, MAX_ABS_BIAS)) for b in bias]
+    prior = (
+        [float(v) for v in scaler.prior_] if isinstance(scaler, BatchTemperatureScaler) else None
+    )
     note = (
         f"{chosen} won: cross-validated NLL {cv_nll[chosen]:.4f} vs {cv_nll['none']:.4f} "
         f"without scaling ({gain:.4f} nats/item, {100 * gain / cv_nll['none']:.1f}% lower; "
@@ -489,4 +557,4 @@ def _fit_calibrator(
         if bias is None
         else BiasTemperature(temperature=float(scaler.temperature_), bias=bias)
     )
-    return CalibrationFit(map=fitted, cv_nll=cv_nll, note=note)
+    return CalibrationFit(map=fitted, cv_nll=cv_nll, note=note, method=chosen, prior=prior)

@@ -4,12 +4,17 @@ Both judge one split of a task directory (see ``tasks.files``) through ``tasks.j
 the same path the service's fit endpoint and the calibration benchmark take. ``calibrate``
 fits with ``tasks.fit_labeled`` and writes the profile, a markdown report and a reliability
 diagram; ``evaluate`` measures the served policy, every gate included, on held-out items
-with ``calibration.evaluate_policy``.
+with ``calibration.evaluate_policy``. Both say whether the judge beats the label prior.
+
+``calibrate --unlabeled contextual|batch`` fits a label-free prior correction instead: from
+content-free inputs in the task's prompt (contextual), or from the split's texts with their
+labels ignored, or the prompts of ``--input`` (batch); see ``calibration.label_free``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 from collections.abc import Sequence
@@ -18,7 +23,12 @@ from atomicio import write_text
 from calibration import MIN_EXAMPLES, evaluate_policy
 from calibration.profile import NAME_PATTERN, save_profile
 from calibration.reliability import reliability_diagram
-from calibration.report import evaluation_markdown, metrics_table, profile_markdown
+from calibration.report import (
+    evaluation_markdown,
+    metrics_table,
+    profile_markdown,
+    signal_markdown,
+)
 from calibration.scaling import softmax
 from cli.common import UsageError, load_engine, load_profile, to_json
 from judge import Engine
@@ -26,10 +36,15 @@ from tasks import (
     LabeledItem,
     LabeledScores,
     Task,
+    content_free_prompts,
     fit_labeled,
+    fit_unlabeled,
     judge_task_items,
+    judge_unlabeled,
+    load_prompts,
     load_split,
     load_task,
+    task_prompt,
 )
 
 __all__ = ["run_calibrate", "run_evaluate"]
@@ -42,6 +57,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(
             f"profile name {name!r} must match {NAME_PATTERN} (pass --name to choose one)"
         )
+    if args.unlabeled is not None or args.input is not None:
+        return _calibrate_unlabeled(args, task, name)
     items, digest = load_split(task, args.split, args.limit)
     if len(items) < MIN_EXAMPLES:
         limited = f" with --limit {args.limit}" if args.limit else ""
@@ -61,6 +78,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         target_precision=args.target_precision,
         delta=args.delta,
         alpha=args.alpha,
+        values=task.values,
+        max_std=args.max_std,
+        methods=args.methods,
     )
     out = args.profiles_dir
     save_profile(profile, out / f"{name}.json")
@@ -75,6 +95,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     fitted = profile.calibration_map
     print(f"profile {name}: method {fitted.method}, temperature {fitted.temperature:.4f}")
     print(profile.note)
+    print(signal_markdown(profile.signal))
+    assert profile.metrics_before is not None and profile.metrics_after is not None  # labeled
     print(metrics_table(profile.metrics_before, profile.metrics_after))
     t = profile.threshold
     if t.threshold is not None:
@@ -82,6 +104,65 @@ def run_calibrate(args: argparse.Namespace) -> int:
     else:
         print(f"no certified threshold: {t.reason}")
     print(f"wrote {out / name}.json, .report.md, .reliability.png")
+    return 0
+
+
+def _calibrate_unlabeled(args: argparse.Namespace, task: Task, name: str) -> int:
+    """``calibrate --unlabeled``: a label-free profile; every input checked before the model."""
+    method = args.unlabeled or "batch"
+    if args.input is not None and method != "batch":
+        raise UsageError("--input gives unlabeled prompts for --unlabeled batch, not contextual")
+    if method == "contextual":
+        prompts = content_free_prompts(task)
+        digest = hashlib.sha256("\x00".join(prompts).encode()).hexdigest()
+        dataset = f"{task.name}/content-free"
+        source = "content-free inputs 'N/A', '', '[MASK]' in place of the item text"
+    elif args.input is not None:
+        prompts, digest = load_prompts(args.input)
+        dataset = str(args.input)
+        source = f"the {len(prompts)} prompts of {args.input}"
+        if not prompts:
+            raise UsageError(
+                f"--input {args.input} holds no prompts; batch calibration needs at least one "
+                'unlabeled prompt ({"prompt": "..."} per line)'
+            )
+    else:
+        items, digest = load_split(task, args.split, args.limit)
+        prompts = [task_prompt(task, item.text) for item in items]
+        dataset = f"{task.name}/{args.split}"
+        source = f"the {len(prompts)} texts of {dataset}, labels ignored"
+        if not prompts:
+            raise UsageError(
+                f"--unlabeled batch: {dataset} has no items; batch calibration needs at least "
+                "one unlabeled input (or give --input prompts.jsonl)"
+            )
+    engine = load_engine(args, dtype=args.dtype)
+    from tqdm import tqdm
+
+    with tqdm(total=len(prompts), desc=dataset, unit="item", file=sys.stderr) as bar:
+        z = judge_unlabeled(
+            engine, prompts, task.choices, batch_size=args.batch_size, progress=bar.update
+        )
+    profile = fit_unlabeled(
+        name,
+        z,
+        task.choices,
+        engine.configuration(),
+        method=method,
+        source=source,
+        dataset=dataset,
+        dataset_sha256=digest,
+        values=task.values,
+        max_std=args.max_std,
+    )
+    out = args.profiles_dir
+    save_profile(profile, out / f"{name}.json")
+    write_text(out / f"{name}.report.md", profile_markdown(profile))
+    print(f"profile {name}: label-free {method} calibration on {len(prompts)} inputs")
+    print(profile.note)
+    print(signal_markdown(None, label_free=True))
+    print(f"no certified threshold: {profile.threshold.reason}")
+    print(f"wrote {out / name}.json, .report.md")
     return 0
 
 
@@ -100,6 +181,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         scores.choice_mass,
         threshold=args.threshold,
         min_choice_mass=args.min_choice_mass,
+        max_std=args.max_std,
     )
     print(evaluation_markdown(evaluation))
     if args.report:

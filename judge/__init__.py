@@ -13,6 +13,7 @@ from judge.engine import (
     Judge,
     Judgment,
     Query,
+    TokenCount,
 )
 from judge.errors import (
     AmbiguousChoicesError,
@@ -31,6 +32,7 @@ from judge.errors import (
 )
 from judge.prefix_cache import PrefixCache, PrefixCacheStats
 from judge.protocol import Engine
+from judge.scores import Score, ValuesError, default_values, score_of
 
 __version__ = "0.1.0"
 
@@ -56,8 +58,13 @@ __all__ = [
     "PrefixCacheStats",
     "PromptTooLongError",
     "Query",
+    "Score",
+    "TokenCount",
     "TokenizerRoundTripError",
     "TooFewChoicesError",
     "TooManyChoicesError",
+    "ValuesError",
     "__version__",
+    "default_values",
+    "score_of",
 ]

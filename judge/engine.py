@@ -30,6 +30,7 @@ from judge.errors import (
     TooManyChoicesError,
 )
 from judge.prefix_cache import PrefixCache
+from judge.scores import Score, score_of
 from judge.tokens import PathEncoder
 from judge.trie import ChoiceTrie, build_trie, common_prefix_length
 
@@ -109,6 +110,33 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
         part of the JSON form, which carries ``log_probabilities`` only.
         """
         return self.log_probabilities
+
+    def score(self, values: Mapping[str, float] | None = None) -> Score:
+        """This judgment as a score: expected value, std, most likely value, distribution.
+
+        ``values`` maps every choice to a number; None: the choices' own numerals ("0".."10").
+        A ValuesError (field ``values``) says what is missing. On the model's own
+        probabilities; a calibration profile's ``decide`` gives the calibrated ones.
+        """
+        return score_of(self.probabilities, values)
+
+
+class TokenCount(msgspec.Struct, frozen=True, kw_only=True):
+    """The size of a query in tokens, counted without any model work.
+
+    A server checks ``total`` against its budget before queueing the query; ``parts`` names
+    the field to blame when it is too long.
+    """
+
+    total: int  # the rendered prompt (template, system, prompt, response prefix) + longest choice
+    # Each field's own tokens: prompt, system, response_prefix, response_suffix, and choices
+    # (the longest choice).
+    parts: dict[str, int]
+
+    @property
+    def largest(self) -> str:
+        """The field with the most tokens: the one to shorten."""
+        return max(self.parts, key=self.parts.__getitem__)
 
 
 def validate_choices(choices: object) -> list[str]:
@@ -263,6 +291,33 @@ class Judge:
         head = f"{system}\n\n" if system else ""
         return f"{self._plain_bos}{head}{prompt}\n{prefix}"
 
+    def count_tokens(self, query: Query | Mapping[str, Any]) -> TokenCount:
+        """How many tokens ``query`` feeds the model, and each field's share; no model work.
+
+        ``total`` is the rendered prompt's tokens plus the longest choice ending's (each
+        tokenized alone, so it may differ by a token from the joint encoding the engine runs).
+        """
+        query = _as_query(query)
+        choices = validate_choices(query.choices)
+        if not isinstance(query.prompt, str):
+            raise InvalidQueryError(f"prompt must be a string, got {type(query.prompt).__name__}")
+        rendered = self.render(
+            query.prompt, system=query.system, response_prefix=query.response_prefix
+        )
+        suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
+        fields = {
+            "prompt": query.prompt,
+            "system": query.system or "",
+            "response_prefix": query.response_prefix or "",
+            "response_suffix": suffix,
+        }
+        texts = [rendered, *fields.values(), *(json_escape(c) + suffix for c in choices)]
+        ids = self.tokenizer(texts, add_special_tokens=False).input_ids
+        lengths = [len(i) for i in ids]
+        parts = dict(zip(fields, lengths[1:5], strict=True))
+        parts["choices"] = max(lengths[5:]) - parts["response_suffix"]
+        return TokenCount(total=lengths[0] + max(lengths[5:]), parts=parts)
+
     def judge(
         self,
         prompt: str,
@@ -386,7 +441,8 @@ class Judge:
                 f"the prompt with the response prefix and the longest choice is {longest} tokens, "
                 f"but the model's context window is {self.context_window}; shorten the prompt "
                 f"by at least {longest - self.context_window} tokens (it is never truncated, "
-                "so the decision point is never cut away)"
+                "so the decision point is never cut away)",
+                field=self.count_tokens(query).largest,
             )
         failures = self._encoder.round_trip_failures(prompt, endings, encoded)
         if failures:
@@ -396,10 +452,27 @@ class Judge:
             raise TokenizerRoundTripError(
                 f"the tokenizer does not encode the rendered text back to itself: "
                 f"{_first_difference(text, back)}; use a tokenizer whose decode inverts "
-                "its encode (a byte-level BPE), or avoid the characters it normalizes"
+                "its encode (a byte-level BPE), or avoid the characters it normalizes",
+                field=self._round_trip_field(query, choices),
             )
         trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
         return _Prepared(choices, prompt, len(encoded.prompt_ids), trie)
+
+    def _round_trip_field(self, query: Query, choices: Sequence[str]) -> str | None:
+        """The first field whose own text the tokenizer does not give back, if any does not."""
+        fields = {
+            "prompt": query.prompt,
+            "system": query.system or "",
+            "response_prefix": query.response_prefix or "",
+            "response_suffix": query.response_suffix or "",
+            **{f"choices[{i}]": json_escape(c) for i, c in enumerate(choices)},
+        }
+        ids = self.tokenizer(list(fields.values()), add_special_tokens=False).input_ids
+        back = self.tokenizer.batch_decode(ids)
+        return next(
+            (name for (name, text), b in zip(fields.items(), back, strict=True) if b != text),
+            None,
+        )
 
     def _chunks(self, rows: Sequence[Sequence[_Prepared]]) -> list[list[int]]:
         """Group rows of similar length so padding wastes little; bounded in size and tokens."""

@@ -38,7 +38,15 @@ __all__ = [
 
 
 class JudgeError(Exception):
-    """Base class of every error the engine raises on purpose."""
+    """Base class of every error the engine raises on purpose.
+
+    ``field`` names the query field at fault where the engine can tell (``"choices"``,
+    ``"system"``, ...), so that a server can point at it; None where it cannot.
+    """
+
+    def __init__(self, message: str = "", *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ChoicesError(JudgeError, ValueError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from judge.engine import Configuration, Judgment, Query
+from judge.engine import Configuration, Judgment, Query, TokenCount
 from judge.errors import JudgeError
 
 __all__ = ["Engine"]
@@ -42,6 +42,10 @@ class Engine(Protocol):
         response_suffix: str | None = None,
     ) -> Configuration:
         """What a calibration profile must match; None arguments take the engine's defaults."""
+        ...
+
+    def count_tokens(self, query: Query | Mapping[str, Any]) -> TokenCount:
+        """How many tokens ``query`` feeds the model, without model work (for budgets)."""
         ...
 
     def judge(

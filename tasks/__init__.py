@@ -2,7 +2,8 @@
 
     tasks.files     Task, LabeledItem, load_task, load_split, task_prompt, TaskError
     tasks.labeled   LabeledScores, labeled_queries, judge_labeled, judge_task_items,
-                    scores_from_judgments, fit_labeled
+                    scores_from_judgments, fit_labeled, content_free_prompts,
+                    load_prompts, judge_unlabeled, fit_unlabeled
 
 Sits above ``judge`` and ``calibration`` (it uses both) and below ``service`` and ``cli``
 (which use it), so the command line, the HTTP fit endpoint and the benchmarks calibrate the
@@ -12,10 +13,14 @@ same way.
 from tasks.files import LabeledItem, Task, TaskError, load_split, load_task, task_prompt
 from tasks.labeled import (
     LabeledScores,
+    content_free_prompts,
     fit_labeled,
+    fit_unlabeled,
     judge_labeled,
     judge_task_items,
+    judge_unlabeled,
     labeled_queries,
+    load_prompts,
     scores_from_judgments,
 )
 
@@ -24,10 +29,14 @@ __all__ = [
     "LabeledScores",
     "Task",
     "TaskError",
+    "content_free_prompts",
     "fit_labeled",
+    "fit_unlabeled",
     "judge_labeled",
     "judge_task_items",
+    "judge_unlabeled",
     "labeled_queries",
+    "load_prompts",
     "load_split",
     "load_task",
     "scores_from_judgments",

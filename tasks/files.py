@@ -2,7 +2,8 @@
 
 A task directory holds ``task.json`` with ``name``, ``choices`` and ``instruction``, and one
 JSON object per line in ``calibration.jsonl`` / ``test.jsonl`` with ``text`` and ``label``
-(and optionally ``id``). The prompt for an item is the instruction, the item's text, and the
+(and optionally ``id``). A graded task adds ``"kind": "score"`` and ``values`` (the number each
+choice stands for; default: the numerals themselves). The prompt for an item is the instruction, the item's text, and the
 list of allowed answers. Reading a split also returns the file's sha256, which a calibration
 profile records so that it can say exactly which data it was fitted on.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -47,12 +50,16 @@ class Task(msgspec.Struct, frozen=True):
     choices: list[str]
     instruction: str
     path: str
+    kind: Literal["classification", "score"] = "classification"
+    values: dict[str, float] | None = None  # a score task's number per choice
 
 
 class _TaskFile(msgspec.Struct):
     name: str
     choices: list[str]
     instruction: str
+    kind: Literal["classification", "score"] = "classification"
+    values: dict[str, float] | None = None
 
 
 def load_task(path: str | Path) -> Task:
@@ -64,8 +71,20 @@ def load_task(path: str | Path) -> Task:
         raise TaskError(f"{str(folder)!r} has no task.json; pass a task directory") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise TaskError(f"{folder / 'task.json'} is malformed: {exc}") from exc
+    if spec.values is not None and sorted(spec.values) != sorted(spec.choices):
+        raise TaskError(
+            f"{folder / 'task.json'}: values must give a number for exactly the choices "
+            f"{spec.choices}, got {sorted(spec.values)}"
+        )
+    if spec.values is not None and not all(math.isfinite(v) for v in spec.values.values()):
+        raise TaskError(f"{folder / 'task.json'}: values must be finite numbers")
     return Task(
-        name=spec.name, choices=spec.choices, instruction=spec.instruction, path=str(folder)
+        name=spec.name,
+        choices=spec.choices,
+        instruction=spec.instruction,
+        path=str(folder),
+        kind=spec.kind,
+        values=spec.values,
     )
 
 

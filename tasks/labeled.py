@@ -8,14 +8,21 @@ The two halves of "calibrate on my data", shared by ``judge calibrate``, the ser
 * ``fit_labeled`` hands those arrays, with the engine's configuration, to
   ``calibration.fit_profile``.
 
+Without labels, ``judge_unlabeled`` judges prompts alone (content-free ones from
+``content_free_prompts``, a task's texts, or a JSONL file read by ``load_prompts``) and
+``fit_unlabeled`` fits a label-free prior correction (``calibration.fit_label_free_profile``).
+
 The arrays travel as ``LabeledScores``, plain numpy data that can be cached on disk and
 refitted without the model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,10 +35,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LabeledScores",
+    "content_free_prompts",
     "fit_labeled",
+    "fit_unlabeled",
     "judge_labeled",
     "judge_task_items",
+    "judge_unlabeled",
     "labeled_queries",
+    "load_prompts",
     "scores_from_judgments",
 ]
 
@@ -221,6 +232,9 @@ def fit_labeled(
     target_precision: float = 0.9,
     delta: float = 0.1,
     alpha: float = 0.1,
+    values: Mapping[str, float] | None = None,
+    max_std: float | None = None,
+    methods: Sequence[str] | None = None,
 ) -> CalibrationProfile:
     """Fit a calibration profile on ``scores``, for the engine that ``configuration`` describes.
 
@@ -238,17 +252,16 @@ def fit_labeled(
         What the scores were computed on, recorded in the profile.
     target_precision, delta, alpha : float
         See ``calibration.fit_profile``.
+    values, max_std : optional
+        A score task's number per choice (a task's ``values``) and std bound.
+    methods : sequence of str, optional
+        ``fit_profile``'s labeled candidates (default: its own).
     """
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
+    from calibration.fitting import DEFAULT_METHODS
 
-    keys = set(configuration)
-    if keys != _CONFIGURATION_KEYS:
-        missing, extra = sorted(_CONFIGURATION_KEYS - keys), sorted(keys - _CONFIGURATION_KEYS)
-        raise TypeError(
-            f"configuration must be engine.configuration(...); missing {missing}, "
-            f"unexpected {extra}"
-        )
+    _check_configuration(configuration)
     if scores.log_probabilities.shape[1] != len(choices):
         raise ValueError(
             f"scores have {scores.log_probabilities.shape[1]} columns but there are "
@@ -266,4 +279,114 @@ def fit_labeled(
         target_precision=target_precision,
         delta=delta,
         alpha=alpha,
+        values=values,
+        max_std=max_std,
+        methods=DEFAULT_METHODS if methods is None else methods,
+    )
+
+
+def _check_configuration(configuration: Mapping[str, Any]) -> None:
+    keys = set(configuration)
+    if keys != _CONFIGURATION_KEYS:
+        missing, extra = sorted(_CONFIGURATION_KEYS - keys), sorted(keys - _CONFIGURATION_KEYS)
+        raise TypeError(
+            f"configuration must be engine.configuration(...); missing {missing}, "
+            f"unexpected {extra}"
+        )
+
+
+def content_free_prompts(task: Task, inputs: Sequence[str] | None = None) -> list[str]:
+    """The task's prompt with each content-free input where an item's text goes.
+
+    ``inputs`` defaults to ``calibration.CONTENT_FREE_INPUTS`` ("N/A", "", "[MASK]"; Zhao et
+    al. 2021).
+    """
+    if inputs is None:
+        from calibration.label_free import CONTENT_FREE_INPUTS
+
+        inputs = CONTENT_FREE_INPUTS
+    return [task_prompt(task, text) for text in inputs]
+
+
+def load_prompts(path: str | Path) -> tuple[list[str], str]:
+    """The prompts of a JSONL file, one ``{"prompt": "..."}`` per line, and its sha256.
+
+    Blank lines are skipped; TaskError names the line of anything else that is not such an
+    object.
+    """
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise TaskError(f"cannot read prompts from {str(file)!r}: {exc}") from exc
+    prompts = []
+    for n, line in enumerate(data.decode().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt = row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise TaskError(f"{file}:{n}: expected an object with a prompt ({exc})") from exc
+        if not isinstance(prompt, str):
+            raise TaskError(f"{file}:{n}: prompt must be a string, got {type(prompt).__name__}")
+        prompts.append(prompt)
+    return prompts, hashlib.sha256(data).hexdigest()
+
+
+def judge_unlabeled(
+    engine: Engine,
+    prompts: Sequence[str],
+    choices: Sequence[str],
+    *,
+    batch_size: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> np.ndarray:
+    """(n, k) per-choice log-probabilities of ``prompts``, columns in ``choices`` order."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    queries = labeled_queries(prompts, choices)
+    z = np.empty((len(queries), len(choices)))  # (n, k)
+    for start in range(0, len(queries), batch_size):
+        chunk = queries[start : start + batch_size]
+        for i, judgment in enumerate(engine.judge_batch(chunk), start=start):
+            z[i] = [judgment.log_probabilities[c] for c in choices]
+        if progress is not None:
+            progress(len(chunk))
+    return z
+
+
+def fit_unlabeled(
+    name: str,
+    log_probabilities: np.ndarray,
+    choices: Sequence[str],
+    configuration: Mapping[str, Any],
+    *,
+    method: str,
+    source: str,
+    dataset: str,
+    dataset_sha256: str,
+    values: Mapping[str, float] | None = None,
+    max_std: float | None = None,
+) -> CalibrationProfile:
+    """A label-free profile (``calibration.fit_label_free_profile``) for this engine.
+
+    ``log_probabilities`` are (n, k) scores of content-free prompts (``method="contextual"``)
+    or unlabeled items (``"batch"``), columns in ``choices`` order; ``source`` says which, in
+    words, and is stored in the profile.
+    """
+    from calibration import fit_label_free_profile
+
+    _check_configuration(configuration)
+    return fit_label_free_profile(
+        name,
+        log_probabilities,
+        list(choices),
+        method=method,
+        source=source,
+        **configuration,
+        dataset=dataset,
+        dataset_sha256=dataset_sha256,
+        values=values,
+        max_std=max_std,
     )

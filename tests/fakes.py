@@ -17,6 +17,7 @@ from judge import (
     JudgeError,
     Judgment,
     Query,
+    TokenCount,
 )
 
 
@@ -70,6 +71,18 @@ class FakeEngine:
             response_suffix=response_suffix or DEFAULT_RESPONSE_SUFFIX,
             system=system,
         )
+
+    def count_tokens(self, query: Query | Mapping[str, Any]) -> TokenCount:
+        """One token per character of each field: enough to exercise a server's budget."""
+        q = as_query(query)
+        parts = {
+            "prompt": len(q.prompt),
+            "system": len(q.system or ""),
+            "response_prefix": len(q.response_prefix or ""),
+            "response_suffix": len(q.response_suffix or ""),
+            "choices": max(len(c) for c in q.choices),
+        }
+        return TokenCount(total=sum(parts.values()), parts=parts)
 
     def judge(
         self,

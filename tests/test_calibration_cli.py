@@ -69,6 +69,7 @@ def test_calibrate_prints_the_fit(
     out = capsys.readouterr().out
     assert out.startswith("profile tiny: method ")
     assert "accuracy" in out and "ECE" in out
+    assert "**signal: " in out  # beats the label prior, or NO SIGNAL: said either way
     assert "wrote" in out and (tmp_path / "tiny.json").exists()
     assert session_model == [
         {
@@ -96,6 +97,11 @@ def test_evaluate_measures_the_served_policy(
     assert "Held-out evaluation" in report.read_text()
     evaluation = json.loads(result.read_text())
     assert evaluation["n"] == 32 and evaluation["profile"] == "sms_spam"
+    # Whether the judge beats the label prior, as fields and in words.
+    signal = evaluation["signal"]
+    assert signal["n"] == 32 and isinstance(signal["beats_prior"], bool)
+    assert signal["verdict"] in out and evaluation["signal_prior"] == "the profile's fit split"
+    assert signal["prior"] == load_profile(profile).signal.prior  # type: ignore[union-attr]
     assert evaluation["threshold"] == load_profile(profile).threshold.threshold
     assert session_model[0]["dtype"] == "float32"  # the profile's dtype
 

@@ -209,6 +209,6 @@ def test_threshold_results_stay_in_range_on_upload(profile: CalibrationProfile) 
     data["threshold"]["threshold"] = -5.0
     from calibration import ProfileError, decode_profile
 
-    with pytest.raises(ProfileError, match="threshold must be in"):
+    with pytest.raises(ProfileError, match=r">= 0.0 - at `\$.threshold.threshold`"):
         decode_profile(msgspec.json.encode(data))
     assert isinstance(profile.threshold, ThresholdResult)

@@ -10,8 +10,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from calibration.errors import FitError, ProfileError, ProfileMismatchError, ProfileNotFoundError
+from calibration.errors import (
+    FitError,
+    ProfileError,
+    ProfileMismatchError,
+    ProfileNotFoundError,
+    RuleError,
+)
 from calibration.fitting import evaluate_policy, fit_profile
+from calibration.metrics import Interval
 from calibration.profile import CalibrationProfile, decode_profile, load_profile, save_profile
 from calibration.scaling import BiasTemperature, Temperature
 
@@ -72,6 +79,7 @@ def profile() -> CalibrationProfile:
 
 
 def test_fit_recovers_the_temperature_and_improves_held_out(profile: CalibrationProfile) -> None:
+    assert profile.metrics_after is not None and profile.metrics_before is not None
     assert isinstance(profile.calibration_map, Temperature | BiasTemperature)
     assert profile.calibration_map.temperature == pytest.approx(2.0, abs=0.4)
     assert profile.metrics_after.nll.value < profile.metrics_before.nll.value
@@ -81,7 +89,7 @@ def test_fit_recovers_the_temperature_and_improves_held_out(profile: Calibration
     assert evaluation.after.ece.value < evaluation.before.ece.value
     # Coverage given one conformal split of 120 items is Beta(109, 12)-distributed (mean 0.90,
     # 1st percentile 0.83); the guarantee is on average over splits (test_calibration_conformal).
-    assert evaluation.conformal_coverage >= 0.8
+    assert evaluation.conformal_coverage is not None and evaluation.conformal_coverage >= 0.8
 
 
 def test_each_step_has_its_own_examples(profile: CalibrationProfile) -> None:
@@ -91,6 +99,7 @@ def test_each_step_has_its_own_examples(profile: CalibrationProfile) -> None:
     # The threshold is certified on the certify split only, and the "after" metrics are
     # measured on the examples the map was not fitted on.
     assert profile.threshold.n == split.certify
+    assert profile.metrics_after is not None and profile.metrics_before is not None
     assert profile.metrics_after.n == split.conformal + split.certify
     assert profile.metrics_before.n == profile.n_examples
     assert profile.threshold.procedure == "fixed_sequence"
@@ -101,8 +110,13 @@ def test_too_few_or_too_uniform_examples_are_refused() -> None:
     with pytest.raises(FitError, match="at least 20 labeled examples, got 19"):
         fit_profile("p", z, y, CHOICES, dataset="d", dataset_sha256="0", **CONFIG)
     z, _ = synthetic(40, seed=4)
-    with pytest.raises(FitError, match="every labeled example has the same label"):
+    with pytest.raises(FitError, match="all 40 examples have label 'spam'; need at least two"):
         fit_profile("p", z, np.ones(40, int), CHOICES, dataset="d", dataset_sha256="0", **CONFIG)
+    # Ten examples of one class: the one-class problem is named, not just the count (it used
+    # to be a profile with T = 0.01 and precision 1.0).
+    z, _ = synthetic(10, seed=5)
+    with pytest.raises(FitError, match="all 10 examples have label 'ham'; need at least two"):
+        fit_profile("p", z, np.zeros(10, int), CHOICES, dataset="d", dataset_sha256="0", **CONFIG)
 
 
 def test_round_trip(tmp_path: Path, profile: CalibrationProfile) -> None:
@@ -122,7 +136,7 @@ def test_failed_write_keeps_the_old_file(
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
-        save_profile(msgspec.structs.replace(profile, n_examples=9), path)
+        save_profile(msgspec.structs.replace(profile, note="changed"), path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
 
@@ -139,9 +153,44 @@ def test_failed_write_keeps_the_old_file(
         ),
         ({"calibration_map": {"method": "magic"}}, "magic"),
         ({"choices": ["a", "a"]}, "at least 2 distinct"),
-        ({"name": "../evil"}, "name '../evil' must match"),
-        ({"min_choice_mass": 1.5}, "min_choice_mass must be in"),
-        ({"n_examples": -1}, "n_examples must be positive"),
+        ({"name": "../evil"}, "at `\\$.name`"),
+        ({"min_choice_mass": 1.5}, "<= 1.0 - at `\\$.min_choice_mass`"),
+        ({"n_examples": -1}, ">= 1 - at `\\$.n_examples`"),
+        # Issue 10 item 5: what PUT /profiles used to store and then serve.
+        (
+            {
+                "calibration_map": {
+                    "method": "bias_temperature",
+                    "temperature": 1,
+                    "bias": [1e308, -1e308, 0],
+                }
+            },
+            r"<= 1000.0 - at `\$.calibration_map.bias\[0\]`",
+        ),
+        (
+            {
+                "calibration_map": {
+                    "method": "bias_temperature",
+                    "temperature": 1,
+                    "bias": [1001, 0, 0],
+                }
+            },
+            r"<= 1000.0 - at `\$.calibration_map.bias\[0\]`",
+        ),
+        (
+            {"split": {"fit": -1, "conformal": 0, "certify": 0, "seed": 0}},
+            ">= 0 - at `\\$.split.fit`",
+        ),
+        (
+            {"split": {"fit": 500, "conformal": 100, "certify": 300, "seed": 0}},
+            "exceed n_examples 600",
+        ),
+        ({"cv_nll": {"none": -1.0}}, r"cv_nll\['none'\] must be a finite number >= 0"),
+        ({"values": {"ham": 0, "spam": 1}}, r"missing \['unsure'\]"),
+        ({"max_std": 0.5}, "max_std needs values"),
+        ({"max_std": -1}, ">= 0.0 - at `\\$.max_std`"),
+        ({"metrics_after": None}, "metrics_after is missing"),
+        ({"conformal_quantile": None}, "conformal_quantile is missing"),
     ],
 )
 def test_invalid_profiles_are_refused(
@@ -151,6 +200,59 @@ def test_invalid_profiles_are_refused(
     data.update(change)
     with pytest.raises(ProfileError, match=words):
         decode_profile(msgspec.json.encode(data))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "words"),
+    [
+        (("threshold", "threshold"), -5.0, ">= 0.0 - at `\\$.threshold.threshold`"),
+        (("threshold", "coverage"), 1.5, "<= 1.0 - at `\\$.threshold.coverage`"),
+        (("threshold", "n_accepted"), -1, ">= 0 - at `\\$.threshold.n_accepted`"),
+        (("threshold", "feasible"), "flip", "threshold.feasible must be true exactly"),
+        (("metrics_after", "n"), 0, ">= 1 - at `\\$.metrics_after.n`"),
+        (("metrics_after", "n"), 10_000, "metrics_after.n 10000 exceeds n_examples"),
+        (("signal", "auroc"), 1.5, "<= 1.0 - at `\\$.signal.auroc`"),
+    ],
+)
+def test_nested_nonsense_is_refused(
+    profile: CalibrationProfile, path: tuple[str, str], value: object, words: str
+) -> None:
+    data = msgspec.json.decode(msgspec.json.encode(profile))
+    data[path[0]][path[1]] = not data[path[0]][path[1]] if value == "flip" else value
+    with pytest.raises(ProfileError, match=words):
+        decode_profile(msgspec.json.encode(data))
+
+
+def test_non_finite_numbers_are_refused_in_python_too(profile: CalibrationProfile) -> None:
+    # A profile built in Python is not checked against the types' constraints (msgspec
+    # checks them when decoding), but its rules still run: a RuleError, not a ValueError.
+    with pytest.raises(RuleError, match="must be finite"):
+        Interval(value=float("nan"), low=0.0, high=1.0)
+    with pytest.raises(RuleError, match="temperature must be in"):
+        Temperature(temperature=float("inf"))
+    with pytest.raises(RuleError, match="bias must be"):
+        BiasTemperature(temperature=1.0, bias=[float("nan"), 0.0])
+    with pytest.raises(RuleError, match="cv_nll"):
+        msgspec.structs.replace(profile, cv_nll={"none": float("inf")})
+
+
+def test_profiles_without_the_new_fields_still_load(profile: CalibrationProfile) -> None:
+    data = msgspec.json.decode(msgspec.json.encode(profile))
+    for field in ("values", "max_std", "label_free", "signal"):
+        del data[field]
+    old = decode_profile(msgspec.json.encode(data))
+    assert old.signal is None and old.values is None and old.label_free is None
+    assert old.threshold == profile.threshold
+
+
+def test_a_fitted_profile_says_whether_it_beats_the_prior(profile: CalibrationProfile) -> None:
+    signal = profile.signal
+    assert signal is not None
+    assert signal.n == profile.split.conformal + profile.split.certify
+    # The synthetic judge has real signal (labels follow softmax(z / 2)).
+    assert signal.beats_prior and "beats the label prior" in signal.verdict
+    assert signal.nll_gain.low > 0 and signal.auroc is not None and signal.auroc > 0.6
+    assert not signal.temperature_at_bound
 
 
 def test_unreadable_profiles(tmp_path: Path) -> None:
