@@ -8,10 +8,11 @@ left as it was. The temporary's name starts with ``.`` so directory listings and
 as ``profiles/*.json`` never pick up a half-written file.
 
     write_bytes(path, data)   write_text(path, text)   with replacing(path) as temp: ...
+    remove_orphans(directory)   temporaries of writers that were killed, removed
 
 A leaf package: it imports nothing from the rest of the project, so every layer can use it.
 """
 
-from atomicio.writes import replacing, write_bytes, write_text
+from atomicio.writes import remove_orphans, replacing, write_bytes, write_text
 
-__all__ = ["replacing", "write_bytes", "write_text"]
+__all__ = ["remove_orphans", "replacing", "write_bytes", "write_text"]

@@ -13,10 +13,11 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["replacing", "write_bytes", "write_text"]
+__all__ = ["remove_orphans", "replacing", "write_bytes", "write_text"]
 
 
 def _fsync_tree(root: Path) -> None:
@@ -125,3 +126,25 @@ def write_text(path: str | os.PathLike[str], text: str, *, encoding: str = "utf-
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}; use write_bytes for bytes")
     return write_bytes(path, text.encode(encoding))
+
+
+def remove_orphans(directory: str | os.PathLike[str], older_than_s: float = 60.0) -> int:
+    """Remove temporaries left in ``directory`` by writers that died (kill -9, power loss).
+
+    ``replacing`` removes its temporary on every exit it sees, but a killed process sees none.
+    Only temporaries older than ``older_than_s`` go: a live write takes milliseconds, and
+    another process may be writing into the same directory right now. Returns how many went.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return 0
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for holder in root.glob(".*.tmp"):
+        try:
+            if holder.is_dir() and holder.stat().st_mtime < cutoff:
+                _remove(holder)
+                removed += 1
+        except FileNotFoundError:  # another process removed it first
+            continue
+    return removed

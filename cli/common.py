@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import TYPE_CHECKING, cast, get_args
 
@@ -23,6 +24,7 @@ __all__ = [
     "positive_int",
     "probability",
     "profile_dtype",
+    "seconds",
     "to_json",
 ]
 
@@ -60,6 +62,17 @@ def megabytes(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of MB, got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {text}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type for a finite duration in seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 

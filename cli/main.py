@@ -3,6 +3,7 @@
 judge ask "PROMPT" --choice A --choice B      judge one prompt; print the decision as JSON
 judge ask --input items.jsonl --profile FILE  gate a JSONL file of prompts, one JSON line each
 judge calibrate --task DIR                    fit a calibration profile on a labeled task
+judge calibrate --task DIR --unlabeled batch  fit a label-free prior correction (no labels)
 judge evaluate --task DIR --profile FILE      measure the served policy on a held-out split
 judge serve                                   run the HTTP service
 """
@@ -10,7 +11,6 @@ judge serve                                   run the HTTP service
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +23,7 @@ from cli.common import (
     open_probability,
     positive_int,
     probability,
+    seconds,
 )
 from judge import (
     DEFAULT_PREFIX_CACHE_MB,
@@ -108,6 +109,38 @@ def parser() -> argparse.ArgumentParser:
         "--alpha", type=open_probability, default=0.1, help="conformal miscoverage level"
     )
 
+    def std_bound(text: str) -> float:
+        value = float(text)
+        if not (value >= 0 and value != float("inf")):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+        return value
+
+    fit.add_argument(
+        "--max-std",
+        type=std_bound,
+        help="score tasks: escalate when the calibrated std of the value exceeds this",
+    )
+    fit.add_argument(
+        "--methods",
+        nargs="+",
+        choices=["temperature", "batch_temperature", "bias_temperature"],
+        help="labeled candidates chosen between by cross-validated NLL "
+        "(default: temperature bias_temperature)",
+    )
+    fit.add_argument(
+        "--unlabeled",
+        nargs="?",
+        const="batch",
+        choices=["contextual", "batch"],
+        help="fit a label-free prior correction instead: contextual (content-free inputs in "
+        "the task's prompt) or batch (default: the split's texts, labels ignored, or --input)",
+    )
+    fit.add_argument(
+        "--input",
+        type=Path,
+        help='with --unlabeled batch: a JSONL file of unlabeled prompts, {"prompt": ...} a line',
+    )
+
     ev = commands.add_parser(
         "evaluate", help="measure the served policy of a profile on a held-out split"
     )
@@ -117,21 +150,76 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--min-choice-mass", type=probability, help="evaluate with this minimum choice mass"
     )
+    ev.add_argument(
+        "--max-std", type=std_bound, help="evaluate with this bound on a score's std instead"
+    )
     ev.add_argument("--report", type=Path, help="also write a markdown report here")
     ev.add_argument("--json", type=Path, help="also write the evaluation as JSON here")
 
-    serve = commands.add_parser("serve", help="run the HTTP service (POST /judge)")
+    # No abbreviations: `--api-key KEY` must not pass for `--api-key-file KEY`.
+    serve = commands.add_parser(
+        "serve", help="run the HTTP service (POST /judge)", allow_abbrev=False
+    )
     serve.add_argument("--model", default=None, help="model id, directory or .gguf")
     serve.add_argument("--dtype", default="auto", choices=DTYPES)
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
-    serve.add_argument("--max-batch-size", type=int, default=16, help="judgments per forward pass")
-    serve.add_argument("--max-wait-ms", type=float, default=5.0, help="wait for a batch to fill")
-    serve.add_argument("--max-queue", type=int, default=256, help="queued jobs before 503")
-    serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds")
-    serve.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    serve.add_argument(
+        "--max-batch-size", type=positive_int, default=16, help="judgments per forward pass"
+    )
+    serve.add_argument(
+        "--max-batch-tokens",
+        type=positive_int,
+        default=4096,
+        help="tokens per forward pass, so no pass holds the model for long (default: 4096)",
+    )
+    serve.add_argument(
+        "--max-request-tokens",
+        type=positive_int,
+        default=4096,
+        help="tokens one judgment (a request, a batch item, a shared question with its "
+        "context) may feed the model; larger ones get a 413 before any work (default: 4096, "
+        "about 3-4 s on 2 CPU cores)",
+    )
+    serve.add_argument("--max-wait-ms", type=seconds, default=5.0, help="wait for a batch to fill")
+    serve.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=64,
+        help="requests needing the model admitted at once; the rest wait at the door (64)",
+    )
+    serve.add_argument(
+        "--admission-wait",
+        type=seconds,
+        default=2.0,
+        help="seconds a request waits at the door for a slot before its 503 (default: 2)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=seconds,
+        default=60.0,
+        help="seconds a judgment request may take; clients may ask for less with the "
+        "X-Request-Timeout header (default: 60)",
+    )
+    serve.add_argument(
+        "--fit-timeout", type=seconds, default=1800.0, help="the same for a fit (default: 1800)"
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=seconds,
+        default=30.0,
+        help="seconds a client may take to send its body, else 408 (default: 30)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=seconds,
+        default=20.0,
+        help="on SIGTERM or Ctrl-C, seconds to finish requests in flight before cancelling "
+        "them (default: 20, within the usual 30 s grace period)",
+    )
+    serve.add_argument("--max-body-bytes", type=positive_int, default=1_000_000)
     serve.add_argument("--default-threshold", type=probability, default=0.9)
     serve.add_argument("--min-choice-mass", type=probability, default=0.0)
     serve.add_argument(
@@ -141,10 +229,11 @@ def parser() -> argparse.ArgumentParser:
         help="memory for cached prompt prefixes, reused across requests (0: off)",
     )
     serve.add_argument(
-        "--api-key",
-        default=os.environ.get("JUDGE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-        "(default: $JUDGE_API_KEY; none: no auth)",
+        "--api-key-file",
+        type=Path,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health, KEY being "
+        "this file's first line (default: $JUDGE_API_KEY; neither: no auth). A key is not "
+        "taken on the command line, where any user can read it in `ps`.",
     )
     serve.add_argument("--log-level", default="info")
     return root

@@ -1,11 +1,37 @@
-"""``judge serve``: the HTTP service on one engine, loaded in the background at start-up."""
+"""``judge serve``: the HTTP service on one engine, loaded in the background at start-up.
+
+Stopping is bounded and clean: on SIGTERM or Ctrl-C the server stops accepting connections,
+gives the requests in flight ``--shutdown-timeout`` seconds to finish, cancels the rest (which
+drops their queued model work), and exits with status 0.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+from pathlib import Path
 
-__all__ = ["run"]
+from cli.common import UsageError
+
+__all__ = ["api_key", "run"]
+
+log = logging.getLogger("judge.service")
+
+
+def api_key(path: Path | None) -> str | None:
+    """The API key: the first line of ``path``, else $JUDGE_API_KEY, else None (no auth)."""
+    if path is None:
+        return os.environ.get("JUDGE_API_KEY") or None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise UsageError(f"--api-key-file: {path} is empty; its first line is the key")
+    return key
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,10 +47,15 @@ def run(args: argparse.Namespace) -> int:
     config = ServiceConfig(
         profiles_dir=args.profiles_dir,
         max_batch_size=args.max_batch_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_request_tokens=args.max_request_tokens,
         max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue,
+        admission_wait_s=args.admission_wait,
         request_timeout_s=args.request_timeout,
-        api_key=args.api_key or None,
+        fit_timeout_s=args.fit_timeout,
+        read_timeout_s=args.read_timeout,
+        api_key=api_key(args.api_key_file),
         max_body_bytes=args.max_body_bytes,
         default_threshold=args.default_threshold,
         min_choice_mass=args.min_choice_mass,
@@ -38,5 +69,23 @@ def run(args: argparse.Namespace) -> int:
         ),
         config=config,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=max(1, round(args.shutdown_timeout)),
+        )
+    )
+    # uvicorn shuts down gracefully on these signals, then raises the signal again with the
+    # handlers that were in place before it started; these make that a no-op, so a stop that
+    # went as planned exits 0 instead of dying of the signal.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("stopped")
     return 0

@@ -5,32 +5,35 @@ a loader for the real model (so the server answers /health and /ready while it l
 may hand in a loaded engine or a fake. This module only wires the pieces together:
 
     service.config    ServiceConfig, the server's settings, checked once
+    service.frontdoor before routing: API key, admission, read timeout, clients that leave
     service.routes    the endpoints, thin
+    service.bodies    strict decoding of request bodies
     service.schemas   request and response bodies (msgspec Structs)
+    service.openapi   the OpenAPI document, every status of every operation
     service.serving   what the endpoints do: profile checks, the policy, the batcher, fitting
     service.batcher   model work on one thread, single judgments coalesced into batches
     service.profiles  profiles on disk, one JSON file each
     service.errors    every error's status code and body, in one table
-    service.auth      the API key, as a guard
     service.metrics   Prometheus metrics, as ASGI middleware
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 from litestar import Litestar
 from litestar.di import Provide
-from litestar.openapi import OpenAPIConfig
-from litestar.openapi.spec import Components
+from litestar.exceptions import HTTPException
+from litestar.utils import normalize_path
 
-import judge
 from judge import Engine
-from service.auth import api_key_guard, security_components, security_requirement
 from service.config import ServiceConfig
 from service.errors import exception_handlers
+from service.frontdoor import FrontDoor
 from service.routes import ROUTES
 from service.serving import Service
 
@@ -66,23 +69,33 @@ def create_app(
     def provide_service() -> Service:
         return service
 
-    key = config.api_key
-    return Litestar(
+    app = Litestar(
         route_handlers=ROUTES,
         dependencies={"service": Provide(provide_service, sync_to_thread=False)},
-        guards=[api_key_guard(key)] if key else [],
         lifespan=[lifespan],
-        middleware=[service.metrics.middleware],
         exception_handlers=exception_handlers(),
         request_max_body_size=config.max_body_bytes,
-        openapi_config=OpenAPIConfig(
-            title="judge",
-            version=judge.__version__,
-            path="/schema",
-            components=security_components() if key else Components(),
-            security=security_requirement() if key else None,
-        ),
+        openapi_config=None,  # the document is service.openapi's, served by a route
     )
+
+    @functools.lru_cache(maxsize=4096)  # bounded: paths come from clients
+    def route_opt(path: str, method: str) -> Mapping[str, Any]:
+        """The options of the route that will handle this request; empty when none will."""
+        try:
+            handler = app.asgi_router.handle_routing(path=normalize_path(path), method=method)[1]
+        except HTTPException:  # no such path or method: Litestar answers it, after the key
+            return {}
+        return handler.opt
+
+    app.asgi_handler = FrontDoor(
+        app.asgi_handler,
+        route_opt=route_opt,
+        metrics=service.metrics,
+        admission=service.admission,
+        api_key=config.api_key,
+        read_timeout_s=config.read_timeout_s,
+    )
+    return app
 
 
 def _returning(engine: Engine) -> Callable[[], Engine]:

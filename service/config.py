@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,23 +15,58 @@ __all__ = ["ServiceConfig"]
 @dataclass(frozen=True)
 class ServiceConfig:
     profiles_dir: Path = Path("profiles")
-    max_batch_size: int = 16
+    max_batch_size: int = 16  # judgments coalesced into one pass
+    # Tokens one pass may hold. A judgment of about 4,000 tokens takes about 3-4 s on 2 cores
+    # of this CPU (SmolLM2-135M, bfloat16), so this keeps any one pass to a few seconds.
+    max_batch_tokens: int = 4096
     max_wait_ms: float = 5.0
-    max_queue: int = 256
-    request_timeout_s: float = 60.0
+    # Requests that need the model (judge, batch, fit) admitted at once; more wait at the door
+    # for up to ``admission_wait_s``, unread, then get a 503.
+    max_queue: int = 64
+    admission_wait_s: float = 2.0
+    max_jobs: int = 16_384  # model jobs queued at once, over all admitted requests
+    request_timeout_s: float = 60.0  # the longest deadline; a request may ask for a shorter one
+    fit_timeout_s: float = 1800.0  # the same for POST /profiles/{name}/fit
+    # Tokens one judgment (or a batch item, or a shared question with its context) may feed the
+    # model; larger ones are refused with a 413 before any work. See max_batch_tokens.
+    max_request_tokens: int = 4096
+    read_timeout_s: float = 30.0  # the longest a client may take to send its body
     api_key: str | None = None
     max_body_bytes: int = 1_000_000
     default_threshold: float = 0.9  # used when neither the request nor a profile sets one
     min_choice_mass: float = 0.0  # escalate below this; 0 disables the check
-    fit_chunk: int = 16  # examples per model job while fitting, so judgments interleave
     # The two defaults above, as the policy takes them; built once, here.
     policy_defaults: PolicyDefaults = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("default_threshold", "min_choice_mass"):
             check_probability(getattr(self, name), name)  # named as the server's settings
-        if self.fit_chunk < 1:
-            raise ValueError(f"fit_chunk must be at least 1, got {self.fit_chunk!r}")
+        for name in (
+            "max_batch_size",
+            "max_batch_tokens",
+            "max_queue",
+            "max_jobs",
+            "max_request_tokens",
+            "max_body_bytes",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        for name in (
+            "request_timeout_s",
+            "fit_timeout_s",
+            "read_timeout_s",
+            "admission_wait_s",
+            "max_wait_ms",
+        ):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.max_request_tokens > self.max_batch_tokens:
+            raise ValueError(
+                f"max_request_tokens ({self.max_request_tokens}) must not exceed "
+                f"max_batch_tokens ({self.max_batch_tokens}): a judgment must fit in one pass"
+            )
         defaults = PolicyDefaults(
             threshold=self.default_threshold, min_choice_mass=self.min_choice_mass
         )

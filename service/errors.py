@@ -7,8 +7,14 @@ in the body, and a log line with the traceback.
 
 The service's own errors:
 
-    BadFieldError    400: the request passed the schema but one field is still wrong
+    BodyError        400 or 415: the body is not JSON, or does not fit the schema
+    BadFieldError    400: one field is wrong in a way the schema could not catch
+    UnprocessableError 422: the request fits the schema, but a rule across fields refuses it
+    TooLargeError    413: a judgment is over the server's token budget
     NotReadyError    503: the model is still loading or warming up
+
+Only a 500 is logged with its traceback: a 503 (busy, timed out) is the service working as
+designed, and logging each would flood the log exactly when the server is under load.
 """
 
 from __future__ import annotations
@@ -21,11 +27,26 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotAuthorizedException, ValidationException
 
-from calibration import ProfileError, ProfileMismatchError, ProfileNotFoundError
-from judge import ChoicesError, InvalidQueryError, JudgeError
-from service.batcher import QueueFullError
+from calibration import (
+    ProfileError,
+    ProfileMismatchError,
+    ProfileNotFoundError,
+    RuleError,
+    ValuesError,
+)
+from judge import AmbiguousChoicesError, ChoicesError, InvalidQueryError, JudgeError
+from service.batcher import DeadlineError, QueueFullError
+from service.bodies import BodyError
 
-__all__ = ["STATUS", "BadFieldError", "NotReadyError", "error_body", "exception_handlers"]
+__all__ = [
+    "STATUS",
+    "BadFieldError",
+    "NotReadyError",
+    "TooLargeError",
+    "UnprocessableError",
+    "error_body",
+    "exception_handlers",
+]
 
 log = logging.getLogger("judge.service")
 
@@ -38,6 +59,14 @@ class BadFieldError(Exception):
         self.field = field
 
 
+class UnprocessableError(BadFieldError):
+    """Schema-valid, but refused by a rule across fields (a label that is not a choice)."""
+
+
+class TooLargeError(BadFieldError):
+    """A judgment over the server's token budget (``--max-request-tokens``)."""
+
+
 class NotReadyError(Exception):
     """The model is still loading or warming up."""
 
@@ -45,10 +74,16 @@ class NotReadyError(Exception):
 # Domain error -> (status, field). The first matching class wins, so subclasses come first;
 # an error with its own ``field`` attribute (BadFieldError, ProfileMismatchError) names that.
 STATUS: list[tuple[type[Exception], int, str | None]] = [
+    (TooLargeError, 413, None),
+    (UnprocessableError, 422, None),
     (BadFieldError, 400, None),
+    # Choices the schema refuses too (uniqueItems, which msgspec does not check itself).
+    (AmbiguousChoicesError, 422, "choices"),  # schema-valid, but their token paths collide
     (ChoicesError, 400, "choices"),
-    (InvalidQueryError, 400, "prompt"),
+    (InvalidQueryError, 422, "prompt"),  # schema-valid, refused by the engine (e.g. values)
     (JudgeError, 422, "prompt"),  # too long for the model, or a tokenizer that cannot round-trip
+    (RuleError, 422, "body"),  # an uploaded profile that fits the schema but breaks a rule
+    (ValuesError, 422, "values"),  # a score's values or max_std that do not fit the choices
     (ProfileNotFoundError, 404, "profile"),
     (ProfileMismatchError, 422, None),
     (ProfileError, 400, "profile"),
@@ -60,11 +95,13 @@ STATUS: list[tuple[type[Exception], int, str | None]] = [
 
 def error_body(exc: Exception) -> tuple[int, dict[str, Any]]:
     """The status code and body for ``exc``: its row in STATUS, or a bare 500."""
+    if isinstance(exc, BodyError):
+        return exc.status, {"status_code": exc.status, "detail": str(exc), "field": exc.field}
     for cls, status, field_name in STATUS:
         if isinstance(exc, cls):
             name = getattr(exc, "field", None) or field_name
             detail = str(exc)
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, TimeoutError) and not isinstance(exc, DeadlineError):
                 detail = "the request timed out waiting for the model; retry later"
             elif isinstance(exc, QueueFullError):
                 detail = f"the server is at capacity ({exc}); retry later"
@@ -80,7 +117,7 @@ Handler = Callable[[Request[Any, Any, Any], Any], Response[Any]]
 
 def _domain(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     status, body = error_body(exc)
-    if status >= 500:
+    if status == 500:
         log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     headers = {"Retry-After": "1"} if status == 503 else None
     return Response(body, status_code=status, headers=headers)
@@ -114,6 +151,7 @@ def _http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
 def exception_handlers() -> dict[int | type[Exception], Handler]:
     """The app's handler map; Litestar picks the closest class in the exception's MRO."""
     handlers: dict[int | type[Exception], Handler] = {cls: _domain for cls, _, _ in STATUS}
+    handlers[BodyError] = _domain
     handlers[ValidationException] = _validation
     handlers[NotAuthorizedException] = _not_authorized
     handlers[HTTPException] = _http

@@ -1,5 +1,6 @@
-"""Prometheus metrics: requests by status, latency, batch sizes, decisions, queue depth, and
-the engine's prefix cache (hits, misses, tokens reused, evictions, bytes held).
+"""Prometheus metrics: requests by status (499: the client left first), latency, batch sizes,
+decisions, queue depth, admission, model jobs run and dropped, and the engine's prefix cache
+(hits, misses, tokens reused, evictions, bytes held).
 
 Each app gets its own registry, so several apps in one process (tests) never collide.
 """
@@ -10,7 +11,6 @@ import re
 import time
 from collections.abc import Callable, Iterator
 
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -64,6 +64,17 @@ class ServiceMetrics:
         self.queue_depth = Gauge(
             "judge_queue_depth", "Jobs waiting for the model.", registry=self.registry
         )
+        self.admission_waiting = Gauge(
+            "judge_admission_waiting",
+            "Requests waiting at the door for a slot, their bodies unread.",
+            registry=self.registry,
+        )
+        self.jobs = Gauge(
+            "judge_model_jobs",
+            "Model jobs since start, by outcome: run, or dropped unrun (client gone, deadline).",
+            ["outcome"],
+            registry=self.registry,
+        )
 
     def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:
         """Export the engine's prefix-cache counters, read at every scrape."""
@@ -72,30 +83,11 @@ class ServiceMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def middleware(self, app: ASGIApp) -> ASGIApp:
-        """ASGI middleware counting every HTTP response by status and timing it."""
-
-        async def measured(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http":
-                await app(scope, receive, send)
-                return
-            start = time.perf_counter()
-            status = 500
-
-            async def send_status(message: Message) -> None:
-                nonlocal status
-                if message["type"] == "http.response.start":
-                    status = message["status"]
-                await send(message)
-
-            try:
-                await app(scope, receive, send_status)
-            finally:
-                route = route_label(scope["path"])
-                self.requests.labels(scope.get("method", "?"), route, str(status)).inc()
-                self.latency.labels(route).observe(time.perf_counter() - start)
-
-        return measured
+    def observe(self, method: str, path: str, status: int, start: float) -> None:
+        """Count one response (status 499: the client left first) and time it from ``start``."""
+        route = route_label(path)
+        self.requests.labels(method, route, str(status)).inc()
+        self.latency.labels(route).observe(time.perf_counter() - start)
 
 
 class _PrefixCacheCollector:

@@ -1,7 +1,8 @@
 """Calibration profiles kept in a directory, one ``<name>.json`` each, surviving restarts.
 
 Writes go through ``calibration.profile.save_profile`` (temporary file, fsync, rename), so
-a crash never leaves half a profile and a reader never sees one. Loaded profiles are cached
+a crash never leaves half a profile and a reader never sees one; the temporaries a killed
+writer leaves behind are removed when the store opens and on every write. Loaded profiles are cached
 by file modification time, so a profile replaced on disk is picked up on the next request.
 """
 
@@ -11,6 +12,7 @@ import re
 import threading
 from pathlib import Path
 
+import atomicio
 from calibration.errors import ProfileNotFoundError
 from calibration.profile import NAME_PATTERN, CalibrationProfile, load_profile, save_profile
 
@@ -22,6 +24,7 @@ class ProfileStore:
         self.directory = Path(directory)  # created on the first write
         self._cache: dict[str, tuple[int, CalibrationProfile]] = {}
         self._lock = threading.Lock()
+        atomicio.remove_orphans(self.directory)
 
     def _path(self, name: str) -> Path:
         if not re.fullmatch(NAME_PATTERN, name):
@@ -50,6 +53,7 @@ class ProfileStore:
 
     def put(self, profile: CalibrationProfile) -> None:
         save_profile(profile, self._path(profile.name))
+        atomicio.remove_orphans(self.directory)
 
     def delete(self, name: str) -> None:
         path = self._path(name)

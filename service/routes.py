@@ -1,19 +1,31 @@
-"""The endpoints: each one takes its parsed body and hands it to ``Service``.
+"""The endpoints: each one decodes its body strictly and hands it to ``Service``.
 
 The ``service`` argument is the app's one ``Service``, injected by the app (see
-``service.app``). Request bodies are msgspec Structs, so a malformed one is refused before the
-handler runs; errors raised here become responses in ``service.errors``.
+``service.app``). Bodies are decoded by ``service.bodies`` (msgspec, strict), so a malformed
+one is refused with a 4xx that names the field before any work; errors raised here become
+responses in ``service.errors``. Route options tell the front door (``service.frontdoor``)
+what a route needs: ``PUBLIC`` routes need no API key, ``MODEL`` routes take an admission
+slot. What each operation can answer is written once, in ``service.openapi``.
 """
 
 from __future__ import annotations
 
-from litestar import Response, delete, get, post, put
+import math
+from typing import Any, TypeVar
+
+from litestar import Request, Response, delete, get, head, post, put, route
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.enums import HttpMethod
+from litestar.handlers import HTTPRouteHandler
+from litestar.params import FromPath
 from litestar.types import ControllerRouterHandler
 
 from calibration import CalibrationProfile
-from service.auth import PUBLIC
+from service.bodies import decode_body
+from service.errors import BadFieldError
+from service.frontdoor import MODEL, PUBLIC
+from service.openapi import openapi_document
+from service.playground import PLAYGROUND_ROUTES
 from service.schemas import (
     BatchRequest,
     BatchResponse,
@@ -22,19 +34,45 @@ from service.schemas import (
     JudgeResponse,
     ProfileSummary,
 )
-from service.serving import Service
+from service.serving import Service, Ticket
 
-__all__ = ["ROUTES"]
+__all__ = ["ROUTES", "TIMEOUT_HEADER"]
 
 METRICS_TYPE = "text/plain; version=0.0.4"
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens the server's deadline, never lengthens
+
+T = TypeVar("T")
+AnyRequest = Request[Any, Any, Any]
 
 
-@get("/health", summary="Liveness: the process is up (no API key needed)", opt={PUBLIC: True})
+async def _body(request: AnyRequest, type_: type[T]) -> T:
+    return decode_body(await request.body(), request.headers.get("content-type"), type_)
+
+
+def _ticket(service: Service, request: AnyRequest, limit_s: float | None = None) -> Ticket:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return service.ticket(None, limit_s)
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = math.nan
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise BadFieldError(TIMEOUT_HEADER, f"must be a number of seconds > 0, got {raw!r}")
+    return service.ticket(timeout, limit_s)
+
+
+@get("/health", opt={PUBLIC: True})
 async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/ready", summary="Readiness: the model is loaded and has judged once")
+@head("/health", opt={PUBLIC: True})
+async def health_head() -> None:
+    return None
+
+
+@get("/ready")
 async def ready(service: NamedDependency[Service]) -> Response[dict[str, str]]:
     if service.loaded is not None:
         engine = service.loaded
@@ -44,58 +82,80 @@ async def ready(service: NamedDependency[Service]) -> Response[dict[str, str]]:
     return Response({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
 
 
-@get("/metrics", summary="Prometheus metrics", media_type=METRICS_TYPE)
+@get("/metrics", media_type=METRICS_TYPE)
 async def metrics(service: NamedDependency[Service]) -> Response[bytes]:
     return Response(service.render_metrics(), media_type=METRICS_TYPE)
 
 
-@post("/judge", summary="Judge one prompt between fixed choices", status_code=200)
-async def judge_one(
-    data: JSONBody[JudgeRequest], service: NamedDependency[Service]
-) -> JudgeResponse:
-    return await service.judge(data)
+@post("/judge", status_code=200, opt={MODEL: True})
+async def judge_one(request: AnyRequest, service: NamedDependency[Service]) -> JudgeResponse:
+    ticket = _ticket(service, request)
+    return await service.judge(await _body(request, JudgeRequest), ticket)
 
 
-@post(
-    "/judge/batch", summary="Judge many items, or many questions about one context", status_code=200
-)
-async def judge_batch(
-    data: JSONBody[BatchRequest], service: NamedDependency[Service]
-) -> BatchResponse:
-    return await service.judge_batch(data)
+@post("/judge/batch", status_code=200, opt={MODEL: True})
+async def judge_batch(request: AnyRequest, service: NamedDependency[Service]) -> BatchResponse:
+    ticket = _ticket(service, request)
+    return await service.judge_batch(await _body(request, BatchRequest), ticket)
 
 
-@get("/profiles", summary="List calibration profiles")
+@get("/profiles")
 async def list_profiles(service: NamedDependency[Service]) -> list[ProfileSummary]:
     return service.profile_summaries()
 
 
-@get("/profiles/{name:str}", summary="One calibration profile")
+@get("/profiles/{name:str}")
 async def get_profile(name: FromPath[str], service: NamedDependency[Service]) -> CalibrationProfile:
     return service.store.get(name)
 
 
-@put("/profiles/{name:str}", summary="Upload a calibration profile", status_code=200)
+@put("/profiles/{name:str}", status_code=200)
 async def put_profile(
-    name: FromPath[str], data: JSONBody[CalibrationProfile], service: NamedDependency[Service]
+    name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> CalibrationProfile:
-    return service.put_profile(name, data)
+    return service.put_profile(name, await _body(request, CalibrationProfile))
 
 
-@post("/profiles/{name:str}/fit", summary="Fit a profile on labeled examples", status_code=200)
+@post("/profiles/{name:str}/fit", status_code=200, opt={MODEL: True})
 async def fit(
-    name: FromPath[str], data: JSONBody[FitRequest], service: NamedDependency[Service]
+    name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> CalibrationProfile:
-    return await service.fit(name, data)
+    ticket = _ticket(service, request, service.config.fit_timeout_s)
+    return await service.fit(name, await _body(request, FitRequest), ticket)
 
 
-@delete("/profiles/{name:str}", summary="Delete a calibration profile", status_code=204)
+@delete("/profiles/{name:str}", status_code=204)
 async def delete_profile(name: FromPath[str], service: NamedDependency[Service]) -> None:
     service.store.delete(name)
 
 
+def _options(path: str, methods: str, opt: dict[str, Any] | None = None) -> HTTPRouteHandler:
+    """OPTIONS for a path with several handlers: Litestar's own lists only the first's method."""
+
+    async def options() -> Response[None]:
+        return Response(None, status_code=204, headers={"Allow": methods})
+
+    return route(path, http_method=[HttpMethod.OPTIONS], opt=opt or {}, name=f"options {path}")(
+        options
+    )
+
+
+@get("/schema/openapi.json")
+async def schema(service: NamedDependency[Service]) -> dict[str, Any]:
+    return openapi_document(secured=service.config.api_key is not None)
+
+
+@get("/schema")
+async def schema_index() -> Response[None]:
+    return Response(None, status_code=307, headers={"Location": "/schema/openapi.json"})
+
+
 ROUTES: list[ControllerRouterHandler] = [
+    # First: a path's first handler decides its OPTIONS (see _options).
+    _options("/health", "GET, HEAD, OPTIONS", {PUBLIC: True}),
+    _options("/profiles/{name:str}", "DELETE, GET, OPTIONS, PUT"),
     health,
+    health_head,
     ready,
     metrics,
     judge_one,
@@ -105,4 +165,7 @@ ROUTES: list[ControllerRouterHandler] = [
     put_profile,
     fit,
     delete_profile,
+    schema,
+    schema_index,
+    *PLAYGROUND_ROUTES,
 ]

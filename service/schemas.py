@@ -1,8 +1,9 @@
 """Request and response bodies of the HTTP API.
 
 Constraints live in the types, so a malformed body is refused with a 400 that names the
-field before any work is done; what only the engine can check (duplicate choices, a prompt
-too long for the model) comes back as a 4xx from the engine's own errors.
+field before any work is done, and the OpenAPI document (``service.openapi``) shows every one
+of them; what only the engine can check (choices whose token paths are ambiguous, a prompt too
+long for the model) comes back as a 4xx from the engine's own errors.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import msgspec
 from msgspec import Meta
 
 from calibration import MIN_EXAMPLES, MetricReport, ReasonCode, ThresholdResult
+from calibration.label_free import LabelFree
 from calibration.profile import NAME_PATTERN
+from calibration.signal import SignalReport
 from judge import MAX_CHOICES
 
 __all__ = [
@@ -21,17 +24,24 @@ __all__ = [
     "BatchResponse",
     "CalibrationMapSummary",
     "ErrorBody",
+    "ErrorResponse",
     "FitRequest",
     "JudgeRequest",
     "JudgeResponse",
     "LabeledExample",
     "ProfileName",
     "ProfileSummary",
+    "ReadyResponse",
     "SharedQuestion",
+    "StatusResponse",
 ]
 
 Choice = Annotated[str, Meta(min_length=1)]
-Choices = Annotated[list[Choice], Meta(min_length=2, max_length=MAX_CHOICES)]
+# Unique: the engine refuses duplicates, and the schema says so (msgspec cannot check it).
+Choices = Annotated[
+    list[Choice],
+    Meta(min_length=2, max_length=MAX_CHOICES, extra_json_schema={"uniqueItems": True}),
+]
 ProfileName = Annotated[str, Meta(pattern=f"^{NAME_PATTERN}$")]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 MAX_BATCH_ITEMS = 256
@@ -47,6 +57,11 @@ class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     response_prefix: str | None = None
     response_suffix: str | None = None
     return_prompt: bool = False
+    # A score: a number per choice (default for numeral choices: the numerals), so that the
+    # response carries the expected value and the standard deviation; escalate when the
+    # standard deviation is above max_std (overrides the profile's).
+    values: dict[str, float] | None = None
+    max_std: Annotated[float, Meta(ge=0.0)] | None = None
 
 
 class JudgeResponse(
@@ -61,7 +76,7 @@ class JudgeResponse(
     decision: Literal["accept", "escalate"]
     reasons: list[str]  # why it escalated, one line each; empty when accepted
     # One per reason, for programs: below_threshold, no_certified_threshold, low_choice_mass,
-    # ambiguous_set (calibration.Decision.reason_codes).
+    # ambiguous_set, high_std (calibration.Decision.reason_codes).
     reason_codes: list[ReasonCode]
     threshold: float | None  # the threshold in force; None when the profile has none
     certified: bool  # the threshold is the profile's certified one, with no override
@@ -72,6 +87,11 @@ class JudgeResponse(
     model: str
     latency_ms: float
     prompt: str | None = None  # only with return_prompt
+    # A score's (with values, numeral choices under max_std, or a profile with values):
+    # sum of p * value and its standard deviation, over the calibrated probabilities.
+    expected_value: float | None = None
+    std: float | None = None
+    max_std: float | None = None  # the bound in force
 
 
 class BatchRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -132,6 +152,29 @@ class ProfileSummary(msgspec.Struct, frozen=True, kw_only=True):
     choices: list[str]
     calibration_map: CalibrationMapSummary
     threshold: ThresholdResult
-    metrics_after: MetricReport
+    metrics_after: MetricReport | None  # None for a profile fitted without labels
     n_examples: int
     created_at: str
+    signal: SignalReport | None = None  # does the model beat the label prior? (labeled fits)
+    label_free: LabelFree | None = None  # how a label-free correction was fitted
+    values: dict[str, float] | None = None
+    max_std: float | None = None
+
+
+class ErrorResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """Every error's body: the status again, what is wrong, and the field at fault if one is."""
+
+    status_code: int
+    detail: str
+    field: str | None = None
+
+
+class StatusResponse(msgspec.Struct, frozen=True, kw_only=True):
+    status: str
+
+
+class ReadyResponse(msgspec.Struct, frozen=True, kw_only=True):
+    status: Literal["ready", "loading", "failed"]
+    model: str | None = None  # when ready
+    dtype: str | None = None  # when ready
+    detail: str | None = None  # why loading failed

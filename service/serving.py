@@ -1,12 +1,18 @@
 """What each endpoint does between the request body and the response body.
 
-A judgment request goes: profile lookup and ``profile.check`` against the engine's
-configuration and the request's choices, and the policy built (``calibration.make_policy``),
-all before any model work; then the query joins the batcher's queue and is judged on the
-model's thread, coalesced with whatever else is waiting; then the policy decides. Every
-accept/escalate decision is ``Policy.decide``: nothing here compares a confidence with a
-threshold. A fit judges its examples in chunks through the same queue, so judgments keep being
-served in between, and fits on a worker thread (``tasks.fit_labeled``).
+A judgment request goes: its size in tokens against the budget (``max_request_tokens``),
+profile lookup and ``profile.check`` against the engine's configuration and the request's
+choices, and the policy built (``calibration.make_policy``), all before any model work; then
+the query joins the batcher's queue under the request's ``Ticket`` and is judged on the model's
+thread, coalesced with whatever else is waiting; then the policy decides. Every accept/escalate
+decision is ``Policy.decide``: nothing here compares a confidence with a threshold.
+
+A request's jobs share one ticket: its owner (the batcher takes owners in turn, so a large
+batch or a fit interleaves with everyone else) and its deadline (the server's, or a shorter
+one the client asked for). A batch item that misses the deadline gets a 503 in its place; the
+items done are kept. A fit judges its examples through the same queue and fits on a worker
+thread (``tasks.fit_labeled``); if its client leaves, the request is cancelled and nothing is
+written.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import functools
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import anyio.to_thread
 import msgspec
@@ -30,10 +37,18 @@ from calibration import (
     make_policy,
 )
 from calibration.profile import NAME_PATTERN
-from judge import Engine, JudgeError, Judgment, PrefixCache, Query
-from service.batcher import Batcher
+from judge import Engine, JudgeError, Judgment, PrefixCache, Query, TokenCount
+from judge.scores import check_values
+from service.batcher import Batcher, DeadlineError, QueueFullError
 from service.config import ServiceConfig
-from service.errors import BadFieldError, NotReadyError, error_body
+from service.errors import (
+    BadFieldError,
+    NotReadyError,
+    TooLargeError,
+    UnprocessableError,
+    error_body,
+)
+from service.frontdoor import Admission
 from service.metrics import ServiceMetrics
 from service.profiles import ProfileStore
 from service.schemas import (
@@ -57,10 +72,19 @@ WARM_UP = ("Warm-up: is this a test?", ["yes", "no"])
 
 
 @dataclass(frozen=True)
+class Ticket:
+    """One request's claim on the model: who it is (for turns) and until when it is wanted."""
+
+    deadline: float  # time.monotonic()
+    owner: Hashable = field(default_factory=object)
+
+
+@dataclass(frozen=True)
 class _Plan:
     """What a judgment request needs before its model work: the query and its policy."""
 
     query: Query
+    tokens: int
     profile: CalibrationProfile | None
     policy: Policy
 
@@ -74,11 +98,13 @@ class Service:
         self.metrics = ServiceMetrics()
         self.loaded: Engine | None = None  # set once the engine has loaded and judged once
         self.failure: str | None = None  # why loading failed
+        self.admission = Admission(config.max_queue, config.admission_wait_s)
         self.batcher = Batcher(
             lambda queries: self.engine().judge_each(queries),
             max_batch_size=config.max_batch_size,
+            max_batch_tokens=config.max_batch_tokens,
             max_wait_ms=config.max_wait_ms,
-            max_queue=config.max_queue,
+            max_jobs=config.max_jobs,
             on_batch=self.metrics.batch_size.observe,
         )
 
@@ -102,33 +128,93 @@ class Service:
         self.loaded = engine
         log.info("ready: model %s, dtype %s", engine.model_id, engine.dtype)
 
+    def ticket(self, timeout_s: float | None, limit_s: float | None = None) -> Ticket:
+        """A new request's ticket: the shorter of its own timeout and the server's."""
+        limit = self.config.request_timeout_s if limit_s is None else limit_s
+        timeout = limit if timeout_s is None else min(timeout_s, limit)
+        return Ticket(deadline=time.monotonic() + timeout)
+
     def render_metrics(self) -> bytes:
         self.metrics.queue_depth.set(self.batcher.depth)
+        self.metrics.admission_waiting.set(self.admission.waiting)
+        self.metrics.jobs.labels("run").set(self.batcher.run)
+        self.metrics.jobs.labels("dropped").set(self.batcher.dropped)
         return self.metrics.render()
 
     # --- judging -----------------------------------------------------------------------------
 
-    async def judge(self, request: JudgeRequest) -> JudgeResponse:
+    async def judge(self, request: JudgeRequest, ticket: Ticket) -> JudgeResponse:
         engine = self.engine()
-        plan = self._plan(engine, request, _query(request))
-        result = await self.batcher.judge(plan.query, self.config.request_timeout_s)
+        query = _query(request)
+        (size,) = await self._sizes(engine, [query])
+        plan = self._plan(engine, request, query, size)
+        result = await self.batcher.judge(
+            plan.query, tokens=plan.tokens, owner=ticket.owner, deadline=ticket.deadline
+        )
         if isinstance(result, JudgeError):
             raise result
         return self._respond(engine, result, request, plan)
 
-    async def judge_batch(self, request: BatchRequest) -> BatchResponse:
+    async def judge_batch(self, request: BatchRequest, ticket: Ticket) -> BatchResponse:
         engine = self.engine()
         if request.items is not None and request.context is None and request.questions is None:
-            items = await asyncio.gather(*(self._item(engine, item) for item in request.items))
+            sizes = await self._sizes(engine, [_query(item) for item in request.items])
+            items = await asyncio.gather(
+                *(
+                    self._item(engine, item, size, ticket)
+                    for item, size in zip(request.items, sizes, strict=True)
+                )
+            )
             return BatchResponse(results=list(items))
         if request.items is None and request.context is not None and request.questions is not None:
-            return BatchResponse(
-                results=list(await self._shared(engine, request.context, request.questions))
-            )
+            results = await self._shared(engine, request.context, request.questions, ticket)
+            return BatchResponse(results=list(results))
         raise BadFieldError("items", "give either items, or context with questions")
 
-    def _plan(self, engine: Engine, request: JudgeRequest | SharedQuestion, query: Query) -> _Plan:
-        """Check the request's profile against the engine and build its policy: no model work."""
+    async def _sizes(
+        self, engine: Engine, queries: Sequence[Query]
+    ) -> list[TokenCount | JudgeError]:
+        """Each query's size, or the error that makes it unjudgeable: tokenizing, no model work.
+
+        On a worker thread (not the model's), so a long prompt does not hold the event loop.
+        """
+
+        def count() -> list[TokenCount | JudgeError]:
+            sizes: list[TokenCount | JudgeError] = []
+            for q in queries:
+                try:
+                    sizes.append(engine.count_tokens(q))
+                except JudgeError as exc:
+                    sizes.append(exc)
+            return sizes
+
+        return await anyio.to_thread.run_sync(count)
+
+    def _check_size(self, size: TokenCount | JudgeError, field: str | None = None) -> int:
+        """The query's tokens, if within the budget; else the error, naming the field."""
+        if isinstance(size, JudgeError):
+            raise size
+        budget = self.config.max_request_tokens
+        if size.total > budget:
+            name = field or size.largest
+            raise TooLargeError(
+                name,
+                f"the judgment is {size.total} tokens, over this server's budget of {budget} "
+                f"(--max-request-tokens); {name} is the largest part "
+                f"({size.parts.get(size.largest, 0)} tokens): shorten it or split the work",
+            )
+        return size.total
+
+    def _plan(
+        self,
+        engine: Engine,
+        request: JudgeRequest | SharedQuestion,
+        query: Query,
+        size: TokenCount | JudgeError,
+        field: str | None = None,
+    ) -> _Plan:
+        """Check the request's size and profile, and build its policy: no model work."""
+        tokens = self._check_size(size, field)
         profile = None
         if request.profile is not None:
             profile = self.store.get(request.profile)
@@ -139,13 +225,19 @@ class Service:
                 response_suffix=query.response_suffix,
                 choices=request.choices,
             )
+        values = getattr(request, "values", None)
+        max_std = getattr(request, "max_std", None)
+        if values is not None or (max_std is not None and profile is None):
+            values = check_values(values, request.choices)  # numerals by default
         policy = make_policy(
             profile,
             threshold=request.threshold,
             min_choice_mass=request.min_choice_mass,
+            max_std=max_std,
+            values=values,
             defaults=self.config.policy_defaults,
         )
-        return _Plan(query, profile, policy)
+        return _Plan(query, tokens, profile, policy)
 
     def _respond(
         self,
@@ -174,32 +266,78 @@ class Service:
             model=engine.model_id,
             latency_ms=result.latency_ms,
             prompt=result.prompt if request.return_prompt else None,
+            expected_value=decision.expected_value,
+            std=decision.std,
+            max_std=decision.max_std,
         )
 
-    async def _item(self, engine: Engine, item: JudgeRequest) -> JudgeResponse | ErrorBody:
-        """One item of a batch: its 4xx in its place; a 5xx fails the whole request."""
+    async def _item(
+        self,
+        engine: Engine,
+        item: JudgeRequest,
+        size: TokenCount | JudgeError,
+        ticket: Ticket,
+    ) -> JudgeResponse | ErrorBody:
+        """One item of a batch: its 4xx, or a 503 when out of time, in its place.
+
+        Any other 5xx fails the whole request.
+        """
         try:
-            plan = self._plan(engine, item, _query(item))
-            result = await self.batcher.judge(plan.query, self.config.request_timeout_s)
+            plan = self._plan(engine, item, _query(item), size)
+            result = await self.batcher.judge(
+                plan.query, tokens=plan.tokens, owner=ticket.owner, deadline=ticket.deadline
+            )
             if isinstance(result, JudgeError):
                 raise result
             return self._respond(engine, result, item, plan)
         except Exception as exc:
             status, body = error_body(exc)
-            if status >= 500:
+            if status >= 500 and not isinstance(exc, DeadlineError | QueueFullError):
                 raise
             return ErrorBody(status_code=status, detail=body["detail"], field=body.get("field"))
 
     async def _shared(
-        self, engine: Engine, context: str, questions: Sequence[SharedQuestion]
+        self,
+        engine: Engine,
+        context: str,
+        questions: Sequence[SharedQuestion],
+        ticket: Ticket,
     ) -> list[JudgeResponse]:
-        plans = [self._plan(engine, q, _query(q)) for q in questions]
-        queries = [p.query for p in plans]
-        results = await self.batcher.call(
-            functools.partial(engine.judge_shared, context, queries),
-            self.config.request_timeout_s,
-        )
-        self.metrics.batch_size.observe(len(queries))
+        """Questions about one context, in jobs of at most ``max_batch_tokens`` tokens each.
+
+        Each job is one ``judge_shared`` call. A job after the first finds the context in the
+        engine's prefix cache, so splitting costs little and keeps each pass short.
+        """
+        queries = [
+            msgspec.structs.replace(_query(q), prompt=f"{context}\n\n{q.prompt}") for q in questions
+        ]
+        sizes = await self._sizes(engine, [*queries, Query(prompt=context, choices=["yes", "no"])])
+        plans = []
+        for i, (q, query, size) in enumerate(zip(questions, queries, sizes[:-1], strict=True)):
+            field = "context" if len(context) >= len(q.prompt) else f"questions[{i}].prompt"
+            plans.append(self._plan(engine, q, query, size, field))
+        context_size = sizes[-1]
+        shared = context_size.parts["prompt"] if isinstance(context_size, TokenCount) else 0
+        jobs: list[list[int]] = []
+        tokens = 0
+        for i, plan in enumerate(plans):
+            own = max(plan.tokens - shared, 1)
+            fits = tokens + own <= self.config.max_batch_tokens
+            if jobs and len(jobs[-1]) < self.config.max_batch_size and fits:
+                jobs[-1].append(i)
+                tokens += own
+                continue
+            jobs.append([i])
+            tokens = shared + own
+        results: list[Judgment] = []
+        for job in jobs:
+            part = [_query(questions[i]) for i in job]
+            results += await self.batcher.call(
+                functools.partial(engine.judge_shared, context, part),
+                owner=ticket.owner,
+                deadline=ticket.deadline,
+            )
+            self.metrics.batch_size.observe(len(job))
         return [
             self._respond(engine, r, q, p)
             for r, q, p in zip(results, questions, plans, strict=True)
@@ -207,31 +345,49 @@ class Service:
 
     # --- profiles -----------------------------------------------------------------------------
 
-    async def fit(self, name: str, request: FitRequest) -> CalibrationProfile:
+    async def fit(self, name: str, request: FitRequest, ticket: Ticket) -> CalibrationProfile:
         """Judge the labeled examples, fit a profile on them, save it and return it."""
         engine = self.engine()
         if not re.fullmatch(NAME_PATTERN, name):
             raise BadFieldError("name", f"profile name {name!r} must match {NAME_PATTERN}")
         for i, example in enumerate(request.examples):
             if example.label not in request.choices:
-                raise BadFieldError(
+                raise UnprocessableError(
                     f"examples[{i}].label",
                     f"label {example.label!r} is not one of the choices {request.choices}",
                 )
+        labels = {e.label for e in request.examples}
+        if len(labels) < 2:
+            raise UnprocessableError(
+                "examples",
+                f"all {len(request.examples)} examples have the label {labels.pop()!r}: "
+                "calibration needs examples of at least two choices",
+            )
         template = {
             "system": request.system,
             "response_prefix": request.response_prefix,
             "response_suffix": request.response_suffix,
         }
         queries = labeled_queries([e.prompt for e in request.examples], request.choices, **template)
+        sizes = await self._sizes(engine, queries)
+        tokens = [self._check_size(s, f"examples[{i}].prompt") for i, s in enumerate(sizes)]
         judgments: list[Judgment] = []
-        step = self.config.fit_chunk
-        for start in range(0, len(queries), step):
-            # Chunks are separate jobs, so requests waiting meanwhile are served in between.
-            judgments += await self.batcher.call(
-                functools.partial(engine.judge_batch, queries[start : start + step]),
-                self.config.request_timeout_s,
+        wave = 4 * self.config.max_batch_size  # jobs queued at once: a bounded share of the queue
+        for start in range(0, len(queries), wave):
+            results = await asyncio.gather(
+                *(
+                    self.batcher.judge(
+                        queries[i], tokens=tokens[i], owner=ticket.owner, deadline=ticket.deadline
+                    )
+                    for i in range(start, min(start + wave, len(queries)))
+                )
             )
+            for i, result in enumerate(results, start):
+                if isinstance(result, JudgeError):
+                    if result.field in (None, "prompt"):
+                        result.field = f"examples[{i}].prompt"
+                    raise result
+                judgments.append(result)
         scores = scores_from_judgments(
             judgments, [e.label for e in request.examples], request.choices
         )
@@ -250,7 +406,7 @@ class Service:
         try:
             profile = await anyio.to_thread.run_sync(fit)
         except (CalibrationError, ValueError) as exc:  # e.g. every example has the same label
-            raise BadFieldError(
+            raise UnprocessableError(
                 "examples", f"cannot fit a profile on these examples: {exc}"
             ) from exc
         self.store.put(profile)
@@ -275,13 +431,17 @@ class Service:
                     metrics_after=p.metrics_after,
                     n_examples=p.n_examples,
                     created_at=p.created_at,
+                    signal=p.signal,
+                    label_free=p.label_free,
+                    values=p.values,
+                    max_std=p.max_std,
                 )
             )
         return summaries
 
     def put_profile(self, name: str, profile: CalibrationProfile) -> CalibrationProfile:
         if profile.name != name:
-            raise BadFieldError(
+            raise UnprocessableError(
                 "name", f"the profile is named {profile.name!r} but the path says {name!r}"
             )
         self.store.put(profile)

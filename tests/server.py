@@ -34,12 +34,15 @@ class Server:
         )
 
     def wait_ready(self, timeout: float = 300) -> None:
+        self.wait_ready_with({}, timeout)
+
+    def wait_ready_with(self, headers: dict[str, str], timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"server exited: {self.output()}")
             try:
-                status = httpx.get(f"{self.url}/ready", timeout=5).status_code
+                status = httpx.get(f"{self.url}/ready", headers=headers, timeout=5).status_code
             except httpx.TransportError:
                 time.sleep(0.1)
                 continue

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 
+import atomicio
 from atomicio import replacing, write_bytes, write_text
 
 
@@ -78,3 +81,18 @@ def test_bad_arguments_are_named(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="use write_text"):
         write_bytes(tmp_path / "x", "text")  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_orphans_of_killed_writers_are_removed_but_not_live_ones(tmp_path: Path) -> None:
+    old = tmp_path / ".a.json.x1y2.tmp"
+    (old / "a.json").parent.mkdir()
+    (old / "a.json").write_text("half")
+    live = tmp_path / ".b.json.z3.tmp"
+    live.mkdir()
+    keep = tmp_path / "c.json"
+    keep.write_text("{}")
+    past = time.time() - 3600
+    os.utime(old, (past, past))
+    assert atomicio.remove_orphans(tmp_path, older_than_s=60) == 1
+    assert not old.exists() and live.exists() and keep.exists()
+    assert atomicio.remove_orphans(tmp_path / "missing") == 0

@@ -365,14 +365,38 @@ def test_serve_passes_its_settings_to_the_app_and_the_loader(
         seen["load"] = {"model": model, **options}
         return "engine"
 
+    class FakeServer:
+        def __init__(self, config: uvicorn.Config) -> None:
+            seen["uvicorn"] = config
+
+        def run(self) -> None:
+            seen["ran"] = True
+
     monkeypatch.setattr(service, "create_app", fake_create_app)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("run", (app, kw)))
+    monkeypatch.setattr(uvicorn, "Server", FakeServer)
     monkeypatch.setattr(Judge, "load", staticmethod(fake_load))
+    monkeypatch.delenv("JUDGE_API_KEY", raising=False)
     argv = ["serve", "--port", "9", "--prefix-cache-mb", "12.5", "--default-threshold", "0.7"]
+    argv += ["--shutdown-timeout", "7", "--max-request-tokens", "1000", "--admission-wait", "0.5"]
     assert main([*argv, "--profiles-dir", str(tmp_path)]) == 0
-    assert seen["run"][0] == "app" and seen["run"][1]["port"] == 9
+    assert seen["ran"] and seen["uvicorn"].app == "app" and seen["uvicorn"].port == 9
+    assert seen["uvicorn"].timeout_graceful_shutdown == 7
+    assert seen["config"].max_request_tokens == 1000 and seen["config"].admission_wait_s == 0.5
+    assert seen["config"].api_key is None
     assert seen["config"].default_threshold == 0.7 and seen["config"].profiles_dir == tmp_path
     assert seen["loader"]() == "engine"  # the model loads in the server, with the cache budget
     assert seen["load"]["prefix_cache_mb"] == 12.5
     with pytest.raises(SystemExit):
         main(["serve", "--prefix-cache-mb", "-1"])
+    # The key: from a file (never the command line, where `ps` shows it), else the environment.
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    assert main(["serve", "--api-key-file", str(key_file)]) == 0
+    assert seen["config"].api_key == "s3cret"
+    monkeypatch.setenv("JUDGE_API_KEY", "from-env")
+    assert main(["serve"]) == 0 and seen["config"].api_key == "from-env"
+    key_file.write_text("")
+    assert main(["serve", "--api-key-file", str(key_file)]) == 2
+    assert main(["serve", "--api-key-file", str(tmp_path / "missing")]) == 2
+    with pytest.raises(SystemExit):
+        main(["serve", "--api-key", "s3cret"])

@@ -126,7 +126,7 @@ def test_threshold_routes(client: TestClient[Any]) -> None:
         ({"choices": ["a", "b"]}, 400, "prompt"),
         ({"prompt": "x", "choices": []}, 400, "choices"),
         ({"prompt": "x", "choices": ["a"]}, 400, "choices"),
-        ({"prompt": "x", "choices": ["a", "a"]}, 400, "choices"),
+        ({"prompt": "x", "choices": ["a", "a"]}, 400, "choices"),  # uniqueItems in the schema
         ({"prompt": "x", "choices": ["a", ""]}, 400, "choices[1]"),
         ({"prompt": "x", "choices": [str(i) for i in range(1025)]}, 400, "choices"),
         ({"prompt": "x", "choices": "ab"}, 400, "choices"),
@@ -137,7 +137,13 @@ def test_threshold_routes(client: TestClient[Any]) -> None:
         ({"prompt": "x", "choices": ["a", "b"], "surprise": 1}, 400, "surprise"),
         ({"prompt": "x", "choices": ["a", "b"], "profile": "no-such"}, 404, "profile"),
         ({"prompt": "x", "choices": ["a", "b"], "profile": "../etc"}, 400, "profile"),
-        ({"prompt": "x", "choices": ["1", "10"], "response_suffix": ""}, 400, "choices"),
+        # Schema-valid, but "1" is a prefix of "10" with nothing after: cannot be told apart.
+        ({"prompt": "x", "choices": ["1", "10"], "response_suffix": ""}, 422, "choices"),
+        # Strict types: a number as a string is not a number.
+        ({"prompt": "x", "choices": ["a", "b"], "threshold": "0.5"}, 400, "threshold"),
+        ({"prompt": "x", "choices": ["a", "b"], "return_prompt": "true"}, 400, "return_prompt"),
+        ({}, 400, "prompt"),
+        ([], 400, "body"),
     ],
 )
 def test_bad_requests_name_the_field(
@@ -150,18 +156,70 @@ def test_bad_requests_name_the_field(
 
 
 def test_prompt_too_long_for_the_model(judge: Judge, tmp_path: Path) -> None:
-    app = create_app(judge, config=ServiceConfig(profiles_dir=tmp_path))
+    # A budget above the model's window (8192), so that the model's own limit is what refuses.
+    config = ServiceConfig(
+        profiles_dir=tmp_path, max_request_tokens=20_000, max_batch_tokens=20_000
+    )
+    app = create_app(judge, config=config)
     with TestClient(app=app) as c:
         wait_ready(c)
         status, body = post(c, {"prompt": "word " * 9000, "choices": ["a", "b"]})
         assert status == 422 and body["field"] == "prompt" and "context window" in body["detail"]
+        # The overflow is the system prompt's: the error says so.
+        status, body = post(c, {"prompt": "x", "system": "word " * 9000, "choices": ["a", "b"]})
+        assert status == 422 and body["field"] == "system"
+
+
+def test_token_budget_refuses_before_any_work(client: TestClient[Any]) -> None:
+    long = "word " * 5000  # about 5,000 tokens: over the default budget of 4,096
+    status, body = post(client, {"prompt": long, "choices": ["a", "b"]})
+    assert status == 413 and body["field"] == "prompt" and "4096" in body["detail"]
+    status, body = post(client, {"prompt": "x", "choices": ["a", long]})
+    assert status == 413 and body["field"] == "choices"
+    status, body = post(client, {"prompt": "x", "response_prefix": long, "choices": ["a", "b"]})
+    assert status == 413 and body["field"] == "response_prefix"
+    # In a batch, the long item gets its 413 in its place; the other is judged.
+    status, body = post(
+        client,
+        {
+            "items": [
+                {"prompt": long, "choices": ["a", "b"]},
+                {"prompt": SPAM, "choices": ["a", "b"]},
+            ]
+        },
+        "/judge/batch",
+    )
+    first, second = body["results"]
+    assert status == 200 and first["status_code"] == 413 and second["type"] == "judgment"
+    status, body = post(
+        client,
+        {"context": long, "questions": [{"prompt": "Is it long?", "choices": ["yes", "no"]}]},
+        "/judge/batch",
+    )
+    assert status == 413 and body["field"] == "context"
+    before = client.get("/metrics").text
+    assert 'judge_model_jobs{outcome="run"}' in before
 
 
 def test_malformed_json_wrong_content_type_and_oversized_body(client: TestClient[Any]) -> None:
     r = client.post("/judge", content=b'{"prompt": ', headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["field"] == "body" and r.json()["detail"]
     r = client.post("/judge", content=b"prompt=x", headers={"content-type": "text/plain"})
-    assert 400 <= r.status_code < 500
+    assert r.status_code == 415 and r.json()["field"] == "content-type"
+    body = b'{"prompt": "x", "choices": ["a", "b"]}'
+    r = client.post("/judge", content=body, headers={"content-type": "text/plain"})
+    assert r.status_code == 415  # JSON in disguise is still not declared JSON
+    r = client.post("/judge", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["field"] == "body" and "empty" in r.json()["detail"]
+    # Deep nesting was a RecursionError and a bare 500; decoding into the schema's types
+    # stops at the first value of the wrong type instead.
+    for deep, field in [
+        (b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b', "choices": ["a", "b"]}', "prompt"),
+        (b"[" * 20_000 + b"]" * 20_000, "body"),
+        (b'{"a":' * 5_000 + b"1" + b"}" * 5_000, "a"),
+    ]:
+        r = client.post("/judge", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["field"] == field
     r = client.post("/judge", json={"prompt": "x" * 60_000, "choices": ["a", "b"]})
     assert r.status_code == 413 and r.json()["field"] == "body"
 
@@ -260,6 +318,22 @@ def test_profiles_fit_use_list_get_put_delete(
     status, body = post(client, {"prompt": SPAM, "choices": ["spam", "ham"], "profile": "other"})
     assert status == 422 and body["field"] == "model"
     assert client.put("/profiles/mismatch", json=other).json()["field"] == "name"
+    # Issue 10: nonsense that PUT used to store and serve. Breaking a type's constraint is a
+    # 400 naming the field; breaking a rule across fields (or finiteness) is a 422.
+    changes: list[tuple[dict[str, Any], int, str]] = [
+        ({"threshold": {**profile["threshold"], "threshold": -5.0}}, 400, "threshold.threshold"),
+        ({"n_examples": -1}, 400, "n_examples"),
+        ({"calibration_map": {"method": "temperature", "temperature": 1e-300}}, 400,
+         "calibration_map.temperature"),
+        ({"calibration_map": {"method": "bias_temperature", "temperature": 1.0,
+                              "bias": [1e308, -1e308]}}, 400, "calibration_map.bias[0]"),
+        ({"calibration_map": {"method": "bias_temperature", "temperature": 1.0,
+                              "bias": [0.0, 0.0, 0.0]}}, 422, "body"),
+        ({"split": {**profile["split"], "fit": 10**6}}, 422, "body"),
+    ]  # fmt: skip
+    for change, status, field in changes:
+        r = client.put("/profiles/other", json={**other, **change})
+        assert (r.status_code, r.json()["field"]) == (status, field), r.text
     broken = {
         **other,
         "name": "broken",
@@ -274,7 +348,7 @@ def test_profiles_fit_use_list_get_put_delete(
 
     bad = {"choices": ["spam", "ham"], "examples": [{"prompt": "x", "label": "eggs"}] * 20}
     r = client.post("/profiles/x/fit", json=bad)
-    assert r.status_code == 400 and r.json()["field"] == "examples[0].label"
+    assert r.status_code == 422 and r.json()["field"] == "examples[0].label"
     few = {"choices": ["spam", "ham"], "examples": [{"prompt": "x", "label": "spam"}] * 19}
     r = client.post("/profiles/x/fit", json=few)
     assert r.status_code == 400 and r.json()["field"] == "examples"
@@ -282,8 +356,8 @@ def test_profiles_fit_use_list_get_put_delete(
     assert r.status_code == 400 and r.json()["field"] == "examples"
     one_label = [{"prompt": p, "label": "ham"} for p, y in EXAMPLES if y == "ham"] * 2
     r = client.post("/profiles/x/fit", json={"choices": ["spam", "ham"], "examples": one_label})
-    assert r.status_code == 400 and r.json()["field"] == "examples"
-    assert "same label" in r.json()["detail"]
+    assert r.status_code == 422 and r.json()["field"] == "examples"
+    assert "have the label" in r.json()["detail"]
     assert client.get("/profiles/x").status_code == 404
 
 
@@ -506,3 +580,32 @@ def test_metrics_export_the_prefix_cache(client: TestClient[Any], judge: Judge) 
     assert (
         "judge_prefix_cache_evictions_total" in after and "judge_prefix_cache_misses_total" in after
     )
+
+
+def test_scores_over_http(client: TestClient[Any], judge: Judge) -> None:
+    prompt = "Rate from 1 to 5 how much this message sounds like spam: WIN A FREE CRUISE NOW"
+    grades = ["1", "2", "3", "4", "5"]
+    status, body = post(client, {"prompt": prompt, "choices": ["yes", "no"]})
+    assert status == 200 and "expected_value" not in body  # not numerals, no values: no score
+    status, body = post(client, {"prompt": prompt, "choices": grades, "max_std": 10.0})
+    p = judge.judge(prompt, grades).probabilities
+    mean = sum(float(c) * q for c, q in p.items())
+    assert status == 200 and body["expected_value"] == pytest.approx(mean, abs=1e-4)
+    assert body["std"] == pytest.approx(
+        sum(q * (float(c) - mean) ** 2 for c, q in p.items()) ** 0.5, abs=1e-4
+    )
+    assert body["max_std"] == 10.0 and "high_std" not in body["reason_codes"]
+    values = {"1": 0.0, "2": 25.0, "3": 50.0, "4": 75.0, "5": 100.0}
+    status, body = post(
+        client, {"prompt": prompt, "choices": grades, "values": values, "max_std": 0.0}
+    )
+    assert body["expected_value"] == pytest.approx(25 * (mean - 1), abs=1e-3)
+    assert body["decision"] == "escalate" and "high_std" in body["reason_codes"]
+    bad_requests: list[tuple[dict[str, Any], str]] = [
+        ({"choices": ["yes", "no"], "max_std": 1.0}, "values"),  # not numerals, no values
+        ({"choices": grades, "values": {"1": 1.0}}, "values"),  # misses choices
+        ({"choices": grades, "values": values, "max_std": -1.0}, "max_std"),
+    ]
+    for bad, field in bad_requests:
+        status, body = post(client, {"prompt": prompt, **bad})
+        assert 400 <= status < 500 and body["field"] == field, body

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -135,3 +136,21 @@ def test_fitted_profile_survives_a_restart(tmp_path: Path) -> None:
         assert len(body["reasons"]) == len(body["reason_codes"])
     finally:
         second.stop()
+
+
+def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    body = {"prompt": PROMPTS[0], "choices": ["spam", "ham"]}
+    with ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(httpx.post, f"{server.url}/judge", json=body, timeout=60)]
+        answers += [
+            pool.submit(httpx.post, f"{server.url}/judge", json=body, timeout=60) for _ in range(7)
+        ]
+        time.sleep(0.3)  # in flight
+        start_stop = time.monotonic()
+        server.stop()
+        took = time.monotonic() - start_stop
+    statuses = [a.result().status_code for a in answers if a.exception() is None]
+    assert server.process.returncode == 0, server.output()
+    assert took < 25  # the default --shutdown-timeout is 20 s
+    assert statuses and all(s == 200 for s in statuses)
