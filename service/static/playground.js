@@ -1,0 +1,383 @@
+// The judge playground. Every element that shows data is built with createElement and
+// textContent, never innerHTML: a choice, a reason or an error detail that holds markup is
+// shown as text. The API key lives in this tab's memory only (no storage), and is sent on
+// every call as "Authorization: Bearer <key>".
+"use strict";
+
+const DIGITS = 4; // probabilities as printed; the bars' data-* attributes hold the same text
+const SVG = "http://www.w3.org/2000/svg";
+let apiKey = "";
+let profileSummaries = [];
+
+function $(id) {
+  return document.getElementById(id);
+}
+
+function el(tag, attrs = {}, text = null) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== null) node.textContent = text;
+  return node;
+}
+
+function svg(tag, attrs = {}, text = null) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== null) node.textContent = text;
+  return node;
+}
+
+function fmt(x, digits = DIGITS) {
+  return x === null || x === undefined ? "none" : Number(x).toFixed(digits);
+}
+
+// --- talking to the API ------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, body) {
+    const detail = body && typeof body === "object" && body.detail ? body.detail : String(body);
+    super(detail);
+    this.status = status;
+    this.field = body && typeof body === "object" ? body.field || null : null;
+    this.detail = detail;
+  }
+}
+
+async function api(method, path, body) {
+  const headers = {};
+  if (apiKey) headers["Authorization"] = "Bearer " + apiKey;
+  const init = { method, headers };
+  if (body !== undefined) {
+    headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const response = await fetch(path, init);
+  const type = response.headers.get("content-type") || "";
+  const data = type.includes("json") ? await response.json() : await response.text();
+  if (!response.ok) throw new ApiError(response.status, data);
+  return data;
+}
+
+function showError(err) {
+  const box = $("error");
+  box.replaceChildren();
+  if (err instanceof ApiError) {
+    box.append(el("strong", {}, String(err.status)));
+    if (err.field) box.append(" ", el("code", { id: "error-field" }, err.field));
+    box.append(" ", el("span", { id: "error-detail" }, err.detail));
+  } else {
+    box.append(el("span", { id: "error-detail" }, String(err && err.message ? err.message : err)));
+  }
+  box.hidden = false;
+}
+
+function clearError() {
+  $("error").hidden = true;
+  $("error").replaceChildren();
+}
+
+// --- profiles for the pickers ------------------------------------------------------------
+
+let profilesAsked = 0;
+
+async function loadProfiles() {
+  // Only the latest call applies: an answer to a call made before the key was typed may
+  // arrive after the answer to the call made with it.
+  const asked = ++profilesAsked;
+  let summaries = [];
+  let failure = null;
+  try {
+    summaries = await api("GET", "/profiles");
+  } catch (err) {
+    failure = err;
+  }
+  if (asked !== profilesAsked) return;
+  profileSummaries = summaries;
+  if (failure) showError(failure);
+  for (const [id, first] of [["profile", "none"], ["profile-pick", "choose a profile"]]) {
+    const select = $(id);
+    const keep = select.value;
+    select.replaceChildren(el("option", { value: "" }, first));
+    for (const p of profileSummaries) select.append(el("option", { value: p.name }, p.name));
+    select.value = profileSummaries.some((p) => p.name === keep) ? keep : "";
+  }
+}
+
+function onProfileChosen() {
+  // The profile's choices are the only ones it applies to: offer them when none are typed.
+  const p = profileSummaries.find((s) => s.name === $("profile").value);
+  if (p && !$("choices").value.trim()) $("choices").value = p.choices.join("\n");
+}
+
+// --- judging -----------------------------------------------------------------------------
+
+function readRequest() {
+  const body = {
+    prompt: $("prompt").value,
+    choices: $("choices").value.split("\n").map((c) => c.trim()).filter((c) => c !== ""),
+    return_prompt: $("return-prompt").checked,
+  };
+  const system = $("system").value;
+  if (system.trim()) body.system = system;
+  if ($("profile").value) body.profile = $("profile").value;
+  const threshold = $("threshold").value.trim();
+  if (threshold !== "") body.threshold = Number(threshold);
+  return body;
+}
+
+async function onSubmit(event) {
+  event.preventDefault();
+  const form = $("judge-form");
+  form.dataset.state = "busy";
+  $("submit").disabled = true;
+  clearError();
+  try {
+    const result = await api("POST", "/judge", readRequest());
+    showResult(result);
+    form.dataset.state = "done";
+  } catch (err) {
+    $("result").hidden = true;
+    showError(err);
+    form.dataset.state = "error";
+  } finally {
+    $("submit").disabled = false;
+  }
+}
+
+function track(kind, value, threshold) {
+  const t = el("div", { class: "track " + kind });
+  const fill = el("div", { class: "fill" });
+  fill.style.width = (100 * value).toFixed(2) + "%"; // CSSOM, which the CSP allows
+  t.append(fill);
+  if (threshold !== null && threshold !== undefined) {
+    const mark = el("div", { class: "mark", title: "threshold " + fmt(threshold) });
+    mark.style.left = (100 * threshold).toFixed(2) + "%";
+    t.append(mark);
+  }
+  return t;
+}
+
+function showResult(r) {
+  const decision = $("decision");
+  decision.textContent = r.decision;
+  decision.className = r.decision;
+  $("choice").textContent = r.choice;
+  $("confidence").textContent = fmt(r.confidence);
+
+  const reasons = $("reasons");
+  reasons.replaceChildren(...r.reasons.map((text, i) =>
+    el("li", { "data-code": r.reason_codes[i] || "" }, text)));
+  reasons.hidden = r.reasons.length === 0;
+
+  const inSet = new Set(r.prediction_set || []);
+  const bars = $("bars");
+  bars.replaceChildren();
+  for (const [choice, p] of Object.entries(r.probabilities)) {
+    const raw = r.raw_probabilities[choice];
+    const calibrated = fmt(p);
+    const rawText = fmt(raw);
+    const row = el("div", { class: "bar", "data-choice": choice, "data-calibrated": calibrated, "data-raw": rawText });
+    if (choice === r.choice) row.classList.add("top");
+    if (inSet.has(choice)) row.classList.add("in-set");
+    row.append(el("div", { class: "label", title: choice }, choice));
+    const tracks = el("div", { class: "tracks" });
+    const calRow = el("div", { class: "line" });
+    calRow.append(track("calibrated", p, r.threshold), el("span", { class: "num calibrated" }, calibrated));
+    const rawRow = el("div", { class: "line" });
+    rawRow.append(track("raw", raw, null), el("span", { class: "num raw" }, rawText));
+    tracks.append(calRow, rawRow);
+    row.append(tracks);
+    bars.append(row);
+  }
+
+  $("choice-mass").textContent = fmt(r.choice_mass);
+  $("latency").textContent = fmt(r.latency_ms, 1) + " ms";
+  $("threshold-used").textContent = r.threshold === null
+    ? "none"
+    : fmt(r.threshold, 3) + (r.certified ? " (certified)" : " (not certified)");
+  $("profile-used").textContent = r.profile === null
+    ? "none (raw probabilities)"
+    : r.profile + (r.temperature !== null ? ", temperature " + fmt(r.temperature, 3) : "");
+  $("prediction-set").textContent = r.prediction_set === null ? "none" : r.prediction_set.join(", ");
+  $("model").textContent = r.model;
+  const shown = typeof r.prompt === "string";
+  $("rendered-prompt-box").hidden = !shown;
+  $("rendered-prompt").textContent = shown ? r.prompt : "";
+  $("result").hidden = false;
+}
+
+// --- the profile view --------------------------------------------------------------------
+
+const METRICS = [
+  ["accuracy", "accuracy"],
+  ["nll", "negative log-likelihood"],
+  ["brier", "Brier score"],
+  ["ece", "ECE"],
+  ["adaptive_ece", "adaptive ECE"],
+  ["mce", "MCE"],
+  ["classwise_ece", "class-wise ECE"],
+];
+
+function interval(i) {
+  return i ? fmt(i.value) + " [" + fmt(i.low) + ", " + fmt(i.high) + "]" : "none";
+}
+
+async function onProfilePicked() {
+  const name = $("profile-pick").value;
+  const detail = $("profile-detail");
+  detail.dataset.state = "busy";
+  clearError();
+  if (!name) {
+    detail.hidden = true;
+    return;
+  }
+  try {
+    showProfile(await api("GET", "/profiles/" + encodeURIComponent(name)));
+    detail.hidden = false;
+    detail.dataset.state = "done";
+    await showPng(name);
+  } catch (err) {
+    detail.hidden = true;
+    showError(err);
+    detail.dataset.state = "error";
+  }
+}
+
+function showProfile(p) {
+  $("profile-name").textContent = p.name;
+  const map = p.calibration_map;
+  $("profile-meta").textContent =
+    p.model + " · " + p.dtype + " · choices " + p.choices.join(", ") + " · " +
+    p.n_examples + " examples (fit " + p.split.fit + ", conformal " + p.split.conformal +
+    ", certify " + p.split.certify + ") · map " + map.method +
+    (map.temperature !== undefined ? ", T = " + fmt(map.temperature, 3) : "") +
+    " · created " + p.created_at;
+
+  const t = p.threshold;
+  const th = $("profile-threshold");
+  th.replaceChildren();
+  if (t.threshold !== null) {
+    th.append(el("strong", { id: "profile-threshold-value" }, fmt(t.threshold, 3)), " certified: ",
+      "precision ≥ " + t.target_precision + " with probability ≥ " + (1 - t.delta).toFixed(2) +
+      " (lower bound " + fmt(t.precision_lower_bound, 3) + ", coverage " + fmt(t.coverage, 3) +
+      " on " + t.n + " items)");
+  } else {
+    th.append(el("strong", { id: "profile-threshold-value" }, "none certified"), " — " + t.reason);
+  }
+
+  const table = $("profile-metrics");
+  table.replaceChildren();
+  const head = el("tr");
+  for (const h of ["metric", "before", "after"]) head.append(el("th", {}, h));
+  table.append(head);
+  const before = p.metrics_before || {};
+  const after = p.metrics_after || {};
+  for (const [key, label] of METRICS) {
+    const row = el("tr", { "data-metric": key });
+    row.append(el("td", {}, label), el("td", {}, interval(before[key])), el("td", {}, interval(after[key])));
+    table.append(row);
+  }
+  const floor = el("tr", { "data-metric": "ece_noise_floor" });
+  floor.append(el("td", {}, "ECE of a perfectly calibrated judge"),
+    el("td", {}, fmt(before.ece_noise_floor)), el("td", {}, fmt(after.ece_noise_floor)));
+  const n = el("tr", { "data-metric": "n" });
+  n.append(el("td", {}, "items"), el("td", {}, String(before.n)), el("td", {}, String(after.n)));
+  table.append(floor, n);
+
+  drawCalibration(before, after);
+}
+
+// The profile keeps summary metrics with bootstrap intervals, not per-bin counts, so the
+// chart shows what it has: each binned calibration error before and after, with its interval,
+// and the ECE a perfectly calibrated judge would show on this many items.
+function drawCalibration(before, after) {
+  const rows = METRICS.filter(([key]) => key.endsWith("ece") || key === "mce");
+  const W = 640, left = 130, right = 20, top = 24, rowH = 34;
+  const H = top + rows.length * rowH + 34;
+  let max = 0;
+  for (const [key] of rows) {
+    for (const m of [before[key], after[key]]) if (m) max = Math.max(max, m.high, m.value);
+  }
+  // A round step that needs at most 6 ticks, and the axis ends on a tick.
+  const step = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5].find((s) => max / s <= 6) || 1;
+  const ticks = Math.max(1, Math.ceil(max / step - 1e-9));
+  max = step * ticks;
+  const x = (v) => left + (W - left - right) * Math.min(v, max) / max;
+  const chart = svg("svg", { id: "reliability-svg", viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img" });
+  chart.append(svg("title", {}, "Calibration error before and after, with bootstrap intervals"));
+  const axisY = top + rows.length * rowH;
+  for (let i = 0; i <= ticks; i++) {
+    const v = step * i;
+    chart.append(svg("line", { x1: x(v), x2: x(v), y1: top - 6, y2: axisY, class: "grid" }));
+    chart.append(svg("text", { x: x(v), y: axisY + 16, "text-anchor": "middle", class: "tick" }, fmt(v, 2)));
+  }
+  rows.forEach(([key, label], i) => {
+    const y = top + i * rowH + rowH / 2;
+    chart.append(svg("text", { x: left - 10, y: y + 4, "text-anchor": "end", class: "label" }, label));
+    if (key === "ece" && after.ece_noise_floor !== undefined) {
+      chart.append(svg("line", { x1: x(after.ece_noise_floor), x2: x(after.ece_noise_floor), y1: y - 12, y2: y + 12, class: "floor" }));
+    }
+    [[before[key], "before", -6], [after[key], "after", 6]].forEach(([m, cls, dy]) => {
+      if (!m) return;
+      const g = svg("g", { class: cls, "data-metric": key });
+      g.append(svg("line", { x1: x(m.low), x2: x(m.high), y1: y + dy, y2: y + dy, class: "whisker" }));
+      g.append(svg("circle", { cx: x(m.value), cy: y + dy, r: 4.5 }));
+      g.append(svg("title", {}, label + " " + cls + ": " + interval(m)));
+      chart.append(g);
+    });
+  });
+  const legend = svg("g", { class: "legend" });
+  legend.append(svg("circle", { cx: left, cy: 10, r: 4.5, class: "before" }),
+    svg("text", { x: left + 10, y: 14 }, "before (raw)"),
+    svg("circle", { cx: left + 110, cy: 10, r: 4.5, class: "after" }),
+    svg("text", { x: left + 120, y: 14 }, "after (calibrated)"),
+    svg("line", { x1: left + 250, x2: left + 250, y1: 3, y2: 17, class: "floor" }),
+    svg("text", { x: left + 258, y: 14 }, "ECE of a perfectly calibrated judge"));
+  chart.append(legend);
+  $("reliability").replaceChildren(chart);
+  $("reliability-note").textContent =
+    "The profile stores these summaries, not per-bin counts; lower is better. " +
+    "Where `judge calibrate` wrote a reliability diagram beside the profile, it is shown below.";
+}
+
+async function showPng(name) {
+  const img = $("reliability-png");
+  if (img.src.startsWith("blob:")) URL.revokeObjectURL(img.src);
+  img.hidden = true;
+  img.removeAttribute("src");
+  const headers = apiKey ? { Authorization: "Bearer " + apiKey } : {};
+  const response = await fetch("/playground/profiles/" + encodeURIComponent(name) + "/reliability.png", { headers });
+  if (!response.ok) return; // most profiles (all fitted over HTTP) have none
+  img.src = URL.createObjectURL(await response.blob());
+  img.hidden = false;
+}
+
+// --- wiring ------------------------------------------------------------------------------
+
+function showView(id) {
+  for (const tab of document.querySelectorAll("[role=tab]")) {
+    const on = tab.dataset.view === id;
+    tab.setAttribute("aria-selected", String(on));
+    $(tab.dataset.view).hidden = !on;
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("judge-form").addEventListener("submit", onSubmit);
+  $("profile").addEventListener("change", onProfileChosen);
+  $("profile-pick").addEventListener("change", onProfilePicked);
+  $("api-key").addEventListener("input", () => {
+    apiKey = $("api-key").value;
+  });
+  $("api-key").addEventListener("change", () => {
+    clearError();
+    loadProfiles();
+  });
+  for (const tab of document.querySelectorAll("[role=tab]")) {
+    tab.addEventListener("click", () => {
+      showView(tab.dataset.view);
+      if (tab.dataset.view === "profiles-view") loadProfiles();
+    });
+  }
+  loadProfiles();
+});

@@ -1,0 +1,395 @@
+"""The playground page: its routes in process, then the page itself in headless Chromium
+against a real server (with an API key) on the default model."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from fakes import FakeEngine
+from litestar.testing import TestClient
+from server import Server, free_port
+from test_service import EXAMPLES
+
+import atomicio
+from calibration.reliability import reliability_diagram
+from service import ServiceConfig, create_app
+from service.client import JudgeClient
+from service.playground import STATIC
+
+KEY = "playground-key"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+SPEC = Path("/tmp/spec")  # where the lead looks at the screenshot, when there is one
+PROMPT = "Is this SMS spam? URGENT: your account is locked, reply with your PIN"
+XSS = '<img src=x onerror="window.__xss=1">'
+
+
+# --- the routes, in process -------------------------------------------------------------
+
+
+@pytest.fixture
+def app_client(tmp_path: Path) -> Iterator[TestClient[Any]]:
+    app = create_app(FakeEngine(), config=ServiceConfig(profiles_dir=tmp_path, api_key=KEY))
+    with TestClient(app=app) as c:
+        yield c
+
+
+def test_root_redirects_and_the_page_is_public_with_a_strict_csp(
+    app_client: TestClient[Any],
+) -> None:
+    r = app_client.get("/", follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"] == "/playground"
+    page = app_client.get("/playground")  # no key: a browser's navigation cannot send one
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "script-src 'self'" in csp
+    assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    assert page.headers["x-content-type-options"] == "nosniff"
+    for asset, kind in [("playground.js", "javascript"), ("playground.css", "text/css")]:
+        r = app_client.get(f"/static/{asset}")
+        assert r.status_code == 200 and kind in r.headers["content-type"]
+        assert r.content == (STATIC / asset).read_bytes()
+    # The API stays behind the key.
+    assert app_client.get("/profiles").status_code == 401
+    assert app_client.get("/profiles", headers={"Authorization": f"Bearer {KEY}"}).json() == []
+
+
+def test_static_files_stay_in_their_directory(app_client: TestClient[Any]) -> None:
+    for path in ["/static/%2e%2e/client.py", "/static/..%2Fclient.py", "/static/missing.js"]:
+        assert app_client.get(path).status_code == 404, path
+
+
+def test_playground_is_not_in_the_api_schema(app_client: TestClient[Any]) -> None:
+    schema = app_client.get("/schema/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
+    paths = set(schema.json()["paths"])
+    assert "/judge" in paths
+    assert not {p for p in paths if p == "/" or p.startswith(("/playground", "/static"))}
+
+
+def test_the_page_runs_no_inline_script_and_builds_no_markup_from_data() -> None:
+    html = (STATIC / "playground.html").read_text()
+    scripts = re.findall(r"<script\b([^>]*)>(.*?)</script>", html, re.S)
+    assert scripts and all('src="/static/' in attrs and not body.strip() for attrs, body in scripts)
+    assert not re.search(r"\son[a-z]+\s*=", html)  # no inline event handlers
+    assert not re.search(r"\sstyle\s*=", html)  # no inline style the CSP would block
+    assert "http://" not in html.replace('"http://www.w3.org', "") and "https://" not in html
+    js = (STATIC / "playground.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+        assert sink not in js.replace("never innerHTML", ""), sink
+    assert "localStorage" not in js and "sessionStorage" not in js and "cookie" not in js
+
+
+def test_reliability_png_is_served_with_the_key(
+    app_client: TestClient[Any], tmp_path: Path
+) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    missing = app_client.get("/playground/profiles/sms/reliability.png", headers=auth)
+    assert missing.status_code == 404 and missing.json()["field"] == "profile"
+    png = write_reliability_png(tmp_path / "sms.reliability.png")
+    assert app_client.get("/playground/profiles/sms/reliability.png").status_code == 401
+    r = app_client.get("/playground/profiles/sms/reliability.png", headers=auth)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    assert r.content == png
+    bad = app_client.get("/playground/profiles/..%2Fsms/reliability.png", headers=auth)
+    assert bad.status_code == 404
+
+
+def write_reliability_png(path: Path) -> bytes:
+    """A real diagram from calibration.reliability, on synthetic scores."""
+    rng = np.random.default_rng(0)
+    p1 = rng.uniform(0, 1, 200)
+    probs = np.stack([1 - p1, p1], axis=1)
+    y = (rng.uniform(0, 1, 200) < p1).astype(int)
+    reliability_diagram((probs**2 / (probs**2).sum(1, keepdims=True), y), (probs, y), path)
+    return path.read_bytes()
+
+
+# --- the page, in Chromium --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    profiles = tmp_path_factory.mktemp("profiles")
+    port = free_port()
+    command = [sys.executable, "-m", "cli.main", "serve", "--port", str(port)]
+    options = ["--dtype", "float32", "--profiles-dir", str(profiles)]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("JUDGE_API_KEY", KEY)  # the server process inherits it; argv shows no key
+        s = Server([*command, *options], port)
+    try:
+        wait_ready(s)
+        fit = {
+            "choices": ["spam", "ham"],
+            "examples": [{"prompt": p, "label": y} for p, y in EXAMPLES],
+        }
+        r = httpx.post(f"{s.url}/profiles/sms/fit", json=fit, headers=auth(), timeout=300)
+        assert r.status_code == 200, r.text
+        write_reliability_png(profiles / "sms.reliability.png")
+        yield s
+    finally:
+        s.stop()
+
+
+def wait_ready(s: Server) -> None:
+    """``Server.wait_ready``, with the key that /ready needs on this server."""
+    deadline = time.monotonic() + 300
+    with JudgeClient(s.url, api_key=KEY) as client:
+        while time.monotonic() < deadline:
+            if s.process.poll() is not None:
+                raise AssertionError(f"server exited: {s.output()}")
+            with contextlib.suppress(TimeoutError):
+                client.wait_ready(timeout=1)
+                return
+    raise AssertionError("server never became ready")
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    if not CHROMIUM.exists() or not CHROMEDRIVER.exists():
+        pytest.skip(
+            f"no browser: {CHROMIUM} or {CHROMEDRIVER} is missing "
+            "(apt-get install chromium chromium-driver)"
+        )
+    webdriver = pytest.importorskip(
+        "selenium.webdriver", reason="selenium is not installed (pip install 'judge[dev]')"
+    )
+    from selenium.webdriver.chrome.service import Service as DriverService
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in [
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,900",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
+    ]:
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=DriverService(str(CHROMEDRIVER)))
+    driver.set_window_size(1280, 900)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+class Page:
+    """The playground as a test drives it."""
+
+    def __init__(self, driver: Any, url: str) -> None:
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        self.driver, self.url, self.by = driver, url, By
+        self.wait = WebDriverWait(driver, 120)
+
+    def find(self, css: str) -> Any:
+        return self.driver.find_element(self.by.CSS_SELECTOR, css)
+
+    def all(self, css: str) -> list[Any]:
+        return list(self.driver.find_elements(self.by.CSS_SELECTOR, css))
+
+    def open(self) -> None:
+        self.driver.get(self.url + "/")
+        self.wait.until(lambda d: d.current_url.endswith("/playground"))
+        key = self.find("#api-key")
+        key.send_keys(KEY)
+        self.find("#prompt").click()  # leaving the field fires its change: profiles load
+        self.wait.until(lambda d: self.all("#profile option[value='sms']"))
+
+    def fill(self, css: str, text: str) -> None:
+        field = self.find(css)
+        field.clear()
+        field.send_keys(text)
+
+    def submit(
+        self,
+        prompt: str,
+        choices: list[str],
+        profile: str = "",
+        threshold: str = "",
+        rendered: bool = False,
+    ) -> str:
+        from selenium.webdriver.support.ui import Select
+
+        self.fill("#prompt", prompt)
+        self.fill("#choices", "\n".join(choices))
+        self.fill("#threshold", threshold)
+        Select(self.find("#profile")).select_by_value(profile)
+        box = self.find("#return-prompt")
+        if box.is_selected() != rendered:
+            box.click()
+        self.driver.execute_script("document.getElementById('judge-form').dataset.state = 'idle'")
+        self.find("#submit").click()
+        self.wait.until(
+            lambda d: self.find("#judge-form").get_attribute("data-state") in ("done", "error")
+        )
+        state: str = self.find("#judge-form").get_attribute("data-state")
+        return state
+
+    def bars(self) -> list[tuple[str, str, str, str]]:
+        """(data-choice, data-calibrated, data-raw, the label's text) per bar, in order."""
+        return [
+            (
+                b.get_attribute("data-choice"),
+                b.get_attribute("data-calibrated"),
+                b.get_attribute("data-raw"),
+                b.find_element(self.by.CSS_SELECTOR, ".label").text,
+            )
+            for b in self.all("#bars .bar[data-choice]")
+        ]
+
+    def screenshot(self, path: Path) -> None:
+        atomicio.write_bytes(path, self.driver.get_screenshot_as_png())
+        if SPEC.is_dir():
+            shutil.copyfile(path, SPEC / path.name)
+
+
+def judged(server: Server, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    r = httpx.post(f"{server.url}/judge", json=body, headers=auth(), timeout=120)
+    return r.status_code, r.json()
+
+
+def printed(x: float) -> float:
+    return round(x, 4)
+
+
+def same_numbers(bars: list[tuple[str, str, str, str]], body: dict[str, Any]) -> None:
+    assert [b[0] for b in bars] == list(body["probabilities"])
+    for choice, calibrated, raw, label in bars:
+        assert label == choice
+        # The page prints 4 decimals; allow one unit of the last place for the rounding of
+        # two judgments that differ in float noise.
+        assert float(calibrated) == pytest.approx(printed(body["probabilities"][choice]), abs=1e-4)
+        assert float(raw) == pytest.approx(printed(body["raw_probabilities"][choice]), abs=1e-4)
+
+
+def test_the_page_shows_what_post_judge_says(browser: Any, server: Server, tmp_path: Path) -> None:
+    page = Page(browser, server.url)
+    page.open()
+    choices = ["spam", "ham", "unsure"]
+    assert page.submit(PROMPT, choices, rendered=True) == "done"
+    status, body = judged(server, {"prompt": PROMPT, "choices": choices, "return_prompt": True})
+    assert status == 200
+    same_numbers(page.bars(), body)
+    assert page.find("#decision").text.lower() == body["decision"]
+    assert page.find("#choice").text == body["choice"]
+    assert [li.text for li in page.all("#reasons li")] == body["reasons"]
+    assert float(page.find("#choice-mass").text) == pytest.approx(body["choice_mass"], abs=1e-4)
+    assert page.find("#latency").text.endswith(" ms")
+    assert page.find("#rendered-prompt").get_property("textContent") == body["prompt"]
+    assert page.find("#rendered-prompt-box").is_displayed()
+    page.screenshot(tmp_path / "playground.png")
+
+    # With the profile: calibrated and raw bars differ, as the server's numbers do.
+    assert page.submit(PROMPT, ["ham", "spam"], profile="sms", threshold="0.6") == "done"
+    status, body = judged(
+        server, {"prompt": PROMPT, "choices": ["ham", "spam"], "profile": "sms", "threshold": 0.6}
+    )
+    assert status == 200
+    same_numbers(page.bars(), body)
+    assert page.find("#decision").text.lower() == body["decision"]
+    assert page.find("#threshold-used").text.startswith("0.600")
+    assert page.find("#profile-used").text.startswith("sms")
+    assert not page.find("#rendered-prompt-box").is_displayed()
+    assert_no_csp_violations(browser)
+
+
+def test_markup_in_a_choice_is_shown_as_text(browser: Any, server: Server) -> None:
+    page = Page(browser, server.url)
+    page.open()
+    choices = [XSS, "ham", "spam"]
+    assert page.submit(PROMPT, choices) == "done"
+    bars = page.bars()
+    assert [b[0] for b in bars] == choices and bars[0][3] == XSS
+    assert page.all("#bars img") == [] and page.all("main img:not(#reliability-png)") == []
+    assert browser.execute_script("return window.__xss") is None
+    # And in an error: a duplicated choice is named in the server's detail.
+    twice = ['<img src=x onerror="window.__xss=2">'] * 2
+    assert page.submit(PROMPT, twice) == "error"
+    assert twice[0] in page.find("#error-detail").text
+    assert page.all("#error img") == []
+    assert browser.execute_script("return window.__xss") is None
+
+
+def test_a_4xx_shows_the_server_s_detail(browser: Any, server: Server) -> None:
+    page = Page(browser, server.url)
+    page.open()
+    assert page.submit(PROMPT, ["spam"]) == "error"
+    status, body = judged(server, {"prompt": PROMPT, "choices": ["spam"]})
+    assert 400 <= status < 500
+    assert page.find("#error").text.startswith(str(status))
+    assert page.find("#error-detail").text == body["detail"]
+    assert page.find("#error-field").text == body["field"] == "choices"
+    assert page.find("#error").is_displayed() and not page.find("#result").is_displayed()
+
+
+def test_without_the_key_the_page_says_so(browser: Any, server: Server) -> None:
+    browser.get(server.url + "/playground")
+    page = Page(browser, server.url)
+    page.wait.until(lambda d: page.find("#error").is_displayed())
+    assert page.find("#error-field").text == "Authorization"
+    assert "API key" in page.find("#error-detail").text
+
+
+def test_the_profile_view(browser: Any, server: Server, tmp_path: Path) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    profile = httpx.get(f"{server.url}/profiles/sms", headers=auth()).json()
+    page = Page(browser, server.url)
+    page.open()
+    page.find("#tab-profiles").click()
+    page.wait.until(lambda d: page.all("#profile-pick option[value='sms']"))
+    Select(page.find("#profile-pick")).select_by_value("sms")
+    page.wait.until(lambda d: page.find("#profile-detail").get_attribute("data-state") == "done")
+    assert page.find("#profile-name").text == "sms"
+    t = profile["threshold"]["threshold"]
+    shown = page.find("#profile-threshold-value").text
+    assert shown == (f"{t:.3f}" if t is not None else "none certified")
+    rows = {
+        r.get_attribute("data-metric"): [td.text for td in r.find_elements(page.by.TAG_NAME, "td")]
+        for r in page.all("#profile-metrics tr[data-metric]")
+    }
+    for key in ("accuracy", "nll", "ece"):
+        before, after = profile["metrics_before"][key], profile["metrics_after"][key]
+        assert rows[key][1].startswith(f"{before['value']:.4f} [")
+        assert rows[key][2].startswith(f"{after['value']:.4f} [")
+    assert rows["n"][1:] == [
+        str(profile["metrics_before"]["n"]),
+        str(profile["metrics_after"]["n"]),
+    ]
+    # The chart: a point per metric before and after, from the profile's own numbers.
+    assert len(page.all("#reliability-svg g[data-metric] circle")) == 2 * 4
+    # The PNG beside the profile, fetched with the key.
+    page.wait.until(lambda d: page.find("#reliability-png").is_displayed())
+    width = browser.execute_script("return document.getElementById('reliability-png').naturalWidth")
+    assert width > 100
+    browser.execute_script("document.getElementById('profile-metrics').scrollIntoView()")
+    page.screenshot(tmp_path / "playground-profile.png")
+    assert_no_csp_violations(browser)
+
+
+def assert_no_csp_violations(driver: Any) -> None:
+    logs = driver.get_log("browser")
+    assert not [e for e in logs if "Content Security Policy" in e.get("message", "")], logs
