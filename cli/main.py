@@ -236,6 +236,31 @@ def parser() -> argparse.ArgumentParser:
         "taken on the command line, where any user can read it in `ps`.",
     )
     serve.add_argument("--log-level", default="info")
+    scale = serve.add_argument_group(
+        "scaling out on Ray Serve (pip install -e '.[ray]')",
+        "Replicas of the service behind one endpoint, each with its own model; profiles are "
+        "shared through --profiles-dir, which every replica must reach.",
+    )
+    scale.add_argument("--ray", action="store_true", help="serve with Ray Serve replicas")
+    scale.add_argument(
+        "--replicas", type=positive_int, help="a fixed number of replicas (default: 1)"
+    )
+    scale.add_argument(
+        "--min-replicas", type=int, help="autoscale: at least this many replicas (0 allowed)"
+    )
+    scale.add_argument("--max-replicas", type=positive_int, help="autoscale: at most this many")
+    scale.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        help="autoscale: requests in flight per replica that Ray aims for",
+    )
+    scale.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default: 1)"
+    )
+    scale.add_argument(
+        "--ray-address",
+        help="join this Ray cluster (e.g. ray://head:10001 or auto); default: start a local one",
+    )
     return root
 
 

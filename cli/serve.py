@@ -1,5 +1,9 @@
 """``judge serve``: the HTTP service on one engine, loaded in the background at start-up.
 
+With ``--ray`` the same app runs as Ray Serve replicas behind one endpoint
+(``service.ray_serve``), a fixed number (``--replicas``) or autoscaled
+(``--min-replicas``/``--max-replicas``/``--target-ongoing-requests``).
+
 Stopping is bounded and clean: on SIGTERM or Ctrl-C the server stops accepting connections,
 gives the requests in flight ``--shutdown-timeout`` seconds to finish, cancels the rest (which
 drops their queued model work), and exits with status 0.
@@ -8,14 +12,23 @@ drops their queued model work), and exits with status 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
+import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cli.common import UsageError
 
-__all__ = ["api_key", "run"]
+if TYPE_CHECKING:
+    from judge import Engine
+    from service import ServiceConfig
+    from service.ray_serve import Scaling
+
+__all__ = ["api_key", "run", "run_ray", "scaling"]
 
 log = logging.getLogger("judge.service")
 
@@ -60,15 +73,16 @@ def run(args: argparse.Namespace) -> int:
         default_threshold=args.default_threshold,
         min_choice_mass=args.min_choice_mass,
     )
-    app = create_app(
-        loader=lambda: Judge.load(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            prefix_cache_mb=args.prefix_cache_mb,
-        ),
-        config=config,
+    loader = functools.partial(
+        Judge.load,
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
+    if getattr(args, "ray", False):
+        return run_ray(args, loader, config)
+    app = create_app(loader=loader, config=config)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -87,5 +101,49 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    log.info("stopped")
+    return 0
+
+
+def scaling(args: argparse.Namespace) -> Scaling:
+    """The replicas asked for on the command line; a bad combination is a usage error."""
+    from service.ray_serve import Scaling
+
+    autoscaled = args.min_replicas is not None or args.max_replicas is not None
+    try:
+        return Scaling(
+            replicas=args.replicas if args.replicas is not None or autoscaled else 1,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests,
+            replica_cpus=args.replica_cpus,
+        )
+    except ValueError as exc:  # Scaling names its fields; the user knows them as flags
+        flags = re.sub(
+            r"\b(replicas|min_replicas|max_replicas|target_ongoing_requests|replica_cpus)\b",
+            lambda m: "--" + m.group(1).replace("_", "-"),
+            str(exc),
+        )
+        raise UsageError(f"serve --ray: {flags}") from None
+
+
+def run_ray(args: argparse.Namespace, loader: Callable[[], Engine], config: ServiceConfig) -> int:
+    """``judge serve --ray``: replicas on Ray Serve, until Ctrl-C."""
+    try:
+        from service import ray_serve
+
+        ray_serve.check_ray()
+    except ImportError:
+        raise UsageError(
+            "--ray: Ray Serve is not installed; install it with: pip install -e '.[ray]'"
+        ) from None
+    ray_serve.run(
+        loader,
+        config,
+        scaling(args),
+        host=args.host,
+        port=args.port,
+        address=args.ray_address,
+    )
     log.info("stopped")
     return 0

@@ -8,13 +8,16 @@ from pathlib import Path
 
 from calibration import PolicyDefaults
 from calibration.validation import check_probability
+from service.profiles import ProfileBackend
 
 __all__ = ["ServiceConfig"]
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    profiles_dir: Path = Path("profiles")
+    # A directory on this machine, or any service.profiles.ProfileBackend: with replicas,
+    # a SharedDirectory that every replica mounts, so that they all serve the same profiles.
+    profiles_dir: Path | ProfileBackend = Path("profiles")
     max_batch_size: int = 16  # judgments coalesced into one pass
     # Tokens one pass may hold. A judgment of about 4,000 tokens takes about 3-4 s on 2 cores
     # of this CPU (SmolLM2-135M, bfloat16), so this keeps any one pass to a few seconds.

@@ -13,6 +13,10 @@ The service's own errors:
     TooLargeError    413: a judgment is over the server's token budget
     NotReadyError    503: the model is still loading or warming up
 
+and from ``service.profiles``:
+
+    PreconditionFailedError 412: If-Match / If-None-Match found another stored version
+
 Only a 500 is logged with its traceback: a 503 (busy, timed out) is the service working as
 designed, and logging each would flood the log exactly when the server is under load.
 """
@@ -37,6 +41,7 @@ from calibration import (
 from judge import AmbiguousChoicesError, ChoicesError, InvalidQueryError, JudgeError
 from service.batcher import DeadlineError, QueueFullError
 from service.bodies import BodyError
+from service.profiles import PreconditionFailedError
 
 __all__ = [
     "STATUS",
@@ -84,6 +89,7 @@ STATUS: list[tuple[type[Exception], int, str | None]] = [
     (JudgeError, 422, "prompt"),  # too long for the model, or a tokenizer that cannot round-trip
     (RuleError, 422, "body"),  # an uploaded profile that fits the schema but breaks a rule
     (ValuesError, 422, "values"),  # a score's values or max_std that do not fit the choices
+    (PreconditionFailedError, 412, None),  # names the header: If-Match or If-None-Match
     (ProfileNotFoundError, 404, "profile"),
     (ProfileMismatchError, 422, None),
     (ProfileError, 400, "profile"),

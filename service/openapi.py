@@ -17,6 +17,7 @@ import msgspec
 import judge
 from calibration import CalibrationProfile
 from calibration.profile import NAME_PATTERN
+from service.frontdoor import REPLICA_HEADER
 from service.schemas import (
     BatchRequest,
     BatchResponse,
@@ -39,6 +40,7 @@ _ERRORS = {
     401: "Missing or wrong API key",
     404: "No such profile",
     408: "The body did not arrive in time",
+    412: "If-Match or If-None-Match does not hold for the stored version; `field` names the header",
     413: "The body is too large, or a judgment is over the server's token budget",
     415: "The body is not JSON",
     422: "The request is well-formed but cannot be judged (the profile does not match, the "
@@ -64,12 +66,45 @@ _OPERATIONS: list[tuple[str, str, str, type | None, tuple[int, Any], tuple[int, 
     ("get", "/profiles/{name}", "One calibration profile", None, (200, CalibrationProfile),
      (404,)),
     ("put", "/profiles/{name}", "Store a calibration profile under its name", CalibrationProfile,
-     (200, CalibrationProfile), (*_BODY_ERRORS, 422)),
-    ("delete", "/profiles/{name}", "Delete a calibration profile", None, (204, None), (404,)),
+     (200, CalibrationProfile), (*_BODY_ERRORS, 412, 422)),
+    ("delete", "/profiles/{name}", "Delete a calibration profile", None, (204, None),
+     (404, 412)),
     ("post", "/profiles/{name}/fit", "Fit a profile on labeled examples and store it",
      FitRequest, (200, CalibrationProfile), (*_BODY_ERRORS, 422, 503)),
     ("get", "/schema/openapi.json", "This document", None, (200, "object"), ()),
 ]  # fmt: skip
+
+# Profiles carry versions (service.profiles): an ETag on what GET and PUT answer, and
+# conditional PUT and DELETE.
+_ETAG = {
+    "schema": {"type": "string"},
+    "description": "The stored version: the quoted sha256 of the profile's stored bytes",
+}
+_REPLICA = {
+    "schema": {"type": "string"},
+    "description": "The replica (host:pid) that answered; see service.frontdoor",
+}
+_TAGGED = {("get", "/profiles/{name}"), ("put", "/profiles/{name}")}
+_PRECONDITIONS = {
+    "If-Match": {
+        "name": "If-Match",
+        "in": "header",
+        "required": False,
+        "description": "Act only if the stored version has one of these ETags (`*`: any); else 412",
+        "schema": {"type": "string"},
+    },
+    "If-None-Match": {
+        "name": "If-None-Match",
+        "in": "header",
+        "required": False,
+        "description": "`*`: store only if no version is stored yet; else 412",
+        "schema": {"type": "string"},
+    },
+}
+_CONDITIONAL = {
+    ("put", "/profiles/{name}"): ("If-Match", "If-None-Match"),
+    ("delete", "/profiles/{name}"): ("If-Match",),
+}
 
 
 @functools.cache
@@ -118,11 +153,14 @@ def openapi_document(*, secured: bool) -> dict[str, Any]:
                     "schema": {"type": "number", "exclusiveMinimum": 0},
                 }
             )
+        params += [_PRECONDITIONS[h] for h in _CONDITIONAL.get((method, path), ())]
         if params:
             op["parameters"] = params
         if body is not None:
             op["requestBody"] = {"required": True, "content": _json(refs[body])}
         responses: dict[str, Any] = {str(ok): _success(ok, answer, refs)}
+        if (method, path) in _TAGGED:
+            responses[str(ok)]["headers"] = {"ETag": _ETAG}
         statuses = sorted({*errors, *(() if public or not secured else (401,))})
         for status in statuses:
             responses[str(status)] = {
@@ -148,6 +186,8 @@ def openapi_document(*, secured: bool) -> dict[str, Any]:
                 }
                 for verb in ("get", "delete")
             }
+        for response in responses.values():  # the front door names itself on every answer
+            response.setdefault("headers", {})[REPLICA_HEADER] = _REPLICA
         op["responses"] = responses
         if public and secured:
             op["security"] = []

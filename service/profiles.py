@@ -1,65 +1,347 @@
-"""Calibration profiles kept in a directory, one ``<name>.json`` each, surviving restarts.
+"""Calibration profiles by name, behind one interface, with versions (ETags) and safe writes.
 
-Writes go through ``calibration.profile.save_profile`` (temporary file, fsync, rename), so
-a crash never leaves half a profile and a reader never sees one; the temporaries a killed
-writer leaves behind are removed when the store opens and on every write. Loaded profiles are cached
-by file modification time, so a profile replaced on disk is picked up on the next request.
+Two layers, so that a new place to keep profiles is only a few byte-level operations:
+
+    ProfileStore      what the service uses: names, get, get_tagged, etag, put, delete. It
+                      checks names, validates and decodes profiles, and caches the decoded ones
+                      by a version token, so a profile changed by another process (another
+                      replica) is picked up on the next request.
+    ProfileBackend    the Protocol a place implements: bytes by name, each stored version with
+                      an ETag, and compare-and-swap writes and deletes.
+      LocalDirectory    one directory on this machine (the default): ``<name>.json`` files.
+      SharedDirectory   a directory every replica mounts (NFS, a cluster file system).
+
+An object store fits the same Protocol later: its ETag and its conditional PUT/DELETE
+(``If-Match`` / ``If-None-Match``) are the same compare-and-swap.
+
+Versions: a profile's ETag is the quoted sha256 of its stored bytes, so it is the same on every
+replica and every host. ``put``/``delete`` take HTTP-style preconditions (RFC 9110 13.1):
+``if_match`` (ETags, or ``*`` for "any stored version") and ``if_none_match`` (``*`` for
+"none stored"), compared and swapped under an exclusive ``fcntl.flock`` on ``.lock`` in the
+directory, across threads and processes alike; a failed comparison raises
+``PreconditionFailedError`` and writes nothing. Without preconditions the last write wins, and
+the new ETag it returns tells the writer which version is stored.
+
+Writes go through ``atomicio`` (temporary file, fsync, rename), so a reader sees the old
+profile or the new one, never half of one; the temporaries a killed writer leaves behind are
+removed when the store opens and on every write.
+
+The two directories differ in how a reader learns that a profile changed. A local one trusts
+``stat``: the rename gives a new inode, so (inode, mtime_ns, size) changes with every write.
+On a shared file system ``stat`` may be served from an attribute cache for seconds and hosts'
+clocks differ, so a shared one reads the file on every lookup (``open`` revalidates under NFS's
+close-to-open consistency) and compares its hash; profiles are a few kilobytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import os
 import re
 import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import msgspec
 
 import atomicio
 from calibration.errors import ProfileNotFoundError
-from calibration.profile import NAME_PATTERN, CalibrationProfile, load_profile, save_profile
+from calibration.profile import NAME_PATTERN, CalibrationProfile, decode_profile
 
-__all__ = ["ProfileStore"]
+__all__ = [
+    "ANY",
+    "LocalDirectory",
+    "PreconditionFailedError",
+    "ProfileBackend",
+    "ProfileStore",
+    "SharedDirectory",
+    "Stored",
+    "check_preconditions",
+    "etag_of",
+    "parse_etags",
+]
+
+ANY = "*"  # in if_match: any stored version; in if_none_match: no stored version
+LOCK_NAME = ".lock"  # hidden: never a profile, never an atomicio temporary
+
+
+class PreconditionFailedError(Exception):
+    """A conditional write or delete found another version stored than the one it expected."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field  # the request header that failed: If-Match or If-None-Match
+
+
+class Stored(NamedTuple):
+    """One stored version of a profile, as its backend read it."""
+
+    data: bytes
+    etag: str  # quoted sha256 of ``data``
+    version: str  # changes whenever the stored bytes do; cheap to read again (see version())
+
+
+def etag_of(data: bytes) -> str:
+    """A strong ETag for these bytes: the same on every replica that stores them."""
+    return f'"{hashlib.sha256(data).hexdigest()}"'
+
+
+def parse_etags(header: str | None) -> list[str] | None:
+    """An ``If-Match``/``If-None-Match`` value as a list: ``["*"]`` or the quoted ETags.
+
+    None when the header is absent. Weak validators (``W/"..."``) keep their prefix, so they
+    never equal a stored (strong) ETag, as RFC 9110's strong comparison for If-Match requires.
+    """
+    if header is None:
+        return None
+    tags = [t.strip() for t in header.split(",") if t.strip()]
+    return tags or None
+
+
+def check_preconditions(
+    name: str,
+    current: str | None,
+    *,
+    if_match: Sequence[str] | None = None,
+    if_none_match: Sequence[str] | None = None,
+) -> None:
+    """Raise PreconditionFailedError unless the stored ETag ``current`` (None: none) passes."""
+    if if_match is not None:
+        ok = current is not None and (ANY in if_match or current in if_match)
+        if not ok:
+            stored = "no version is stored" if current is None else f"the stored one is {current}"
+            raise PreconditionFailedError(
+                "If-Match",
+                f"profile {name!r}: If-Match {', '.join(if_match)} does not match ({stored}); "
+                "GET it again for its current ETag",
+            )
+    if if_none_match is not None and current is not None:
+        weak = {t.removeprefix("W/") for t in if_none_match}
+        if ANY in weak or current in weak:
+            raise PreconditionFailedError(
+                "If-None-Match",
+                f"profile {name!r} already exists (ETag {current}); "
+                "send If-Match with that ETag to replace it",
+            )
+
+
+@runtime_checkable
+class ProfileBackend(Protocol):
+    """Where profiles' bytes are kept: a name's stored version, and compare-and-swap changes."""
+
+    @property
+    def directory(self) -> Path:
+        """A local directory for files kept beside the profiles (reliability diagrams)."""
+        ...
+
+    def names(self) -> list[str]:
+        """Every stored name (unchecked: the store filters them)."""
+        ...
+
+    def version(self, name: str) -> str | None:
+        """A token that changes whenever ``name``'s bytes change; None when nothing is stored."""
+        ...
+
+    def read(self, name: str) -> Stored | None:
+        """The stored version, or None."""
+        ...
+
+    def write(
+        self,
+        name: str,
+        data: bytes,
+        *,
+        if_match: Sequence[str] | None = None,
+        if_none_match: Sequence[str] | None = None,
+    ) -> str:
+        """Store ``data`` atomically if the preconditions hold; return its ETag."""
+        ...
+
+    def remove(self, name: str, *, if_match: Sequence[str] | None = None) -> None:
+        """Remove ``name`` if the precondition holds; ProfileNotFoundError when absent."""
+        ...
+
+
+@dataclass(frozen=True)
+class LocalDirectory:
+    """``<name>.json`` files in one directory of this machine; changes noticed by ``stat``.
+
+    Plain data (just the path), so it pickles: a config holding it can be sent to a replica.
+    """
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def directory(self) -> Path:
+        return self.path
+
+    def _file(self, name: str) -> Path:
+        return self.path / f"{name}.json"
+
+    def names(self) -> list[str]:
+        return [p.stem for p in self.path.glob("*.json")]
+
+    def version(self, name: str) -> str | None:
+        try:
+            return _stat_version(os.stat(self._file(name)))
+        except FileNotFoundError:
+            return None
+
+    def read(self, name: str) -> Stored | None:
+        try:
+            with open(self._file(name), "rb") as f:
+                data = f.read()
+                st = os.fstat(f.fileno())  # the same file as the bytes, even if replaced since
+        except FileNotFoundError:
+            return None
+        return Stored(data, etag_of(data), self._version(data, st))
+
+    def _version(self, data: bytes, st: os.stat_result) -> str:
+        return _stat_version(st)
+
+    def write(
+        self,
+        name: str,
+        data: bytes,
+        *,
+        if_match: Sequence[str] | None = None,
+        if_none_match: Sequence[str] | None = None,
+    ) -> str:
+        with self._locked():
+            current = self.read(name)
+            check_preconditions(
+                name,
+                current.etag if current else None,
+                if_match=if_match,
+                if_none_match=if_none_match,
+            )
+            atomicio.write_bytes(self._file(name), data)
+        atomicio.remove_orphans(self.path)
+        return etag_of(data)
+
+    def remove(self, name: str, *, if_match: Sequence[str] | None = None) -> None:
+        with self._locked():
+            current = self.read(name)
+            if current is None:  # a 404 comes before any precondition (RFC 9110 13.2.1)
+                raise ProfileNotFoundError(f"no profile named {name!r}")
+            check_preconditions(name, current.etag, if_match=if_match)
+            self._file(name).unlink()
+            _fsync_directory(self.path)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Exclusive across processes and threads: each call opens its own file description."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+
+@dataclass(frozen=True)
+class SharedDirectory(LocalDirectory):
+    """A directory every replica mounts; a change is noticed by reading the file's bytes.
+
+    Locks are ``flock``, which NFSv4 and cluster file systems honour across hosts (Linux
+    emulates it with a whole-file byte-range lock on NFS).
+    """
+
+    def version(self, name: str) -> str | None:
+        stored = self.read(name)  # open() revalidates the file with the server
+        return stored.etag if stored is not None else None
+
+    def _version(self, data: bytes, st: os.stat_result) -> str:
+        return etag_of(data)
+
+
+def _stat_version(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a removal durable: the directory entry is gone only once the directory is flushed."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Cached(NamedTuple):
+    version: str
+    etag: str
+    profile: CalibrationProfile
 
 
 class ProfileStore:
-    def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)  # created on the first write
-        self._cache: dict[str, tuple[int, CalibrationProfile]] = {}
-        self._lock = threading.Lock()
-        atomicio.remove_orphans(self.directory)
+    """Profiles by name in ``location``: a directory (a LocalDirectory) or any ProfileBackend."""
 
-    def _path(self, name: str) -> Path:
+    def __init__(self, location: str | os.PathLike[str] | ProfileBackend) -> None:
+        self.backend: ProfileBackend = (
+            location if isinstance(location, ProfileBackend) else LocalDirectory(Path(location))
+        )
+        self._cache: dict[str, _Cached] = {}
+        self._lock = threading.Lock()  # guards the cache only; writes lock in the backend
+        atomicio.remove_orphans(self.backend.directory)
+
+    @property
+    def directory(self) -> Path:
+        return self.backend.directory
+
+    def _check_name(self, name: str) -> str:
         if not re.fullmatch(NAME_PATTERN, name):
             raise ProfileNotFoundError(f"no profile named {name!r}: names match {NAME_PATTERN}")
-        return self.directory / f"{name}.json"
+        return name
 
     def names(self) -> list[str]:
-        return sorted(
-            p.stem for p in self.directory.glob("*.json") if re.fullmatch(NAME_PATTERN, p.stem)
-        )
+        return sorted(n for n in self.backend.names() if re.fullmatch(NAME_PATTERN, n))
 
     def get(self, name: str) -> CalibrationProfile:
-        path = self._path(name)
-        try:
-            mtime = path.stat().st_mtime_ns
-        except FileNotFoundError:
-            raise ProfileNotFoundError(f"no profile named {name!r}") from None
+        return self.get_tagged(name)[0]
+
+    def etag(self, name: str) -> str:
+        return self.get_tagged(name)[1]
+
+    def get_tagged(self, name: str) -> tuple[CalibrationProfile, str]:
+        """The profile and the ETag of the very bytes it was decoded from."""
+        self._check_name(name)
+        version = self.backend.version(name)
         with self._lock:
             cached = self._cache.get(name)
-            if cached is not None and cached[0] == mtime:
-                return cached[1]
-        profile = load_profile(path)
+        if version is not None and cached is not None and cached.version == version:
+            return cached.profile, cached.etag
+        stored = self.backend.read(name)
+        if stored is None:
+            with self._lock:
+                self._cache.pop(name, None)
+            raise ProfileNotFoundError(f"no profile named {name!r}")
+        profile = decode_profile(stored.data, source=f"profile {name!r}")
         with self._lock:
-            self._cache[name] = (mtime, profile)
-        return profile
+            self._cache[name] = _Cached(stored.version, stored.etag, profile)
+        return profile, stored.etag
 
-    def put(self, profile: CalibrationProfile) -> None:
-        save_profile(profile, self._path(profile.name))
-        atomicio.remove_orphans(self.directory)
+    def put(
+        self,
+        profile: CalibrationProfile,
+        *,
+        if_match: Sequence[str] | None = None,
+        if_none_match: Sequence[str] | None = None,
+    ) -> str:
+        """Store ``profile`` under its name if the preconditions hold; return the new ETag."""
+        name = self._check_name(profile.name)
+        data = msgspec.json.format(msgspec.json.encode(profile), indent=2)
+        return self.backend.write(name, data, if_match=if_match, if_none_match=if_none_match)
 
-    def delete(self, name: str) -> None:
-        path = self._path(name)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            raise ProfileNotFoundError(f"no profile named {name!r}") from None
+    def delete(self, name: str, *, if_match: Sequence[str] | None = None) -> None:
+        self.backend.remove(self._check_name(name), if_match=if_match)
         with self._lock:
             self._cache.pop(name, None)

@@ -10,9 +10,11 @@ slot. What each operation can answer is written once, in ``service.openapi``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, TypeVar
 
+import anyio.to_thread
 from litestar import Request, Response, delete, get, head, post, put, route
 from litestar.di import NamedDependency
 from litestar.enums import HttpMethod
@@ -26,6 +28,7 @@ from service.errors import BadFieldError
 from service.frontdoor import MODEL, PUBLIC
 from service.openapi import openapi_document
 from service.playground import PLAYGROUND_ROUTES
+from service.profiles import parse_etags
 from service.schemas import (
     BatchRequest,
     BatchResponse,
@@ -105,15 +108,29 @@ async def list_profiles(service: NamedDependency[Service]) -> list[ProfileSummar
 
 
 @get("/profiles/{name:str}")
-async def get_profile(name: FromPath[str], service: NamedDependency[Service]) -> CalibrationProfile:
-    return service.store.get(name)
+async def get_profile(
+    name: FromPath[str], service: NamedDependency[Service]
+) -> Response[CalibrationProfile]:
+    profile, etag = service.store.get_tagged(name)
+    return Response(profile, headers={"ETag": etag})
 
 
 @put("/profiles/{name:str}", status_code=200)
 async def put_profile(
     name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
-) -> CalibrationProfile:
-    return service.put_profile(name, await _body(request, CalibrationProfile))
+) -> Response[CalibrationProfile]:
+    """Store a profile; ``If-Match: <etag>`` replaces only that version, ``If-None-Match: *``
+    only creates. The compare and the write are one step in the store, under its lock."""
+    profile = await _body(request, CalibrationProfile)
+    write = functools.partial(
+        service.put_profile,
+        name,
+        profile,
+        if_match=parse_etags(request.headers.get("if-match")),
+        if_none_match=parse_etags(request.headers.get("if-none-match")),
+    )
+    etag = await anyio.to_thread.run_sync(write)  # may wait for another writer's lock
+    return Response(profile, headers={"ETag": etag})
 
 
 @post("/profiles/{name:str}/fit", status_code=200, opt={MODEL: True})
@@ -125,8 +142,13 @@ async def fit(
 
 
 @delete("/profiles/{name:str}", status_code=204)
-async def delete_profile(name: FromPath[str], service: NamedDependency[Service]) -> None:
-    service.store.delete(name)
+async def delete_profile(
+    name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
+) -> None:
+    remove = functools.partial(
+        service.store.delete, name, if_match=parse_etags(request.headers.get("if-match"))
+    )
+    await anyio.to_thread.run_sync(remove)
 
 
 def _options(path: str, methods: str, opt: dict[str, Any] | None = None) -> HTTPRouteHandler:

@@ -439,13 +439,25 @@ class Service:
             )
         return summaries
 
-    def put_profile(self, name: str, profile: CalibrationProfile) -> CalibrationProfile:
+    def put_profile(
+        self,
+        name: str,
+        profile: CalibrationProfile,
+        *,
+        if_match: Sequence[str] | None = None,
+        if_none_match: Sequence[str] | None = None,
+    ) -> str:
+        """Store ``profile`` under ``name`` and return its ETag.
+
+        ``if_match`` replaces only one of those versions, ``if_none_match`` (``["*"]``) only
+        creates; the store compares and writes in one step, under its lock, so it may block
+        while another writer holds it (call it off the event loop).
+        """
         if profile.name != name:
             raise UnprocessableError(
                 "name", f"the profile is named {profile.name!r} but the path says {name!r}"
             )
-        self.store.put(profile)
-        return profile
+        return self.store.put(profile, if_match=if_match, if_none_match=if_none_match)
 
 
 def _query(request: JudgeRequest | SharedQuestion) -> Query:
