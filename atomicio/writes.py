@@ -1,7 +1,8 @@
 """Atomic writes to files and directories: temporary beside the target, fsync, rename.
 
-The temporary is ``<parent>/.<name>.<random>.tmp/<name>``: a hidden, uniquely named folder
-beside the target holding an entry with the target's own name. The folder makes the name
+The temporary is ``<parent>/.<name>.<pid>@<host>~<random>.tmp/<name>``: a hidden, uniquely
+named folder beside the target holding an entry with the target's own name; the writer's pid
+and host in its name let ``remove_orphans`` tell a dead writer's temporary from a live one's. The folder makes the name
 unique whether the caller writes a file or builds a directory; keeping the target's name
 matters to writers that pick a format from the extension (matplotlib's ``savefig``) or add one
 (``numpy.savez`` appends ``.npz`` to any other name).
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -71,7 +74,8 @@ def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
     Yields
     ------
     pathlib.Path
-        Where to write: ``<parent>/.<name>.<random>.tmp/<name>``, which does not exist yet.
+        Where to write: ``<parent>/.<name>.<pid>@<host>~<random>.tmp/<name>``, which does not
+        exist yet.
 
     Raises
     ------
@@ -84,7 +88,8 @@ def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     # mkdtemp reserves a unique name; the body gets a fresh path inside it, so it may create
     # either a file or a directory there.
-    holder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    writer = f".{target.name}.{os.getpid()}@{socket.gethostname()}~"
+    holder = Path(tempfile.mkdtemp(prefix=writer, suffix=".tmp", dir=target.parent))
     temp = holder / target.name
     try:
         yield temp
@@ -132,19 +137,39 @@ def remove_orphans(directory: str | os.PathLike[str], older_than_s: float = 60.0
     """Remove temporaries left in ``directory`` by writers that died (kill -9, power loss).
 
     ``replacing`` removes its temporary on every exit it sees, but a killed process sees none.
-    Only temporaries older than ``older_than_s`` go: a live write takes milliseconds, and
-    another process may be writing into the same directory right now. Returns how many went.
+    A temporary goes when its writer, named in it, was a process on this host that is no
+    longer alive, or when it is older than ``older_than_s`` (a writer on another host sharing
+    the directory, or a name without a writer): a live write takes milliseconds, and another
+    process may be writing into the same directory right now. Returns how many went.
     """
     root = Path(directory)
     if not root.is_dir():
         return 0
     cutoff = time.time() - older_than_s
+    host = socket.gethostname()
     removed = 0
     for holder in root.glob(".*.tmp"):
+        writer = _WRITER.search(holder.name)
+        dead = writer is not None and writer["host"] == host and not _alive(int(writer["pid"]))
         try:
-            if holder.is_dir() and holder.stat().st_mtime < cutoff:
+            if holder.is_dir() and (dead or holder.stat().st_mtime < cutoff):
                 _remove(holder)
                 removed += 1
         except FileNotFoundError:  # another process removed it first
             continue
     return removed
+
+
+_WRITER = re.compile(r"\.(?P<pid>\d+)@(?P<host>[^~/]+)~[^~/]*\.tmp$")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # no signal sent: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True

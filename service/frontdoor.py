@@ -18,6 +18,8 @@ before the app reads, parses or routes anything:
   disconnects, the request's task is cancelled, which drops its queued model work (see
   ``service.batcher``) and stops a fit before it writes anything.
 - **Metrics**: every response by method, route and status; 499 for a client that left.
+- **Which replica answered**: every response carries ``X-Judge-Replica: <host>:<pid>``, so
+  behind a balancer (``service.ray_serve``) a client or a test can tell replicas apart.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -35,11 +39,12 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.metrics import ServiceMetrics
 
-__all__ = ["MODEL", "PUBLIC", "Admission", "FrontDoor", "bearer_token"]
+__all__ = ["MODEL", "PUBLIC", "REPLICA_HEADER", "Admission", "FrontDoor", "bearer_token"]
 
 PUBLIC = "public"  # route opt: no API key needed
 MODEL = "model"  # route opt: needs the model, so it is admitted through the slots
 CLIENT_CLOSED = 499  # the status recorded for a client that left before its response
+REPLICA_HEADER = "X-Judge-Replica"
 
 
 class _Abandon(BaseException):
@@ -106,8 +111,12 @@ class FrontDoor:
         admission: Admission,
         api_key: str | None,
         read_timeout_s: float,
+        replica: str | None = None,
     ) -> None:
         self.app = app
+        # This process, unless the caller names it otherwise: one process is one replica.
+        name = replica or f"{socket.gethostname()}:{os.getpid()}"
+        self._replica = (REPLICA_HEADER.lower().encode(), name.encode("latin-1"))
         self.route_opt = route_opt
         self.metrics = metrics
         self.admission = admission
@@ -125,6 +134,7 @@ class FrontDoor:
         async def tracked(message: Message) -> None:
             if message["type"] == "http.response.start":
                 exchange.started, exchange.status = True, message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), self._replica]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 exchange.finished = True
             await send(message)
@@ -206,12 +216,15 @@ class FrontDoor:
         work: asyncio.Task[None] = asyncio.get_running_loop().create_task(
             _call(self.app, scope, body, send)
         )
+        stopping = False
         try:
             await asyncio.shield(work)
         except (_Abandon, asyncio.CancelledError):
             if not (exchange.gone or exchange.slow) or not work.done():
-                work.cancel()  # this request itself was cancelled (the server is stopping)
-                raise
+                # This request itself was cancelled: the server is stopping and its grace
+                # period is over. Drop the work, and answer for it below.
+                work.cancel()
+                stopping = True
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -219,6 +232,18 @@ class FrontDoor:
                     await watcher
         if exchange.gone:
             self.abandoned += 1
+        elif stopping:
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()  # handled: a 503 is the answer, not a traceback and a 500
+            if not exchange.started:
+                await _reply(
+                    send,
+                    503,
+                    "the server is shutting down; retry, on another replica or once it is back",
+                    None,
+                    {"Retry-After": "1", "Connection": "close"},
+                )
         elif exchange.slow and not exchange.started:
             await _reply(
                 send,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -96,3 +98,24 @@ def test_orphans_of_killed_writers_are_removed_but_not_live_ones(tmp_path: Path)
     assert atomicio.remove_orphans(tmp_path, older_than_s=60) == 1
     assert not old.exists() and live.exists() and keep.exists()
     assert atomicio.remove_orphans(tmp_path / "missing") == 0
+
+
+def test_a_dead_writers_temporary_goes_at_once_a_live_writers_stays(tmp_path: Path) -> None:
+    host = socket.gethostname()
+    dead_pid = _exited_pid()
+    dead = tmp_path / f".a.json.{dead_pid}@{host}~abc123.tmp"
+    mine = tmp_path / f".b.json.{os.getpid()}@{host}~def456.tmp"
+    elsewhere = tmp_path / f".c.json.{dead_pid}@another-host~ghi789.tmp"
+    for holder in (dead, mine, elsewhere):
+        holder.mkdir()
+    assert atomicio.remove_orphans(tmp_path, older_than_s=60) == 1
+    assert not dead.exists() and mine.exists() and elsewhere.exists()
+    with replacing(tmp_path / "d.json") as temp:  # replacing's own names carry the writer
+        assert f".d.json.{os.getpid()}@{host}~" in str(temp)
+        temp.write_text("{}")
+
+
+def _exited_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid

@@ -59,13 +59,17 @@ def msgspec_replace(j: Judgment, **changes: Any) -> Judgment:
 
 
 @contextlib.contextmanager
-def live(engine: FakeEngine, tmp_path: Path, **settings: Any) -> Iterator[str]:
+def live(
+    engine: FakeEngine, tmp_path: Path, *, grace_s: int | None = None, **settings: Any
+) -> Iterator[str]:
     """A real server on loopback for the duration; yields its base URL once ready."""
     config = ServiceConfig(profiles_dir=tmp_path / "profiles", **settings)
     port = free_port()
+    app = create_app(engine, config=config)
     server = uvicorn.Server(
-        uvicorn.Config(create_app(engine, config=config), port=port, log_level="warning")
+        uvicorn.Config(app, port=port, log_level="warning", timeout_graceful_shutdown=grace_s)
     )
+
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -313,3 +317,23 @@ def test_a_fit_whose_client_leaves_writes_nothing(tmp_path: Path) -> None:
         assert len(engine.judged) == judged < 200  # it stopped when the client left
         assert httpx.get(f"{url}/profiles/left").status_code == 404
         assert not list((tmp_path / "profiles").glob("*left*"))
+
+
+def test_requests_cut_off_by_shutdown_get_503_not_500(tmp_path: Path) -> None:
+    engine = TimedEngine(delay=2.0)
+    with ThreadPoolExecutor(3) as pool:
+        with live(engine, tmp_path, grace_s=1, max_batch_size=1) as url:
+            answers = [
+                pool.submit(
+                    httpx.post, f"{url}/judge", json={**BODY, "prompt": f"p{i}"}, timeout=30
+                )
+                for i in range(3)
+            ]
+            time.sleep(0.5)  # the first pass is running, two requests wait
+        # Leaving the block stops the server: 1 s of grace, then the rest are cut off.
+        statuses = sorted(a.result().status_code for a in answers)
+    assert statuses[-1] == 503 and set(statuses) <= {200, 503}, statuses
+    cut = [a.result() for a in answers if a.result().status_code == 503]
+    assert all(
+        r.headers["Retry-After"] == "1" and "shutting down" in r.json()["detail"] for r in cut
+    )
