@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve run test bench
+.PHONY: install serve run test bench fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,3 +43,11 @@ bench: install
 	$(BIN)/python benchmarks/bench_latency.py
 	$(BIN)/python benchmarks/bench_quality.py
 	$(BIN)/python benchmarks/bench_service.py
+	$(BIN)/python benchmarks/bench_scores.py
+	$(BIN)/python benchmarks/bench_label_free.py
+	$(BIN)/python benchmarks/bench_reliability.py
+	$(BIN)/python benchmarks/bench_ray.py
+
+# The contract test with a larger budget: schemathesis, every check, against a live server.
+fuzz: install
+	JUDGE_FUZZ_EXAMPLES=200 $(BIN)/pytest tests/test_contract.py

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import numpy as np
@@ -49,20 +49,34 @@ def free_port() -> int:
 
 
 def start_server(
-    port: int, batch_size: int, dtype: str, extra: Sequence[str] = ()
+    port: int,
+    batch_size: int,
+    dtype: str,
+    extra: Sequence[str] = (),
+    *,
+    ready_path: str = "/ready",
+    log: IO[bytes] | None = None,
 ) -> subprocess.Popen[bytes]:
+    """``judge serve`` in its own process group, once ``ready_path`` answers 200.
+
+    ``extra`` flags come last, so they override the defaults here (argparse keeps the last).
+    ``ready_path="/health"`` returns before the model has loaded; ``log`` takes the server's
+    stderr (default: this process's).
+    """
     command = [
         sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--dtype", dtype,
         "--max-batch-size", str(batch_size), "--max-queue", "1024", "--log-level", "warning",
         *extra,
     ]  # fmt: skip
-    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=log
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=5).status_code == 200:
                 return process
         except httpx.TransportError:
             pass

@@ -228,3 +228,26 @@ def test_bench_prefix_cache_quick(tmp_path: Path) -> None:
         # A warm call computes the item, not the head (the times are for the benchmark).
         assert row["median"]["computed_warm"] < row["median"]["computed_off"] / 5
         assert row["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_bench_reliability_quick(tmp_path: Path) -> None:
+    # The scenarios one server start can hold (~30 s); soak, overload and kill -9 need more.
+    out = tmp_path / "reliability.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_reliability.py"), "--quick", "--out", str(out)]
+    cmd += ["--scenarios", "disconnect,deadline,sigterm"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["quick"] is True
+    # Every hang-up and every expired deadline queued behind the long judgment is dropped
+    # unrun, and each hang-up is recorded as a 499.
+    gone = result["disconnect"]
+    assert gone["busy_request"]["status"] == "200"
+    assert (gone["computed"], gone["dropped"], gone["responses_499"]) == (0, 32, 32)
+    late = result["deadline"]
+    assert late["client_outcomes"] == {"503": 25}
+    assert (late["computed"], late["dropped"]) == (0, 25)
+    stop = result["sigterm"]
+    assert stop["exit_status"] == 0 and sum(stop["client_outcomes"].values()) == 16
+    assert "| 32 hang up after 0.3 s |" in done.stdout

@@ -59,8 +59,24 @@ def test_prompt_longer_than_the_context_window(judge: Judge) -> None:
 def test_tokenizer_that_does_not_round_trip(judge: Judge) -> None:
     lowering = copy.deepcopy(judge.tokenizer)
     lowering.backend_tokenizer.normalizer = normalizers.Lowercase()
-    with pytest.raises(TokenizerRoundTripError, match="does not encode the rendered text back"):
-        Judge(judge.model, lowering).judge("Is this SPAM?", ["spam", "ham"])
+    lowered = Judge(judge.model, lowering)
+    with pytest.raises(
+        TokenizerRoundTripError, match="does not encode the rendered text back"
+    ) as e:
+        lowered.judge("Is this SPAM?", ["spam", "ham"])
+    assert e.value.field == "prompt"  # the error names the part that does not come back
+    with pytest.raises(TokenizerRoundTripError) as e:
+        lowered.judge("is this spam?", ["spam", "HAM"])
+    assert e.value.field == "choices[1]"
+
+
+def test_overflow_names_the_largest_part(judge: Judge) -> None:
+    with pytest.raises(PromptTooLongError) as e:
+        judge.judge("x", ["a", "word " * 9000])
+    assert e.value.field == "choices"
+    size = judge.count_tokens({"prompt": "word " * 100, "choices": ["a", "bb"], "system": "s"})
+    assert size.largest == "prompt" and size.parts["prompt"] >= 100
+    assert size.total > size.parts["prompt"]  # the template and the choice come on top
 
 
 def test_nothing_before_the_decision_point() -> None:
