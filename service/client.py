@@ -47,7 +47,7 @@ from collections.abc import (
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypedDict, TypeVar, Unpack
 from urllib.parse import quote
 
 import httpx
@@ -75,6 +75,7 @@ __all__ = [
     "ErrorBody",
     "GateResult",
     "JudgeClient",
+    "JudgeOptions",
     "JudgeRequest",
     "JudgeResponse",
     "LabeledExample",
@@ -314,6 +315,20 @@ class _Base:
         )
 
 
+class JudgeOptions(TypedDict, total=False):
+    """``judge``'s keyword arguments: the optional fields of ``JudgeRequest``."""
+
+    system: str | None
+    profile: str | None
+    threshold: float | None
+    min_choice_mass: float | None
+    response_prefix: str | None
+    response_suffix: str | None
+    return_prompt: bool
+    values: dict[str, float] | None  # a score: a number per choice
+    max_std: float | None  # escalate a score whose std is above this
+
+
 def _judge_request(prompt: str, choices: Sequence[str], **options: Any) -> JudgeRequest:
     return JudgeRequest(prompt=prompt, choices=list(choices), **options)
 
@@ -380,30 +395,10 @@ class JudgeClient(_Base):
     # --- judging --------------------------------------------------------------------------
 
     def judge(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        system: str | None = None,
-        profile: str | None = None,
-        threshold: float | None = None,
-        min_choice_mass: float | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        return_prompt: bool = False,
+        self, prompt: str, choices: Sequence[str], **options: Unpack[JudgeOptions]
     ) -> JudgeResponse:
         """``POST /judge``: one prompt between ``choices``, and the decision on it."""
-        request = _judge_request(
-            prompt,
-            choices,
-            system=system,
-            profile=profile,
-            threshold=threshold,
-            min_choice_mass=min_choice_mass,
-            response_prefix=response_prefix,
-            response_suffix=response_suffix,
-            return_prompt=return_prompt,
-        )
+        request = _judge_request(prompt, choices, **options)
         return _decode(self._send(self._judge_call(request)), JudgeResponse)
 
     def judge_batch(self, items: Sequence[JudgeRequest]) -> list[GateResult]:
@@ -602,30 +597,10 @@ class AsyncJudgeClient(_Base):
             waited, attempt = waited + wait, attempt + 1
 
     async def judge(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        system: str | None = None,
-        profile: str | None = None,
-        threshold: float | None = None,
-        min_choice_mass: float | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        return_prompt: bool = False,
+        self, prompt: str, choices: Sequence[str], **options: Unpack[JudgeOptions]
     ) -> JudgeResponse:
         """``JudgeClient.judge``, awaited."""
-        request = _judge_request(
-            prompt,
-            choices,
-            system=system,
-            profile=profile,
-            threshold=threshold,
-            min_choice_mass=min_choice_mass,
-            response_prefix=response_prefix,
-            response_suffix=response_suffix,
-            return_prompt=return_prompt,
-        )
+        request = _judge_request(prompt, choices, **options)
         return _decode(await self._send(self._judge_call(request)), JudgeResponse)
 
     async def judge_batch(self, items: Sequence[JudgeRequest]) -> list[GateResult]:

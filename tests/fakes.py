@@ -10,6 +10,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from judge import (
     DEFAULT_RESPONSE_PREFIX,
     DEFAULT_RESPONSE_SUFFIX,
@@ -107,3 +109,21 @@ class FakeEngine:
         self, context: str, questions: Sequence[Query | Mapping[str, Any]]
     ) -> list[Judgment]:
         return self.judge_batch(questions)
+
+
+# What calibration.fit_profile records of the engine, for profiles fitted on synthetic data.
+CONFIG: dict[str, Any] = {
+    "model": "m",
+    "model_sha256": None,
+    "dtype": "float32",
+    "response_prefix": "",
+    "response_suffix": "",
+    "system": None,
+}
+
+
+class Scored(msgspec.Struct, frozen=True):
+    """A judgment as the policy sees it: log-probabilities and the choice mass."""
+
+    log_probabilities: dict[str, float]
+    choice_mass: float = 1.0

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
+from fakes import CONFIG, Scored
 
 from calibration import (
     Decision,
@@ -22,21 +22,6 @@ from calibration.routing import ThresholdResult
 from calibration.scaling import Temperature
 
 CHOICES = ["ham", "spam"]
-CONFIG: dict[str, Any] = {
-    "model": "m",
-    "model_sha256": None,
-    "dtype": "float32",
-    "response_prefix": "",
-    "response_suffix": "",
-    "system": None,
-}
-
-
-class Scored(msgspec.Struct, frozen=True):
-    """A judgment as the policy sees it: log-probabilities and the choice mass."""
-
-    log_probabilities: dict[str, float]
-    choice_mass: float = 1.0
 
 
 def scored(p_spam: float, mass: float = 1.0, order: tuple[str, str] = ("ham", "spam")) -> Scored:

@@ -119,6 +119,17 @@ def test_judge_equals_a_raw_post(server: Server, client: JudgeClient) -> None:
     assert other.prompt is not None and "You grade texts." in other.prompt
 
 
+def test_a_score_through_the_client(server: Server, client: JudgeClient) -> None:
+    values = {"low": 0.0, "mid": 5.0, "high": 10.0}
+    got = client.judge(PROMPTS[0], list(values), values=values, max_std=0.0)
+    body = {"prompt": PROMPTS[0], "choices": list(values), "values": values, "max_std": 0.0}
+    raw = raw_judgment(server.url, body)
+    assert got.expected_value is not None and raw.expected_value is not None
+    assert got.expected_value == pytest.approx(raw.expected_value)
+    assert got.std == pytest.approx(raw.std) and got.max_std == 0.0
+    assert got.decision == "escalate" and "high_std" in got.reason_codes
+
+
 def test_batch_keeps_order_and_item_errors(server: Server, client: JudgeClient) -> None:
     items = [
         JudgeRequest(prompt=PROMPTS[1], choices=["spam", "ham"]),

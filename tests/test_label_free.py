@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from fakes import CONFIG
 
 from calibration import (
     BatchTemperatureScaler,
@@ -29,14 +30,6 @@ from judge import Judge
 from tasks import content_free_prompts, load_task
 
 CHOICES = ["a", "b", "c"]
-CONFIG: dict[str, Any] = {
-    "model": "m",
-    "model_sha256": None,
-    "dtype": "float32",
-    "response_prefix": "",
-    "response_suffix": "",
-    "system": None,
-}
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 TREC = DATA / "trec"
 needs_data = pytest.mark.skipif(not TREC.exists(), reason="the shared datasets are not here")

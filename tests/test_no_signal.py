@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fakes import CONFIG
 from sklearn.metrics import roc_auc_score
 
 from calibration import evaluate_policy, fit_profile, signal_report
@@ -14,14 +15,6 @@ from calibration.scaling import T_MAX
 from calibration.signal import auroc, label_prior
 
 CHOICES = ["entailment", "not_entailment"]
-CONFIG: dict[str, Any] = {
-    "model": "m",
-    "model_sha256": None,
-    "dtype": "float32",
-    "response_prefix": "",
-    "response_suffix": "",
-    "system": None,
-}
 
 
 def noise(n: int, seed: int, p_first: float = 0.7) -> tuple[Any, Any]:

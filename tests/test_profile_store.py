@@ -20,7 +20,6 @@ from litestar.testing import TestClient
 
 from calibration import CalibrationProfile, fit_profile
 from calibration.errors import ProfileNotFoundError
-from judge import DEFAULT_RESPONSE_PREFIX, DEFAULT_RESPONSE_SUFFIX
 from service import ServiceConfig, create_app
 from service.profiles import (
     LocalDirectory,
@@ -31,15 +30,8 @@ from service.profiles import (
     parse_etags,
 )
 
-# What FakeEngine.configuration() says, so the profile applies to the fake engine.
-FAKE: dict[str, Any] = {
-    "model": "fake",
-    "model_sha256": None,
-    "dtype": "float32",
-    "response_prefix": DEFAULT_RESPONSE_PREFIX,
-    "response_suffix": DEFAULT_RESPONSE_SUFFIX,
-    "system": None,
-}
+# The fake engine's own configuration, so the profile applies to it.
+FAKE: dict[str, Any] = dict(FakeEngine().configuration())
 
 
 def fake_profile(name: str = "sms", seed: int = 0) -> CalibrationProfile:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
+from fakes import CONFIG, Scored
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,19 +25,6 @@ from calibration.profile import CalibrationProfile
 from judge import InvalidQueryError, Judge, Judgment, Score, ValuesError, default_values, score_of
 
 GRADES = [str(i) for i in range(6)]
-CONFIG: dict[str, Any] = {
-    "model": "m",
-    "model_sha256": None,
-    "dtype": "float32",
-    "response_prefix": "",
-    "response_suffix": "",
-    "system": None,
-}
-
-
-class Scored(msgspec.Struct, frozen=True):
-    log_probabilities: dict[str, float]
-    choice_mass: float = 1.0
 
 
 def scored(probs: dict[str, float]) -> Scored:
