@@ -107,6 +107,47 @@ _CONDITIONAL = {
 }
 
 
+# A working request for each operation that takes a body, for readers of the document (and for
+# schemathesis's examples phase, which sends each and expects it to be accepted).
+_SPAM = [
+    "WINNER! You have won a free cruise, text CLAIM to 80082 now",
+    "URGENT: your account is locked, call 0906 555 0199 to unlock it",
+    "Free entry in a weekly draw to win concert tickets, text WIN to 80808",
+    "Claim your 100 pound voucher now, reply SHOP, T&Cs apply",
+    "Cheap loans approved in minutes, no credit checks, text LOAN to 60300",
+]
+_HAM = [
+    "See you at the station at 6",
+    "Can you pick up some bread on your way home?",
+    "Sorry, I'll call you later, I'm in a meeting",
+    "Happy birthday! See you on Saturday",
+    "The film starts at 8, shall we eat before?",
+]
+_EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
+    ("post", "/judge"): {
+        "prompt": f"Is this SMS spam? {_SPAM[0]}",
+        "choices": ["spam", "ham"],
+        "threshold": 0.8,
+    },
+    ("post", "/judge/batch"): {
+        "context": f"SMS: {_HAM[0]}",
+        "questions": [
+            {"prompt": "Is it spam?", "choices": ["yes", "no"]},
+            {"prompt": "Is it about a meeting place?", "choices": ["yes", "no"]},
+        ],
+    },
+    ("post", "/profiles/{name}/fit"): {
+        "choices": ["spam", "ham"],
+        "examples": [
+            {"prompt": f"Is this SMS spam? {text}", "label": label}
+            for label, texts in (("spam", _SPAM), ("ham", _HAM))
+            for text in texts
+        ]
+        * 2,
+    },
+}
+
+
 @functools.cache
 def openapi_document(*, secured: bool) -> dict[str, Any]:
     """The whole document; ``secured`` adds the bearer scheme and the 401 answers."""
@@ -158,6 +199,10 @@ def openapi_document(*, secured: bool) -> dict[str, Any]:
             op["parameters"] = params
         if body is not None:
             op["requestBody"] = {"required": True, "content": _json(refs[body])}
+            if (method, path) in _EXAMPLES:
+                op["requestBody"]["content"]["application/json"]["example"] = _EXAMPLES[
+                    (method, path)
+                ]
         responses: dict[str, Any] = {str(ok): _success(ok, answer, refs)}
         if (method, path) in _TAGGED:
             responses[str(ok)]["headers"] = {"ETag": _ETAG}
