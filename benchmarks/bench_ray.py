@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import os
 import platform
@@ -27,60 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
+from bench_service import load, sms_body
 from benchlib import cpu_model
 
 from atomicio import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 JUDGE = str(Path(sys.executable).parent / "judge")
-MESSAGES = [
-    "WINNER!! As a valued customer you have been selected to receive a 900 prize reward",
-    "Hey, are we still on for lunch tomorrow at the usual place?",
-    "URGENT! Your mobile number has won a 2000 bonus caller prize, call 09058094565 now",
-    "I'll be late tonight, don't wait up for me",
-]
-
-
-def body(i: int) -> dict[str, Any]:
-    return {
-        "prompt": f"Is this SMS spam? {MESSAGES[i % len(MESSAGES)]} (#{i})",
-        "choices": ["spam", "ham"],
-    }
-
-
-async def load(url: str, concurrency: int, first: int, requests: int) -> dict[str, Any]:
-    latencies: list[float] = []
-    errors: collections.Counter[str] = collections.Counter()
-    replicas: collections.Counter[str] = collections.Counter()
-    todo = iter(range(first, first + requests))
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        for i in todo:
-            start = time.perf_counter()
-            try:
-                r = await client.post(f"{url}/judge", json=body(i))
-                replicas[r.headers.get("x-judge-replica", "?")] += 1
-                if r.status_code != 200:
-                    errors[str(r.status_code)] += 1
-            except httpx.HTTPError as exc:
-                errors[type(exc).__name__] += 1
-            latencies.append(time.perf_counter() - start)
-
-    async with httpx.AsyncClient(timeout=300) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    ms = np.array(latencies) * 1000
-    return {
-        "requests": requests,
-        "seconds": elapsed,
-        "throughput_rps": requests / elapsed,
-        "p50_ms": float(np.percentile(ms, 50)),
-        "p95_ms": float(np.percentile(ms, 95)),
-        "errors": dict(errors),
-        "per_replica": dict(replicas),
-    }
 
 
 def measure(command: list[str], port: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -100,8 +52,11 @@ def measure(command: list[str], port: int, args: argparse.Namespace) -> dict[str
                 pass
             time.sleep(0.5)
         ready_s = time.monotonic() - started
-        asyncio.run(load(url, args.concurrency, 0, 2 * args.concurrency))  # warm-up
-        result = asyncio.run(load(url, args.concurrency, 10_000, args.requests))
+        asyncio.run(load(url, args.concurrency, 2 * args.concurrency))  # warm-up
+        # Other prompts than the warm-up's, so that the prefix cache does not answer them.
+        result = asyncio.run(
+            load(url, args.concurrency, args.requests, lambda i: sms_body(10_000 + i))
+        )
         return {"ready_s": ready_s, **result}
     finally:
         os.killpg(process.pid, signal.SIGINT)

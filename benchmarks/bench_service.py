@@ -107,6 +107,7 @@ async def load(
     flight."""
     latencies: list[float] = []
     errors: dict[str, int] = {}
+    replicas: dict[str, int] = {}  # which replica answered (X-Judge-Replica), for bench_ray
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
@@ -120,6 +121,8 @@ async def load(
             start = time.perf_counter()
             try:
                 r = await client.post(f"{url}/judge", json=body(i))
+                replica = r.headers.get("x-judge-replica", "?")
+                replicas[replica] = replicas.get(replica, 0) + 1
                 if r.status_code != 200:
                     errors[str(r.status_code)] = errors.get(str(r.status_code), 0) + 1
             except httpx.HTTPError as exc:
@@ -141,6 +144,7 @@ async def load(
         "p95_ms": float(np.percentile(ms, 95)),
         "p99_ms": float(np.percentile(ms, 99)),
         "errors": errors,
+        "per_replica": replicas,
     }
 
 

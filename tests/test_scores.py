@@ -7,7 +7,7 @@ import math
 import msgspec
 import numpy as np
 import pytest
-from fakes import CONFIG, Scored
+from fakes import CONFIG, Scored, judgment_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,30 +22,13 @@ from calibration import (
     ValuesError as CalibrationValuesError,
 )
 from calibration.profile import CalibrationProfile
-from judge import InvalidQueryError, Judge, Judgment, Score, ValuesError, default_values, score_of
+from judge import InvalidQueryError, Judge, Score, ValuesError, default_values, score_of
 
 GRADES = [str(i) for i in range(6)]
 
 
 def scored(probs: dict[str, float]) -> Scored:
     return Scored({c: math.log(p) for c, p in probs.items()})
-
-
-def judgment(probs: dict[str, float]) -> Judgment:
-    return Judgment(
-        choice=max(probs, key=probs.__getitem__),
-        confidence=max(probs.values()),
-        probabilities=probs,
-        log_probabilities={c: math.log(p) for c, p in probs.items()},
-        choice_mass=1.0,
-        prompt="",
-        prompt_tokens=1,
-        cached_tokens=0,
-        computed_tokens=1,
-        forward_passes=1,
-        latency_ms=0.0,
-        model="m",
-    )
 
 
 # --- the engine layer ------------------------------------------------------------------------
@@ -66,7 +49,7 @@ def test_numerals_are_their_own_values() -> None:
 
 def test_score_is_the_probability_weighted_mean_and_spread() -> None:
     probs = {"1": 0.2, "3": 0.5, "5": 0.3}
-    s = judgment(probs).score()
+    s = judgment_of(probs).score()
     assert isinstance(s, Score)
     assert s.expected_value == pytest.approx(0.2 * 1 + 0.5 * 3 + 0.3 * 5)
     var = sum(p * (float(c) - s.expected_value) ** 2 for c, p in probs.items())
@@ -74,7 +57,9 @@ def test_score_is_the_probability_weighted_mean_and_spread() -> None:
     assert (s.most_likely_choice, s.most_likely_value) == ("3", 3.0)
     assert s.distribution == probs
     # Explicit values for words.
-    words = judgment({"bad": 0.25, "ok": 0.25, "good": 0.5}).score({"bad": 0, "ok": 1, "good": 2})
+    words = judgment_of({"bad": 0.25, "ok": 0.25, "good": 0.5}).score(
+        {"bad": 0, "ok": 1, "good": 2}
+    )
     assert words.expected_value == pytest.approx(1.25)
 
 
