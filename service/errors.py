@@ -24,12 +24,11 @@ designed, and logging each would flood the log exactly when the server is under 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from typing import Any
 
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, NotAuthorizedException, ValidationException
+from litestar.exceptions import HTTPException
 
 from calibration import (
     ProfileError,
@@ -129,24 +128,6 @@ def _domain(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     return Response(body, status_code=status, headers=headers)
 
 
-def _validation(request: Request[Any, Any, Any], exc: ValidationException) -> Response[Any]:
-    """A body that does not fit the schema: name the first field msgspec complained about."""
-    errors = exc.extra if isinstance(exc.extra, list) else []
-    first = errors[0] if errors and isinstance(errors[0], dict) else {}
-    key = first.get("key")
-    named = re.search(r"field `([^`]+)`", str(first.get("message", "")))
-    if named and key in (None, "data"):
-        key = named.group(1)  # a missing or unknown field: name it, not the whole body
-    detail = f"{key}: {first.get('message')}" if key else (first.get("message") or exc.detail)
-    body = {"status_code": exc.status_code, "detail": detail, "field": key, "errors": errors}
-    return Response(body, status_code=exc.status_code)
-
-
-def _not_authorized(request: Request[Any, Any, Any], exc: NotAuthorizedException) -> Response[Any]:
-    body = {"status_code": exc.status_code, "detail": exc.detail, "field": "Authorization"}
-    return Response(body, status_code=exc.status_code, headers=exc.headers)
-
-
 def _http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
     body: dict[str, Any] = {"status_code": exc.status_code, "detail": exc.detail}
     if exc.status_code in (400, 413):  # the body as a whole: not JSON, or too large
@@ -158,8 +139,6 @@ def exception_handlers() -> dict[int | type[Exception], Handler]:
     """The app's handler map; Litestar picks the closest class in the exception's MRO."""
     handlers: dict[int | type[Exception], Handler] = {cls: _domain for cls, _, _ in STATUS}
     handlers[BodyError] = _domain
-    handlers[ValidationException] = _validation
-    handlers[NotAuthorizedException] = _not_authorized
     handlers[HTTPException] = _http
     handlers[Exception] = _domain
     return handlers

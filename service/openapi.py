@@ -33,7 +33,7 @@ from service.schemas import (
 __all__ = ["openapi_document"]
 
 SCHEME = "BearerAuth"
-TIMEOUT_HEADER = "X-Request-Timeout"
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens the server's deadline, never lengthens
 
 _ERRORS = {
     400: "The body (or a header) is malformed or breaks the schema; `field` names it",

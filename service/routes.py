@@ -26,7 +26,7 @@ from calibration import CalibrationProfile
 from service.bodies import decode_body
 from service.errors import BadFieldError
 from service.frontdoor import MODEL, PUBLIC
-from service.openapi import openapi_document
+from service.openapi import TIMEOUT_HEADER, openapi_document
 from service.playground import PLAYGROUND_ROUTES
 from service.profiles import parse_etags
 from service.schemas import (
@@ -42,7 +42,6 @@ from service.serving import Service, Ticket
 __all__ = ["ROUTES", "TIMEOUT_HEADER"]
 
 METRICS_TYPE = "text/plain; version=0.0.4"
-TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens the server's deadline, never lengthens
 
 T = TypeVar("T")
 AnyRequest = Request[Any, Any, Any]
