@@ -35,12 +35,17 @@ class UsageError(Exception):
     """The command line asks for something that cannot be done as given (exit status 2)."""
 
 
+def _number(text: str, expected: str) -> float:
+    """``text`` as a float, or the argparse error that says what was ``expected``."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
 def probability(text: str) -> float:
     """An argparse type for a number in [0, 1], so a bad value stops before any model loads."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    value = _number(text, "a number in [0, 1]")
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
@@ -56,10 +61,7 @@ def open_probability(text: str) -> float:
 
 def megabytes(text: str) -> float:
     """An argparse type for a memory budget in MB, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MB, got {text!r}") from None
+    value = _number(text, "a number of MB")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {text}")
     return value
@@ -67,10 +69,7 @@ def megabytes(text: str) -> float:
 
 def seconds(text: str) -> float:
     """An argparse type for a finite duration in seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    value = _number(text, "a number of seconds")
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
