@@ -298,22 +298,10 @@ class Judge:
         tokenized alone, so it may differ by a token from the joint encoding the engine runs).
         """
         query = _as_query(query)
-        choices = validate_choices(query.choices)
-        if not isinstance(query.prompt, str):
-            raise InvalidQueryError(f"prompt must be a string, got {type(query.prompt).__name__}")
-        rendered = self.render(
-            query.prompt, system=query.system, response_prefix=query.response_prefix
-        )
-        suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
-        fields = {
-            "prompt": query.prompt,
-            "system": query.system or "",
-            "response_prefix": query.response_prefix or "",
-            "response_suffix": suffix,
-        }
-        texts = [rendered, *fields.values(), *(json_escape(c) + suffix for c in choices)]
-        ids = self.tokenizer(texts, add_special_tokens=False).input_ids
-        lengths = [len(i) for i in ids]
+        _, rendered, suffix, endings = self._rendered(query)
+        fields = _text_fields(query, suffix)
+        ids = self.tokenizer([rendered, *fields.values(), *endings], add_special_tokens=False)
+        lengths = [len(i) for i in ids.input_ids]
         parts = dict(zip(fields, lengths[1:5], strict=True))
         parts["choices"] = max(lengths[5:]) - parts["response_suffix"]
         return TokenCount(total=lengths[0] + max(lengths[5:]), parts=parts)
@@ -424,7 +412,9 @@ class Judge:
             for p, s in zip(row, row_scores, strict=True)
         ]
 
-    def _prepare(self, query: Query) -> _Prepared:
+    def _rendered(self, query: Query) -> tuple[list[str], str, str, list[str]]:
+        """The query checked and rendered: its choices, the text up to the decision point,
+        the response suffix in force and each choice's ending (escaped choice + suffix)."""
         choices = validate_choices(query.choices)
         if not isinstance(query.prompt, str):
             raise InvalidQueryError(f"prompt must be a string, got {type(query.prompt).__name__}")
@@ -432,7 +422,10 @@ class Judge:
             query.prompt, system=query.system, response_prefix=query.response_prefix
         )
         suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
-        endings = [json_escape(c) + suffix for c in choices]
+        return choices, prompt, suffix, [json_escape(c) + suffix for c in choices]
+
+    def _prepare(self, query: Query) -> _Prepared:
+        choices, prompt, suffix, endings = self._rendered(query)
         encoded = self._encoder.encode_paths(prompt, endings)
 
         longest = max(len(p) for p in encoded.paths)
@@ -453,18 +446,15 @@ class Judge:
                 f"the tokenizer does not encode the rendered text back to itself: "
                 f"{_first_difference(text, back)}; use a tokenizer whose decode inverts "
                 "its encode (a byte-level BPE), or avoid the characters it normalizes",
-                field=self._round_trip_field(query, choices),
+                field=self._round_trip_field(query, suffix, choices),
             )
         trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
         return _Prepared(choices, prompt, len(encoded.prompt_ids), trie)
 
-    def _round_trip_field(self, query: Query, choices: Sequence[str]) -> str | None:
+    def _round_trip_field(self, query: Query, suffix: str, choices: Sequence[str]) -> str | None:
         """The first field whose own text the tokenizer does not give back, if any does not."""
         fields = {
-            "prompt": query.prompt,
-            "system": query.system or "",
-            "response_prefix": query.response_prefix or "",
-            "response_suffix": query.response_suffix or "",
+            **_text_fields(query, suffix),
             **{f"choices[{i}]": json_escape(c) for i, c in enumerate(choices)},
         }
         ids = self.tokenizer(list(fields.values()), add_special_tokens=False).input_ids
@@ -513,6 +503,16 @@ class Judge:
             latency_ms=latency_ms,
             model=self.model_id,
         )
+
+
+def _text_fields(query: Query, suffix: str) -> dict[str, str]:
+    """The query's own texts by field name, to tell which one is at fault (or largest)."""
+    return {
+        "prompt": query.prompt,
+        "system": query.system or "",
+        "response_prefix": query.response_prefix or "",
+        "response_suffix": suffix,
+    }
 
 
 def _row_length(row: Sequence[_Prepared]) -> int:
