@@ -22,10 +22,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from atomicio import replacing, write_text
+from calibration.probe import candidate_layers
 from judge import Judge
 from tasks import (
     LabeledScores,
@@ -41,16 +43,23 @@ DATA = ROOT.parent / "shared" / "data"
 
 
 def cached_scores(
-    judge: Judge, task: Task, split: str, limit: int | None, cache: Path
+    judge: Judge,
+    task: Task,
+    split: str,
+    limit: int | None,
+    cache: Path,
+    feature_layers: tuple[int, ...] = (),
 ) -> tuple[LabeledScores, str]:
     """The engine's scores on a split (columns in ``task.choices`` order) and its sha256.
 
-    Cached as ``<key>.npz`` with arrays ``log_probabilities`` (n, k), ``choice_mass`` (n,) and
-    ``labels`` (n,); the key names everything the scores depend on.
+    Cached as ``<key>.npz`` with arrays ``log_probabilities`` (n, k), ``choice_mass`` (n,),
+    ``labels`` (n,) and, with ``feature_layers``, ``features`` (n, m, H); the key names
+    everything the scores depend on.
     """
     items, digest = load_split(task, split, limit)
     weights = (judge.weights_sha256 or judge.model_id)[:16]
-    key = f"{task.name}-{split}-{limit or 'all'}-{judge.dtype}-{weights}-{digest[:16]}"
+    layers = "-L" + "_".join(map(str, feature_layers)) if feature_layers else ""
+    key = f"{task.name}-{split}-{limit or 'all'}-{judge.dtype}-{weights}-{digest[:16]}{layers}"
     file = cache / f"{key}.npz"
     if file.exists():
         with np.load(file) as saved:
@@ -58,19 +67,23 @@ def cached_scores(
                 log_probabilities=saved["log_probabilities"],
                 choice_mass=saved["choice_mass"],
                 labels=saved["labels"],
+                features=saved["features"] if feature_layers else None,
+                feature_layers=feature_layers,
             )
         return scores, digest
     start = time.perf_counter()
-    scores = judge_task_items(judge, task, items, batch_size=8)
+    scores = judge_task_items(judge, task, items, batch_size=8, feature_layers=feature_layers)
     elapsed = time.perf_counter() - start
     print(f"  judged {task.name}/{split}: {len(items)} items in {elapsed:.0f} s", file=sys.stderr)
+    arrays: dict[str, Any] = {
+        "log_probabilities": scores.log_probabilities,
+        "choice_mass": scores.choice_mass,
+        "labels": scores.labels,
+    }
+    if scores.features is not None:
+        arrays["features"] = scores.features
     with replacing(file) as temp:  # temp keeps the .npz name, so savez adds no suffix
-        np.savez(
-            temp,
-            log_probabilities=scores.log_probabilities,
-            choice_mass=scores.choice_mass,
-            labels=scores.labels,
-        )
+        np.savez(temp, **arrays)
     return scores, digest
 
 
@@ -93,11 +106,12 @@ def main() -> None:
     if args.quick:
         names, limit = ["sms_spam"], 40
     judge = Judge.load(dtype=args.dtype)
+    layers = candidate_layers(judge.num_layers or 0)
     rows = []
     for name in names:
         task = load_task(args.data / name)
-        fitted_on, digest = cached_scores(judge, task, "calibration", limit, args.cache)
-        held_out, _ = cached_scores(judge, task, "test", limit, args.cache)
+        fitted_on, digest = cached_scores(judge, task, "calibration", limit, args.cache, layers)
+        held_out, _ = cached_scores(judge, task, "test", limit, args.cache, layers)
         if args.judge_only:
             continue
         rows.append(report_task(judge, task, args, fitted_on, digest, held_out))

@@ -45,9 +45,16 @@ from calibration.errors import FitError
 from calibration.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.metrics import MetricReport, evaluate
 from calibration.policy import Policy, check_max_std
-from calibration.profile import FORMAT_VERSION, CalibrationProfile, DataSplit, sha256_text
+from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features
+from calibration.profile import (
+    FORMAT_VERSION,
+    Baseline,
+    CalibrationProfile,
+    DataSplit,
+    sha256_text,
+)
 from calibration.routing import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
-from calibration.scaling import CalibrationFit, fit_calibrator, softmax
+from calibration.scaling import CalibrationFit, Identity, Temperature, fit_calibrator, softmax
 from calibration.scores import check_values
 from calibration.signal import SignalReport, label_prior, signal_report
 from calibration.validation import (
@@ -58,6 +65,7 @@ from calibration.validation import (
 )
 
 __all__ = [
+    "AUTO_METHODS",
     "MIN_EXAMPLES",
     "FittedRule",
     "PolicyEvaluation",
@@ -65,14 +73,18 @@ __all__ = [
     "fit_label_free_profile",
     "fit_profile",
     "fit_rule",
+    "resolve_methods",
     "split_examples",
 ]
 
 MIN_EXAMPLES = 20
 DEFAULT_METHODS = ("temperature", "bias_temperature")
+AUTO_METHODS = ("temperature", "bias_temperature", "probe")
 # Of every ten examples (per label, in random order): three fit the map, two set the conformal
 # quantile, five certify the threshold.
 _PATTERN = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
+# When a probe is among the candidates: five fit, one sets the quantile, four certify.
+_PROBE_PATTERN = np.array([0, 0, 0, 0, 0, 1, 2, 2, 2, 2])
 
 
 def _check(
@@ -98,12 +110,16 @@ def _check_classes(labels: np.ndarray, choices: Sequence[str] | None) -> None:
         )
 
 
-def split_examples(labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Indices of the fit, conformal and certify splits (3:2:5), stratified by label."""
+def split_examples(
+    labels: np.ndarray, seed: int, probe: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indices of the fit, conformal and certify splits (3:2:5, or 5:1:4 when a probe is
+    among the candidates), stratified by label."""
+    pattern = _PROBE_PATTERN if probe else _PATTERN
     rng = np.random.default_rng(seed)
     order = rng.permutation(labels.shape[0])
     order = order[np.argsort(labels[order], kind="stable")]  # by label, random within a label
-    part = _PATTERN[np.arange(order.shape[0]) % _PATTERN.shape[0]]
+    part = pattern[np.arange(order.shape[0]) % pattern.shape[0]]
     return tuple(np.sort(order[part == s]) for s in range(3))  # type: ignore[return-value]
 
 
@@ -135,33 +151,60 @@ def fit_rule(
     values: Mapping[str, float] | None = None,
     max_std: float | None = None,
     methods: Sequence[str] = DEFAULT_METHODS,
+    features: ArrayLike | None = None,
+    feature_layers: Sequence[int] = (),
+    num_layers: int | None = None,
+    probe_split: bool | None = None,
 ) -> FittedRule:
     """The whole fitting procedure on (n, k) log-probabilities and (n,) label indices.
 
     See the module docstring for the split and why. ``procedure`` is the multiple-testing
     procedure of ``select_threshold``; ``choices`` name the columns (for messages, and for
     ``values``); ``values`` and ``max_std`` make the certified rule include the score's
-    ``high_std`` gate; ``methods`` are ``fit_calibrator``'s candidates.
+    ``high_std`` gate; ``methods`` are ``fit_calibrator``'s candidates. A "probe" candidate
+    reads ``features`` (n, m, H), the hidden states of ``feature_layers`` in a model of
+    ``num_layers`` blocks, and needs ``MIN_PROBE_EXAMPLES``. ``probe_split`` chooses the
+    split (None: the probe's split exactly when "probe" is a candidate), so that a baseline
+    can be fitted on the same items as a probe.
     """
     z = check_logits(log_probabilities, name="log_probabilities")
     labels = check_labels(y, z.shape[0], z.shape[1])
     _check_classes(labels, choices)
     if z.shape[0] < MIN_EXAMPLES:
         raise FitError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
+    probe = "probe" in methods
+    if probe and z.shape[0] < MIN_PROBE_EXAMPLES:
+        raise FitError(
+            f"method 'probe' needs at least {MIN_PROBE_EXAMPLES} labeled examples, got "
+            f"{z.shape[0]}: with fewer, its hundreds of weights are fitted on noise (use "
+            "method auto, which falls back to temperature scaling, or give more examples)"
+        )
+    f = None if features is None else check_features(features, z.shape[0], feature_layers)
     mass = check_choice_mass(choice_mass, z.shape[0])
     min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
     columns = [str(j) for j in range(z.shape[1])] if choices is None else list(choices)
     checked_values = None if values is None else check_values(values, columns)
     max_std = None if max_std is None else check_max_std(max_std)
-    fit_idx, conformal_idx, certify_idx = split_examples(labels, seed)
+    fit_idx, conformal_idx, certify_idx = split_examples(
+        labels, seed, probe if probe_split is None else probe_split
+    )
 
-    fit = fit_calibrator(z[fit_idx], labels[fit_idx], methods=methods, random_state=seed)
-    probs = fit.map.apply(z)  # (n, k)
+    fit = fit_calibrator(
+        z[fit_idx],
+        labels[fit_idx],
+        methods=methods,
+        random_state=seed,
+        features=None if f is None else f[fit_idx],
+        feature_layers=feature_layers,
+        num_layers=num_layers,
+    )
+    x = map_features(fit.map, f, feature_layers)  # (n, m*H) for a probe, else None
+    probs = fit.map.apply(z, x)  # (n, k)
     q_hat = conformal_quantile(probs[conformal_idx], labels[conformal_idx], alpha)
     # The served rule accepts an item only if every gate passes; an item that another gate
     # escalates gets confidence 0 here, so the certificate covers exactly that rule. The gates
     # are the served policy's own, with the threshold left open.
-    gates = Policy(
+    open_gates = Policy(
         profile=None,
         choices=None,
         calibration_map=fit.map,
@@ -174,17 +217,29 @@ def fit_rule(
         values=checked_values,
         max_std=max_std,
         max_std_source="profile",
-    ).gates(columns, z, mass)
+    )
+    gates = open_gates.gates(columns, z, mass, x)
     confidence = np.where(gates.accepted, gates.confidence, 0.0)
     correct = probs.argmax(axis=1) == labels
     start = None
     if procedure == "fixed_sequence":
         independent = np.concatenate([fit_idx, conformal_idx])
+        start_confidence, start_correct = confidence[independent], correct[independent]
+        if fit.heldout_probabilities is not None:
+            # A probe is sharper on the items it was fitted on than on new ones, so the start
+            # is judged on its out-of-fold probabilities there (every gate applied to them).
+            oof = np.log(np.clip(np.asarray(fit.heldout_probabilities), 1e-300, 1.0))
+            g = msgspec.structs.replace(open_gates, calibration_map=Identity()).gates(
+                columns, oof, mass[fit_idx]
+            )
+            start_confidence[: fit_idx.shape[0]] = np.where(g.accepted, g.confidence, 0.0)
+            start_correct[: fit_idx.shape[0]] = g.best == labels[fit_idx]
         start = sequence_start(
-            confidence[independent],
+            start_confidence,
             certify_idx.shape[0],
             target_precision=target_precision,
             delta=delta,
+            correct=start_correct,
         )
     threshold = select_threshold(
         confidence[certify_idx],
@@ -234,38 +289,76 @@ def fit_profile(
     procedure: str = "fixed_sequence",
     values: Mapping[str, float] | None = None,
     max_std: float | None = None,
-    methods: Sequence[str] = DEFAULT_METHODS,
+    methods: Sequence[str] | str = DEFAULT_METHODS,
+    features: ArrayLike | None = None,
+    feature_layers: Sequence[int] = (),
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
-    The keyword arguments from ``model`` to ``system`` are an engine's ``configuration()``;
+    The keyword arguments from ``model`` to ``system``, and ``num_layers`` and
+    ``hidden_size``, are an engine's ``configuration()``;
     ``n_bootstrap`` sets the resamples behind the metrics' intervals (evidence only: the map,
     quantile and threshold do not depend on it); ``procedure`` is ``select_threshold``'s.
     ``values`` (a number per choice) and ``max_std`` make it a score profile (see
     ``calibration.policy``); ``methods`` are the labeled candidates of ``fit_calibrator``
-    (add "batch_temperature" to let a batch-calibrated start compete).
+    (add "batch_temperature" to let a batch-calibrated start compete), or "auto": every
+    method, the probe included where ``features`` (n, m, H) of ``feature_layers`` are given
+    and there are at least ``MIN_PROBE_EXAMPLES`` (the note says when it was not tried).
+    When a probe wins, temperature scaling is fitted and certified on the same split too, and
+    kept as the profile's ``baseline``.
     """
     z = np.asarray(log_probabilities, dtype=np.float64)
     if z.ndim != 2 or z.shape[1] != len(choices):
         raise ValueError(f"log_probabilities must have shape (n, {len(choices)}), got {z.shape}")
     _check_classes(check_labels(y, z.shape[0], z.shape[1]), choices)
     z, labels = _check(z, y, choices, MIN_EXAMPLES)
+    candidates, skipped = resolve_methods(methods, z.shape[0], features is not None)
+    options = {
+        "target_precision": target_precision,
+        "delta": delta,
+        "alpha": alpha,
+        "min_choice_mass": min_choice_mass,
+        "seed": seed,
+        "procedure": procedure,
+        "choices": choices,
+        "values": values,
+        "max_std": max_std,
+    }
     rule = fit_rule(
         z,
         labels,
         choice_mass,
-        target_precision=target_precision,
-        delta=delta,
-        alpha=alpha,
-        min_choice_mass=min_choice_mass,
-        seed=seed,
-        procedure=procedure,
-        choices=choices,
-        values=values,
-        max_std=max_std,
-        methods=methods,
+        methods=candidates,
+        features=features,
+        feature_layers=feature_layers,
+        num_layers=num_layers,
+        **options,  # type: ignore[arg-type]
     )
     held = rule.held_out
+    baseline = None
+    if rule.fit.method == "probe":
+        base = fit_rule(
+            z,
+            labels,
+            choice_mass,
+            methods=("temperature",),
+            probe_split=True,
+            **options,  # type: ignore[arg-type]
+        )
+        assert (
+            isinstance(base.fit.map, Identity | Temperature) and base.conformal_quantile is not None
+        )
+        baseline = Baseline(
+            calibration_map=base.fit.map,
+            note=base.fit.note,
+            conformal_quantile=base.conformal_quantile,
+            threshold=base.threshold,
+            metrics_after=evaluate(
+                base.probabilities[held], labels[held], seed=seed, n_bootstrap=n_bootstrap
+            ),
+        )
     label_free = None
     if rule.fit.prior is not None:
         label_free = LabelFree(
@@ -287,7 +380,7 @@ def fit_profile(
         choices=list(choices),
         calibration_map=rule.fit.map,
         cv_nll=rule.fit.cv_nll,
-        note=rule.fit.note,
+        note=rule.fit.note + skipped,
         threshold=rule.threshold,
         min_choice_mass=min_choice_mass,
         conformal_alpha=alpha,
@@ -313,7 +406,39 @@ def fit_profile(
             n_bootstrap=n_bootstrap,
             seed=seed,
         ),
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        baseline=baseline,
     )
+
+
+def resolve_methods(
+    methods: Sequence[str] | str, n: int, has_features: bool
+) -> tuple[tuple[str, ...], str]:
+    """The candidate methods, and a note for the profile when "auto" could not try the probe.
+
+    "auto" is every labeled method, the probe included where features were given and there are
+    at least ``MIN_PROBE_EXAMPLES``; otherwise it falls back to the scalar maps and says why.
+    """
+    if isinstance(methods, str):
+        if methods != "auto":
+            raise ValueError(
+                f"methods must be a sequence of method names or 'auto', got {methods!r}"
+            )
+        if not has_features:
+            return DEFAULT_METHODS, "; probe not tried: no hidden-state features were given"
+        if n < MIN_PROBE_EXAMPLES:
+            return DEFAULT_METHODS, (
+                f"; probe not tried: {n} labeled examples, fewer than the {MIN_PROBE_EXAMPLES} "
+                "it needs (temperature scaling instead)"
+            )
+        return AUTO_METHODS, ""
+    if "probe" in methods and not has_features:
+        raise FitError(
+            "method 'probe' needs the hidden-state features of the examples (judge them with "
+            "feature_layers)"
+        )
+    return tuple(methods), ""
 
 
 def fit_label_free_profile(
@@ -337,6 +462,8 @@ def fit_label_free_profile(
     alpha: float = 0.1,
     values: Mapping[str, float] | None = None,
     max_std: float | None = None,
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
 ) -> CalibrationProfile:
     """A profile that divides out the prior estimated from unlabeled (n, k) log-probabilities.
 
@@ -414,6 +541,8 @@ def fit_label_free_profile(
         max_std=None if max_std is None else check_max_std(max_std),
         label_free=LabelFree(method=method, n_inputs=n, source=source, prior=prior),  # type: ignore[arg-type]
         signal=None,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
     )
 
 
@@ -442,6 +571,9 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
     # label frequencies: see ``signal_prior``).
     signal: SignalReport
     signal_prior: str  # where the prior predictor's frequencies came from
+    method: str = ""  # the profile's calibration method
+    # For a probe profile: its temperature-scaling baseline evaluated on the same items.
+    baseline: PolicyEvaluation | None = None
 
 
 def evaluate_policy(
@@ -454,16 +586,30 @@ def evaluate_policy(
     min_choice_mass: float | None = None,
     max_std: float | None = None,
     n_bootstrap: int = 1000,
+    features: ArrayLike | None = None,
 ) -> PolicyEvaluation:
     """Metrics before and after calibration, and the policy exactly as served, on held-out data.
 
     ``log_probabilities`` is (n, k) with columns in ``profile.choices`` order; ``threshold``,
     ``min_choice_mass`` and ``max_std`` are overrides, as a request would give them.
+    ``features`` (n, m, H) are the hidden states of ``profile.feature_layers``, which a probe
+    reads. A probe profile's temperature baseline is evaluated on the same items as well.
     """
     z, labels = _check(log_probabilities, y, profile.choices, 1)
     mass = check_choice_mass(choice_mass, z.shape[0])
+    layers = profile.feature_layers
+    x = None
+    if layers:
+        if features is None:
+            raise ValueError(
+                f"profile {profile.name!r} is a probe on layer(s) {list(layers)}: pass the "
+                "items' features for those layers"
+            )
+        x = map_features(
+            profile.calibration_map, check_features(features, len(labels), layers), layers
+        )
     policy = profile.policy(threshold=threshold, min_choice_mass=min_choice_mass, max_std=max_std)
-    g = policy.gates(profile.choices, z, mass)  # what decide() decides, as arrays
+    g = policy.gates(profile.choices, z, mass, x)  # what decide() decides, as arrays
     accepted = g.accepted
     correct = g.best == labels
     m, k = int(accepted.sum()), int(correct[accepted].sum())
@@ -517,4 +663,17 @@ def evaluate_policy(
             n_bootstrap=n_bootstrap,
         ),
         signal_prior=prior_source,
+        method=profile.calibration_map.method,
+        baseline=None
+        if (base := profile.baseline_profile()) is None
+        else evaluate_policy(
+            base,
+            z,
+            labels,
+            mass,
+            threshold=threshold,
+            min_choice_mass=min_choice_mass,
+            max_std=max_std,
+            n_bootstrap=n_bootstrap,
+        ),
     )

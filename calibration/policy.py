@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from calibration.conformal import set_membership
 from calibration.errors import ProfileMismatchError, ValuesError
-from calibration.scaling import CalibrationMap, Identity
+from calibration.maps import CalibrationMap, Identity, Probe
 from calibration.scores import check_values, numeral_values, value_moments
 from calibration.validation import check_choice_mass, check_probability
 
@@ -73,7 +73,11 @@ def check_max_std(value: object) -> float:
 
 
 class ScoredJudgment(Protocol):
-    """What a policy needs of a judgment."""
+    """What a policy needs of a judgment.
+
+    A probe's policy also reads ``features`` (layer -> hidden state), where the judgment has
+    them; it is not part of the protocol so that judgments without features still qualify.
+    """
 
     @property
     def log_probabilities(self) -> Mapping[str, float]: ...
@@ -170,21 +174,50 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         for choices, rows in groups.items():
             z = np.array([[judgments[i].log_probabilities[c] for c in choices] for i in rows])
             mass = np.array([judgments[i].choice_mass for i in rows], dtype=np.float64)
-            for i, d in zip(rows, self.decide_arrays(choices, z, mass), strict=True):
+            features = self._features([judgments[i] for i in rows])
+            for i, d in zip(rows, self.decide_arrays(choices, z, mass, features), strict=True):
                 out[i] = d
         return [d for d in out if d is not None]
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The hidden-state layers a judgment must carry for this policy: a probe's, else none.
+
+        Ask the engine for them (``Query.feature_layers``) when judging for this policy.
+        """
+        return tuple(self.calibration_map.layers) if isinstance(self.calibration_map, Probe) else ()
+
+    def _features(self, judgments: Sequence[ScoredJudgment]) -> npt.NDArray[np.float64] | None:
+        """(n, m * H) hidden states of the map's layers, from the judgments; None if unused."""
+        layers = self.feature_layers
+        if not layers:
+            return None
+        rows = []
+        for j in judgments:
+            features = getattr(j, "features", None)
+            if not features or any(n not in features for n in layers):
+                raise ProfileMismatchError(
+                    "features",
+                    f"profile {self.profile!r} is a probe on the hidden state of layer(s) "
+                    f"{list(layers)}, and the judgment carries no features for them: judge "
+                    f"with feature_layers={list(layers)} (profile.feature_layers)",
+                )
+            rows.append(np.concatenate([np.asarray(features[n], dtype=np.float64) for n in layers]))
+        return np.stack(rows)
 
     def decide_arrays(
         self,
         choices: Sequence[str],
         log_probabilities: npt.ArrayLike,
         choice_mass: npt.ArrayLike | None = None,
+        features: npt.ArrayLike | None = None,
     ) -> list[Decision]:
         """Decisions for (n, k) log-probabilities whose columns follow ``choices``.
 
         ``choice_mass`` is (n,); None counts as 1 (nothing known against the choices).
+        ``features`` is (n, m * H), the hidden states of ``feature_layers`` (a probe's).
         """
-        g = self.gates(choices, log_probabilities, choice_mass)
+        g = self.gates(choices, log_probabilities, choice_mass, features)
         decisions = []
         for i in range(g.probabilities.shape[0]):
             codes: list[ReasonCode] = []
@@ -250,8 +283,11 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         choices: Sequence[str],
         log_probabilities: npt.ArrayLike,
         choice_mass: npt.ArrayLike | None = None,
+        features: npt.ArrayLike | None = None,
     ) -> Gates:
         """Every gate of the policy for (n, k) log-probabilities, as arrays.
+
+        ``features`` (n, m * H) are the hidden states a probe map reads; other maps ignore them.
 
         ``decide_arrays`` turns these into decisions; for large evaluations, ``Gates.accepted``
         and ``Gates.best`` are the decisions without building an object per item.
@@ -261,7 +297,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                 "choices",
                 f"profile {self.profile!r} decides between {self.choices!r}, not {list(choices)!r}",
             )
-        probs = self.calibration_map.apply(np.asarray(log_probabilities, dtype=np.float64))
+        probs = self.calibration_map.apply(
+            np.asarray(log_probabilities, dtype=np.float64), features
+        )
         if probs.ndim != 2 or probs.shape[1] != len(choices):
             raise ValueError(
                 f"log_probabilities must have shape (n, {len(choices)}), got {probs.shape}"

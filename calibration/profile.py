@@ -35,6 +35,7 @@ from calibration.errors import (
     ValuesError,
 )
 from calibration.label_free import LabelFree
+from calibration.maps import CalibrationMap, Identity, Probe, Temperature
 from calibration.metrics import MetricReport
 from calibration.policy import (
     Decision,
@@ -45,13 +46,13 @@ from calibration.policy import (
     make_policy,
 )
 from calibration.routing import ThresholdResult
-from calibration.scaling import CalibrationMap
 from calibration.scores import check_values, numeral_values
 from calibration.signal import SignalReport
 
 __all__ = [
     "FORMAT_VERSION",
     "NAME_PATTERN",
+    "Baseline",
     "CalibrationProfile",
     "Configured",
     "DataSplit",
@@ -87,6 +88,25 @@ class DataSplit(msgspec.Struct, frozen=True, kw_only=True):
         for field in ("fit", "conformal", "certify"):
             if getattr(self, field) < 0:
                 raise RuleError(f"split.{field} must be >= 0, got {getattr(self, field)}")
+
+
+class Baseline(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Temperature scaling, fitted and certified on the same split as the profile's probe.
+
+    What a profile whose map is a learned head would be without it, kept so that a report or
+    an evaluation shows what the probe bought on the same items.
+    """
+
+    calibration_map: Identity | Temperature
+    note: str
+    conformal_quantile: Annotated[float, Meta(ge=0.0, le=1.0)]
+    threshold: ThresholdResult
+    metrics_after: MetricReport  # on the items neither map was fitted on
+
+    def __post_init__(self) -> None:
+        problems = _threshold_problems(self.threshold)
+        if problems:
+            raise RuleError("; ".join(f"baseline.{p}" for p in problems))
 
 
 class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -135,6 +155,12 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # Whether the calibrated judge beats the label prior on held-out examples; None for a
     # label-free profile and for profiles written before it existed.
     signal: SignalReport | None = None
+    # The engine's hidden-state shape (configuration's num_layers and hidden_size), recorded
+    # by every fit; a probe applies only where both match.
+    num_layers: Annotated[int, Meta(ge=1)] | None = None
+    hidden_size: Annotated[int, Meta(ge=1)] | None = None
+    # For a probe: temperature scaling on the same split, for comparison; None otherwise.
+    baseline: Baseline | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -152,6 +178,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             problems.append(
                 f"the map's bias has {len(bias)} entries for {len(self.choices)} choices"
             )
+        problems += self._probe_problems()
         t = self.threshold.threshold
         if t is not None and not 0 <= t <= 1:
             problems.append(f"threshold must be in [0, 1], got {t!r}")
@@ -194,6 +221,45 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         if problems:
             raise RuleError("; ".join(problems))
 
+    def _probe_problems(self) -> list[str]:
+        probe = self.calibration_map
+        if not isinstance(probe, Probe):
+            return []
+        problems = []
+        if len(probe.intercept) != len(self.choices):
+            problems.append(
+                f"calibration_map.intercept has {len(probe.intercept)} entries for "
+                f"{len(self.choices)} choices"
+            )
+        for field, recorded, fitted in (
+            ("num_layers", self.num_layers, probe.num_layers),
+            ("hidden_size", self.hidden_size, probe.feature_dim),
+        ):
+            if recorded is not None and recorded != fitted:
+                problems.append(f"{field} is {recorded} but the probe was fitted on {fitted}")
+        return problems
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The hidden-state layers a judgment needs for this profile (a probe's), else ()."""
+        probe = self.calibration_map
+        return tuple(probe.layers) if isinstance(probe, Probe) else ()
+
+    def baseline_profile(self) -> CalibrationProfile | None:
+        """This profile with its temperature baseline in place of the probe, to compare."""
+        b = self.baseline
+        if b is None:
+            return None
+        return msgspec.structs.replace(
+            self,
+            calibration_map=b.calibration_map,
+            note=b.note,
+            conformal_quantile=b.conformal_quantile,
+            threshold=b.threshold,
+            metrics_after=b.metrics_after,
+            baseline=None,
+        )
+
     def _score_problems(self) -> list[str]:
         problems = []
         if self.values is not None:
@@ -230,7 +296,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         given = engine.configuration(
             system=system, response_prefix=response_prefix, response_suffix=response_suffix
         )
-        expected = {
+        expected: dict[str, tuple[object, object]] = {
             "model": (self.model, given["model"]),
             "model_sha256": (self.model_sha256, given["model_sha256"]),
             "dtype": (self.dtype, given["dtype"]),
@@ -238,6 +304,12 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             "response_suffix": (self.response_suffix, given["response_suffix"]),
             "system": (self.system_sha256, sha256_text(given["system"])),
         }
+        probe = self.calibration_map
+        if isinstance(probe, Probe):
+            # The probe reads hidden states: their number and width must be the ones it was
+            # fitted on (a different model fails on "model" above, unless renamed).
+            expected["num_layers"] = (probe.num_layers, given.get("num_layers"))
+            expected["hidden_size"] = (probe.feature_dim, given.get("hidden_size"))
         for field, (fitted, actual) in expected.items():
             if fitted != actual:
                 shown = "a different system prompt" if field == "system" else repr(actual)
@@ -253,15 +325,27 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
                 f"not {list(choices)!r}; the same choices are needed (in any order)",
             )
 
-    def calibrate(self, log_probabilities: Mapping[str, float]) -> dict[str, float]:
-        """Calibrated probabilities for per-choice log-probabilities, in the given order."""
+    def calibrate(
+        self,
+        log_probabilities: Mapping[str, float],
+        features: Mapping[int, Sequence[float]] | None = None,
+    ) -> dict[str, float]:
+        """Calibrated probabilities for per-choice log-probabilities, in the given order.
+
+        ``features`` (a judgment's, layer -> hidden state) are needed by a probe.
+        """
         order = list(log_probabilities)
         if sorted(order) != sorted(self.choices):
             raise ProfileMismatchError(
                 "choices", f"profile {self.name!r} calibrates {self.choices!r}, not {order!r}"
             )
         row = np.array([log_probabilities[c] for c in self.choices], dtype=np.float64)  # (k,)
-        probs = self.calibration_map.apply(row)
+        x = None
+        if self.feature_layers and features is not None:
+            x = np.concatenate(
+                [np.asarray(features[n], dtype=np.float64) for n in self.feature_layers]
+            )
+        probs = self.calibration_map.apply(row, x)
         index = {c: i for i, c in enumerate(self.choices)}
         return {c: float(probs[index[c]]) for c in order}
 

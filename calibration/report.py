@@ -7,11 +7,18 @@ words, before any metric: a well-calibrated prior predictor must not pass for a 
 from __future__ import annotations
 
 from calibration.fitting import PolicyEvaluation
+from calibration.maps import Probe
 from calibration.metrics import Interval, MetricReport
 from calibration.profile import CalibrationProfile
 from calibration.signal import SignalReport
 
-__all__ = ["evaluation_markdown", "metrics_table", "profile_markdown", "signal_markdown"]
+__all__ = [
+    "comparison_markdown",
+    "evaluation_markdown",
+    "metrics_table",
+    "profile_markdown",
+    "signal_markdown",
+]
 
 _ROWS = [
     ("accuracy", "accuracy"),
@@ -75,11 +82,65 @@ def _threshold_line(profile: CalibrationProfile) -> str:
     return f"**no certified threshold**: {t.reason}; every item escalates unless a caller sets one"
 
 
+def _map_line(profile: CalibrationProfile) -> str:
+    m = profile.calibration_map
+    if isinstance(m, Probe):
+        return (
+            f"- map: **probe**, a multinomial logistic head on the hidden state of layer "
+            f"{', '.join(map(str, m.layers))} of {m.num_layers} (width {m.feature_dim}) and the "
+            f"choices' log-probabilities: {len(m.intercept)} x {m.width} weights, C {m.l2:g}"
+        )
+    bias = getattr(m, "bias", None)
+    return f"- map: **{m.method}**, temperature {m.temperature:.4f}" + (
+        f", bias {[round(b, 4) for b in bias]}" if bias else ""
+    )
+
+
+def _baseline_markdown(profile: CalibrationProfile) -> str:
+    """The probe against temperature scaling fitted and certified on the same split."""
+    b, after = profile.baseline, profile.metrics_after
+    assert b is not None and after is not None
+    rows = [
+        ("probe", after, profile.threshold, profile.calibration_map.method),
+        ("temperature scaling", b.metrics_after, b.threshold, b.calibration_map.method),
+    ]
+    lines = [
+        "## What the labels bought: the probe against temperature scaling on the same split",
+        "",
+        "| map | accuracy | NLL | ECE | certified threshold | coverage (certify split) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, m, t, method in rows:
+        threshold = "none" if t.threshold is None else f"{t.threshold:.3f}"
+        lines.append(
+            f"| {name} ({method}) | {m.accuracy.value:.3f} | {m.nll.value:.3f} | "
+            f"{m.ece.value:.3f} | {threshold} | {t.coverage:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def comparison_markdown(evaluation: PolicyEvaluation) -> str:
+    """The served policy against its temperature baseline on the same held-out items."""
+    e, b = evaluation, evaluation.baseline
+    if b is None:
+        return ""
+    lines = [
+        "| served policy | accuracy | NLL | ECE | threshold | coverage | precision |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, x in ((f"{e.method} (the profile)", e), ("temperature baseline", b)):
+        threshold = "none" if x.threshold is None else f"{x.threshold:.3f}"
+        precision = "-" if x.precision is None else f"{x.precision:.4f}"
+        lines.append(
+            f"| {name} | {x.after.accuracy.value:.3f} | {x.after.nll.value:.3f} | "
+            f"{x.after.ece.value:.3f} | {threshold} | {x.coverage:.3f} | {precision} |"
+        )
+    return "\n".join(lines)
+
+
 def profile_markdown(
     profile: CalibrationProfile, evaluation: PolicyEvaluation | None = None
 ) -> str:
-    m = profile.calibration_map
-    bias = getattr(m, "bias", None)
     s = profile.split
     lf = profile.label_free
     parts = [
@@ -90,8 +151,7 @@ def profile_markdown(
         f"- choices: {', '.join(f'`{c}`' for c in profile.choices)}",
         f"- data: `{profile.dataset}`, {profile.n_examples} examples (sha256 {profile.dataset_sha256[:16]}...), "
         f"split {s.fit} to fit the map / {s.conformal} for the conformal quantile / {s.certify} to certify the threshold (seed {s.seed})",
-        f"- map: **{m.method}**, temperature {m.temperature:.4f}"
-        + (f", bias {[round(b, 4) for b in bias]}" if bias else ""),
+        _map_line(profile),
         f"- cross-validated NLL (fit split): {', '.join(f'{k} {v:.4f}' for k, v in profile.cv_nll.items()) or 'none (no labels)'}",
         f"- {profile.note}",
     ]
@@ -127,6 +187,8 @@ def profile_markdown(
             "",
             metrics_table(profile.metrics_before, profile.metrics_after),
         ]
+        if profile.baseline is not None:
+            parts += ["", _baseline_markdown(profile)]
     else:
         parts += ["", "No metrics: the profile was fitted without labels."]
     if evaluation is not None:
@@ -165,4 +227,5 @@ def evaluation_markdown(evaluation: PolicyEvaluation) -> str:
             f"- escalated {escalated}; by reason (an item may have several): {kinds}",
             sets,
         ]
+        + (["", comparison_markdown(e)] if e.baseline is not None else [])
     )

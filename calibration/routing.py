@@ -182,9 +182,16 @@ def sequence_start(
     delta: float = 0.1,
     grid: Sequence[float] = DEFAULT_GRID,
     margin: float = 2.0,
+    correct: ArrayLike | None = None,
 ) -> float:
     """Where a fixed sequence should start, judged on data independent of the certification set.
 
+    With ``correct`` (whether each independent item's answer was right), the start is the grid
+    threshold whose test is most likely to pass: the one with the highest Clopper-Pearson
+    bound expected on ``n_certify`` items, at the precision and acceptance rate the independent
+    items show there (ties: the highest such threshold). A higher start passes less often for
+    lack of items, a lower one for lack of precision, and the sequence only ever goes down.
+    Without ``correct``:
     The highest grid threshold at which a certification set of ``n_certify`` items is expected
     to accept at least ``margin`` times ``minimum_accepted`` items, the expectation taken from
     ``confidences`` (items drawn like the certification set but not part of it). Above it a
@@ -201,8 +208,17 @@ def sequence_start(
     conf = check_confidences(confidences)
     n_certify = check_int(n_certify, "n_certify", 1)
     thresholds = _check_grid(grid)
+    accepted = conf[None, :] >= thresholds[:, None]  # (grid, m)
+    expected = n_certify * accepted.mean(axis=1)  # (grid,)
+    if correct is not None:
+        right = check_correct(correct, conf.shape[0])
+        hits = (accepted & right[None, :]).sum(axis=1)  # (grid,)
+        precision = hits / np.maximum(accepted.sum(axis=1), 1)
+        trials = np.round(expected).astype(np.int64)
+        bound = _lower_bounds(np.round(trials * precision).astype(np.int64), trials, delta)
+        if bound.max() > 0:
+            return float(thresholds[int(np.flatnonzero(bound == bound.max())[-1])])
     needed = margin * minimum_accepted(target_precision, delta)
-    expected = n_certify * (conf[None, :] >= thresholds[:, None]).mean(axis=1)  # (grid,)
     ok = np.flatnonzero(expected >= needed)
     return float(thresholds[ok[-1]] if ok.size else thresholds[0])
 

@@ -23,18 +23,29 @@ The fitted map is one typed value (``CalibrationMap``: ``Identity``, ``Temperatu
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-from msgspec import Meta
 from scipy import optimize
 from sklearn import exceptions, model_selection
 from threadpoolctl import threadpool_limits
 
-from calibration.errors import RuleError
+from calibration.maps import (
+    MAX_ABS_BIAS,
+    T_MAX,
+    T_MIN,
+    BiasTemperature,
+    CalibrationMap,
+    Identity,
+    Probe,
+    Temperature,
+    _log_softmax,
+    _softmax,
+    softmax,
+)
+from calibration.probe import check_features, fit_probe
 from calibration.validation import check_int, check_labels, check_logits
 
 if TYPE_CHECKING:
@@ -54,6 +65,7 @@ __all__ = [
     "CalibrationFit",
     "CalibrationMap",
     "Identity",
+    "Probe",
     "Temperature",
     "TemperatureScaler",
     "fit_calibrator",
@@ -63,88 +75,14 @@ __all__ = [
 _FloatArray = npt.NDArray[np.float64]
 _IntArray = npt.NDArray[np.int64]
 
-METHODS = ("none", "temperature", "batch_temperature", "bias_temperature")
+METHODS = ("none", "temperature", "batch_temperature", "bias_temperature", "probe")
 """Every calibration method, from the simplest to the most flexible."""
 
 # The search runs over beta = 1/T, in which the NLL is convex (it is a log-sum-exp of functions
 # linear in beta minus a linear term), so a bounded scalar search finds the global minimum.
-# T in [0.01, 100] spans every useful sharpening/flattening of log-probabilities.
-T_MIN = 0.01
-T_MAX = 100.0
-MAX_ABS_BIAS = 1000.0
 _BETA_MIN = 1.0 / T_MAX
 _BETA_MAX = 1.0 / T_MIN
 _NLL_CLIP = 1e-12
-
-
-# The fitter's range, with the tolerance _check_temperature allows for the search's rounding.
-TemperatureValue = Annotated[float, Meta(ge=T_MIN * (1 - 1e-9), le=T_MAX * (1 + 1e-9))]
-
-
-class _Map(
-    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="method"
-):
-    """What every calibration map shares: its JSON tag, "method", names it."""
-
-    @property
-    def method(self) -> str:
-        return str(self.__struct_config__.tag)
-
-
-class Identity(_Map, frozen=True, tag="none"):
-    """No scaling: the model's own probabilities, softmax(logits)."""
-
-    @property
-    def temperature(self) -> float:
-        return 1.0
-
-    def apply(self, logits: ArrayLike) -> _FloatArray:
-        """Probabilities of the same shape as ``logits`` ((n, k) or (k,))."""
-        return _scaled(logits, 1.0, None)
-
-
-class Temperature(_Map, frozen=True, tag="temperature"):
-    """Temperature scaling: softmax(logits / temperature)."""
-
-    temperature: TemperatureValue
-
-    def __post_init__(self) -> None:
-        _check_temperature(self.temperature)
-
-    def apply(self, logits: ArrayLike) -> _FloatArray:
-        """Probabilities of the same shape as ``logits`` ((n, k) or (k,))."""
-        return _scaled(logits, self.temperature, None)
-
-
-class BiasTemperature(_Map, frozen=True, tag="bias_temperature"):
-    """Bias + temperature scaling: softmax(logits / temperature + bias), bias per choice."""
-
-    temperature: TemperatureValue
-    bias: Annotated[
-        list[Annotated[float, Meta(ge=-MAX_ABS_BIAS, le=MAX_ABS_BIAS)]], Meta(min_length=2)
-    ]
-
-    def __post_init__(self) -> None:
-        _check_temperature(self.temperature)
-        if len(self.bias) < 2 or not all(
-            math.isfinite(b) and abs(b) <= MAX_ABS_BIAS for b in self.bias
-        ):
-            raise RuleError(
-                f"bias must be at least 2 finite numbers within +-{MAX_ABS_BIAS:g}, "
-                f"got {self.bias!r}"
-            )
-
-    def apply(self, logits: ArrayLike) -> _FloatArray:
-        """Probabilities of the same shape as ``logits``; its width must match ``bias``."""
-        return _scaled(logits, self.temperature, self.bias)
-
-
-CalibrationMap = Identity | Temperature | BiasTemperature
-"""A fitted map from per-choice log-probabilities to calibrated probabilities.
-
-One typed value, tagged by ``method`` in JSON ({"method": "temperature", "temperature": 2.1}),
-so that a profile cannot hold a bias without its method or a temperature for "none".
-"""
 
 
 class CalibrationFit(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,58 +93,9 @@ class CalibrationFit(msgspec.Struct, frozen=True, kw_only=True):
     note: str  # which method won and by how much, or why nothing was applied
     method: str = ""  # the winning candidate ("batch_temperature" is stored as bias_temperature)
     prior: list[float] | None = None  # batch_temperature's label-free prior, choice order
-
-
-def _check_temperature(temperature: float) -> None:
-    # The fitter searches 1/T in [1/T_MAX, 1/T_MIN]; a stored value outside that range did not
-    # come from a fit, and values like 1e-300 would turn every probability into 0 or 1.
-    if not (math.isfinite(temperature) and T_MIN * (1 - 1e-9) <= temperature <= T_MAX * (1 + 1e-9)):
-        raise RuleError(f"temperature must be in [{T_MIN:g}, {T_MAX:g}], got {temperature!r}")
-
-
-def _scaled(logits: ArrayLike, temperature: float, bias: Sequence[float] | None) -> _FloatArray:
-    z = check_logits(logits, allow_1d=True)
-    s = z / temperature
-    if bias is not None:
-        b = np.asarray(bias, dtype=np.float64)
-        if b.shape != (z.shape[1],):
-            raise ValueError(
-                f"the map has {b.shape[0]} per-choice offsets but the logits have "
-                f"{z.shape[1]} choices per row"
-            )
-        s = s + b
-    p = _softmax(s)
-    return p[0] if np.ndim(logits) == 1 else p
-
-
-# ---------------------------------------------------------------------------------------------
-# Softmax and validation.
-
-
-def _log_softmax(s: _FloatArray) -> _FloatArray:
-    shifted = s - s.max(axis=1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-
-
-def _softmax(s: _FloatArray) -> _FloatArray:
-    e = np.exp(s - s.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
-def softmax(logits: ArrayLike) -> _FloatArray:
-    """Row-wise softmax, stable for any finite log-scores.
-
-    Parameters
-    ----------
-    logits : array of shape (n, k) or (k,)
-
-    Returns
-    -------
-    probs : float64 array of the same shape; each row sums to 1.
-    """
-    z = check_logits(logits, allow_1d=True)
-    p = _softmax(z)
-    return p[0] if np.ndim(logits) == 1 else p
+    # A probe's probabilities for the items it was fitted on, each from the fold that did not
+    # see it (n, k): unlike its in-sample probabilities, they show how it does on new items.
+    heldout_probabilities: list[list[float]] | None = None
 
 
 def _mean_nll(z: _FloatArray, labels: _IntArray, beta: float, bias: _FloatArray | None) -> float:
@@ -428,7 +317,7 @@ def _folds(
         if stratified
         else model_selection.KFold(n_splits=cv, shuffle=True, random_state=random_state)
     )
-    return splitter.split(np.zeros((n, 1)), labels), stratified
+    return iter(list(splitter.split(np.zeros((n, 1)), labels))), stratified
 
 
 def fit_calibrator(
@@ -439,6 +328,9 @@ def fit_calibrator(
     cv: int = 5,
     random_state: int = 0,
     min_improvement_se: float = 1.0,
+    features: ArrayLike | None = None,
+    feature_layers: Sequence[int] = (),
+    num_layers: int | None = None,
 ) -> CalibrationFit:
     """Choose and fit a calibration method by cross-validated NLL.
 
@@ -446,7 +338,7 @@ def fit_calibrator(
     held-out NLL under ``cv``-fold cross-validation (stratified by label when every present
     class has at least ``cv`` items, else plain shuffled K-fold; ``cv`` is reduced to n on tiny
     sets). Candidates are then considered from the simplest to the most flexible ("none",
-    "temperature", "bias_temperature"), and a more flexible one replaces the current choice
+    "temperature", "bias_temperature", "probe"), and a more flexible one replaces the current choice
     only if it lowers the cross-validated NLL, by more than ``min_improvement_se`` standard
     errors of the paired per-item difference (the one-standard-error rule, Hastie, Tibshirani
     & Friedman, "The Elements of Statistical Learning", 7.10). Ties and improvements within
@@ -468,6 +360,12 @@ def fit_calibrator(
         Seed of the fold shuffle.
     min_improvement_se : float
         Required improvement, in standard errors, for a more flexible method to be chosen.
+    features : array of shape (n, m, H), optional
+        The hidden states at the decision point for ``feature_layers``; needed by "probe",
+        whose layer and regularisation are chosen in the same folds (``calibration.probe``).
+    feature_layers : sequence of int, length m
+    num_layers : int, optional
+        The model's depth, recorded in a probe.
     """
     z = check_logits(logits)
     n, k = z.shape
@@ -490,12 +388,22 @@ def fit_calibrator(
     if n < 2:
         raise ValueError(f"need at least 2 labelled items to cross-validate, got n={n}")
     cv = min(cv, n)
+    probe_inputs = None
+    if "probe" in methods:
+        if features is None or num_layers is None or not feature_layers:
+            raise ValueError(
+                "the probe needs features, feature_layers and num_layers: the hidden states "
+                "the engine returns for a judgment's feature_layers"
+            )
+        probe_inputs = (check_features(features, n, feature_layers), feature_layers, num_layers)
 
     # These problems have a handful of parameters: a multi-threaded BLAS only adds thread
     # hand-offs, which cost 10x the whole fit on a busy machine (measured: 4 s vs 0.28 s for
     # ten fits while the model ran on the other cores).
     with threadpool_limits(limits=1, user_api="blas"):
-        return _fit_calibrator(z, labels, methods, cv, random_state, min_improvement_se)
+        return _fit_calibrator(
+            z, labels, methods, cv, random_state, min_improvement_se, probe_inputs
+        )
 
 
 def _fit_calibrator(
@@ -505,15 +413,22 @@ def _fit_calibrator(
     cv: int,
     random_state: int,
     min_improvement_se: float,
+    probe_inputs: tuple[npt.NDArray[np.float32], Sequence[int], int] | None,
 ) -> CalibrationFit:
     n = z.shape[0]
     candidates = [m for m in METHODS if m == "none" or m in methods]
     heldout = {m: np.empty(n) for m in candidates}
     rows = np.arange(n)
     heldout["none"] = -np.log(np.clip(_softmax(z)[rows, labels], _NLL_CLIP, 1.0))
-    folds, stratified = _folds(labels, cv, random_state)
+    fold_iter, stratified = _folds(labels, cv, random_state)
+    folds = list(fold_iter)
+    probe_fit = None
+    if probe_inputs is not None:
+        features, layers, num_layers = probe_inputs
+        probe_fit = fit_probe(features, layers, num_layers, z, labels, folds)
+        heldout["probe"] = np.clip(probe_fit.heldout_nll, 0.0, -np.log(_NLL_CLIP))
     for train, test in folds:
-        for method in candidates[1:]:
+        for method in [m for m in candidates[1:] if m != "probe"]:
             probs = _make_scaler(method).fit(z[train], labels[train]).predict_proba(z[test])
             true_p = probs[np.arange(test.shape[0]), labels[test]]
             heldout[method][test] = -np.log(np.clip(true_p, _NLL_CLIP, 1.0))
@@ -536,8 +451,22 @@ def _fit_calibrator(
         )
         return CalibrationFit(map=Identity(), cv_nll=cv_nll, note=note, method="none")
 
-    scaler = _make_scaler(chosen).fit(z, labels)
     gain = cv_nll["none"] - cv_nll[chosen]
+    if chosen == "probe":
+        assert probe_fit is not None
+        note = (
+            f"probe won: cross-validated NLL {cv_nll['probe']:.4f} vs {cv_nll['none']:.4f} "
+            f"without scaling ({gain:.4f} nats/item, {100 * gain / cv_nll['none']:.1f}% lower; "
+            f"{others}; {scheme}); {probe_fit.note}; refitted on all items"
+        )
+        return CalibrationFit(
+            map=probe_fit.probe,
+            cv_nll=cv_nll,
+            note=note,
+            method="probe",
+            heldout_probabilities=probe_fit.heldout_probabilities.tolist(),
+        )
+    scaler = _make_scaler(chosen).fit(z, labels)
     bias = None if isinstance(scaler, TemperatureScaler) else [float(v) for v in scaler.bias_]
     if bias is not None and max(abs(b) for b in bias) > MAX_ABS_BIAS:
         # Only a prior near 0 at a temperature near T_MIN gets here; a stored map must obey

@@ -148,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
     if args.input is None:
         if choices is None:
             raise UsageError("give the choices (--choice A --choice B) or a --profile")
-        judgment = engine.judge(args.prompt, choices, system=args.system)
+        judgment = engine.judge(
+            args.prompt, choices, system=args.system, feature_layers=policy.feature_layers
+        )
         sys.stdout.write(
             to_json(_answer(judgment, policy.decide(judgment), msgspec.UNSET), indent=2) + "\n"
         )
@@ -173,7 +175,10 @@ def _run_batch(
         tqdm(total=total, unit="item", desc="judge ask", file=sys.stderr) as bar,
     ):
         for batch in _batches(lines, args.batch_size):
-            parsed = [_parse(raw, n, choices, profile, system=args.system) for n, raw in batch]
+            parsed = [
+                _parse(raw, n, choices, profile, system=args.system, layers=policy.feature_layers)
+                for n, raw in batch
+            ]
             for row in _answer_batch(engine, policy, parsed):
                 if isinstance(row, Failure):
                     counts["error"] += 1
@@ -287,6 +292,7 @@ def _parse(
     profile: CalibrationProfile | None,
     *,
     system: str | None,
+    layers: tuple[int, ...] = (),
 ) -> _Item | Failure:
     """One input line as a query, or the Failure that says what is wrong with it."""
     item_id: Scalar = n
@@ -329,7 +335,8 @@ def _parse(
                 f"profile {profile.name!r} was fitted for choices {profile.choices!r}, not "
                 f"{choices!r}; give the profile's choices (any order) or drop the line's",
             )
-        return _Item(item_id, n, Query(prompt=prompt, choices=choices, system=system))
+        query = Query(prompt=prompt, choices=choices, system=system, feature_layers=layers)
+        return _Item(item_id, n, query)
     except UnicodeDecodeError as exc:
         return _failure(item_id, n, InputLineError(None, f"line {n} is not UTF-8 text: {exc}"))
     except (InputLineError, JudgeError, CalibrationError) as exc:

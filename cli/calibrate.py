@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 from atomicio import write_text
 from calibration import MIN_EXAMPLES, evaluate_policy
+from calibration.maps import Probe
+from calibration.probe import candidate_layers, map_features
 from calibration.profile import NAME_PATTERN, save_profile
 from calibration.reliability import reliability_diagram
 from calibration.report import (
@@ -66,8 +68,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
             f"{task.name}/{args.split} has {len(items)} items{limited}; a calibration profile "
             f"needs at least {MIN_EXAMPLES} labeled examples"
         )
+    methods = _methods(args)
     engine = load_engine(args, dtype=args.dtype)
-    scores = _judge_items(engine, task, args.split, items, task.choices, args.batch_size)
+    # The probe's candidate layers come from the same passes; nothing is asked otherwise.
+    num_layers = engine.configuration().get("num_layers")
+    layers = (
+        candidate_layers(num_layers)
+        if num_layers and (methods == "auto" or "probe" in methods)
+        else ()
+    )
+    scores = _judge_items(engine, task, args.split, items, task.choices, args.batch_size, layers)
     profile = fit_labeled(
         name,
         scores,
@@ -80,24 +90,41 @@ def run_calibrate(args: argparse.Namespace) -> int:
         alpha=args.alpha,
         values=task.values,
         max_std=args.max_std,
-        methods=args.methods,
+        methods=methods,
     )
     out = args.profiles_dir
     save_profile(profile, out / f"{name}.json")
     write_text(out / f"{name}.report.md", profile_markdown(profile))
     z, labels = scores.log_probabilities, scores.labels
+    x = map_features(profile.calibration_map, scores.features, scores.feature_layers)
     reliability_diagram(
         (softmax(z), labels),
-        (profile.calibration_map.apply(z), labels),
+        (profile.calibration_map.apply(z, x), labels),
         out / f"{name}.reliability.png",
         title=name,
     )
     fitted = profile.calibration_map
-    print(f"profile {name}: method {fitted.method}, temperature {fitted.temperature:.4f}")
+    if isinstance(fitted, Probe):
+        print(f"profile {name}: method probe, layer(s) {fitted.layers} of {fitted.num_layers}")
+    else:
+        print(f"profile {name}: method {fitted.method}, temperature {fitted.temperature:.4f}")
     print(profile.note)
     print(signal_markdown(profile.signal))
     assert profile.metrics_before is not None and profile.metrics_after is not None  # labeled
     print(metrics_table(profile.metrics_before, profile.metrics_after))
+    if profile.baseline is not None:
+        print(f"temperature scaling on the same split: {profile.baseline.note}")
+        base = profile.baseline.metrics_after
+        print(
+            f"accuracy {base.accuracy.value:.3f} vs {profile.metrics_after.accuracy.value:.3f} "
+            f"for the probe; NLL {base.nll.value:.4f} vs {profile.metrics_after.nll.value:.4f}; "
+            "certified threshold "
+            + (
+                "none"
+                if profile.baseline.threshold.threshold is None
+                else f"{profile.baseline.threshold.threshold:.3f}"
+            )
+        )
     t = profile.threshold
     if t.threshold is not None:
         print(f"threshold: {t.threshold:.3f}, coverage {t.coverage:.3f} (on the certify split)")
@@ -173,7 +200,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
     engine = load_engine(args, profile)
     # Before any item is judged: the task's choices and the engine must be the profile's.
     profile.check(engine, choices=task.choices)
-    scores = _judge_items(engine, task, args.split, items, profile.choices, args.batch_size)
+    scores = _judge_items(
+        engine, task, args.split, items, profile.choices, args.batch_size, profile.feature_layers
+    )
     evaluation = evaluate_policy(
         profile,
         scores.log_probabilities,
@@ -182,6 +211,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         threshold=args.threshold,
         min_choice_mass=args.min_choice_mass,
         max_std=args.max_std,
+        features=scores.features,
     )
     print(evaluation_markdown(evaluation))
     if args.report:
@@ -198,11 +228,32 @@ def _judge_items(
     items: Sequence[LabeledItem],
     choices: Sequence[str],
     batch_size: int,
+    feature_layers: Sequence[int] = (),
 ) -> LabeledScores:
-    """Judge ``items`` of ``task`` with a progress bar; score columns in ``choices`` order."""
+    """Judge ``items`` of ``task`` with a progress bar; score columns in ``choices`` order,
+    with the hidden states of ``feature_layers``."""
     from tqdm import tqdm
 
     with tqdm(total=len(items), desc=f"{task.name}/{split}", unit="item", file=sys.stderr) as bar:
         return judge_task_items(
-            engine, task, items, choices=choices, batch_size=batch_size, progress=bar.update
+            engine,
+            task,
+            items,
+            choices=choices,
+            batch_size=batch_size,
+            progress=bar.update,
+            feature_layers=feature_layers,
         )
+
+
+def _methods(args: argparse.Namespace) -> Sequence[str] | str:
+    """--method or --methods as ``fit_profile``'s methods; "auto" when neither is given."""
+    if args.method is not None and args.methods is not None:
+        raise UsageError("give --method or --methods, not both")
+    if args.methods is not None:
+        return list(args.methods)
+    if args.method in (None, "auto"):
+        return "auto"
+    if args.method == "bias_temperature":
+        return ["temperature", "bias_temperature"]
+    return [args.method]

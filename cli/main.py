@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from calibration import CalibrationError
+from calibration.probe import MIN_PROBE_EXAMPLES
 from cli.common import (
     DTYPES,
     UsageError,
@@ -121,11 +122,17 @@ def parser() -> argparse.ArgumentParser:
         help="score tasks: escalate when the calibrated std of the value exceeds this",
     )
     fit.add_argument(
+        "--method",
+        choices=["auto", "temperature", "bias_temperature", "probe"],
+        help="the calibration map: auto (default) chooses between temperature, "
+        "bias_temperature and probe (a learned head on the model's hidden state) by "
+        f"cross-validated NLL; the probe is tried from {MIN_PROBE_EXAMPLES} labeled examples",
+    )
+    fit.add_argument(
         "--methods",
         nargs="+",
-        choices=["temperature", "batch_temperature", "bias_temperature"],
-        help="labeled candidates chosen between by cross-validated NLL "
-        "(default: temperature bias_temperature)",
+        choices=["temperature", "batch_temperature", "bias_temperature", "probe"],
+        help="instead of --method: the labeled candidates chosen between by cross-validated NLL",
     )
     fit.add_argument(
         "--unlabeled",

@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import msgspec
 import numpy as np
@@ -70,6 +70,10 @@ class Configuration(TypedDict):
     response_prefix: str
     response_suffix: str
     system: str | None
+    # The shape of the hidden states ``feature_layers`` reads: a probe fitted on them applies
+    # only where both match. Engines without hidden states may leave them out.
+    num_layers: NotRequired[int | None]
+    hidden_size: NotRequired[int | None]
 
 
 class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -80,6 +84,10 @@ class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     system: str | None = None
     response_prefix: str | None = None
     response_suffix: str | None = None
+    # Layers whose hidden state at the decision point comes back in ``Judgment.features``:
+    # 1..num_layers, the residual stream after that many decoder blocks (num_layers: the last
+    # block's output after the final norm, as the LM head reads it). Empty: none, at no cost.
+    feature_layers: tuple[int, ...] = ()
 
 
 class Judgment(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,6 +109,10 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     forward_passes: int
     latency_ms: float  # wall time of the call that produced this judgment
     model: str
+    # For each of the query's ``feature_layers``: the hidden state (float32, hidden_size
+    # values) at the decision point, the position whose next-token logits the root reads.
+    # None when the query asked for none. A learned head (``calibration.Probe``) reads these.
+    features: dict[int, list[float]] | None = None
 
     @property
     def logits(self) -> dict[str, float]:
@@ -175,6 +187,7 @@ class _Prepared(msgspec.Struct, frozen=True):
     prompt: str
     prompt_tokens: int
     trie: ChoiceTrie
+    feature_layers: tuple[int, ...] = ()
 
 
 class Judge:
@@ -223,6 +236,8 @@ class Judge:
         bos = tokenizer.bos_token
         adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]
         self._plain_bos = str(bos) if adds_bos else ""
+        self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0) or None
+        self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0) or None
 
     @classmethod
     def load(
@@ -272,6 +287,8 @@ class Judge:
             response_prefix=self.response_prefix if response_prefix is None else response_prefix,
             response_suffix=self.response_suffix if response_suffix is None else response_suffix,
             system=self.system if system is None else system,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
         )
 
     def render(
@@ -314,14 +331,20 @@ class Judge:
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
+        feature_layers: Sequence[int] = (),
     ) -> Judgment:
-        """Judge one prompt; see ``Judgment`` for what comes back."""
+        """Judge one prompt; see ``Judgment`` for what comes back.
+
+        ``feature_layers``: the hidden-state layers to return in ``Judgment.features`` (a
+        probe profile's ``feature_layers``).
+        """
         query = Query(
             prompt=prompt,
             choices=choices,  # type: ignore[arg-type]  # validated in _prepare
             system=system,
             response_prefix=response_prefix,
             response_suffix=response_suffix,
+            feature_layers=tuple(feature_layers),
         )
         return self.judge_batch([query])[0]
 
@@ -393,6 +416,7 @@ class Judge:
         passes = [1] * len(rows)
         for chunk in self._chunks(rows):
             batch = [[p.trie for p in rows[i]] for i in chunk]
+            layers = sorted({n for i in chunk for p in rows[i] for n in p.feature_layers})
             if self.prefix_cache is not None and len(batch) > 1:
                 # Rows that share a head not cached yet (concurrent requests with one rubric):
                 # compute the head once, in a pass of its own, so that every row reads it.
@@ -401,9 +425,8 @@ class Judge:
                 if prefill(self.model, head[:shared], self.prefix_cache):
                     for i in chunk:
                         passes[i] = 2
-            for i, s in zip(
-                chunk, score_rows(self.model, batch, self._pad_id, self.prefix_cache), strict=True
-            ):
+            scored = score_rows(self.model, batch, self._pad_id, self.prefix_cache, layers)
+            for i, s in zip(chunk, scored, strict=True):
                 scores[i] = s
         latency_ms = (time.perf_counter() - start) * 1000
         return [
@@ -449,7 +472,32 @@ class Judge:
                 field=self._round_trip_field(query, suffix, choices),
             )
         trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
-        return _Prepared(choices, prompt, len(encoded.prompt_ids), trie)
+        layers = self._feature_layers(query.feature_layers)
+        return _Prepared(choices, prompt, len(encoded.prompt_ids), trie, layers)
+
+    def _feature_layers(self, layers: object) -> tuple[int, ...]:
+        """The query's feature layers, checked against the model's depth, without repeats."""
+        if not isinstance(layers, Sequence) or isinstance(layers, str):
+            raise InvalidQueryError(
+                f"feature_layers must be a list of layer numbers, got {type(layers).__name__}",
+                field="feature_layers",
+            )
+        if not layers:
+            return ()
+        if self.num_layers is None:
+            raise InvalidQueryError(
+                "this model does not say how many layers it has (no num_hidden_layers in its "
+                "config), so it cannot return hidden-state features; ask for none",
+                field="feature_layers",
+            )
+        for n in layers:
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.num_layers:
+                raise InvalidQueryError(
+                    f"feature layer {n!r} is not a layer of this model: give numbers from 1 to "
+                    f"{self.num_layers} (the residual stream after that many blocks)",
+                    field="feature_layers",
+                )
+        return tuple(sorted(set(layers)))
 
     def _round_trip_field(self, query: Query, suffix: str, choices: Sequence[str]) -> str | None:
         """The first field whose own text the tokenizer does not give back, if any does not."""
@@ -502,6 +550,9 @@ class Judge:
             forward_passes=passes,
             latency_ms=latency_ms,
             model=self.model_id,
+            features={n: scores.features[n].tolist() for n in prepared.feature_layers}
+            if prepared.feature_layers
+            else None,
         )
 
 

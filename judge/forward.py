@@ -19,9 +19,10 @@ tokens. The pass returns its own keys and values, and the row's plain prefix is 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,6 +45,8 @@ class TrieScores:
     node_logits: list[np.ndarray]  # per scored node: (n_children,) logits of its children
     root_mass: float  # full-vocabulary probability of the root's children
     cached_tokens: int = 0  # leading tokens of its row read from the prefix cache
+    # Per requested layer: the (H,) float32 hidden state at the root (the decision point).
+    features: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -175,9 +178,11 @@ def score_rows(
     rows: Sequence[Sequence[ChoiceTrie]],
     pad_id: int,
     cache: PrefixCache | None = None,
+    layers: Sequence[int] = (),
 ) -> list[list[TrieScores]]:
     """One forward pass; each batch row packs the tries of one inner list, sharing their
-    common context. Returns the logits each trie needs, in the same nesting."""
+    common context. Returns the logits each trie needs, in the same nesting, and each trie's
+    hidden state at its root for every one of ``layers`` (1..num_hidden_layers)."""
     head = model.get_output_embeddings()
     W = head.weight  # (V, H)
     bias = getattr(head, "bias", None)
@@ -189,19 +194,28 @@ def score_rows(
     fed = [_cut(r, p) for r, p in zip(full, past, strict=True)]
     packed = _pack(fed, pad_id, W.dtype, W.device, past)
 
+    tries = [t for r in rows for t in r]
+    flat_rows = [q for per_row in packed.query_rows for per_trie in per_row for q in per_trie]
+    # Each trie's root, the first of its scored nodes: the decision point.
+    first_node = np.cumsum([0] + [len(t.node_positions) for t in tries[:-1]]).tolist()
+    root_rows = torch.tensor([flat_rows[i] for i in first_node], device=W.device)  # (N,)
+
     decoder = model.get_decoder()
-    out = decoder(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids,
-        use_cache=cache is not None,
-        **_past(decoder, cache, chains, W.device),
-    )
+    inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
+    with _gather_rows(decoder, _num_layers(model), inner, root_rows) as gathered:
+        out = decoder(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+            use_cache=cache is not None,
+            **_past(decoder, cache, chains, W.device),
+        )
     if cache is not None:
         _store(cache, out, full, fed, chains, past, packed.input_ids.shape[1])
     hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
-    tries = [t for r in rows for t in r]
-    flat_rows = [q for per_row in packed.query_rows for per_trie in per_row for q in per_trie]
+    if len(inner) < len(layers):
+        gathered[_num_layers(model)] = hidden[root_rows].float()  # (N, H)
+    features = {n: g.cpu().numpy() for n, g in gathered.items()}  # each (N, H) float32
     h = hidden[flat_rows]  # (S, H) one row per scored node
 
     children = [c for t in tries for c in t.node_children]
@@ -215,7 +229,6 @@ def score_rows(
     child_logits = _finish_logits(model, child_logits)
 
     # The full vocabulary only at each root, for choice_mass.
-    first_node = np.cumsum([0] + [len(t.node_positions) for t in tries[:-1]]).tolist()
     root_logits = _finish_logits(model, head(h[first_node])).float()  # (N, V)
     root_logprobs = torch.log_softmax(root_logits, dim=-1)  # (N, V)
 
@@ -232,13 +245,61 @@ def score_rows(
         mass = float(torch.logsumexp(root_logprobs[n, root_children], dim=0).exp())
         # Rounding can push a mass of one a hair above it.
         scores.append(
-            TrieScores(node_logits=node_logits, root_mass=min(mass, 1.0), cached_tokens=cached[n])
+            TrieScores(
+                node_logits=node_logits,
+                root_mass=min(mass, 1.0),
+                cached_tokens=cached[n],
+                features={layer: f[n] for layer, f in features.items()},
+            )
         )
     nested, k = [], 0
     for r in rows:
         nested.append(scores[k : k + len(r)])
         k += len(r)
     return nested
+
+
+def _num_layers(model: PreTrainedModel) -> int:
+    return int(model.config.num_hidden_layers)
+
+
+def _blocks(decoder: torch.nn.Module, count: int) -> torch.nn.ModuleList:
+    """The decoder's list of blocks: ``layers`` in most models (``h`` in GPT-2 and others)."""
+    for child in decoder.children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) == count:
+            return child
+    raise NotImplementedError(
+        f"{type(decoder).__name__} has no list of {count} blocks to read hidden states from"
+    )
+
+
+@contextlib.contextmanager
+def _gather_rows(
+    decoder: torch.nn.Module, num_layers: int, layers: Sequence[int], rows: torch.Tensor
+) -> Iterator[dict[int, torch.Tensor]]:
+    """While in the block, each of ``layers`` (1-based) gives its output's ``rows`` of the
+    flattened (B*T, H) hidden states, in float32: only the rows read are kept, never the
+    full sequence of every layer that ``output_hidden_states`` would hold."""
+    gathered: dict[int, torch.Tensor] = {}
+    if not layers:
+        yield gathered
+        return
+    blocks = _blocks(decoder, num_layers)
+
+    def keep(layer: int) -> object:
+        def hook(module: torch.nn.Module, args: object, output: object) -> None:
+            h = output[0] if isinstance(output, tuple) else output
+            assert isinstance(h, torch.Tensor)
+            gathered[layer] = h.flatten(0, 1)[rows].float()  # (N, H)
+
+        return hook
+
+    handles = [blocks[n - 1].register_forward_hook(keep(n)) for n in layers]  # type: ignore[arg-type]
+    try:
+        yield gathered
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @torch.inference_mode()

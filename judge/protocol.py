@@ -56,8 +56,9 @@ class Engine(Protocol):
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
+        feature_layers: Sequence[int] = (),
     ) -> Judgment:
-        """Judge one prompt."""
+        """Judge one prompt; ``feature_layers`` come back as ``Judgment.features``."""
         ...
 
     def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:

@@ -368,7 +368,13 @@ class Service:
             "response_prefix": request.response_prefix,
             "response_suffix": request.response_suffix,
         }
-        queries = labeled_queries([e.prompt for e in request.examples], request.choices, **template)
+        queries = labeled_queries(
+            [e.prompt for e in request.examples],
+            request.choices,
+            system=request.system,
+            response_prefix=request.response_prefix,
+            response_suffix=request.response_suffix,
+        )
         sizes = await self._sizes(engine, queries)
         tokens = [self._check_size(s, f"examples[{i}].prompt") for i, s in enumerate(sizes)]
         judgments: list[Judgment] = []

@@ -50,6 +50,7 @@ __all__ = [
 _CONFIGURATION_KEYS = frozenset(
     {"model", "model_sha256", "dtype", "response_prefix", "response_suffix", "system"}
 )
+_OPTIONAL_KEYS = frozenset({"num_layers", "hidden_size"})  # engines with hidden states
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,18 @@ class LabeledScores:
         The choices' share of the model's full next-token distribution, per item.
     labels : np.ndarray, shape (n,), int64
         The index of each item's correct choice.
+    features : np.ndarray, shape (n, m, H), float32, optional
+        Each item's hidden state at the decision point for each of ``feature_layers`` (m of
+        them); None when none were asked for.
+    feature_layers : tuple of int
+        The layers of ``features``, in its order.
     """
 
     log_probabilities: np.ndarray
     choice_mass: np.ndarray
     labels: np.ndarray
+    features: np.ndarray | None = None
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         z = np.asarray(self.log_probabilities, dtype=np.float64)
@@ -87,6 +95,17 @@ class LabeledScores:
             raise ValueError(
                 f"labels must be indices in [0, {k}), got {labels.min()}..{labels.max()}"
             )
+        if self.features is not None:
+            f = np.asarray(self.features, dtype=np.float32)
+            if f.ndim != 3 or f.shape[:2] != (n, len(self.feature_layers)):
+                raise ValueError(
+                    f"features must have shape ({n}, {len(self.feature_layers)}, H) for layers "
+                    f"{list(self.feature_layers)}, got {f.shape}"
+                )
+            object.__setattr__(self, "features", f)
+        elif self.feature_layers:
+            raise ValueError(f"feature_layers {list(self.feature_layers)} given without features")
+        object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
         # Normalised copies: what is stored is what was checked.
         object.__setattr__(self, "log_probabilities", z)
         object.__setattr__(self, "choice_mass", mass)
@@ -103,10 +122,12 @@ def labeled_queries(
     system: str | None = None,
     response_prefix: str | None = None,
     response_suffix: str | None = None,
+    feature_layers: Sequence[int] = (),
 ) -> list[Query]:
     """One query per prompt, every one with the same choices and template.
 
-    None template fields take the engine's defaults, as in ``Engine.judge``.
+    None template fields take the engine's defaults, as in ``Engine.judge``;
+    ``feature_layers`` are the hidden-state layers each judgment returns.
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a sequence of strings, got a single str")
@@ -117,15 +138,21 @@ def labeled_queries(
             system=system,
             response_prefix=response_prefix,
             response_suffix=response_suffix,
+            feature_layers=tuple(feature_layers),
         )
         for prompt in prompts
     ]
 
 
 def scores_from_judgments(
-    judgments: Sequence[Judgment], labels: Sequence[str], choices: Sequence[str]
+    judgments: Sequence[Judgment],
+    labels: Sequence[str],
+    choices: Sequence[str],
+    feature_layers: Sequence[int] = (),
 ) -> LabeledScores:
     """Arrange judgments and their labels as arrays, columns in ``choices`` order.
+
+    With ``feature_layers``, every judgment must carry those layers' features.
 
     Parameters
     ----------
@@ -160,7 +187,30 @@ def scores_from_judgments(
             )
         z[i] = [judgment.log_probabilities[c] for c in choices]
     mass = np.array([j.choice_mass for j in judgments], dtype=np.float64)  # (n,)
-    return LabeledScores(log_probabilities=z, choice_mass=mass, labels=label_index)
+    features = None
+    if feature_layers:
+        features = np.empty(
+            (len(judgments), len(feature_layers), _hidden_size(judgments, feature_layers)),
+            dtype=np.float32,
+        )  # (n, m, H)
+        for i, judgment in enumerate(judgments):
+            for m, layer in enumerate(feature_layers):
+                features[i, m] = judgment.features[layer]  # type: ignore[index]
+    return LabeledScores(
+        log_probabilities=z,
+        choice_mass=mass,
+        labels=label_index,
+        features=features,
+        feature_layers=tuple(feature_layers),
+    )
+
+
+def _hidden_size(judgments: Sequence[Judgment], layers: Sequence[int]) -> int:
+    """The width of the judgments' features; TaskError if one lacks a layer."""
+    for i, judgment in enumerate(judgments):
+        if judgment.features is None or any(n not in judgment.features for n in layers):
+            raise TaskError(f"judgment {i} carries no features for layers {list(layers)}")
+    return len(judgments[0].features[layers[0]]) if judgments else 0  # type: ignore[index]
 
 
 def judge_labeled(
@@ -173,6 +223,9 @@ def judge_labeled(
     progress: Callable[[int], None] | None = None,
 ) -> LabeledScores:
     """Judge labeled queries ``batch_size`` at a time and arrange the scores as arrays.
+
+    The queries' ``feature_layers`` (the first query's; all must ask for the same) come back
+    as ``LabeledScores.features``.
 
     Each batch goes through ``engine.judge_batch``, so a bad item fails the run with its
     engine error: a calibration set with an unjudgeable item is a broken calibration set.
@@ -201,7 +254,8 @@ def judge_labeled(
         judgments.extend(engine.judge_batch(chunk))
         if progress is not None:
             progress(len(chunk))
-    return scores_from_judgments(judgments, labels, choices)
+    layers = queries[0].feature_layers if queries else ()
+    return scores_from_judgments(judgments, labels, choices, layers)
 
 
 def judge_task_items(
@@ -212,10 +266,15 @@ def judge_task_items(
     choices: Sequence[str] | None = None,
     batch_size: int = 8,
     progress: Callable[[int], None] | None = None,
+    feature_layers: Sequence[int] = (),
 ) -> LabeledScores:
     """``judge_labeled`` on a task's items, each prompt as ``task_prompt`` writes it; the
     columns follow ``choices`` (default: ``task.choices``)."""
-    queries = labeled_queries([task_prompt(task, item.text) for item in items], task.choices)
+    queries = labeled_queries(
+        [task_prompt(task, item.text) for item in items],
+        task.choices,
+        feature_layers=feature_layers,
+    )
     labels = [item.label for item in items]
     columns = task.choices if choices is None else choices
     return judge_labeled(engine, queries, labels, columns, batch_size=batch_size, progress=progress)
@@ -234,9 +293,12 @@ def fit_labeled(
     alpha: float = 0.1,
     values: Mapping[str, float] | None = None,
     max_std: float | None = None,
-    methods: Sequence[str] | None = None,
+    methods: Sequence[str] | str = "auto",
 ) -> CalibrationProfile:
     """Fit a calibration profile on ``scores``, for the engine that ``configuration`` describes.
+
+    A probe (``methods`` "auto" or with "probe") reads ``scores.features``: judge the items
+    with ``feature_layers=calibration.candidate_layers(num_layers)``.
 
     Parameters
     ----------
@@ -254,12 +316,12 @@ def fit_labeled(
         See ``calibration.fit_profile``.
     values, max_std : optional
         A score task's number per choice (a task's ``values``) and std bound.
-    methods : sequence of str, optional
-        ``fit_profile``'s labeled candidates (default: its own).
+    methods : sequence of str or "auto"
+        ``fit_profile``'s labeled candidates; "auto" (the default) tries the probe too where
+        ``scores`` carry features.
     """
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
-    from calibration.fitting import DEFAULT_METHODS
 
     _check_configuration(configuration)
     if scores.log_probabilities.shape[1] != len(choices):
@@ -281,14 +343,17 @@ def fit_labeled(
         alpha=alpha,
         values=values,
         max_std=max_std,
-        methods=DEFAULT_METHODS if methods is None else methods,
+        methods=methods,
+        features=scores.features,
+        feature_layers=scores.feature_layers,
     )
 
 
 def _check_configuration(configuration: Mapping[str, Any]) -> None:
     keys = set(configuration)
-    if keys != _CONFIGURATION_KEYS:
-        missing, extra = sorted(_CONFIGURATION_KEYS - keys), sorted(keys - _CONFIGURATION_KEYS)
+    if not _CONFIGURATION_KEYS <= keys <= _CONFIGURATION_KEYS | _OPTIONAL_KEYS:
+        missing = sorted(_CONFIGURATION_KEYS - keys)
+        extra = sorted(keys - _CONFIGURATION_KEYS - _OPTIONAL_KEYS)
         raise TypeError(
             f"configuration must be engine.configuration(...); missing {missing}, "
             f"unexpected {extra}"

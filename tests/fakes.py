@@ -94,8 +94,10 @@ class FakeEngine:
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
+        feature_layers: Sequence[int] = (),
     ) -> Judgment:
-        return self.judge_batch([Query(prompt=prompt, choices=list(choices))])[0]
+        query = Query(prompt=prompt, choices=list(choices), feature_layers=tuple(feature_layers))
+        return self.judge_batch([query])[0]
 
     def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
         return [self.judgment(as_query(q)) for q in queries]
