@@ -130,6 +130,14 @@ def main() -> None:
     print(summary_markdown(summary))
 
 
+# The two profiles fitted per task: the scalar maps alone (the default before learned heads)
+# and "auto", where a probe on the pass's hidden state competes (the default now).
+VARIANTS: dict[str, list[str] | str] = {
+    "scalar": ["temperature", "bias_temperature"],
+    "auto": "auto",
+}
+
+
 def report_task(
     judge: Judge,
     task: Task,
@@ -138,15 +146,39 @@ def report_task(
     digest: str,
     test: LabeledScores,
 ) -> dict[str, object]:
-    """Fit on the calibration split, evaluate the served policy on test, write the artifacts."""
+    """Fit both variants on the calibration split, evaluate each served policy on test, and
+    write the artifacts (the auto profile's under the task's name, the scalar one's with
+    ``.scalar``)."""
+    row: dict[str, object] = {
+        "task": task.name,
+        "n_calibration": len(fitted_on),
+        "n_test": len(test),
+    }
+    for variant, methods in VARIANTS.items():
+        row[variant] = report_variant(judge, task, args, fitted_on, digest, test, variant, methods)
+    return row
+
+
+def report_variant(
+    judge: Judge,
+    task: Task,
+    args: argparse.Namespace,
+    fitted_on: LabeledScores,
+    digest: str,
+    test: LabeledScores,
+    variant: str,
+    methods: list[str] | str,
+) -> dict[str, object]:
     import msgspec
 
     from calibration import evaluate_policy, save_profile
+    from calibration.probe import map_features
     from calibration.reliability import reliability_diagram
     from calibration.report import profile_markdown
     from calibration.scaling import softmax
     from tasks import fit_labeled
 
+    start = time.perf_counter()
     profile = fit_labeled(
         task.name,
         fitted_on,
@@ -156,40 +188,52 @@ def report_task(
         dataset_sha256=digest,
         target_precision=args.target_precision,
         delta=args.delta,
+        methods=methods,
     )
+    fit_s = time.perf_counter() - start
+    # Columns are in task.choices order, which is profile.choices.
+    x = map_features(profile.calibration_map, test.features, test.feature_layers)
+    layers = profile.feature_layers
+    features = None
+    if layers and test.features is not None:
+        features = test.features[:, [test.feature_layers.index(n) for n in layers], :]
     evaluation = evaluate_policy(
-        profile, test.log_probabilities, test.labels, test.choice_mass
-    )  # columns are in task.choices order, which is profile.choices
+        profile, test.log_probabilities, test.labels, test.choice_mass, features=features
+    )
     out = args.out
-    save_profile(profile, out / f"{task.name}.json")
-    write_text(out / f"{task.name}.report.md", profile_markdown(profile, evaluation))
+    stem = task.name if variant == "auto" else f"{task.name}.{variant}"
+    save_profile(profile, out / f"{stem}.json")
+    write_text(out / f"{stem}.report.md", profile_markdown(profile, evaluation))
     write_text(
-        out / f"{task.name}.test.json",
+        out / f"{stem}.test.json",
         msgspec.json.format(msgspec.json.encode(evaluation)).decode(),
     )
     z = test.log_probabilities
     reliability_diagram(
         (softmax(z), test.labels),
-        (profile.calibration_map.apply(z), test.labels),
-        out / f"{task.name}.reliability.png",
-        title=f"{task.name} (test split)",
+        (profile.calibration_map.apply(z, x), test.labels),
+        out / f"{stem}.reliability.png",
+        title=f"{task.name} (test split, {profile.calibration_map.method})",
     )
     t = profile.threshold
+    m = profile.calibration_map
     return {
-        "task": task.name,
-        "n_calibration": profile.n_examples,
-        "n_test": evaluation.n,
-        "method": profile.calibration_map.method,
-        "temperature": profile.calibration_map.temperature,
+        "method": m.method,
+        "layers": list(layers),
+        "temperature": m.temperature,
+        "fit_seconds": fit_s,
+        "profile_bytes": len(msgspec.json.encode(profile)),
         "accuracy": evaluation.after.accuracy.value,
         "nll_before": evaluation.before.nll.value,
         "nll_after": evaluation.after.nll.value,
         "ece_before": evaluation.before.ece.value,
         "ece_after": evaluation.after.ece.value,
         "ece_noise_floor": evaluation.after.ece_noise_floor,
+        "beats_prior": evaluation.signal.beats_prior,
         "feasible": t.threshold is not None,
         "threshold": t.threshold,
         "infeasible_reason": None if t.threshold is not None else t.reason,
+        "split": [profile.split.fit, profile.split.conformal, profile.split.certify],
         "min_choice_mass": evaluation.min_choice_mass,
         "test_coverage": evaluation.coverage,
         "test_precision": evaluation.precision,
@@ -197,36 +241,59 @@ def report_task(
         "escalations": evaluation.escalations,
         "conformal_coverage": evaluation.conformal_coverage,
         "mean_set_size": evaluation.mean_set_size,
+        "baseline": None
+        if evaluation.baseline is None
+        else {
+            "accuracy": evaluation.baseline.after.accuracy.value,
+            "threshold": evaluation.baseline.threshold,
+            "test_coverage": evaluation.baseline.coverage,
+            "test_precision": evaluation.baseline.precision,
+        },
     }
 
 
 def summary_markdown(summary: dict[str, object]) -> str:
+    target = summary["target_precision"]
     lines = [
         f"# Calibration on the shared datasets ({summary['model']}, {summary['dtype']})",
         "",
         f"Fitted on each calibration split; the served policy (threshold, choice mass, "
         f"single-choice conformal set) measured on the test split. Threshold: target "
-        f"precision {summary['target_precision']} at delta {summary['delta']}."
+        f"precision {target} at delta {summary['delta']}. Two profiles per task: the scalar "
+        "maps (temperature or bias + temperature, 3:2:5 split) and auto (a probe on the pass's "
+        "hidden state competes; 5:1:4 split when it does)."
         + (f" First {summary['limit']} items per split only." if summary["limit"] else ""),
         "",
-        "| task | n cal/test | method | T | accuracy | NLL before → after | ECE before → after (floor) | threshold | test coverage | test precision | escalated by reason | conformal cov / size |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| task | n cal/test | profile | map | accuracy | NLL after | ECE after (floor) | threshold | test coverage | test precision | escalated by reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in summary["tasks"]:  # type: ignore[attr-defined]
-        threshold = f"{r['threshold']:.2f}" if r["feasible"] else "none certified"
-        precision = "-" if r["test_precision"] is None else f"{r['test_precision']:.3f}"
-        escalated = ", ".join(f"{k} {v}" for k, v in r["escalations"].items()) or "-"
-        lines.append(
-            f"| {r['task']} | {r['n_calibration']}/{r['n_test']} | {r['method']} | {r['temperature']:.2f} "
-            f"| {r['accuracy']:.3f} | {r['nll_before']:.3f} → {r['nll_after']:.3f} "
-            f"| {r['ece_before']:.3f} → {r['ece_after']:.3f} ({r['ece_noise_floor']:.3f}) "
-            f"| {threshold} | {r['test_coverage']:.3f} | {precision} | {escalated} "
-            f"| {r['conformal_coverage']:.3f} / {r['mean_set_size']:.2f} |"
-        )
-    infeasible = [r for r in summary["tasks"] if not r["feasible"]]  # type: ignore[attr-defined]
-    if infeasible:
-        lines += ["", "No certified threshold (every test item escalates):"]
-        lines += [f"- {r['task']}: {r['infeasible_reason']}" for r in infeasible]
+    tasks: list[dict[str, object]] = summary["tasks"]  # type: ignore[assignment]
+    for row in tasks:
+        for variant in VARIANTS:
+            r: dict[str, object] = row[variant]  # type: ignore[assignment]
+            threshold = f"{r['threshold']:.2f}" if r["feasible"] else "none certified"
+            precision = "-" if r["test_precision"] is None else f"{r['test_precision']:.3f}"
+            escalated = ", ".join(f"{k} {v}" for k, v in r["escalations"].items()) or "-"  # type: ignore[attr-defined]
+            method = str(r["method"])
+            if r["layers"]:
+                method += f" (layer {', '.join(map(str, r['layers']))})"  # type: ignore[call-overload]
+            lines.append(
+                f"| {row['task']} | {row['n_calibration']}/{row['n_test']} | {variant} | {method} "
+                f"| {r['accuracy']:.3f} | {r['nll_after']:.3f} "
+                f"| {r['ece_after']:.3f} ({r['ece_noise_floor']:.3f}) "
+                f"| {threshold} | {r['test_coverage']:.3f} | {precision} | {escalated} |"
+            )
+    opened = [
+        row["task"]
+        for row in tasks
+        if row["auto"]["feasible"]  # type: ignore[index]
+        and (row["auto"]["test_precision"] or 0) >= target  # type: ignore[index, operator]
+    ]
+    lines += [
+        "",
+        f"Certified with test precision >= {target} (auto): {len(opened)} of {len(tasks)} "
+        f"tasks ({', '.join(map(str, opened)) or 'none'}).",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,8 @@ and Spearman correlation, each with a paired bootstrap 95% interval (1000 resamp
 items; the same resamples for every row), and the interval of the difference expected minus
 most likely. Rows: the raw probabilities; a labeled profile fitted on the calibration split
 (``calibration.fit_profile`` with the task's values; labels are the rounded ratings); and
-label-free batch calibration fitted on the calibration split's texts. The judgments are the
+label-free batch calibration fitted on the calibration split's texts; and the same labeled fit
+with a probe on the pass's hidden state competing ("auto"). The judgments are the
 cached per-choice log-probabilities of bench_calibration.py (judged once if missing).
 
     python benchmarks/bench_scores.py [--resamples 1000]
@@ -84,6 +85,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from calibration import estimate_prior, fit_profile, prior_correction
+    from calibration.probe import candidate_layers, map_features
     from calibration.scaling import softmax
     from judge import Judge
     from tasks import load_split, load_task
@@ -92,8 +94,9 @@ def main() -> None:
     assert task.values is not None, "sts_images/task.json has values"
     judge = Judge.load(dtype=args.dtype)
     start = time.perf_counter()
-    cal, digest = cached_scores(judge, task, "calibration", None, args.cache)
-    test, _ = cached_scores(judge, task, "test", None, args.cache)
+    layers = candidate_layers(judge.num_layers or 0)
+    cal, digest = cached_scores(judge, task, "calibration", None, args.cache, layers)
+    test, _ = cached_scores(judge, task, "test", None, args.cache, layers)
     items, _ = load_split(task, "test")
     rows = [json.loads(line) for line in (Path(task.path) / "test.jsonl").read_text().splitlines()]
     by_id = {str(r["id"]): float(r["score"]) for r in rows}
@@ -111,13 +114,33 @@ def main() -> None:
         dataset_sha256=digest,
         values=task.values,
     )
+    # The same fit with a probe on the pass's hidden state competing (the default, "auto").
+    probed = fit_profile(
+        "sts_images",
+        cal.log_probabilities,
+        cal.labels,
+        task.choices,
+        choice_mass=cal.choice_mass,
+        **judge.configuration(),
+        dataset="sts_images/calibration",
+        dataset_sha256=digest,
+        values=task.values,
+        methods="auto",
+        features=cal.features,
+        feature_layers=cal.feature_layers,
+    )
     batch = prior_correction(estimate_prior(cal.log_probabilities))
     z = test.log_probabilities
+    probe_map = probed.calibration_map
+    probe_name = f"auto ({probe_map.method}" + (
+        f", layer {', '.join(map(str, probed.feature_layers))})" if probed.feature_layers else ")"
+    )
     variants = {
         "raw": softmax(z),
         f"calibrated ({profile.calibration_map.method}, T={profile.calibration_map.temperature:.3g})": profile.calibration_map.apply(
             z
         ),
+        probe_name: probe_map.apply(z, map_features(probe_map, test.features, test.feature_layers)),
         "batch (label-free)": batch.apply(z),
     }
     results = []
@@ -146,6 +169,8 @@ def main() -> None:
         "resamples": args.resamples,
         "profile_note": profile.note,
         "signal": None if profile.signal is None else profile.signal.verdict,
+        "auto_note": probed.note,
+        "auto_signal": None if probed.signal is None else probed.signal.verdict,
         "rows": results,
         "seconds": round(time.perf_counter() - start, 1),
     }
@@ -178,6 +203,10 @@ def markdown(summary: dict[str, object]) -> str:
         f"Calibrated profile: {summary['profile_note']}",
         "",
         f"Signal: {summary['signal']}",
+        "",
+        f"Auto profile (probe competing): {summary['auto_note']}",
+        "",
+        f"Signal: {summary['auto_signal']}",
     ]
     return "\n".join(lines)
 

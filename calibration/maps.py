@@ -132,17 +132,29 @@ class Probe(_Map, frozen=True, tag="probe"):
     def __post_init__(self) -> None:
         k, width = len(self.intercept), self.width
         problems = []
-        if len(set(self.layers)) != len(self.layers) or max(self.layers) > self.num_layers:
+        # The types' bounds hold for a decoded probe; these recheck them for one built in code.
+        if (
+            not self.layers
+            or min(self.layers) < 1
+            or len(set(self.layers)) != len(self.layers)
+            or max(self.layers) > self.num_layers
+        ):
             problems.append(
                 f"calibration_map.layers {self.layers!r} must be distinct layers of the "
-                f"{self.num_layers} the probe was fitted on"
+                f"{self.num_layers} the probe was fitted on (1 to {self.num_layers})"
             )
-        if len(self.weights) != k or any(len(row) != width for row in self.weights):
-            shape = (len(self.weights), len({len(r) for r in self.weights}))
+        if self.feature_dim < 1:
+            problems.append(f"calibration_map.feature_dim must be >= 1, got {self.feature_dim}")
+        if k < 2:
             problems.append(
-                f"calibration_map.weights must be {k} rows (one per choice) of {width} numbers "
-                f"({len(self.layers)} layers x {self.feature_dim} + {k} log-probabilities); "
-                f"got {shape[0]} rows of {sorted({len(r) for r in self.weights})} numbers"
+                f"calibration_map.intercept must hold one number per choice (at least 2), got {k}"
+            )
+        elif len(self.weights) != k or any(len(row) != width for row in self.weights):
+            problems.append(
+                f"calibration_map.weights must be {k} rows (one per entry of "
+                f"calibration_map.intercept) of {width} numbers ({len(self.layers)} layers x "
+                f"{self.feature_dim} + {k} log-probabilities); got {len(self.weights)} rows of "
+                f"{sorted({len(r) for r in self.weights})} numbers"
             )
         elif k * width > MAX_PROBE_WEIGHTS:
             problems.append(
@@ -187,7 +199,14 @@ class Probe(_Map, frozen=True, tag="probe"):
                 f"this probe reads the hidden state of layer(s) {self.layers}: judge with "
                 f"feature_layers={self.layers} and pass the judgment's features",
             )
-        x = np.asarray(features, dtype=np.float64).reshape(z.shape[0], -1)
+        x = np.asarray(features, dtype=np.float64)
+        x = x[None, :] if x.ndim == 1 else x  # (n, m*H)
+        if x.ndim != 2 or x.shape[0] != z.shape[0]:
+            # Reshaping instead would silently deal one item's features out to several rows.
+            raise ValueError(
+                f"features must be ({z.shape[0]}, m * H), one row per row of the logits, "
+                f"got shape {np.shape(features)}"
+            )
         if x.shape[1] != len(self.layers) * self.feature_dim:
             raise ProfileMismatchError(
                 "hidden_size",

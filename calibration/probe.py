@@ -108,6 +108,14 @@ def fit_probe_weights(
     choosing it, while the choices' own log-probabilities still order the rest.
     """
     inputs = np.concatenate([x, z], axis=1)  # (n, d + k)
+    present = np.unique(labels)
+    if present.shape[0] == 1:
+        # One class only (a cross-validation fold of a rare class, say): logistic regression
+        # cannot fit it, and the head has learned nothing but that class. The others sit
+        # 10 nats below it, as an absent class does.
+        bias = np.full(k, -10.0)
+        bias[present[0]] = 0.0
+        return np.zeros((k, inputs.shape[1])), bias
     scaler = StandardScaler().fit(inputs)
     model = LogisticRegression(C=c, max_iter=2000, tol=1e-6)
     model.fit(scaler.transform(inputs), labels)

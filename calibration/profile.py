@@ -35,7 +35,7 @@ from calibration.errors import (
     ValuesError,
 )
 from calibration.label_free import LabelFree
-from calibration.maps import CalibrationMap, Identity, Probe, Temperature
+from calibration.maps import BiasTemperature, CalibrationMap, Identity, Probe, Temperature
 from calibration.metrics import MetricReport
 from calibration.policy import (
     Decision,
@@ -91,13 +91,14 @@ class DataSplit(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Baseline(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Temperature scaling, fitted and certified on the same split as the profile's probe.
+    """The scalar maps (temperature, or bias + temperature), fitted and certified on the same
+    split as the profile's probe.
 
     What a profile whose map is a learned head would be without it, kept so that a report or
     an evaluation shows what the probe bought on the same items.
     """
 
-    calibration_map: Identity | Temperature
+    calibration_map: Identity | Temperature | BiasTemperature
     note: str
     conformal_quantile: Annotated[float, Meta(ge=0.0, le=1.0)]
     threshold: ThresholdResult
@@ -159,7 +160,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # by every fit; a probe applies only where both match.
     num_layers: Annotated[int, Meta(ge=1)] | None = None
     hidden_size: Annotated[int, Meta(ge=1)] | None = None
-    # For a probe: temperature scaling on the same split, for comparison; None otherwise.
+    # For a probe: the scalar maps fitted on the same split, for comparison; None otherwise.
     baseline: Baseline | None = None
 
     def __post_init__(self) -> None:
@@ -246,7 +247,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         return tuple(probe.layers) if isinstance(probe, Probe) else ()
 
     def baseline_profile(self) -> CalibrationProfile | None:
-        """This profile with its temperature baseline in place of the probe, to compare."""
+        """This profile with its scalar baseline in place of the probe, to compare."""
         b = self.baseline
         if b is None:
             return None

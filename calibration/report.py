@@ -97,15 +97,18 @@ def _map_line(profile: CalibrationProfile) -> str:
 
 
 def _baseline_markdown(profile: CalibrationProfile) -> str:
-    """The probe against temperature scaling fitted and certified on the same split."""
+    """The probe against the scalar maps fitted and certified on the same split."""
     b, after = profile.baseline, profile.metrics_after
     assert b is not None and after is not None
     rows = [
         ("probe", after, profile.threshold, profile.calibration_map.method),
-        ("temperature scaling", b.metrics_after, b.threshold, b.calibration_map.method),
+        ("scalar map", b.metrics_after, b.threshold, b.calibration_map.method),
     ]
     lines = [
         "## What the labels bought: the probe against temperature scaling on the same split",
+        "",
+        "Temperature scaling means the scalar maps: temperature, or bias + temperature, "
+        "whichever wins on cross-validated NLL, as a profile without a probe would be.",
         "",
         "| map | accuracy | NLL | ECE | certified threshold | coverage (certify split) |",
         "|---|---|---|---|---|---|",
@@ -120,7 +123,7 @@ def _baseline_markdown(profile: CalibrationProfile) -> str:
 
 
 def comparison_markdown(evaluation: PolicyEvaluation) -> str:
-    """The served policy against its temperature baseline on the same held-out items."""
+    """The served policy against its scalar-map baseline on the same held-out items."""
     e, b = evaluation, evaluation.baseline
     if b is None:
         return ""
@@ -128,7 +131,7 @@ def comparison_markdown(evaluation: PolicyEvaluation) -> str:
         "| served policy | accuracy | NLL | ECE | threshold | coverage | precision |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, x in ((f"{e.method} (the profile)", e), ("temperature baseline", b)):
+    for name, x in ((f"{e.method} (the profile)", e), (f"{b.method} (baseline)", b)):
         threshold = "none" if x.threshold is None else f"{x.threshold:.3f}"
         precision = "-" if x.precision is None else f"{x.precision:.4f}"
         lines.append(

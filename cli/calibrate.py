@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from atomicio import write_text
 from calibration import MIN_EXAMPLES, evaluate_policy
 from calibration.maps import Probe
-from calibration.probe import candidate_layers, map_features
+from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
 from calibration.profile import NAME_PATTERN, save_profile
 from calibration.reliability import reliability_diagram
 from calibration.report import (
@@ -69,6 +69,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
             f"needs at least {MIN_EXAMPLES} labeled examples"
         )
     methods = _methods(args)
+    if "probe" in methods and methods != "auto" and len(items) < MIN_PROBE_EXAMPLES:
+        raise UsageError(
+            f"method probe needs at least {MIN_PROBE_EXAMPLES} labeled examples, and "
+            f"{task.name}/{args.split} has {len(items)}: use --method auto (temperature "
+            "scaling below that) or give more examples"
+        )
     engine = load_engine(args, dtype=args.dtype)
     # The probe's candidate layers come from the same passes; nothing is asked otherwise.
     num_layers = engine.configuration().get("num_layers")
@@ -113,7 +119,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     assert profile.metrics_before is not None and profile.metrics_after is not None  # labeled
     print(metrics_table(profile.metrics_before, profile.metrics_after))
     if profile.baseline is not None:
-        print(f"temperature scaling on the same split: {profile.baseline.note}")
+        print(f"the scalar maps on the same split: {profile.baseline.note}")
         base = profile.baseline.metrics_after
         print(
             f"accuracy {base.accuracy.value:.3f} vs {profile.metrics_after.accuracy.value:.3f} "

@@ -193,6 +193,7 @@ def test_bench_calibration_quick(tmp_path: Path) -> None:
         "sms_spam.json",
         "sms_spam.report.md",
         "sms_spam.reliability.png",
+        "sms_spam.scalar.json",
         "summary.md",
     } <= names
 

@@ -161,3 +161,85 @@ def test_levels_must_be_strictly_between_0_and_1(
     with pytest.raises(SystemExit):
         main(["calibrate", "--task", str(tmp_path), option, "1"])
     assert "strictly between 0 and 1" in capsys.readouterr().err
+
+
+SST2 = SMS.parent / "sst2"
+
+
+@pytest.fixture(scope="module")
+def probe_profile(tmp_path_factory: pytest.TempPathFactory, judge: Judge) -> Path:
+    """A probe fitted by `judge calibrate --method probe` on the first 120 sst2 items."""
+    profiles = tmp_path_factory.mktemp("probe")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Judge, "load", staticmethod(lambda model=None, **options: judge))
+        args = ["calibrate", "--task", str(SST2), "--limit", "120", "--method", "probe"]
+        assert main([*args, "--profiles-dir", str(profiles)]) == 0
+    return profiles / "sst2.json"
+
+
+@needs_data
+def test_calibrate_fits_a_probe_and_compares_it_with_temperature(
+    probe_profile: Path, judge: Judge
+) -> None:
+    profile = load_profile(probe_profile)
+    probe = profile.calibration_map
+    assert probe.method == "probe" and profile.feature_layers
+    assert profile.num_layers == judge.num_layers and profile.hidden_size == judge.hidden_size
+    assert profile.split.fit == 60 and profile.split.certify == 48  # the probe's 5:1:4 split
+    assert profile.baseline is not None and profile.baseline.calibration_map.method in (
+        "none",
+        "temperature",
+        "bias_temperature",
+    )
+    report = probe_profile.with_suffix(".report.md").read_text()
+    assert "**probe**" in report and "What the labels bought" in report
+
+
+@needs_data
+def test_ask_and_evaluate_decide_with_the_probe(
+    probe_profile: Path,
+    session_model: list[dict[str, Any]],
+    judge: Judge,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tasks import load_task, task_prompt
+
+    profile = load_profile(probe_profile)
+    task = load_task(SST2)
+    prompt = task_prompt(task, "a gorgeous, witty and deeply moving film.")
+    expected = profile.decide(
+        judge.judge(prompt, profile.choices, feature_layers=profile.feature_layers)
+    )
+    assert main(["ask", prompt, "--profile", str(probe_profile)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    # The prefix cache may be warm for one and cold for the other: float rounding apart.
+    assert answer["probabilities"] == pytest.approx(expected.probabilities, abs=1e-6)
+    assert answer["decision"] == expected.decision
+
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(json.dumps({"prompt": prompt}) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["ask", "--input", str(lines), "--output", str(out), "--profile", str(probe_profile)]
+    assert main(args) == 0
+    row = json.loads(out.read_text())
+    assert row["probabilities"] == pytest.approx(expected.probabilities, abs=1e-6)
+
+    result = tmp_path / "eval.json"
+    args = ["evaluate", "--task", str(SST2), "--limit", "24", "--profile", str(probe_profile)]
+    assert main([*args, "--json", str(result)]) == 0
+    printed = capsys.readouterr().out
+    assert "(baseline)" in printed
+    evaluation = json.loads(result.read_text())
+    assert evaluation["method"] == "probe" and evaluation["baseline"]["n"] == 24
+
+
+@needs_data
+def test_a_probe_on_too_few_examples_is_refused_before_loading(
+    session_model: list[dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["calibrate", "--task", str(SST2), "--limit", "60", "--method", "probe"]
+    assert main([*args, "--profiles-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "method probe needs at least 100 labeled examples" in err and "has 60" in err
+    assert session_model == [] and list(tmp_path.iterdir()) == []
