@@ -58,6 +58,7 @@ from scipy import stats
 from calibration.conformal import conformal_quantile
 from calibration.errors import FitError
 from calibration.label_free import LabelFree, estimate_prior, prior_correction
+from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.metrics import MetricReport, evaluate
 from calibration.policy import Policy, check_max_std
 from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features
@@ -328,7 +329,9 @@ def fit_profile(
         raise ValueError(f"log_probabilities must have shape (n, {len(choices)}), got {z.shape}")
     _check_classes(check_labels(y, z.shape[0], z.shape[1]), choices)
     z, labels = _check(z, y, choices, MIN_EXAMPLES)
-    candidates, skipped = resolve_methods(methods, z.shape[0], features is not None)
+    # The weights a probe would hold: k rows of one layer's width plus the k log-probabilities.
+    weights = None if features is None else len(choices) * (np.shape(features)[-1] + len(choices))
+    candidates, skipped = resolve_methods(methods, z.shape[0], weights)
     options = {
         "target_precision": target_precision,
         "delta": delta,
@@ -425,27 +428,34 @@ def fit_profile(
 
 
 def resolve_methods(
-    methods: Sequence[str] | str, n: int, has_features: bool
+    methods: Sequence[str] | str, n: int, probe_weights: int | None
 ) -> tuple[tuple[str, ...], str]:
     """The candidate methods, and a note for the profile when "auto" could not try the probe.
 
-    "auto" is every labeled method, the probe included where features were given and there are
-    at least ``MIN_PROBE_EXAMPLES``; otherwise it falls back to the scalar maps and says why.
+    "auto" is every labeled method, the probe included where features were given (a probe on
+    them would hold ``probe_weights`` weights; None: no features), within ``MAX_PROBE_WEIGHTS``,
+    and there are at least ``MIN_PROBE_EXAMPLES``; otherwise it falls back to the scalar maps
+    and says why.
     """
     if isinstance(methods, str):
         if methods != "auto":
             raise ValueError(
                 f"methods must be a sequence of method names or 'auto', got {methods!r}"
             )
-        if not has_features:
+        if probe_weights is None:
             return DEFAULT_METHODS, "; probe not tried: no hidden-state features were given"
         if n < MIN_PROBE_EXAMPLES:
             return DEFAULT_METHODS, (
                 f"; probe not tried: {n} labeled examples, fewer than the {MIN_PROBE_EXAMPLES} "
                 "it needs (temperature scaling instead)"
             )
+        if probe_weights > MAX_PROBE_WEIGHTS:
+            return DEFAULT_METHODS, (
+                f"; probe not tried: it would hold {probe_weights} weights, over the limit of "
+                f"{MAX_PROBE_WEIGHTS} a profile may hold (temperature scaling instead)"
+            )
         return AUTO_METHODS, ""
-    if "probe" in methods and not has_features:
+    if "probe" in methods and probe_weights is None:
         raise FitError(
             "method 'probe' needs the hidden-state features of the examples (judge them with "
             "feature_layers)"

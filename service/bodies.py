@@ -19,7 +19,7 @@ __all__ = ["BodyError", "decode_body"]
 T = TypeVar("T")
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
-_INT_GOT_FLOAT = "Expected `int`, got `float`"
+_INT_GOT_FLOAT = re.compile(r"Expected `int( \| null)?`, got `float`")  # optional ints too
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]+)`")
 _MISSING = re.compile(r"Object missing required field `([^`]+)`")
 
@@ -56,7 +56,7 @@ def decode_body(body: bytes, content_type: str | None, type_: type[T]) -> T:
         try:
             return msgspec.json.decode(body, type=type_, strict=True)
         except msgspec.ValidationError as exc:
-            if not str(exc).startswith(_INT_GOT_FLOAT):
+            if not _INT_GOT_FLOAT.match(str(exc)):
                 raise
             # JSON Schema's integer is any number without a fraction, 2433.0 included; strict
             # msgspec wants 2433. Decode again with such numbers as ints (a float field

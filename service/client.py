@@ -59,6 +59,7 @@ from service.schemas import (
     BatchRequest,
     BatchResponse,
     ErrorBody,
+    FitMethod,
     FitRequest,
     JudgeRequest,
     JudgeResponse,
@@ -73,6 +74,7 @@ __all__ = [
     "CalibrationProfile",
     "ClientError",
     "ErrorBody",
+    "FitMethod",
     "GateResult",
     "JudgeClient",
     "JudgeOptions",
@@ -498,12 +500,15 @@ class JudgeClient(_Base):
         target_precision: float = 0.9,
         delta: float = 0.1,
         alpha: float = 0.1,
+        method: FitMethod = "auto",
         timeout: float | None = None,
     ) -> CalibrationProfile:
         """``POST /profiles/{name}/fit`` on (prompt, label) pairs; the server keeps the profile.
 
-        Fitting judges every example, so give a ``timeout`` that fits their number. It is
-        retried on a 503 (no work was done) but not when no answer came back.
+        ``method`` is ``FitRequest.method``: "auto" (the default), "temperature",
+        "bias_temperature" or "probe" (a learned head on the model's hidden state; at least
+        100 examples). Fitting judges every example, so give a ``timeout`` that fits their
+        number. It is retried on a 503 (no work was done) but not when no answer came back.
         """
         request = _fit_request(
             choices,
@@ -514,6 +519,7 @@ class JudgeClient(_Base):
             target_precision=target_precision,
             delta=delta,
             alpha=alpha,
+            method=method,
         )
         return _decode(self._send(self._fit_call(name, request, timeout)), CalibrationProfile)
 
@@ -695,6 +701,7 @@ class AsyncJudgeClient(_Base):
         target_precision: float = 0.9,
         delta: float = 0.1,
         alpha: float = 0.1,
+        method: FitMethod = "auto",
         timeout: float | None = None,
     ) -> CalibrationProfile:
         """``JudgeClient.fit``, awaited."""
@@ -707,6 +714,7 @@ class AsyncJudgeClient(_Base):
             target_precision=target_precision,
             delta=delta,
             alpha=alpha,
+            method=method,
         )
         response = await self._send(self._fit_call(name, request, timeout))
         return _decode(response, CalibrationProfile)

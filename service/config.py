@@ -36,6 +36,10 @@ class ServiceConfig:
     read_timeout_s: float = 30.0  # the longest a client may take to send its body
     api_key: str | None = None
     max_body_bytes: int = 1_000_000
+    # PUT /profiles/{name} only: a probe profile may hold MAX_PROBE_WEIGHTS (2**18) weights,
+    # about 6 MB of compact JSON (8 MB pretty-printed), far over max_body_bytes. Larger
+    # bodies get a 413 that names this limit.
+    max_profile_bytes: int = 16 * 2**20
     default_threshold: float = 0.9  # used when neither the request nor a profile sets one
     min_choice_mass: float = 0.0  # escalate below this; 0 disables the check
     # The two defaults above, as the policy takes them; built once, here.
@@ -51,6 +55,7 @@ class ServiceConfig:
             "max_jobs",
             "max_request_tokens",
             "max_body_bytes",
+            "max_profile_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -24,6 +24,7 @@ designed, and logging each would flood the log exactly when the server is under 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
 from calibration import (
+    CalibrationProfile,
     ProfileError,
     ProfileMismatchError,
     ProfileNotFoundError,
@@ -86,7 +88,9 @@ STATUS: list[tuple[type[Exception], int, str | None]] = [
     (ChoicesError, 400, "choices"),
     (InvalidQueryError, 422, "prompt"),  # schema-valid, refused by the engine (e.g. values)
     (JudgeError, 422, "prompt"),  # too long for the model, or a tokenizer that cannot round-trip
-    (RuleError, 422, "body"),  # an uploaded profile that fits the schema but breaks a rule
+    # An uploaded profile that fits the schema but breaks a rule: the field its message
+    # starts with ("calibration_map.weights must be ..."), else the body (see _rule_field).
+    (RuleError, 422, "body"),
     (ValuesError, 422, "values"),  # a score's values or max_std that do not fit the choices
     (PreconditionFailedError, 412, None),  # names the header: If-Match or If-None-Match
     (ProfileNotFoundError, 404, "profile"),
@@ -104,7 +108,7 @@ def error_body(exc: Exception) -> tuple[int, dict[str, Any]]:
         return exc.status, {"status_code": exc.status, "detail": str(exc), "field": exc.field}
     for cls, status, field_name in STATUS:
         if isinstance(exc, cls):
-            name = getattr(exc, "field", None) or field_name
+            name = getattr(exc, "field", None) or _rule_field(exc) or field_name
             detail = str(exc)
             if isinstance(exc, TimeoutError) and not isinstance(exc, DeadlineError):
                 detail = "the request timed out waiting for the model; retry later"
@@ -115,6 +119,25 @@ def error_body(exc: Exception) -> tuple[int, dict[str, Any]]:
                 body["field"] = name
             return status, body
     return 500, {"status_code": 500, "detail": "Internal Server Error"}
+
+
+# A rule's message starts with the field it is about, as a path: "calibration_map.weights
+# must be ...", "split counts ... exceed ...", "threshold.coverage must be ...".
+_LEADING_PATH = re.compile(r"([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)(?=[\s\[])")
+
+
+def _rule_field(exc: Exception) -> str | None:
+    """The profile field a RuleError names first, when its message starts with one.
+
+    Only profiles (PUT /profiles/{name}) decode into types that raise RuleError. A message
+    that starts otherwise ("the map's bias has ...") names no field, and the body stands in.
+    """
+    if not isinstance(exc, RuleError):
+        return None
+    match = _LEADING_PATH.match(str(exc))
+    if match is None or match.group(1).split(".")[0] not in CalibrationProfile.__struct_fields__:
+        return None
+    return match.group(1)
 
 
 Handler = Callable[[Request[Any, Any, Any], Any], Response[Any]]
@@ -132,7 +155,20 @@ def _http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
     body: dict[str, Any] = {"status_code": exc.status_code, "detail": exc.detail}
     if exc.status_code in (400, 413):  # the body as a whole: not JSON, or too large
         body["field"] = "body"
+    if exc.status_code == 413:  # the app's limit (PUT /profiles/{name} has its own, larger)
+        limit = _body_limit(request)
+        if limit is not None:
+            body["detail"] = (
+                f"the body is over this server's limit of {limit} bytes (--max-body-bytes)"
+            )
     return Response(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def _body_limit(request: Request[Any, Any, Any]) -> int | None:
+    try:
+        return request.route_handler.resolve_request_max_body_size()
+    except Exception:  # no handler resolved: say nothing rather than guess
+        return None
 
 
 def exception_handlers() -> dict[int | type[Exception], Handler]:

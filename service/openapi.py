@@ -41,10 +41,12 @@ _ERRORS = {
     404: "No such profile",
     408: "The body did not arrive in time",
     412: "If-Match or If-None-Match does not hold for the stored version; `field` names the header",
-    413: "The body is too large, or a judgment is over the server's token budget",
+    413: "The body is too large (`--max-body-bytes`; a profile PUT has its own, larger limit, "
+    "room for a probe's weights), or a judgment is over the server's token budget",
     415: "The body is not JSON",
-    422: "The request is well-formed but cannot be judged (the profile does not match, the "
-    "prompt is too long for the model, the tokenizer cannot round-trip it)",
+    422: "The request is well-formed but cannot be served (the profile does not match, the "
+    "prompt is too long for the model, the tokenizer cannot round-trip it, a profile breaks a "
+    "rule across fields, a fit's method cannot be used); `field` names the part at fault",
     503: "The model is loading, the server is at capacity, or the deadline passed; retry "
     "after Retry-After seconds",
 }

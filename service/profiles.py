@@ -30,7 +30,8 @@ The two directories differ in how a reader learns that a profile changed. A loca
 ``stat``: the rename gives a new inode, so (inode, mtime_ns, size) changes with every write.
 On a shared file system ``stat`` may be served from an attribute cache for seconds and hosts'
 clocks differ, so a shared one reads the file on every lookup (``open`` revalidates under NFS's
-close-to-open consistency) and compares its hash; profiles are a few kilobytes.
+close-to-open consistency) and compares its hash; most profiles are a few kilobytes (a probe's
+weights can make one megabytes: 2**18 weights at most, about 6 MB of JSON).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from litestar.types import ControllerRouterHandler
 
 from calibration import CalibrationProfile
 from service.bodies import decode_body
-from service.errors import BadFieldError
+from service.errors import BadFieldError, TooLargeError
 from service.frontdoor import MODEL, PUBLIC
 from service.openapi import TIMEOUT_HEADER, openapi_document
 from service.playground import PLAYGROUND_ROUTES
@@ -114,13 +114,39 @@ async def get_profile(
     return Response(profile, headers={"ETag": etag})
 
 
-@put("/profiles/{name:str}", status_code=200)
+async def _limited_body(request: AnyRequest, limit: int, setting: str) -> bytes:
+    """The whole body, or a 413 naming ``limit`` as soon as it is known to be over it."""
+    over = TooLargeError(
+        "body", f"the body is over this server's limit of {limit} bytes for it ({setting})"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise over
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise over
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# The app's body limit (max_body_bytes) is lifted for this route alone, which reads its body
+# under max_profile_bytes: room for a probe at MAX_PROBE_WEIGHTS, see ServiceConfig.
+@put("/profiles/{name:str}", status_code=200, request_max_body_size=None)
 async def put_profile(
     name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> Response[CalibrationProfile]:
     """Store a profile; ``If-Match: <etag>`` replaces only that version, ``If-None-Match: *``
     only creates. The compare and the write are one step in the store, under its lock."""
-    profile = await _body(request, CalibrationProfile)
+    body = await _limited_body(
+        request, service.config.max_profile_bytes, "ServiceConfig.max_profile_bytes"
+    )
+    # Off the event loop: a probe's weights are up to megabytes of numbers to decode and check.
+    decode = functools.partial(
+        decode_body, body, request.headers.get("content-type"), CalibrationProfile
+    )
+    profile = await anyio.to_thread.run_sync(decode)
     write = functools.partial(
         service.put_profile,
         name,

@@ -25,6 +25,7 @@ __all__ = [
     "CalibrationMapSummary",
     "ErrorBody",
     "ErrorResponse",
+    "FitMethod",
     "FitRequest",
     "JudgeRequest",
     "JudgeResponse",
@@ -80,7 +81,9 @@ class JudgeResponse(
     reason_codes: list[ReasonCode]
     threshold: float | None  # the threshold in force; None when the profile has none
     certified: bool  # the threshold is the profile's certified one, with no override
-    temperature: float | None  # the profile's fitted temperature
+    # The profile's fitted temperature; None without a profile, and for a probe, whose
+    # probabilities come from a learned head rather than a rescaling (see calibration_method).
+    temperature: float | None
     choice_mass: float
     prediction_set: list[str] | None  # the profile's conformal set; None without a profile
     profile: str | None
@@ -92,6 +95,11 @@ class JudgeResponse(
     expected_value: float | None = None
     std: float | None = None
     max_std: float | None = None  # the bound in force
+    # The profile's calibration map (calibration.maps): "temperature", "bias_temperature",
+    # "probe", ...; None without a profile. A probe also names the hidden-state layers it read
+    # (the features themselves never leave the server).
+    calibration_method: str | None = None
+    feature_layers: list[int] | None = None
 
 
 class BatchRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -130,7 +138,19 @@ class LabeledExample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     label: Choice
 
 
+FitMethod = Literal["auto", "temperature", "bias_temperature", "probe"]
+
+
 class FitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Labeled examples to fit a profile on, and how.
+
+    ``method``: "temperature" fits a temperature; "bias_temperature" lets a per-choice bias
+    compete with it (cross-validated NLL decides); "probe" fits a learned head on the model's
+    hidden state, and needs at least 100 examples (``calibration.probe.MIN_PROBE_EXAMPLES``)
+    and an engine that exposes hidden states; "auto" lets all three compete, the probe only
+    where it can be tried (the profile's note says when it was not).
+    """
+
     choices: Choices
     examples: Annotated[list[LabeledExample], Meta(min_length=MIN_EXAMPLES, max_length=20_000)]
     system: str | None = None
@@ -139,11 +159,13 @@ class FitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     target_precision: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.9
     delta: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.1
     alpha: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.1
+    method: FitMethod = "auto"
 
 
-class CalibrationMapSummary(msgspec.Struct, frozen=True, kw_only=True):
+class CalibrationMapSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     method: str
-    temperature: float
+    temperature: float | None  # None for a probe: it does not rescale, it reads hidden states
+    layers: list[int] | None = None  # a probe's hidden-state layers
 
 
 class ProfileSummary(msgspec.Struct, frozen=True, kw_only=True):

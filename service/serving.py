@@ -5,19 +5,24 @@ profile lookup and ``profile.check`` against the engine's configuration and the 
 choices, and the policy built (``calibration.make_policy``), all before any model work; then
 the query joins the batcher's queue under the request's ``Ticket`` and is judged on the model's
 thread, coalesced with whatever else is waiting; then the policy decides. Every accept/escalate
-decision is ``Policy.decide``: nothing here compares a confidence with a threshold.
+decision is ``Policy.decide``: nothing here compares a confidence with a threshold. A probe
+profile's policy reads the hidden state of its layers (``Policy.feature_layers``), so its plan
+asks the engine for them (``Query.feature_layers``); they reach the decision and go no further.
 
 A request's jobs share one ticket: its owner (the batcher takes owners in turn, so a large
 batch or a fit interleaves with everyone else) and its deadline (the server's, or a shorter
 one the client asked for). A batch item that misses the deadline gets a 503 in its place; the
 items done are kept. A fit judges its examples through the same queue and fits on a worker
 thread (``tasks.fit_labeled``); if its client leaves, the request is cancelled and nothing is
-written.
+written. A fit whose method may be a probe ("auto", "probe") judges its examples with the
+hidden states of ``calibration.probe.candidate_layers``; a probe that cannot be fitted is
+refused (``method``) before any model work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 
 import anyio.to_thread
 import msgspec
+import numpy as np
 
 from calibration import (
     CalibrationError,
@@ -36,8 +42,10 @@ from calibration import (
     ProfileError,
     make_policy,
 )
+from calibration.maps import MAX_PROBE_WEIGHTS, CalibrationMap, Probe
+from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers
 from calibration.profile import NAME_PATTERN
-from judge import Engine, JudgeError, Judgment, PrefixCache, Query, TokenCount
+from judge import Configuration, Engine, JudgeError, Judgment, PrefixCache, Query, TokenCount
 from judge.scores import check_values
 from service.batcher import Batcher, DeadlineError, QueueFullError
 from service.config import ServiceConfig
@@ -237,6 +245,8 @@ class Service:
             values=values,
             defaults=self.config.policy_defaults,
         )
+        if policy.feature_layers:  # a probe reads the pass's hidden state: ask for it
+            query = msgspec.structs.replace(query, feature_layers=policy.feature_layers)
         return _Plan(query, tokens, profile, policy)
 
     def _respond(
@@ -259,7 +269,7 @@ class Service:
             reason_codes=list(decision.reason_codes),
             threshold=decision.threshold,
             certified=decision.certified,
-            temperature=plan.profile.calibration_map.temperature if plan.profile else None,
+            temperature=_temperature(plan.profile.calibration_map) if plan.profile else None,
             choice_mass=decision.choice_mass,
             prediction_set=decision.prediction_set,
             profile=decision.profile,
@@ -269,6 +279,8 @@ class Service:
             expected_value=decision.expected_value,
             std=decision.std,
             max_std=decision.max_std,
+            calibration_method=plan.profile.calibration_map.method if plan.profile else None,
+            feature_layers=list(plan.policy.feature_layers) or None,
         )
 
     async def _item(
@@ -331,7 +343,13 @@ class Service:
             tokens = shared + own
         results: list[Judgment] = []
         for job in jobs:
-            part = [_query(questions[i]) for i in job]
+            # The engine prepends the context itself; a probe's layers come from the plan.
+            part = [
+                msgspec.structs.replace(
+                    _query(questions[i]), feature_layers=plans[i].query.feature_layers
+                )
+                for i in job
+            ]
             results += await self.batcher.call(
                 functools.partial(engine.judge_shared, context, part),
                 owner=ticket.owner,
@@ -368,16 +386,20 @@ class Service:
             "response_prefix": request.response_prefix,
             "response_suffix": request.response_suffix,
         }
+        configuration = engine.configuration(**template)
+        layers = _fit_layers(request, configuration)  # refuses an impossible probe up front
         queries = labeled_queries(
             [e.prompt for e in request.examples],
             request.choices,
-            system=request.system,
-            response_prefix=request.response_prefix,
-            response_suffix=request.response_suffix,
+            feature_layers=layers,
+            **template,
         )
         sizes = await self._sizes(engine, queries)
         tokens = [self._check_size(s, f"examples[{i}].prompt") for i, s in enumerate(sizes)]
         judgments: list[Judgment] = []
+        # The hidden states, kept as one float32 array rather than in the judgments: as lists
+        # of Python floats, 20,000 examples at 5 layers of 576 would take about 2 GB.
+        features: np.ndarray | None = None  # (n, m, H)
         wave = 4 * self.config.max_batch_size  # jobs queued at once: a bounded share of the queue
         for start in range(0, len(queries), wave):
             results = await asyncio.gather(
@@ -393,27 +415,38 @@ class Service:
                     if result.field in (None, "prompt"):
                         result.field = f"examples[{i}].prompt"
                     raise result
+                if layers:
+                    row = _features_of(result, layers)  # (m, H)
+                    if features is None:
+                        features = np.empty((len(queries), *row.shape), dtype=np.float32)
+                    features[i] = row
+                    result = msgspec.structs.replace(result, features=None)
                 judgments.append(result)
         scores = scores_from_judgments(
             judgments, [e.label for e in request.examples], request.choices
         )
+        if features is not None:
+            scores = dataclasses.replace(scores, features=features, feature_layers=layers)
         fit = functools.partial(
             fit_labeled,
             name,
             scores,
             request.choices,
-            engine.configuration(**template),
+            configuration,
             dataset=f"POST /profiles/{name}/fit",
             dataset_sha256=hashlib.sha256(msgspec.json.encode(request.examples)).hexdigest(),
             target_precision=request.target_precision,
             delta=request.delta,
             alpha=request.alpha,
+            methods=_FIT_METHODS[request.method],
         )
         try:
             profile = await anyio.to_thread.run_sync(fit)
         except (CalibrationError, ValueError) as exc:  # e.g. every example has the same label
+            # The fitter's own refusals of a method ("method 'probe' needs ...") name it.
+            field = "method" if str(exc).startswith("method ") else "examples"
             raise UnprocessableError(
-                "examples", f"cannot fit a profile on these examples: {exc}"
+                field, f"cannot fit a profile on these examples: {exc}"
             ) from exc
         self.store.put(profile)
         return profile
@@ -430,9 +463,7 @@ class Service:
                     name=p.name,
                     model=p.model,
                     choices=p.choices,
-                    calibration_map=CalibrationMapSummary(
-                        method=p.calibration_map.method, temperature=p.calibration_map.temperature
-                    ),
+                    calibration_map=_map_summary(p.calibration_map),
                     threshold=p.threshold,
                     metrics_after=p.metrics_after,
                     n_examples=p.n_examples,
@@ -464,6 +495,76 @@ class Service:
                 "name", f"the profile is named {profile.name!r} but the path says {name!r}"
             )
         return self.store.put(profile, if_match=if_match, if_none_match=if_none_match)
+
+
+# FitRequest.method -> fit_labeled's methods: the candidates that compete with no scaling.
+_FIT_METHODS: dict[str, str | list[str]] = {
+    "auto": "auto",
+    "temperature": ["temperature"],
+    "bias_temperature": ["temperature", "bias_temperature"],
+    "probe": ["probe"],
+}
+
+
+def _fit_layers(request: FitRequest, configuration: Configuration) -> tuple[int, ...]:
+    """The hidden-state layers to judge a fit's examples with: a probe's candidates, or none.
+
+    A probe that cannot be fitted (no hidden states, too few examples, more weights than a
+    profile may hold) is refused here, naming ``method``, before any model work; "auto" then
+    fits without one, and its profile's note says why.
+    """
+    if request.method not in ("auto", "probe"):
+        return ()
+    probe = request.method == "probe"
+    num_layers = configuration.get("num_layers")
+    hidden_size = configuration.get("hidden_size")
+    n, k = len(request.examples), len(request.choices)
+    if num_layers is None:
+        if probe:
+            raise UnprocessableError(
+                "method",
+                f"method 'probe' reads the model's hidden states, and this server's engine "
+                f"({configuration['model']}) exposes none; use method auto or temperature",
+            )
+        return ()
+    if probe and n < MIN_PROBE_EXAMPLES:
+        raise UnprocessableError(
+            "method",
+            f"method 'probe' needs at least {MIN_PROBE_EXAMPLES} labeled examples, got {n}: "
+            "with fewer, its hundreds of weights are fitted on noise (use method auto, which "
+            "falls back to temperature scaling, or give more examples)",
+        )
+    if hidden_size is not None and k * (hidden_size + k) > MAX_PROBE_WEIGHTS:
+        if probe:
+            raise UnprocessableError(
+                "method",
+                f"method 'probe' on {k} choices and {hidden_size} hidden values would hold "
+                f"{k * (hidden_size + k)} weights, over the {MAX_PROBE_WEIGHTS} a profile may "
+                "hold; use fewer choices or method temperature",
+            )
+        return ()
+    return candidate_layers(num_layers)
+
+
+def _features_of(judgment: Judgment, layers: Sequence[int]) -> np.ndarray:
+    """(m, H) float32: the judgment's hidden states of ``layers``, in that order."""
+    features = judgment.features or {}
+    missing = [n for n in layers if n not in features]
+    if missing:  # the engine broke its contract: Query.feature_layers come back in features
+        raise RuntimeError(f"the engine returned no features for layers {missing}")
+    return np.asarray([features[n] for n in layers], dtype=np.float32)
+
+
+def _temperature(calibration_map: CalibrationMap) -> float | None:
+    """The map's temperature; None for a probe, which has none (its ``temperature`` is 1)."""
+    return None if isinstance(calibration_map, Probe) else calibration_map.temperature
+
+
+def _map_summary(calibration_map: CalibrationMap) -> CalibrationMapSummary:
+    layers = list(calibration_map.layers) if isinstance(calibration_map, Probe) else None
+    return CalibrationMapSummary(
+        method=calibration_map.method, temperature=_temperature(calibration_map), layers=layers
+    )
 
 
 def _query(request: JudgeRequest | SharedQuestion) -> Query:

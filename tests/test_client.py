@@ -608,6 +608,35 @@ def test_async_retries_use_the_injected_sleep() -> None:
     assert asyncio.run(go()).choice == "a" and waits == [3.0]
 
 
+def test_fit_sends_its_method_sync_and_async() -> None:
+    sent: list[Any] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(msgspec.json.decode(request.content))
+        body = {
+            "status_code": 422,
+            "detail": "method 'probe' needs 100 examples",
+            "field": "method",
+        }
+        return httpx.Response(422, json=body)
+
+    client, _ = mock(handler)
+    with pytest.raises(ClientError) as raised:
+        client.fit("x", ["a", "b"], [("p", "a")], method="probe")
+    assert raised.value.status_code == 422 and raised.value.field == "method"
+    with pytest.raises(ClientError):
+        client.fit("x", ["a", "b"], [("p", "a")])
+
+    async def go() -> None:
+        transport = httpx.MockTransport(handler)
+        async with AsyncJudgeClient("http://judge.test", transport=transport) as c:
+            await c.fit("x", ["a", "b"], [("p", "a")], method="bias_temperature")
+
+    with pytest.raises(ClientError):
+        asyncio.run(go())
+    assert [body["method"] for body in sent] == ["probe", "auto", "bias_temperature"]
+
+
 def test_retry_policy_refuses_nonsense() -> None:
     with pytest.raises(ValueError, match="max_retries"):
         RetryPolicy(max_retries=-1)

@@ -4,8 +4,10 @@ against a real server (with an API key) on the default model."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -13,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 from fakes import FakeEngine
 from litestar.testing import TestClient
 from server import Server, free_port
-from test_service import EXAMPLES
+from test_service import EXAMPLES, NUM_LAYERS, FeatureEngine, H, probe_profile
 
 import atomicio
 from calibration.reliability import reliability_diagram
@@ -102,6 +105,68 @@ def test_reliability_png_is_served_with_the_key(
     assert r.content == png
     bad = app_client.get("/playground/profiles/..%2Fsms/reliability.png", headers=auth)
     assert bad.status_code == 404
+
+
+NODE = shutil.which("node")
+# The page's script in a bare context, with a stub document: its functions are plain globals.
+DESCRIBE = """
+const vm = require("vm"), fs = require("fs");
+const context = vm.createContext({ document: { addEventListener() {} } });
+vm.runInContext(fs.readFileSync(process.argv[1], "utf8"), context);
+const input = JSON.parse(fs.readFileSync(0, "utf8"));
+const out = {
+  used: input.responses.map((r) => context.profileUsed(r)),
+  maps: input.maps.map((m) => context.mapText(m)),
+};
+process.stdout.write(JSON.stringify(out));
+"""
+
+
+def describe(responses: list[Any], maps: list[Any]) -> dict[str, list[str]]:
+    """What the page writes for these /judge responses and calibration maps."""
+    assert NODE is not None
+    done = subprocess.run(
+        [NODE, "-e", DESCRIBE, str(STATIC / "playground.js")],
+        input=json.dumps({"responses": responses, "maps": maps}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    out: dict[str, list[str]] = json.loads(done.stdout)
+    return out
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_a_probe_profile_is_shown_by_its_layers_not_a_temperature(tmp_path: Path) -> None:
+    engine = FeatureEngine()
+    profile = probe_profile()
+    with TestClient(app=create_app(engine, config=ServiceConfig(profiles_dir=tmp_path))) as c:
+        r = c.put("/profiles/probe", content=msgspec.json.encode(profile))
+        assert r.status_code == 200, r.text
+        for _ in range(200):
+            if c.get("/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        probed = c.post(
+            "/judge", json={"prompt": "x", "choices": ["yes", "no"], "profile": "probe"}
+        )
+        plain = c.post("/judge", json={"prompt": "x", "choices": ["yes", "no"]})
+        stored = c.get("/profiles/probe").json()
+    assert probed.status_code == plain.status_code == 200
+    baseline = stored["baseline"]["calibration_map"]
+    shown = describe(
+        [probed.json(), plain.json(), {**plain.json(), "profile": "sms", "temperature": 1.5}],
+        [stored["calibration_map"], baseline, {"method": "temperature", "temperature": 2.0}],
+    )
+    assert shown["used"] == [
+        "probe, probe on hidden layer 2",
+        "none (raw probabilities)",
+        "sms, temperature 1.500",
+    ]
+    assert shown["maps"][0] == f"probe on hidden layer 2 of {NUM_LAYERS} ({H} values each)"
+    assert shown["maps"][1].startswith(baseline["method"])
+    assert shown["maps"][2] == "temperature, T = 2.000"
 
 
 def write_reliability_png(path: Path) -> bytes:
@@ -388,6 +453,33 @@ def test_the_profile_view(browser: Any, server: Server, tmp_path: Path) -> None:
     browser.execute_script("document.getElementById('profile-metrics').scrollIntoView()")
     page.screenshot(tmp_path / "playground-profile.png")
     assert_no_csp_violations(browser)
+
+
+def test_the_profile_view_of_a_probe(browser: Any, server: Server) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    profile = msgspec.structs.replace(probe_profile(), name="probe-view")
+    r = httpx.put(
+        f"{server.url}/profiles/probe-view",
+        content=msgspec.json.encode(profile),
+        headers={**auth(), "content-type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    try:
+        page = Page(browser, server.url)
+        page.open()
+        page.find("#tab-profiles").click()
+        page.wait.until(lambda d: page.all("#profile-pick option[value='probe-view']"))
+        Select(page.find("#profile-pick")).select_by_value("probe-view")
+        page.wait.until(
+            lambda d: page.find("#profile-detail").get_attribute("data-state") == "done"
+        )
+        meta = page.find("#profile-meta").text
+        assert f"map probe on hidden layer 2 of {NUM_LAYERS} ({H} values each)" in meta
+        assert "· baseline " in meta and "T = 1.000" not in meta.split("· baseline")[0]
+        assert_no_csp_violations(browser)
+    finally:
+        httpx.delete(f"{server.url}/profiles/probe-view", headers=auth())
 
 
 def assert_no_csp_violations(driver: Any) -> None:

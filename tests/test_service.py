@@ -6,16 +6,22 @@ import json
 import re
 import threading
 import time
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import numpy as np
 import pytest
-from fakes import FakeEngine
+from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
 
-from calibration import decode_profile
+from calibration import CalibrationProfile, decode_profile, fit_profile
+from calibration.maps import MAX_PROBE_WEIGHTS
+from calibration.probe import candidate_layers
 from judge import (
+    Configuration,
     Engine,
     Judge,
     JudgeError,
@@ -23,6 +29,7 @@ from judge import (
     Query,
 )
 from service import ServiceConfig, create_app
+from tasks import load_split, load_task, task_prompt
 
 SPAM = "Is this SMS spam? WINNER!! You have won a free cruise, text CLAIM to 80082 now."
 EXAMPLES = [
@@ -329,7 +336,7 @@ def test_profiles_fit_use_list_get_put_delete(
                               "bias": [1e308, -1e308]}}, 400, "calibration_map.bias[0]"),
         ({"calibration_map": {"method": "bias_temperature", "temperature": 1.0,
                               "bias": [0.0, 0.0, 0.0]}}, 422, "body"),
-        ({"split": {**profile["split"], "fit": 10**6}}, 422, "body"),
+        ({"split": {**profile["split"], "fit": 10**6}}, 422, "split"),
     ]  # fmt: skip
     for change, status, field in changes:
         r = client.put("/profiles/other", json={**other, **change})
@@ -609,3 +616,345 @@ def test_scores_over_http(client: TestClient[Any], judge: Judge) -> None:
     for bad, field in bad_requests:
         status, body = post(client, {"prompt": prompt, **bad})
         assert 400 <= status < 500 and body["field"] == field, body
+
+
+# --- probe profiles: a learned head on the hidden state, served and fitted over HTTP --------
+
+H = 8  # the fake's hidden size
+NUM_LAYERS = 4
+JSON = {"content-type": "application/json"}
+
+
+def hidden_state(prompt: str, layer: int, size: int = H) -> np.ndarray:
+    """The fake's hidden state of ``layer`` for ``prompt``: the same every time it is asked."""
+    return np.random.default_rng([zlib.crc32(prompt.encode()), layer]).standard_normal(size)
+
+
+class FeatureEngine(FakeEngine):
+    """A fake with ``num_layers`` blocks of ``hidden_size``: judgments carry hidden states.
+
+    Probabilities and hidden states are drawn from the prompt, so a query always gets the same
+    numbers; the ``feature_layers`` of every query judged are recorded in ``asked``.
+    """
+
+    def __init__(self, num_layers: int = NUM_LAYERS, hidden_size: int = H) -> None:
+        self.num_layers, self.hidden_size = num_layers, hidden_size
+        self.asked: list[tuple[int, ...]] = []
+
+    def configuration(
+        self,
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+    ) -> Configuration:
+        config = super().configuration(
+            system=system, response_prefix=response_prefix, response_suffix=response_suffix
+        )
+        config["num_layers"] = self.num_layers
+        config["hidden_size"] = self.hidden_size
+        return config
+
+    def judgment(self, query: Query) -> Judgment:
+        self.asked.append(tuple(query.feature_layers))
+        rng = np.random.default_rng(zlib.crc32(query.prompt.encode()))
+        p = rng.dirichlet(np.ones(len(query.choices)))
+        made = judgment_of(dict(zip(query.choices, p.tolist(), strict=True)), prompt=query.prompt)
+        features = {
+            n: hidden_state(query.prompt, n, self.hidden_size).tolist()
+            for n in query.feature_layers
+        }
+        return msgspec.structs.replace(made, features=features or None)
+
+
+def probe_profile(name: str = "probe", n: int = 150) -> CalibrationProfile:
+    """A probe on layer 2 of the fake, fitted on synthetic hidden states whose first value
+    decides the label, with log-probabilities that carry no signal."""
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((n, 1, H))  # (n, m, H)
+    y = (features[:, 0, 0] + 0.3 * rng.standard_normal(n) > 0).astype(int)
+    z = np.log(rng.dirichlet(np.ones(2), n))  # (n, k)
+    profile = fit_profile(
+        name,
+        z,
+        y,
+        ["yes", "no"],
+        methods=["probe"],
+        features=features,
+        feature_layers=(2,),
+        dataset="synthetic",
+        dataset_sha256="0" * 64,
+        **FeatureEngine().configuration(),
+    )
+    assert profile.calibration_map.method == "probe" and profile.feature_layers == (2,)
+    assert (profile.num_layers, profile.hidden_size) == (NUM_LAYERS, H)
+    return profile
+
+
+@pytest.fixture(scope="module")
+def probe() -> CalibrationProfile:
+    return probe_profile()
+
+
+def served(engine: Engine, tmp_path: Path, **options: Any) -> TestClient[Any]:
+    return TestClient(
+        app=create_app(engine, config=ServiceConfig(profiles_dir=tmp_path, **options))
+    )
+
+
+def put(c: TestClient[Any], profile: CalibrationProfile | bytes, name: str = "probe") -> Any:
+    body = profile if isinstance(profile, bytes) else msgspec.json.encode(profile)
+    return c.put(f"/profiles/{name}", content=body, headers=JSON)
+
+
+def test_a_probe_profile_is_served_with_the_hidden_states_it_reads(
+    probe: CalibrationProfile, tmp_path: Path
+) -> None:
+    engine = FeatureEngine()
+    choices = ["no", "yes"]  # the profile's, in another order
+
+    def expected(prompt: str) -> Any:
+        query = Query(prompt=prompt, choices=choices, feature_layers=probe.feature_layers)
+        return probe.decide(engine.judgment(query))
+
+    with served(engine, tmp_path) as c:
+        wait_ready(c)
+        assert put(c, probe).status_code == 200
+        prompts = ["Is it so?", "Is it not?", "Who knows?"]
+        for prompt in prompts:
+            engine.asked.clear()
+            status, body = post(c, {"prompt": prompt, "choices": choices, "profile": "probe"})
+            assert status == 200, body
+            assert engine.asked == [(2,)]  # exactly the probe's layers, once
+            want = expected(prompt)
+            assert body["probabilities"] == pytest.approx(want.probabilities, rel=1e-12)
+            assert list(body["probabilities"]) == choices
+            assert body["probabilities"] != pytest.approx(body["raw_probabilities"], abs=1e-3)
+            assert (body["choice"], body["decision"]) == (want.choice, want.decision)
+            assert body["threshold"] == want.threshold and body["certified"] == want.certified
+            assert body["prediction_set"] == want.prediction_set
+            # Honest about what calibrated it, and the hidden states stay on the server.
+            assert body["calibration_method"] == "probe" and body["feature_layers"] == [2]
+            assert body["temperature"] is None and "features" not in body
+
+        # Without a profile, or with a temperature profile, no hidden state is asked for.
+        engine.asked.clear()
+        status, body = post(c, {"prompt": prompts[0], "choices": choices})
+        assert status == 200 and engine.asked == [()]
+        assert "calibration_method" not in body and "feature_layers" not in body
+
+        # A batch: each item asks for what its own policy reads.
+        engine.asked.clear()
+        items = [{"prompt": p, "choices": choices, "profile": "probe"} for p in prompts]
+        status, body = post(
+            c, {"items": [*items, {"prompt": "x", "choices": choices}]}, "/judge/batch"
+        )
+        assert status == 200 and sorted(engine.asked) == [(), (2,), (2,), (2,)]
+        for prompt, got in zip(prompts, body["results"], strict=False):
+            assert got["probabilities"] == pytest.approx(expected(prompt).probabilities, rel=1e-12)
+
+        # Questions about a shared context (the fake judges the question's own prompt).
+        engine.asked.clear()
+        questions = [{"prompt": p, "choices": choices, "profile": "probe"} for p in prompts]
+        status, body = post(c, {"context": "Some context.", "questions": questions}, "/judge/batch")
+        assert status == 200, body
+        assert engine.asked == [(2,)] * len(prompts)
+        for prompt, got in zip(prompts, body["results"], strict=True):
+            assert got["probabilities"] == pytest.approx(expected(prompt).probabilities, rel=1e-12)
+            assert "features" not in got
+
+        # Fitted with the default template: another one is refused, as for any profile.
+        engine.asked.clear()
+        ask = {"prompt": "x", "choices": choices, "profile": "probe"}
+        for change, field in [({"response_prefix": "Answer: "}, "response_prefix"),
+                              ({"system": "Be terse."}, "system")]:  # fmt: skip
+            status, body = post(c, {**ask, **change})
+            assert status == 422 and body["field"] == field, body
+        assert engine.asked == []
+
+        summary = next(p for p in c.get("/profiles").json() if p["name"] == "probe")
+        assert summary["calibration_map"] == {"method": "probe", "temperature": None, "layers": [2]}
+
+
+@pytest.mark.parametrize(
+    ("engine", "field"),
+    [
+        (FeatureEngine(num_layers=6), "num_layers"),
+        (FeatureEngine(hidden_size=16), "hidden_size"),
+        (FakeEngine(), "num_layers"),  # no hidden states at all
+    ],
+)
+def test_a_probe_profile_for_another_shape_of_model_is_refused(
+    probe: CalibrationProfile, tmp_path: Path, engine: FakeEngine, field: str
+) -> None:
+    with served(engine, tmp_path) as c:
+        wait_ready(c)
+        assert put(c, probe).status_code == 200
+        asked = getattr(engine, "asked", [])
+        asked.clear()
+        status, body = post(c, {"prompt": "x", "choices": ["yes", "no"], "profile": "probe"})
+        assert status == 422 and body["field"] == field, body
+        assert asked == []  # refused before any model work
+
+
+def _probe_json(profile: CalibrationProfile, **changes: Any) -> dict[str, Any]:
+    data: dict[str, Any] = msgspec.to_builtins(profile)
+    calibration_map = changes.pop("calibration_map", {})
+    return {**data, **changes, "calibration_map": {**data["calibration_map"], **calibration_map}}
+
+
+def test_uploaded_probe_weights_are_checked_and_named(
+    probe: CalibrationProfile, tmp_path: Path
+) -> None:
+    w = msgspec.to_builtins(probe)["calibration_map"]["weights"]
+    width = len(w[0])
+    changes: list[tuple[dict[str, Any], int, str]] = [
+        ({"calibration_map": {"weights": [w[0], w[1][:-1]]}}, 422, "calibration_map.weights"),
+        ({"calibration_map": {"weights": [*w, w[0]]}}, 422, "calibration_map.weights"),
+        ({"calibration_map": {"weights": [[1e7] * width, w[1]]}}, 422, "calibration_map.weights"),
+        ({"calibration_map": {"intercept": [1e7, 0.0]}}, 422, "calibration_map.intercept"),
+        ({"calibration_map": {"layers": [5]}}, 422, "calibration_map.layers"),
+        ({"calibration_map": {"weights": [w[0], "x"]}}, 400, "calibration_map.weights[1]"),
+        ({"num_layers": 6}, 422, "num_layers"),
+        ({"hidden_size": 9}, 422, "hidden_size"),
+    ]
+    with served(FeatureEngine(), tmp_path) as c:
+        wait_ready(c)
+        for change, status, field in changes:
+            r = put(c, msgspec.json.encode(_probe_json(probe, **change)))
+            assert (r.status_code, r.json()["field"]) == (status, field), (change, r.text)
+            assert r.json()["detail"]
+        # JSON has no NaN or infinity; a number too large for a float is out of range.
+        body = msgspec.json.encode(_probe_json(probe, calibration_map={"weights": ["W", w[1]]}))
+        r = put(c, body.replace(b'"W"', b"[" + b",".join([b"1e400"] * width) + b"]"))
+        assert (r.status_code, r.json()["field"]) == (400, "calibration_map.weights[0][0]"), r.text
+        assert c.get("/profiles/probe").status_code == 404  # nothing was stored
+        # JSON Schema's integer includes 4.0, in an optional field too (as num_layers is).
+        r = put(c, msgspec.json.encode(_probe_json(probe, num_layers=4.0, hidden_size=8.0)))
+        assert r.status_code == 200 and r.json()["num_layers"] == 4, r.text
+
+
+def test_a_probe_at_the_weight_limit_fits_under_the_profile_body_limit(
+    probe: CalibrationProfile, tmp_path: Path
+) -> None:
+    def widest(extra: int) -> bytes:
+        dim = MAX_PROBE_WEIGHTS // 2 - 2 + extra  # 2 choices: 2 * (dim + 2) weights
+        weights = np.random.default_rng(1).normal(0, 1e-3, (2, dim + 2)).tolist()
+        return msgspec.json.encode(
+            _probe_json(
+                probe,
+                hidden_size=dim,
+                calibration_map={"feature_dim": dim, "weights": weights},
+            )
+        )
+
+    at_limit, over_limit = widest(0), widest(1)
+    config = ServiceConfig()
+    assert config.max_body_bytes < len(at_limit) < config.max_profile_bytes
+    with served(FeatureEngine(), tmp_path) as c:
+        wait_ready(c)
+        r = put(c, at_limit)
+        assert r.status_code == 200, r.text[:500]
+        stored = c.get("/profiles/probe").json()["calibration_map"]
+        assert len(stored["weights"]) * len(stored["weights"][0]) == MAX_PROBE_WEIGHTS
+        r = put(c, over_limit)
+        assert r.status_code == 422 and r.json()["field"] == "calibration_map.weights"
+        assert str(MAX_PROBE_WEIGHTS) in r.json()["detail"]
+        # Other bodies keep the server's own limit, and its 413 says what it is.
+        r = c.post("/judge", json={"prompt": "x" * config.max_body_bytes, "choices": ["a", "b"]})
+        assert r.status_code == 413 and r.json()["field"] == "body"
+        assert str(config.max_body_bytes) in r.json()["detail"]
+    limit = len(at_limit) - 1
+    with served(FeatureEngine(), tmp_path / "small", max_profile_bytes=limit) as c:
+        wait_ready(c)
+        r = put(c, at_limit)
+        assert r.status_code == 413 and r.json()["field"] == "body"
+        assert str(limit) in r.json()["detail"] and "max_profile_bytes" in r.json()["detail"]
+        assert c.get("/profiles/probe").status_code == 404
+
+
+def probe_examples(n: int) -> list[dict[str, str]]:
+    """Prompts whose label is the sign of the fake's layer-2 hidden state: a probe's to find."""
+    prompts = [f"Example {i}?" for i in range(n)]
+    return [{"prompt": p, "label": "yes" if hidden_state(p, 2)[0] > 0 else "no"} for p in prompts]
+
+
+def test_fit_a_probe_over_http(tmp_path: Path) -> None:
+    engine = FeatureEngine()
+    with served(engine, tmp_path) as c:
+        wait_ready(c)
+        engine.asked.clear()
+        few = {"choices": ["yes", "no"], "examples": probe_examples(30), "method": "probe"}
+        r = c.post("/profiles/p/fit", json=few)
+        assert r.status_code == 422 and r.json()["field"] == "method", r.text
+        assert "'probe'" in r.json()["detail"] and "got 30" in r.json()["detail"]
+        assert engine.asked == []  # refused before any model work
+        r = c.post("/profiles/p/fit", json={**few, "method": "isotonic"})
+        assert r.status_code == 400 and r.json()["field"] == "method"
+
+        fit = {"choices": ["yes", "no"], "examples": probe_examples(150), "method": "probe"}
+        r = c.post("/profiles/p/fit", json=fit)
+        assert r.status_code == 200, r.text
+        profile = decode_profile(r.content)
+        # The examples were judged with every layer a probe may be chosen among.
+        assert set(engine.asked) == {candidate_layers(NUM_LAYERS)} and len(engine.asked) == 150
+        assert profile.calibration_map.method == "probe" and profile.feature_layers == (2,)
+        assert profile.baseline is not None and profile.num_layers == NUM_LAYERS
+        status, body = post(c, {"prompt": "Is it?", "choices": ["yes", "no"], "profile": "p"})
+        assert status == 200, body
+        query = Query(prompt="Is it?", choices=["yes", "no"], feature_layers=(2,))
+        assert body["probabilities"] == pytest.approx(
+            profile.decide(engine.judgment(query)).probabilities, rel=1e-12
+        )
+
+        engine.asked.clear()
+        r = c.post("/profiles/t/fit", json={**fit, "method": "temperature"})
+        assert r.status_code == 200 and set(engine.asked) == {()}
+        assert r.json()["calibration_map"]["method"] in ("none", "temperature")
+
+    # An engine without hidden states: "probe" is refused, "auto" fits without one.
+    with served(FakeEngine(), tmp_path / "plain") as c:
+        wait_ready(c)
+        r = c.post("/profiles/p/fit", json=fit)
+        assert r.status_code == 422 and r.json()["field"] == "method"
+        assert "hidden states" in r.json()["detail"]
+        r = c.post("/profiles/p/fit", json={**fit, "method": "auto"})
+        assert r.status_code == 200 and "probe not tried" in r.json()["note"]
+
+
+SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
+
+
+@pytest.mark.skipif(not SST2.exists(), reason="the shared datasets are not beside this checkout")
+def test_a_probe_fitted_over_http_decides_as_the_profile_does(judge: Judge, tmp_path: Path) -> None:
+    """On the real model: fit a probe over HTTP on 120 sst2 items, then judge with it."""
+    began = time.perf_counter()
+    task = load_task(SST2)
+    items, _ = load_split(task, "calibration", limit=123)
+    examples = [{"prompt": task_prompt(task, i.text), "label": i.label} for i in items[:120]]
+    with served(judge, tmp_path) as c:
+        wait_ready(c)
+        fit = {"choices": task.choices, "examples": examples, "method": "probe"}
+        r = c.post("/profiles/sst2/fit", json=fit)
+        assert r.status_code == 200, r.text
+        profile = decode_profile(r.content)
+        assert profile.calibration_map.method == "probe" and profile.baseline is not None
+        assert (profile.num_layers, profile.hidden_size) == (judge.num_layers, judge.hidden_size)
+        fitted = time.perf_counter() - began
+        # A pass that reads part of its prompt from the prefix cache differs from one that
+        # computes it by float32 noise (about 1e-5 on hidden states of size 100), which the
+        # probe's weights carry past 1e-6; from an empty cache both passes compute the same.
+        assert judge.prefix_cache is not None
+        for item in items[120:]:
+            prompt = task_prompt(task, item.text)
+            judge.prefix_cache.clear()
+            status, body = post(c, {"prompt": prompt, "choices": task.choices, "profile": "sst2"})
+            assert status == 200, body
+            judge.prefix_cache.clear()
+            expected = profile.decide(
+                judge.judge(prompt, task.choices, feature_layers=profile.feature_layers)
+            )
+            assert body["probabilities"] == pytest.approx(expected.probabilities, abs=1e-6)
+            assert (body["choice"], body["decision"]) == (expected.choice, expected.decision)
+            assert body["calibration_method"] == "probe" and body["temperature"] is None
+    print(f"probe over HTTP: fitted in {fitted:.1f} s, {time.perf_counter() - began:.1f} s in all")

@@ -195,9 +195,7 @@ function showResult(r) {
   $("threshold-used").textContent = r.threshold === null
     ? "none"
     : fmt(r.threshold, 3) + (r.certified ? " (certified)" : " (not certified)");
-  $("profile-used").textContent = r.profile === null
-    ? "none (raw probabilities)"
-    : r.profile + (r.temperature !== null ? ", temperature " + fmt(r.temperature, 3) : "");
+  $("profile-used").textContent = profileUsed(r);
   $("prediction-set").textContent = r.prediction_set === null ? "none" : r.prediction_set.join(", ");
   $("model").textContent = r.model;
   const shown = typeof r.prompt === "string";
@@ -206,7 +204,30 @@ function showResult(r) {
   $("result").hidden = false;
 }
 
+function layersText(layers) {
+  return "hidden layer" + (layers.length > 1 ? "s " : " ") + layers.join(", ");
+}
+
+// The profile a judgment used and how it calibrates: a temperature rescales the model's own
+// probabilities; a probe has no temperature, it reads the hidden state of its layers.
+function profileUsed(r) {
+  if (r.profile === null) return "none (raw probabilities)";
+  if (r.calibration_method === "probe") return r.profile + ", probe on " + layersText(r.feature_layers || []);
+  const t = typeof r.temperature === "number" ? ", temperature " + fmt(r.temperature, 3) : "";
+  const method = r.calibration_method && r.calibration_method !== "temperature" ? ", " + r.calibration_method : "";
+  return r.profile + method + t;
+}
+
 // --- the profile view --------------------------------------------------------------------
+
+// A profile's calibration map in words: its method, and a probe's layers or a scaling's T.
+function mapText(map) {
+  if (map.method === "probe") {
+    return "probe on " + layersText(map.layers) + " of " + map.num_layers + " (" +
+      map.feature_dim + " values each)";
+  }
+  return map.method + (typeof map.temperature === "number" ? ", T = " + fmt(map.temperature, 3) : "");
+}
 
 const METRICS = [
   ["accuracy", "accuracy"],
@@ -249,8 +270,8 @@ function showProfile(p) {
   $("profile-meta").textContent =
     p.model + " · " + p.dtype + " · choices " + p.choices.join(", ") + " · " +
     p.n_examples + " examples (fit " + p.split.fit + ", conformal " + p.split.conformal +
-    ", certify " + p.split.certify + ") · map " + map.method +
-    (map.temperature !== undefined ? ", T = " + fmt(map.temperature, 3) : "") +
+    ", certify " + p.split.certify + ") · map " + mapText(map) +
+    (p.baseline ? " · baseline " + mapText(p.baseline.calibration_map) : "") +
     " · created " + p.created_at;
 
   const t = p.threshold;
