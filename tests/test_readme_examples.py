@@ -36,14 +36,23 @@ def session_model(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> None:
 
 
 @pytest.mark.skipif(not SMS.exists(), reason="the shared datasets are not beside this checkout")
+@pytest.mark.parametrize("method", ["temperature", "probe"])
 def test_pipeline_example(
-    session_model: None, judge: Judge, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    session_model: None,
+    judge: Judge,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
 ) -> None:
-    # A profile for this judge, fitted on synthetic log-probabilities: the example is about the
-    # pipeline's shape, and `judge calibrate` has its own tests.
+    # A profile for this judge, fitted on synthetic log-probabilities (and, for a probe, hidden
+    # states of the judge's width at layer 20): the example is about the pipeline's shape, and
+    # `judge calibrate` has its own tests.
     rng = np.random.default_rng(0)
-    z = rng.normal(0, 2, size=(60, 2))
-    labels = (z[:, 1] + rng.normal(0, 1, 60) > z[:, 0]).astype(int)
+    n = 120
+    z = rng.normal(0, 2, size=(n, 2))
+    features = rng.normal(0, 1, size=(n, 1, judge.hidden_size or 1))
+    signal = features[:, 0, 0] if method == "probe" else z[:, 1] - z[:, 0]
+    labels = (signal + rng.normal(0, 0.5, n) > 0).astype(int)
     logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
     profile = fit_profile(
         "sms_spam",
@@ -54,7 +63,11 @@ def test_pipeline_example(
         dataset="t",
         dataset_sha256="0",
         n_bootstrap=20,
+        methods=[method],
+        features=features,
+        feature_layers=(20,),
     )
+    assert (profile.calibration_map.method == "probe") == (method == "probe")
     save_profile(profile, tmp_path / "profiles" / "sms_spam.json")
     monkeypatch.chdir(tmp_path)
     code = block("### Gating in a pipeline", "python").replace("../shared/data/sms_spam", str(SMS))
@@ -65,10 +78,13 @@ def test_pipeline_example(
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
     assert all(re.match(r"(ham|spam): |to a person \(", line) for line in lines)
+    prompt = namespace["task_prompt"]
     one_by_one = [
         namespace["profile"].decide(
             namespace["j"].judge(
-                namespace["task_prompt"](namespace["task"], t), choices=profile.choices
+                prompt(namespace["task"], t),
+                choices=profile.choices,
+                feature_layers=profile.feature_layers,
             )
         )
         for t in namespace["inbox"]
