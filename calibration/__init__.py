@@ -5,7 +5,8 @@ service (no torch). A pipeline reads::
 
     profile = load_profile("profiles/sms_spam.json")
     profile.check(judge)                      # once: model, weights, dtype, template, system
-    decision = profile.decide(judge.judge(text, choices=profile.choices))
+    judgment = judge.judge(text, choices=profile.choices, feature_layers=profile.feature_layers)
+    decision = profile.decide(judgment)       # a probe reads the hidden state of its layers
     if decision.accepted: ...                 # else decision.reasons says why it escalated
 """
 
@@ -37,7 +38,9 @@ from calibration.policy import (
     ScoredJudgment,
     make_policy,
 )
+from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers
 from calibration.profile import (
+    Baseline,
     CalibrationProfile,
     DataSplit,
     decode_profile,
@@ -52,6 +55,7 @@ from calibration.scaling import (
     CalibrationFit,
     CalibrationMap,
     Identity,
+    Probe,
     Temperature,
     TemperatureScaler,
     fit_calibrator,
@@ -62,7 +66,9 @@ from calibration.signal import SignalReport, signal_report
 __all__ = [
     "CONTENT_FREE_INPUTS",
     "MIN_EXAMPLES",
+    "MIN_PROBE_EXAMPLES",
     "REASON_CODES",
+    "Baseline",
     "BatchTemperatureScaler",
     "BiasTemperature",
     "BiasTemperatureScaler",
@@ -80,6 +86,7 @@ __all__ = [
     "Policy",
     "PolicyDefaults",
     "PolicyEvaluation",
+    "Probe",
     "ProfileError",
     "ProfileMismatchError",
     "ProfileNotFoundError",
@@ -91,6 +98,7 @@ __all__ = [
     "TemperatureScaler",
     "ThresholdResult",
     "ValuesError",
+    "candidate_layers",
     "decode_profile",
     "estimate_prior",
     "evaluate",
