@@ -99,6 +99,13 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "judge" / "logits")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--judge-only", action="store_true")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="also refit each task's profiles with this many split seeds and report how often "
+        "each certifies (the split is random: with 100-500 labels it decides a lot)",
+    )
     args = parser.parse_args()
 
     names = args.tasks or sorted(p.name for p in args.data.iterdir() if (p / "task.json").exists())
@@ -115,6 +122,8 @@ def main() -> None:
         if args.judge_only:
             continue
         rows.append(report_task(judge, task, args, fitted_on, digest, held_out))
+        if args.seeds > 1:
+            rows[-1]["seeds"] = seed_sweep(judge, task, args, fitted_on, digest, held_out)
     if args.judge_only:
         return
     summary = {
@@ -151,6 +160,7 @@ def report_task(
     ``.scalar``)."""
     row: dict[str, object] = {
         "task": task.name,
+        "graded": task.values is not None,  # a score (sts_images), not a classification
         "n_calibration": len(fitted_on),
         "n_test": len(test),
     }
@@ -252,6 +262,60 @@ def report_variant(
     }
 
 
+def seed_sweep(
+    judge: Judge,
+    task: Task,
+    args: argparse.Namespace,
+    fitted_on: LabeledScores,
+    digest: str,
+    test: LabeledScores,
+) -> dict[str, object]:
+    """Per variant, over split seeds 0..seeds-1: how often a threshold was certified, how often
+    the test precision reached the target, and the mean test coverage."""
+    from calibration import evaluate_policy
+    from tasks import fit_labeled
+
+    out: dict[str, object] = {}
+    for variant, methods in VARIANTS.items():
+        certified = met = 0
+        coverage = []
+        for seed in range(args.seeds):
+            profile = fit_labeled(
+                task.name,
+                fitted_on,
+                task.choices,
+                judge.configuration(),
+                dataset=f"{task.name}/calibration",
+                dataset_sha256=digest,
+                target_precision=args.target_precision,
+                delta=args.delta,
+                methods=methods,
+                seed=seed,
+            )
+            layers = profile.feature_layers
+            features = None
+            if layers and test.features is not None:
+                features = test.features[:, [test.feature_layers.index(n) for n in layers], :]
+            e = evaluate_policy(
+                profile,
+                test.log_probabilities,
+                test.labels,
+                test.choice_mass,
+                features=features,
+                n_bootstrap=10,
+            )
+            certified += e.threshold is not None
+            met += e.precision is not None and e.precision >= args.target_precision
+            coverage.append(e.coverage)
+        out[variant] = {
+            "seeds": args.seeds,
+            "certified": certified,
+            "precision_met": met,
+            "mean_coverage": float(np.mean(coverage)),
+        }
+    return out
+
+
 def summary_markdown(summary: dict[str, object]) -> str:
     target = summary["target_precision"]
     lines = [
@@ -283,17 +347,34 @@ def summary_markdown(summary: dict[str, object]) -> str:
                 f"| {r['ece_after']:.3f} ({r['ece_noise_floor']:.3f}) "
                 f"| {threshold} | {r['test_coverage']:.3f} | {precision} | {escalated} |"
             )
+    classification = [row for row in tasks if not row.get("graded")]
     opened = [
         row["task"]
-        for row in tasks
+        for row in classification
         if row["auto"]["feasible"]  # type: ignore[index]
         and (row["auto"]["test_precision"] or 0) >= target  # type: ignore[index, operator]
     ]
     lines += [
         "",
-        f"Certified with test precision >= {target} (auto): {len(opened)} of {len(tasks)} "
-        f"tasks ({', '.join(map(str, opened)) or 'none'}).",
+        f"Certified with test precision >= {target} (auto): {len(opened)} of "
+        f"{len(classification)} classification tasks ({', '.join(map(str, opened)) or 'none'}).",
     ]
+    swept = [row for row in tasks if "seeds" in row]
+    if swept:
+        lines += [
+            "",
+            "Over split seeds (each a different random 3:2:5 or 5:1:4 split of the same labels):",
+            "",
+            "| task | profile | seeds | certified | test precision >= target | mean test coverage |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in swept:
+            for variant in VARIANTS:
+                r = row["seeds"][variant]  # type: ignore[index]
+                lines.append(
+                    f"| {row['task']} | {variant} | {r['seeds']} | {r['certified']} "
+                    f"| {r['precision_met']} | {r['mean_coverage']:.3f} |"
+                )
     return "\n".join(lines) + "\n"
 
 

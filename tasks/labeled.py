@@ -294,6 +294,7 @@ def fit_labeled(
     values: Mapping[str, float] | None = None,
     max_std: float | None = None,
     methods: Sequence[str] | str = "auto",
+    seed: int = 0,
 ) -> CalibrationProfile:
     """Fit a calibration profile on ``scores``, for the engine that ``configuration`` describes.
 
@@ -319,6 +320,8 @@ def fit_labeled(
     methods : sequence of str or "auto"
         ``fit_profile``'s labeled candidates; "auto" (the default) tries the probe too where
         ``scores`` carry features.
+    seed : int
+        The seed of the split (``calibration.fit_profile``).
     """
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
@@ -344,6 +347,7 @@ def fit_labeled(
         values=values,
         max_std=max_std,
         methods=methods,
+        seed=seed,
         features=scores.features,
         feature_layers=scores.feature_layers,
     )
