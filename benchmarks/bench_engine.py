@@ -8,13 +8,19 @@ Measures, side by side in one run on the default model:
 * where choices share leading tokens, exactness needs the trie's inner tokens too, so the
   floor is one bare forward pass over the prompt plus those tokens: the ratio to that floor
   is reported as well;
-* the throughput of ``judge_batch`` against the same items judged one call at a time.
+* the throughput of ``judge_batch`` against the same items judged one call at a time;
+* the cost of hidden-state features (issue 17): the same ``judge_batch`` judged without
+  features, with one layer (20) and with the five layers a probe is chosen among
+  (``calibration.probe.candidate_layers``); the target is at most 1.05x "without".
 
 Each row alternates the contenders rep by rep and reports the median of the rep-by-rep
 ratios, so that a slow phase of the machine hits both sides of each ratio alike. Prints
-the tables and writes ``benchmarks/results/bench_engine.json``.
+the tables and writes ``benchmarks/results/bench_engine.json``. ``--features-only`` runs just
+the features' cost and writes ``bench_engine_features_<dtype>.json`` instead; the features'
+cost is left out of ``--quick`` unless it is asked for that way.
 
     python benchmarks/bench_engine.py [--dtype auto|float32|bfloat16] [--reps 21] [--quick]
+                                      [--features-only] [--feature-items 32] [--feature-reps 11]
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from benchlib import cpu_model
 
 from atomicio import write_text
+from calibration.probe import candidate_layers
 from judge import Judge, Query
 from judge.engine import json_escape
 
@@ -131,11 +139,16 @@ def bench_row(judge: Judge, choices: list[str], reps: int) -> dict[str, Any]:
     }
 
 
-def bench_batch(judge: Judge, items: int, reps: int) -> dict[str, Any]:
-    queries = [
+def batch_queries(items: int) -> list[Query]:
+    """``items`` two-choice SMS questions of slightly different lengths."""
+    return [
         Query(prompt=f"{PROMPT}\nReference number {i}: {'x' * (i % 7)}", choices=["spam", "ham"])
         for i in range(items)
     ]
+
+
+def bench_batch(judge: Judge, items: int, reps: int) -> dict[str, Any]:
+    queries = batch_queries(items)
     sequential = lambda: [judge.judge(q.prompt, q.choices) for q in queries]  # noqa: E731
     batched = lambda: judge.judge_batch(queries)  # noqa: E731
     batched()
@@ -153,6 +166,59 @@ def bench_batch(judge: Judge, items: int, reps: int) -> dict[str, Any]:
     }
 
 
+FEATURES_TARGET = 1.05  # issue 17: features from the same pass cost at most 5%
+
+
+def bench_features(judge: Judge, items: int, reps: int) -> dict[str, Any]:
+    """``judge_batch`` on the same items without features, with layer 20 and with the five
+    candidate layers; the order of the three rotates rep by rep."""
+    num_layers = judge.num_layers or 1
+    layer_sets: dict[str, tuple[int, ...]] = {
+        "none": (),
+        "one": (min(20, num_layers),),
+        "five": candidate_layers(num_layers),
+    }
+    batches = {
+        name: [msgspec.structs.replace(q, feature_layers=layers) for q in batch_queries(items)]
+        for name, layers in layer_sets.items()
+    }
+    names = list(batches)
+    for name in names:  # warm-up
+        judge.judge_batch(batches[name])
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names[rep % 3 :] + names[: rep % 3]:
+            start = time.perf_counter()
+            judge.judge_batch(batches[name])
+            samples[name].append(time.perf_counter() - start)
+    prompt_tokens = [r.prompt_tokens for r in judge.judge_batch(batches["none"])]
+    rows = []
+    for name, layers in layer_sets.items():
+        # Rep by rep: a slow phase of the machine hits both sides of a pair.
+        ratios = [s / n for s, n in zip(samples[name], samples["none"], strict=True)]
+        rows.append(
+            {
+                "features": name,
+                "layers": list(layers),
+                "batch_ms": median_ms(samples[name]),
+                "ms_per_item": median_ms(samples[name]) / items,
+                "ratio_to_none": statistics.median(ratios),
+                "ratios": ratios,
+                # The fastest reps, least disturbed by other work on the machine.
+                "min_ms": min(samples[name]) * 1000,
+                "ratio_of_min": min(samples[name]) / min(samples["none"]),
+            }
+        )
+    return {
+        "items": items,
+        "prompt_tokens_min": min(prompt_tokens),
+        "prompt_tokens_max": max(prompt_tokens),
+        "max_batch_size": judge.max_batch_size,
+        "target_ratio": FEATURES_TARGET,
+        "rows": rows,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -160,7 +226,14 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a small run: 2 and 16 choices, 3 reps"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_engine.json")
+    parser.add_argument(
+        "--features-only",
+        action="store_true",
+        help="only the features' cost; writes bench_engine_features_<dtype>.json",
+    )
+    parser.add_argument("--feature-items", type=int, default=32, help="the features' batch")
+    parser.add_argument("--feature-reps", type=int, default=11)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     counts = [2, 16] if args.quick else [2, 4, 16, 64, 255]
     reps = 3 if args.quick else args.reps
@@ -177,6 +250,14 @@ def main() -> None:
         "model": judge.model_id,
     }
     print(f"# {machine}")
+    feature_items, feature_reps = (8, 2) if args.quick else (args.feature_items, args.feature_reps)
+    if args.features_only:
+        features = bench_features(judge, feature_items, feature_reps)
+        _print_features(features)
+        out = args.out or RESULTS / f"bench_engine_features_{judge.dtype}.json"
+        result = {"machine": machine, "quick": args.quick, "reps": feature_reps}
+        write_text(out, json.dumps({**result, "features": features}, indent=2))
+        return
     rows = []
     for kind, make in (
         ("distinct", lambda n: distinct_choices(judge, n)),
@@ -192,7 +273,10 @@ def main() -> None:
         f"{batch['sequential_items_per_s']:.1f} items/s sequential, x{batch['speedup']:.2f}"
     )
     result = {"machine": machine, "quick": args.quick, "reps": reps, "rows": rows, "batch": batch}
-    write_text(args.out, json.dumps(result, indent=2))
+    if not args.quick:
+        result["features"] = features = bench_features(judge, feature_items, feature_reps)
+        _print_features(features)
+    write_text(args.out or RESULTS / "bench_engine.json", json.dumps(result, indent=2))
 
 
 def _format_row(row: Mapping[str, Any]) -> str:
@@ -201,6 +285,27 @@ def _format_row(row: Mapping[str, Any]) -> str:
         "judge {judge_ms:7.1f} ms  bare {bare_ms:7.1f} ms  floor {floor_ms:7.1f} ms  "
         "x bare {ratio_to_bare:5.2f}  x floor {ratio_to_floor:5.2f}"
     ).format(**row)
+
+
+def _print_features(features: Mapping[str, Any]) -> None:
+    print(
+        f"features: judge_batch of {features['items']} items, "
+        f"{features['prompt_tokens_min']}-{features['prompt_tokens_max']} prompt tokens"
+    )
+    print(
+        f"{'features':9} {'layers':16} {'batch ms':>9} {'ms/item':>8} {'x none':>7} "
+        f"{'reps':>11}  {'min ms':>8} {'x none':>7}"
+    )
+    for row in features["rows"]:
+        layers = ",".join(map(str, row["layers"])) or "-"
+        print(
+            f"{row['features']:9} {layers:16} {row['batch_ms']:9.1f} {row['ms_per_item']:8.2f} "
+            f"{row['ratio_to_none']:7.3f} {min(row['ratios']):5.3f}-{max(row['ratios']):5.3f}  "
+            f"{row['min_ms']:8.1f} {row['ratio_of_min']:7.3f}"
+        )
+    worst = max(r["ratio_to_none"] for r in features["rows"])
+    verdict = "within" if worst <= features["target_ratio"] else "OVER"
+    print(f"worst x{worst:.3f}: {verdict} the target of x{features['target_ratio']:.2f}")
 
 
 if __name__ == "__main__":

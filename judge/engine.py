@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
@@ -344,7 +346,7 @@ class Judge:
             system=system,
             response_prefix=response_prefix,
             response_suffix=response_suffix,
-            feature_layers=tuple(feature_layers),
+            feature_layers=feature_layers,  # type: ignore[arg-type]  # validated in _prepare
         )
         return self.judge_batch([query])[0]
 
@@ -491,13 +493,19 @@ class Judge:
                 field="feature_layers",
             )
         for n in layers:
-            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.num_layers:
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+                raise InvalidQueryError(
+                    f"feature layer {n!r} is not a layer number: give integers from 1 to "
+                    f"{self.num_layers}",
+                    field="feature_layers",
+                )
+            if not 1 <= int(n) <= self.num_layers:
                 raise InvalidQueryError(
                     f"feature layer {n!r} is not a layer of this model: give numbers from 1 to "
                     f"{self.num_layers} (the residual stream after that many blocks)",
                     field="feature_layers",
                 )
-        return tuple(sorted(set(layers)))
+        return tuple(sorted({int(n) for n in layers}))
 
     def _round_trip_field(self, query: Query, suffix: str, choices: Sequence[str]) -> str | None:
         """The first field whose own text the tokenizer does not give back, if any does not."""
@@ -581,7 +589,10 @@ def _as_query(item: Query | Mapping[str, Any]) -> Query:
     try:
         return msgspec.convert(item, Query)
     except msgspec.ValidationError as exc:
-        raise InvalidQueryError(f"invalid query: {exc}") from exc
+        # msgspec names the path ("... - at `$.feature_layers[0]`"): its first key is the field.
+        path = re.search(r"at `\$\.(\w+)", str(exc))
+        field = path.group(1) if path else None
+        raise InvalidQueryError(f"invalid query: {exc}", field=field) from exc
 
 
 def _logsumexp(x: np.ndarray) -> float:

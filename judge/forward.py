@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -285,9 +286,14 @@ def _gather_rows(
         yield gathered
         return
     blocks = _blocks(decoder, num_layers)
+    # The hooks sit on the shared model while they are registered: a pass that another thread
+    # runs meanwhile fires them too, and must not write its rows into this call's features.
+    owner = threading.get_ident()
 
     def keep(layer: int) -> object:
         def hook(module: torch.nn.Module, args: object, output: object) -> None:
+            if threading.get_ident() != owner:
+                return
             h = output[0] if isinstance(output, tuple) else output
             assert isinstance(h, torch.Tensor)
             gathered[layer] = h.flatten(0, 1)[rows].float()  # (N, H)
