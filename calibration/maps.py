@@ -63,6 +63,11 @@ class _Map(
     def method(self) -> str:
         return str(self.__struct_config__.tag)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The hidden-state layers ``apply`` reads: none, except for a probe."""
+        return ()
+
 
 class Identity(_Map, frozen=True, tag="none"):
     """No scaling: the model's own probabilities, softmax(logits)."""
@@ -177,6 +182,10 @@ class Probe(_Map, frozen=True, tag="probe"):
     @property
     def temperature(self) -> float:
         return 1.0
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.layers)
 
     @property
     def width(self) -> int:

@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from calibration.conformal import set_membership
 from calibration.errors import ProfileMismatchError, ValuesError
-from calibration.maps import CalibrationMap, Identity, Probe
+from calibration.maps import CalibrationMap, Identity
 from calibration.scores import check_values, numeral_values, value_moments
 from calibration.validation import check_choice_mass, check_probability
 
@@ -185,7 +185,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
 
         Ask the engine for them (``Query.feature_layers``) when judging for this policy.
         """
-        return tuple(self.calibration_map.layers) if isinstance(self.calibration_map, Probe) else ()
+        return self.calibration_map.feature_layers
 
     def _features(self, judgments: Sequence[ScoredJudgment]) -> npt.NDArray[np.float64] | None:
         """(n, m * H) hidden states of the map's layers, from the judgments; None if unused."""

@@ -243,8 +243,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The hidden-state layers a judgment needs for this profile (a probe's), else ()."""
-        probe = self.calibration_map
-        return tuple(probe.layers) if isinstance(probe, Probe) else ()
+        return self.calibration_map.feature_layers
 
     def baseline_profile(self) -> CalibrationProfile | None:
         """This profile with its scalar baseline in place of the probe, to compare."""

@@ -15,10 +15,14 @@ most of this without touching the model:
   Zhou et al. 2023), and only T is fitted on labels. Opt-in: pass it in ``methods``. It is
   stored as a ``BiasTemperature``, since it is one.
 
-``fit_calibrator`` chooses between them, and no scaling at all, by cross-validated NLL, so a
-calibration set too small or too clean to support a method leaves the probabilities alone.
-The fitted map is one typed value (``CalibrationMap``: ``Identity``, ``Temperature`` or
-``BiasTemperature``) whose ``apply`` is a pure function for serving time.
+* a probe (``calibration.probe``): a learned head on the pass's own hidden state, for when
+  the choice logits carry too little signal for any rescaling to help.
+
+``fit_calibrator`` chooses between them, and no scaling at all, by cross-validated NLL on the
+same folds, so a calibration set too small or too clean to support a method leaves the
+probabilities alone. The fitted map is one typed value (``calibration.maps.CalibrationMap``:
+``Identity``, ``Temperature``, ``BiasTemperature`` or ``Probe``) whose ``apply`` is a pure
+function for serving time.
 """
 
 from __future__ import annotations
