@@ -159,5 +159,7 @@ def test_configuration_names_the_dtype(judge: Judge) -> None:
         "response_prefix": judge.response_prefix,
         "response_suffix": judge.response_suffix,
         "system": None,
+        "num_layers": 30,  # the default model's shape, which a probe profile must match
+        "hidden_size": 576,
     }
     assert judge.configuration(system="Be brief.")["system"] == "Be brief."
