@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from atomicio import replacing, write_text
+from calibration import CalibrationProfile, PolicyEvaluation
 from calibration.probe import candidate_layers
 from judge import Judge
 from tasks import (
@@ -181,35 +182,17 @@ def report_variant(
 ) -> dict[str, object]:
     import msgspec
 
-    from calibration import evaluate_policy, save_profile
+    from calibration import save_profile
     from calibration.probe import map_features
     from calibration.reliability import reliability_diagram
     from calibration.report import profile_markdown
     from calibration.scaling import softmax
-    from tasks import fit_labeled
 
     start = time.perf_counter()
-    profile = fit_labeled(
-        task.name,
-        fitted_on,
-        task.choices,
-        judge.configuration(),
-        dataset=f"{task.name}/calibration",
-        dataset_sha256=digest,
-        target_precision=args.target_precision,
-        delta=args.delta,
-        methods=methods,
-    )
-    fit_s = time.perf_counter() - start
-    # Columns are in task.choices order, which is profile.choices.
+    profile, evaluation = fit_and_evaluate(judge, task, args, fitted_on, digest, test, methods)
+    fit_s = time.perf_counter() - start  # the evaluation's share is small: one pass of arrays
     x = map_features(profile.calibration_map, test.features, test.feature_layers)
     layers = profile.feature_layers
-    features = None
-    if layers and test.features is not None:
-        features = test.features[:, [test.feature_layers.index(n) for n in layers], :]
-    evaluation = evaluate_policy(
-        profile, test.log_probabilities, test.labels, test.choice_mass, features=features
-    )
     out = args.out
     stem = task.name if variant == "auto" else f"{task.name}.{variant}"
     save_profile(profile, out / f"{stem}.json")
@@ -262,6 +245,46 @@ def report_variant(
     }
 
 
+def fit_and_evaluate(
+    judge: Judge,
+    task: Task,
+    args: argparse.Namespace,
+    fitted_on: LabeledScores,
+    digest: str,
+    test: LabeledScores,
+    methods: list[str] | str,
+    *,
+    seed: int = 0,
+    n_bootstrap: int = 1000,
+) -> tuple[CalibrationProfile, PolicyEvaluation]:
+    """A profile fitted on the calibration split, and its served policy on the test split
+    (columns in task.choices order, which is the profile's)."""
+    from calibration import evaluate_policy
+    from tasks import fit_labeled
+
+    profile = fit_labeled(
+        task.name,
+        fitted_on,
+        task.choices,
+        judge.configuration(),
+        dataset=f"{task.name}/calibration",
+        dataset_sha256=digest,
+        target_precision=args.target_precision,
+        delta=args.delta,
+        methods=methods,
+        seed=seed,
+    )
+    evaluation = evaluate_policy(
+        profile,
+        test.log_probabilities,
+        test.labels,
+        test.choice_mass,
+        features=test.features_of(profile.feature_layers),
+        n_bootstrap=n_bootstrap,
+    )
+    return profile, evaluation
+
+
 def seed_sweep(
     judge: Judge,
     task: Task,
@@ -272,37 +295,13 @@ def seed_sweep(
 ) -> dict[str, object]:
     """Per variant, over split seeds 0..seeds-1: how often a threshold was certified, how often
     the test precision reached the target, and the mean test coverage."""
-    from calibration import evaluate_policy
-    from tasks import fit_labeled
-
     out: dict[str, object] = {}
     for variant, methods in VARIANTS.items():
         certified = met = 0
         coverage = []
         for seed in range(args.seeds):
-            profile = fit_labeled(
-                task.name,
-                fitted_on,
-                task.choices,
-                judge.configuration(),
-                dataset=f"{task.name}/calibration",
-                dataset_sha256=digest,
-                target_precision=args.target_precision,
-                delta=args.delta,
-                methods=methods,
-                seed=seed,
-            )
-            layers = profile.feature_layers
-            features = None
-            if layers and test.features is not None:
-                features = test.features[:, [test.feature_layers.index(n) for n in layers], :]
-            e = evaluate_policy(
-                profile,
-                test.log_probabilities,
-                test.labels,
-                test.choice_mass,
-                features=features,
-                n_bootstrap=10,
+            _, e = fit_and_evaluate(
+                judge, task, args, fitted_on, digest, test, methods, seed=seed, n_bootstrap=10
             )
             certified += e.threshold is not None
             met += e.precision is not None and e.precision >= args.target_precision

@@ -88,14 +88,12 @@ def main() -> None:
                         dataset_sha256=digest,
                         target_precision=target,
                     )
-                    chosen = profile.feature_layers
-                    features = test.features[:, [layers.index(x) for x in chosen], :]
                     e = evaluate_policy(
                         profile,
                         test.log_probabilities,
                         test.labels,
                         test.choice_mass,
-                        features=features if chosen else None,
+                        features=test.features_of(profile.feature_layers),
                         n_bootstrap=10,
                     )
                     outcomes.append((profile.calibration_map.method, e))

@@ -114,6 +114,18 @@ class LabeledScores:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
+    def features_of(self, layers: Sequence[int]) -> np.ndarray | None:
+        """(n, len(layers), H) features of ``layers``, in that order (a probe profile's
+        ``feature_layers``); None when ``layers`` is empty."""
+        if not layers:
+            return None
+        if self.features is None or any(n not in self.feature_layers for n in layers):
+            raise TaskError(
+                f"these scores carry features of layers {list(self.feature_layers)}, "
+                f"not of {list(layers)}"
+            )
+        return self.features[:, [self.feature_layers.index(n) for n in layers], :]
+
 
 def labeled_queries(
     prompts: Sequence[str],

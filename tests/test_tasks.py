@@ -229,3 +229,22 @@ def test_judge_task_items_uses_the_task_prompt_and_column_order() -> None:
     assert scores.labels.tolist() == [0, 1, 0]
     flipped = judge_task_items(engine, task, items, choices=["spam", "ham"])
     assert flipped.labels.tolist() == [1, 0, 1]
+
+
+def test_features_of_picks_layers_in_the_order_asked() -> None:
+    features = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)  # (n, m, H)
+    scores = LabeledScores(
+        log_probabilities=np.zeros((2, 2)),
+        choice_mass=np.ones(2),
+        labels=np.array([0, 1]),
+        features=features,
+        feature_layers=(10, 20, 30),
+    )
+    assert scores.features_of(()) is None
+    picked = scores.features_of((30, 10))
+    assert picked is not None and picked.shape == (2, 2, 4)
+    assert np.array_equal(picked[:, 0], features[:, 2]) and np.array_equal(
+        picked[:, 1], features[:, 0]
+    )
+    with pytest.raises(TaskError, match=r"not of \[15\]"):
+        scores.features_of((15,))
