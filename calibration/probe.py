@@ -54,9 +54,11 @@ PROBE_CS = (0.001, 0.01, 0.1, 1.0)
 
 # Fewer labeled examples than this and a probe is not tried. The probe is fitted on half of
 # them (see calibration.fitting), five-fold cross-validated, so each fold trains on 40 items:
-# below that a few hundred weights are chosen on noise. Measured on sst2 and ag_news with the
-# default model (benchmarks/RESULTS.md, "Learned heads"): at 100 examples the probe already
-# beats temperature scaling on held-out NLL.
+# below that a few hundred weights are chosen on noise. At 100 the probe already pays with the
+# default model (benchmarks/RESULTS.md, "What N labels buy"): the cross-validation chose it over
+# the scalar maps in 11 of 12 draws of 100 labels (sst2, sms_spam, ag_news, trec), with test
+# accuracy 0.69, 0.94, 0.60 and 0.75 against 0.63, 0.88, 0.36 and 0.36 for the scalar maps
+# fitted on all 500 (trec: 200).
 MIN_PROBE_EXAMPLES = 100
 
 
