@@ -61,7 +61,7 @@ from calibration.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.metrics import MetricReport, evaluate
 from calibration.policy import Policy, check_max_std
-from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features
+from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.profile import (
     FORMAT_VERSION,
     Baseline,
@@ -188,14 +188,12 @@ def fit_rule(
     _check_classes(labels, choices)
     if z.shape[0] < MIN_EXAMPLES:
         raise FitError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
-    probe = "probe" in methods
-    if probe and z.shape[0] < MIN_PROBE_EXAMPLES:
-        raise FitError(
-            f"method 'probe' needs at least {MIN_PROBE_EXAMPLES} labeled examples, got "
-            f"{z.shape[0]}: with fewer, its hundreds of weights are fitted on noise (use "
-            "method auto, which falls back to temperature scaling, or give more examples)"
-        )
     f = None if features is None else check_features(features, z.shape[0], feature_layers)
+    probe = "probe" in methods
+    if probe:  # the explicit probe's refusals: no features, too few examples, too many weights
+        resolve_methods(
+            methods, z.shape[0], None if f is None else probe_weights(z.shape[1], f.shape[2])
+        )
     mass = check_choice_mass(choice_mass, z.shape[0])
     min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
     columns = [str(j) for j in range(z.shape[1])] if choices is None else list(choices)
@@ -329,8 +327,7 @@ def fit_profile(
         raise ValueError(f"log_probabilities must have shape (n, {len(choices)}), got {z.shape}")
     _check_classes(check_labels(y, z.shape[0], z.shape[1]), choices)
     z, labels = _check(z, y, choices, MIN_EXAMPLES)
-    # The weights a probe would hold: k rows of one layer's width plus the k log-probabilities.
-    weights = None if features is None else len(choices) * (np.shape(features)[-1] + len(choices))
+    weights = None if features is None else probe_weights(len(choices), np.shape(features)[-1])
     candidates, skipped = resolve_methods(methods, z.shape[0], weights)
     options = {
         "target_precision": target_precision,
@@ -435,7 +432,8 @@ def resolve_methods(
     "auto" is every labeled method, the probe included where features were given (a probe on
     them would hold ``probe_weights`` weights; None: no features), within ``MAX_PROBE_WEIGHTS``,
     and there are at least ``MIN_PROBE_EXAMPLES``; otherwise it falls back to the scalar maps
-    and says why.
+    and says why. An explicit "probe" under any of those conditions is a FitError that says
+    which: the one place these rules are written (``fit_rule`` and the service ask it too).
     """
     if isinstance(methods, str):
         if methods != "auto":
@@ -455,11 +453,23 @@ def resolve_methods(
                 f"{MAX_PROBE_WEIGHTS} a profile may hold (temperature scaling instead)"
             )
         return AUTO_METHODS, ""
-    if "probe" in methods and probe_weights is None:
-        raise FitError(
-            "method 'probe' needs the hidden-state features of the examples (judge them with "
-            "feature_layers)"
-        )
+    if "probe" in methods:
+        if probe_weights is None:
+            raise FitError(
+                "method 'probe' needs the hidden-state features of the examples (judge them "
+                "with feature_layers)"
+            )
+        if n < MIN_PROBE_EXAMPLES:
+            raise FitError(
+                f"method 'probe' needs at least {MIN_PROBE_EXAMPLES} labeled examples, got {n}: "
+                "with fewer, its hundreds of weights are fitted on noise (use method auto, "
+                "which falls back to temperature scaling, or give more examples)"
+            )
+        if probe_weights > MAX_PROBE_WEIGHTS:
+            raise FitError(
+                f"method 'probe' would hold {probe_weights} weights, over the "
+                f"{MAX_PROBE_WEIGHTS} a profile may hold; use fewer choices or method temperature"
+            )
     return tuple(methods), ""
 
 

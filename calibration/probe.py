@@ -36,6 +36,7 @@ __all__ = [
     "fit_probe",
     "fit_probe_weights",
     "map_features",
+    "probe_weights",
 ]
 
 _FloatArray = npt.NDArray[np.float64]
@@ -67,6 +68,12 @@ def candidate_layers(num_layers: int) -> tuple[int, ...]:
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
     return tuple(sorted({max(1, round(num_layers * f)) for f in _DEPTHS}))
+
+
+def probe_weights(choices: int, hidden_size: int) -> int:
+    """The weights a probe on one layer holds: a row per choice of the layer's hidden state
+    and the choices' log-probabilities (``MAX_PROBE_WEIGHTS`` bounds it)."""
+    return choices * (hidden_size + choices)
 
 
 def check_features(
@@ -189,10 +196,10 @@ def fit_probe(
     n, k = z.shape
     labels = check_labels(y, n, k)
     f = check_features(features, n, layers)
-    width = f.shape[2] + k
-    if k * width > MAX_PROBE_WEIGHTS:
+    weights = probe_weights(k, f.shape[2])
+    if weights > MAX_PROBE_WEIGHTS:
         raise FitError(
-            f"a probe on {f.shape[2]} features for {k} choices would hold {k * width} weights, "
+            f"a probe on {f.shape[2]} features for {k} choices would hold {weights} weights, "
             f"over the limit of {MAX_PROBE_WEIGHTS}"
         )
     z_std = _log_softmax(z)  # normalised, as Probe.apply normalises: shifts change nothing

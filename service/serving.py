@@ -38,12 +38,14 @@ import numpy as np
 from calibration import (
     CalibrationError,
     CalibrationProfile,
+    FitError,
     Policy,
     ProfileError,
     make_policy,
 )
-from calibration.maps import MAX_PROBE_WEIGHTS, CalibrationMap, Probe
-from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers
+from calibration.fitting import resolve_methods
+from calibration.maps import CalibrationMap, Probe
+from calibration.probe import candidate_layers, probe_weights
 from calibration.profile import NAME_PATTERN
 from judge import Configuration, Engine, JudgeError, Judgment, PrefixCache, Query, TokenCount
 from judge.scores import check_values
@@ -509,40 +511,30 @@ _FIT_METHODS: dict[str, str | list[str]] = {
 def _fit_layers(request: FitRequest, configuration: Configuration) -> tuple[int, ...]:
     """The hidden-state layers to judge a fit's examples with: a probe's candidates, or none.
 
-    A probe that cannot be fitted (no hidden states, too few examples, more weights than a
-    profile may hold) is refused here, naming ``method``, before any model work; "auto" then
-    fits without one, and its profile's note says why.
+    An explicit probe that cannot be fitted (no hidden states, too few examples, more weights
+    than a profile may hold: ``calibration.fitting.resolve_methods``) is refused here, naming
+    ``method``, before any model work; "auto" fits without one, and its profile's note says
+    why.
     """
     if request.method not in ("auto", "probe"):
         return ()
-    probe = request.method == "probe"
     num_layers = configuration.get("num_layers")
     hidden_size = configuration.get("hidden_size")
-    n, k = len(request.examples), len(request.choices)
-    if num_layers is None:
-        if probe:
+    if num_layers is None or hidden_size is None:
+        if request.method == "probe":
             raise UnprocessableError(
                 "method",
                 f"method 'probe' reads the model's hidden states, and this server's engine "
                 f"({configuration['model']}) exposes none; use method auto or temperature",
             )
         return ()
-    if probe and n < MIN_PROBE_EXAMPLES:
-        raise UnprocessableError(
-            "method",
-            f"method 'probe' needs at least {MIN_PROBE_EXAMPLES} labeled examples, got {n}: "
-            "with fewer, its hundreds of weights are fitted on noise (use method auto, which "
-            "falls back to temperature scaling, or give more examples)",
-        )
-    if hidden_size is not None and k * (hidden_size + k) > MAX_PROBE_WEIGHTS:
-        if probe:
-            raise UnprocessableError(
-                "method",
-                f"method 'probe' on {k} choices and {hidden_size} hidden values would hold "
-                f"{k * (hidden_size + k)} weights, over the {MAX_PROBE_WEIGHTS} a profile may "
-                "hold; use fewer choices or method temperature",
-            )
-        return ()
+    if request.method == "probe":
+        try:  # the fitter's own rules for when a probe can be fitted, before any model work
+            weights = probe_weights(len(request.choices), hidden_size)
+            resolve_methods(["probe"], len(request.examples), weights)
+        except FitError as exc:
+            raise UnprocessableError("method", str(exc)) from exc
+    # "auto": the fitter decides whether the probe can compete, and its note says why not.
     return candidate_layers(num_layers)
 
 
