@@ -17,6 +17,7 @@ cached per-choice log-probabilities of bench_calibration.py (judged once if miss
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -103,7 +104,8 @@ def main() -> None:
     target = np.array([by_id[item.id] for item in items])  # (n,) annotators' mean rating
     values = np.array([task.values[c] for c in task.choices])  # (k,)
 
-    profile = fit_profile(
+    fit = functools.partial(
+        fit_profile,
         "sts_images",
         cal.log_probabilities,
         cal.labels,
@@ -114,21 +116,9 @@ def main() -> None:
         dataset_sha256=digest,
         values=task.values,
     )
+    profile = fit()  # the scalar maps
     # The same fit with a probe on the pass's hidden state competing (the default, "auto").
-    probed = fit_profile(
-        "sts_images",
-        cal.log_probabilities,
-        cal.labels,
-        task.choices,
-        choice_mass=cal.choice_mass,
-        **judge.configuration(),
-        dataset="sts_images/calibration",
-        dataset_sha256=digest,
-        values=task.values,
-        methods="auto",
-        features=cal.features,
-        feature_layers=cal.feature_layers,
-    )
+    probed = fit(methods="auto", features=cal.features, feature_layers=cal.feature_layers)
     batch = prior_correction(estimate_prior(cal.log_probabilities))
     z = test.log_probabilities
     probe_map = probed.calibration_map

@@ -72,6 +72,14 @@ def check_max_std(value: object) -> float:
     return out
 
 
+def feature_row(
+    features: Mapping[int, Sequence[float]], layers: Sequence[int]
+) -> npt.NDArray[np.float64]:
+    """One judgment's hidden states of ``layers``, concatenated in that order: (m * H,), the
+    row a probe map reads."""
+    return np.concatenate([np.asarray(features[n], dtype=np.float64) for n in layers])
+
+
 class ScoredJudgment(Protocol):
     """What a policy needs of a judgment.
 
@@ -202,7 +210,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     f"{list(layers)}, and the judgment carries no features for them: judge "
                     f"with feature_layers={list(layers)} (profile.feature_layers)",
                 )
-            rows.append(np.concatenate([np.asarray(features[n], dtype=np.float64) for n in layers]))
+            rows.append(feature_row(features, layers))
         return np.stack(rows)
 
     def decide_arrays(

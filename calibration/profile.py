@@ -43,6 +43,7 @@ from calibration.policy import (
     PolicyDefaults,
     ScoredJudgment,
     check_max_std,
+    feature_row,
     make_policy,
 )
 from calibration.routing import ThresholdResult
@@ -342,9 +343,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         row = np.array([log_probabilities[c] for c in self.choices], dtype=np.float64)  # (k,)
         x = None
         if self.feature_layers and features is not None:
-            x = np.concatenate(
-                [np.asarray(features[n], dtype=np.float64) for n in self.feature_layers]
-            )
+            x = feature_row(features, self.feature_layers)
         probs = self.calibration_map.apply(row, x)
         index = {c: i for i, c in enumerate(self.choices)}
         return {c: float(probs[index[c]]) for c in order}
