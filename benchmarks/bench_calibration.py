@@ -26,17 +26,17 @@ from typing import Any
 
 import numpy as np
 
-from atomicio import replacing, write_text
 from calibration import CalibrationProfile, PolicyEvaluation
 from calibration.probe import candidate_layers
-from judge import Judge
-from tasks import (
+from calibration.tasks import (
     LabeledScores,
     Task,
     judge_task_items,
     load_split,
     load_task,
 )
+from judge import Judge
+from judge.atomicio import replacing, write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "calibration"
@@ -260,7 +260,7 @@ def fit_and_evaluate(
     """A profile fitted on the calibration split, and its served policy on the test split
     (columns in task.choices order, which is the profile's)."""
     from calibration import evaluate_policy
-    from tasks import fit_labeled
+    from calibration.tasks import fit_labeled
 
     profile = fit_labeled(
         task.name,

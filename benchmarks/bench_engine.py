@@ -38,9 +38,9 @@ import msgspec
 import torch
 from benchlib import cpu_model
 
-from atomicio import write_text
 from calibration.probe import candidate_layers
 from judge import Judge, Query
+from judge.atomicio import write_text
 from judge.engine import json_escape
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-import atomicio
+from judge import atomicio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

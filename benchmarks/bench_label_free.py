@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from benchlib import cpu_model
 
-from atomicio import write_text
+from judge.atomicio import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
@@ -62,8 +62,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_label_free.json")
     args = parser.parse_args()
 
+    from calibration.tasks import load_task
     from judge import Judge
-    from tasks import load_task
 
     names = args.tasks or sorted(
         p.name
@@ -97,8 +97,8 @@ def run_task(judge: object, task: object, cache: Path) -> dict[str, object]:
     from calibration.metrics import accuracy, ece, nll
     from calibration.scaling import softmax
     from calibration.signal import label_prior
+    from calibration.tasks import Task, content_free_prompts, judge_unlabeled
     from judge import Judge
-    from tasks import Task, content_free_prompts, judge_unlabeled
 
     assert isinstance(judge, Judge) and isinstance(task, Task)
     cal, digest = cached_scores(judge, task, "calibration", None, cache)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from benchlib import cpu_model
 
-from atomicio import write_text
+from judge.atomicio import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
@@ -55,8 +55,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from calibration import candidate_layers, evaluate_policy
+    from calibration.tasks import LabeledScores, fit_labeled, load_task
     from judge import Judge
-    from tasks import LabeledScores, fit_labeled, load_task
 
     judge = Judge.load(dtype=args.dtype)
     layers = candidate_layers(judge.num_layers or 0)

@@ -59,8 +59,8 @@ import numpy as np
 import torch
 from benchlib import cpu_model
 
-from atomicio import write_text
 from judge import Judge
+from judge.atomicio import write_text
 from judge.engine import json_escape
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -36,9 +36,9 @@ import torch
 from benchlib import cpu_model
 from transformers import DynamicCache
 
-from atomicio import write_text
+from calibration.tasks import load_split, load_task
 from judge import Judge, Judgment
-from tasks import load_split, load_task
+from judge.atomicio import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

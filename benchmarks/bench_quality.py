@@ -71,10 +71,7 @@ from typing import Any
 import numpy as np
 from benchlib import cpu_model
 
-from atomicio import write_text
-from judge import Judge
-from judge.engine import json_escape
-from tasks import (
+from calibration.tasks import (
     LabeledItem,
     LabeledScores,
     Task,
@@ -83,6 +80,9 @@ from tasks import (
     load_task,
     task_prompt,
 )
+from judge import Judge
+from judge.atomicio import write_text
+from judge.engine import json_escape
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

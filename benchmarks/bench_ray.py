@@ -29,7 +29,7 @@ import httpx
 from bench_service import load, sms_body
 from benchlib import cpu_model
 
-from atomicio import write_text
+from judge.atomicio import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 JUDGE = str(Path(sys.executable).parent / "judge")

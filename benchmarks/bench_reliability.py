@@ -54,9 +54,9 @@ import numpy as np
 from bench_service import free_port, sms_body, start_server, stop_server
 from benchlib import cpu_model
 
-from atomicio import write_text
 from calibration import load_profile
 from calibration.errors import CalibrationError
+from judge.atomicio import write_text
 from service.routes import TIMEOUT_HEADER
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,7 +27,7 @@ import numpy as np
 from benchlib import cpu_model
 from scipy import stats
 
-from atomicio import write_text
+from judge.atomicio import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
@@ -88,8 +88,8 @@ def main() -> None:
     from calibration import estimate_prior, fit_profile, prior_correction
     from calibration.probe import candidate_layers, map_features
     from calibration.scaling import softmax
+    from calibration.tasks import load_split, load_task
     from judge import Judge
-    from tasks import load_split, load_task
 
     task = load_task(args.data / "sts_images")
     assert task.values is not None, "sts_images/task.json has values"

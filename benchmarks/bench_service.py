@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 from benchlib import cpu_model
 
-from atomicio import write_text
+from judge.atomicio import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MESSAGES = [
@@ -64,7 +64,7 @@ def start_server(
     stderr (default: this process's).
     """
     command = [
-        sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--dtype", dtype,
+        sys.executable, "-m", "service.cli.main", "serve", "--port", str(port), "--dtype", dtype,
         "--max-batch-size", str(batch_size), "--max-queue", "1024", "--log-level", "warning",
         *extra,
     ]  # fmt: skip

@@ -26,7 +26,6 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-import atomicio
 from calibration.errors import (
     ProfileError,
     ProfileMismatchError,
@@ -49,6 +48,7 @@ from calibration.policy import (
 from calibration.routing import ThresholdResult
 from calibration.scores import check_values, numeral_values
 from calibration.signal import SignalReport
+from judge import atomicio
 
 __all__ = [
     "FORMAT_VERSION",

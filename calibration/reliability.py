@@ -17,9 +17,9 @@ import numpy as np
 from matplotlib import figure
 from matplotlib.backends import backend_agg
 
-from atomicio import replacing
 from calibration.metrics import calibration_bins, ece
 from calibration.validation import check_int, check_probs_labels
+from judge.atomicio import replacing
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

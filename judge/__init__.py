@@ -1,40 +1,83 @@
 """judge: calibrated finite-choice judgments from one forward pass of a language model.
 
-The engine only: it imports nothing from ``calibration``, ``tasks``, ``service`` or ``cli``
-(a test enforces it), so it can be used, and tested, on its own.
+The engine, and the leaves every layer uses (``judge.atomicio``, ``judge.scores``): it
+imports nothing from ``calibration`` or ``service`` (a test enforces it), so it can be used,
+and tested, on its own.
+
+The names below load on first use (PEP 562), so ``import judge.atomicio`` or
+``import judge.scores`` does not pull in torch: ``calibration`` and the client use those.
 """
 
-from judge.engine import (
-    DEFAULT_PREFIX_CACHE_MB,
-    DEFAULT_RESPONSE_PREFIX,
-    DEFAULT_RESPONSE_SUFFIX,
-    MAX_CHOICES,
-    Configuration,
-    Judge,
-    Judgment,
-    Query,
-    TokenCount,
-)
-from judge.errors import (
-    AmbiguousChoicesError,
-    ChoicesError,
-    ChoiceTypeError,
-    DuplicateChoiceError,
-    EmptyChoiceError,
-    EmptyContextError,
-    InvalidQueryError,
-    JudgeError,
-    ModelLoadError,
-    PromptTooLongError,
-    TokenizerRoundTripError,
-    TooFewChoicesError,
-    TooManyChoicesError,
-)
-from judge.prefix_cache import PrefixCache, PrefixCacheStats
-from judge.protocol import Engine
-from judge.scores import Score, ValuesError, default_values, score_of
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from judge.engine import (
+        DEFAULT_PREFIX_CACHE_MB,
+        DEFAULT_RESPONSE_PREFIX,
+        DEFAULT_RESPONSE_SUFFIX,
+        MAX_CHOICES,
+        Configuration,
+        Judge,
+        Judgment,
+        Query,
+        TokenCount,
+    )
+    from judge.errors import (
+        AmbiguousChoicesError,
+        ChoicesError,
+        ChoiceTypeError,
+        DuplicateChoiceError,
+        EmptyChoiceError,
+        EmptyContextError,
+        InvalidQueryError,
+        JudgeError,
+        ModelLoadError,
+        PromptTooLongError,
+        TokenizerRoundTripError,
+        TooFewChoicesError,
+        TooManyChoicesError,
+    )
+    from judge.prefix_cache import PrefixCache, PrefixCacheStats
+    from judge.protocol import Engine
+    from judge.scores import Score, ValuesError, default_values, score_of
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it
+_EXPORTS = {
+    "AmbiguousChoicesError": "judge.errors",
+    "ChoiceTypeError": "judge.errors",
+    "ChoicesError": "judge.errors",
+    "Configuration": "judge.engine",
+    "DEFAULT_PREFIX_CACHE_MB": "judge.engine",
+    "DEFAULT_RESPONSE_PREFIX": "judge.engine",
+    "DEFAULT_RESPONSE_SUFFIX": "judge.engine",
+    "DuplicateChoiceError": "judge.errors",
+    "EmptyChoiceError": "judge.errors",
+    "EmptyContextError": "judge.errors",
+    "Engine": "judge.protocol",
+    "InvalidQueryError": "judge.errors",
+    "Judge": "judge.engine",
+    "JudgeError": "judge.errors",
+    "Judgment": "judge.engine",
+    "MAX_CHOICES": "judge.engine",
+    "ModelLoadError": "judge.errors",
+    "PrefixCache": "judge.prefix_cache",
+    "PrefixCacheStats": "judge.prefix_cache",
+    "PromptTooLongError": "judge.errors",
+    "Query": "judge.engine",
+    "Score": "judge.scores",
+    "TokenCount": "judge.engine",
+    "TokenizerRoundTripError": "judge.errors",
+    "TooFewChoicesError": "judge.errors",
+    "TooManyChoicesError": "judge.errors",
+    "ValuesError": "judge.scores",
+    "default_values": "judge.scores",
+    "score_of": "judge.scores",
+}
 
 __all__ = [
     "DEFAULT_PREFIX_CACHE_MB",
@@ -68,3 +111,16 @@ __all__ = [
     "default_values",
     "score_of",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'judge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from atomicio import replacing
+from judge.atomicio import replacing
 from judge.errors import ModelLoadError
 
 if TYPE_CHECKING:

@@ -1,6 +1,28 @@
-"""The HTTP service over the judge engine (Litestar + msgspec; no torch here)."""
+"""The ways judge is served: HTTP (Litestar + msgspec; no torch here), the Python client
+(``service.client``) and the ``judge`` command line (``service.cli``).
 
-from service.app import create_app
-from service.config import ServiceConfig
+``create_app`` and ``ServiceConfig`` load on first use (PEP 562), so ``import service.client``
+does not pull in Litestar.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.app import create_app
+    from service.config import ServiceConfig
+
+_EXPORTS = {"ServiceConfig": "service.config", "create_app": "service.app"}
 
 __all__ = ["ServiceConfig", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'service' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

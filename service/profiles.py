@@ -49,9 +49,9 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
-import atomicio
 from calibration.errors import ProfileNotFoundError
 from calibration.profile import NAME_PATTERN, CalibrationProfile, decode_profile
+from judge import atomicio
 
 __all__ = [
     "ANY",

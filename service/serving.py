@@ -47,6 +47,7 @@ from calibration.fitting import resolve_methods
 from calibration.maps import CalibrationMap, Probe
 from calibration.probe import candidate_layers, probe_weights
 from calibration.profile import NAME_PATTERN
+from calibration.tasks import fit_labeled, labeled_queries, scores_from_judgments
 from judge import Configuration, Engine, JudgeError, Judgment, PrefixCache, Query, TokenCount
 from judge.scores import check_values
 from service.batcher import Batcher, DeadlineError, QueueFullError
@@ -72,7 +73,6 @@ from service.schemas import (
     ProfileSummary,
     SharedQuestion,
 )
-from tasks import fit_labeled, labeled_queries, scores_from_judgments
 
 __all__ = ["Service"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import atomicio
-from atomicio import replacing, write_bytes, write_text
+from judge import atomicio
+from judge.atomicio import replacing, write_bytes, write_text
 
 
 def test_round_trip_creates_missing_parents(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from calibration import load_profile
-from cli.main import main
 from judge import Judge
+from service.cli.main import main
 
 SMS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sms_spam"
 needs_data = pytest.mark.skipif(
@@ -203,7 +203,7 @@ def test_ask_and_evaluate_decide_with_the_probe(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from tasks import load_task, task_prompt
+    from calibration.tasks import load_task, task_prompt
 
     profile = load_profile(probe_profile)
     task = load_task(SST2)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from calibration import CalibrationProfile, PolicyDefaults, fit_profile, make_policy, save_profile
-from cli.main import main
 from judge import Judge
+from service.cli.main import main
 
 PROMPT = "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082."
 CHOICES = ["spam", "ham"]

@@ -54,7 +54,7 @@ CHOICES = ["spam", "ham", "unsure"]
 
 def start(profiles: Path) -> Server:
     port = free_port()
-    command = [sys.executable, "-m", "cli.main", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
     server = Server(
         [*command, "--dtype", "float32", "--profiles-dir", str(profiles), "--max-wait-ms", "5"],
         port,

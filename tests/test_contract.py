@@ -29,7 +29,7 @@ def schemathesis_command() -> str:
 def run_contract(tmp_path: Path, max_examples: int, extra: list[str] | None = None) -> None:
     st = schemathesis_command()
     port = free_port()
-    command = [sys.executable, "-m", "cli.main", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
     command += ["--profiles-dir", str(tmp_path / "profiles"), "--log-level", "warning"]
     os.environ["JUDGE_API_KEY"] = KEY
     try:

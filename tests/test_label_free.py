@@ -25,9 +25,9 @@ from calibration import (
 )
 from calibration.report import profile_markdown
 from calibration.scaling import softmax
-from cli.main import main
+from calibration.tasks import content_free_prompts, load_task
 from judge import Judge
-from tasks import content_free_prompts, load_task
+from service.cli.main import main
 
 CHOICES = ["a", "b", "c"]
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"

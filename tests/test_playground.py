@@ -23,8 +23,8 @@ from litestar.testing import TestClient
 from server import Server, free_port
 from test_service import EXAMPLES, NUM_LAYERS, FeatureEngine, H, probe_profile
 
-import atomicio
 from calibration.reliability import reliability_diagram
+from judge import atomicio
 from service import ServiceConfig, create_app
 from service.client import JudgeClient
 from service.playground import STATIC
@@ -186,7 +186,7 @@ def write_reliability_png(path: Path) -> bytes:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     profiles = tmp_path_factory.mktemp("profiles")
     port = free_port()
-    command = [sys.executable, "-m", "cli.main", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
     options = ["--dtype", "float32", "--profiles-dir", str(profiles)]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("JUDGE_API_KEY", KEY)  # the server process inherits it; argv shows no key

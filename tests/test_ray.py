@@ -28,9 +28,9 @@ from server import free_port
 from test_profile_store import fake_profile
 from test_reliability import live
 
-from cli.main import main
 from judge import JudgeError, Judgment, Query
 from service import ServiceConfig
+from service.cli.main import main
 from service.ray_serve import INSTALL_HINT, Scaling, application
 
 try:

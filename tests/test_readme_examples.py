@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from calibration import fit_profile, save_profile
-from cli.main import main
 from judge import Judge
+from service.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -20,6 +20,7 @@ from litestar.testing import TestClient
 from calibration import CalibrationProfile, decode_profile, fit_profile
 from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.probe import candidate_layers
+from calibration.tasks import load_split, load_task, task_prompt
 from judge import (
     Configuration,
     Engine,
@@ -29,7 +30,6 @@ from judge import (
     Query,
 )
 from service import ServiceConfig, create_app
-from tasks import load_split, load_task, task_prompt
 
 SPAM = "Is this SMS spam? WINNER!! You have won a free cruise, text CLAIM to 80082 now."
 EXAMPLES = [

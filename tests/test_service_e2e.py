@@ -30,7 +30,7 @@ def start(profiles: Path) -> Server:
     command = [
         sys.executable,
         "-m",
-        "cli.main",
+        "service.cli.main",
         "serve",
         "--port",
         str(port),

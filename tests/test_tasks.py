@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 
-from judge import Configuration, Engine, Judge, JudgeError, Judgment, Query
-from tasks import (
+from calibration.tasks import (
     LabeledItem,
     LabeledScores,
     Task,
@@ -25,6 +24,7 @@ from tasks import (
     scores_from_judgments,
     task_prompt,
 )
+from judge import Configuration, Engine, Judge, JudgeError, Judgment, Query
 
 CHOICES = ["ham", "spam"]
 

@@ -17,7 +17,14 @@ from pathlib import Path
 
 from calibration import CalibrationError
 from calibration.probe import MIN_PROBE_EXAMPLES
-from cli.common import (
+from calibration.tasks import TaskError
+from judge import (
+    DEFAULT_PREFIX_CACHE_MB,
+    DEFAULT_RESPONSE_PREFIX,
+    DEFAULT_RESPONSE_SUFFIX,
+    JudgeError,
+)
+from service.cli.common import (
     DTYPES,
     UsageError,
     megabytes,
@@ -26,13 +33,6 @@ from cli.common import (
     probability,
     seconds,
 )
-from judge import (
-    DEFAULT_PREFIX_CACHE_MB,
-    DEFAULT_RESPONSE_PREFIX,
-    DEFAULT_RESPONSE_SUFFIX,
-    JudgeError,
-)
-from tasks import TaskError
 
 __all__ = ["main", "parser"]
 
@@ -311,18 +311,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "ask":
             _check_ask(root, args)
-            from cli import ask
+            from service.cli import ask
 
             return ask.run(args)
         if args.command == "calibrate":
-            from cli import calibrate
+            from service.cli import calibrate
 
             return calibrate.run_calibrate(args)
         if args.command == "evaluate":
-            from cli import calibrate
+            from service.cli import calibrate
 
             return calibrate.run_evaluate(args)
-        from cli import serve
+        from service.cli import serve
 
         return serve.run(args)
     except (JudgeError, CalibrationError, TaskError, UsageError) as exc:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.common import UsageError
+from service.cli.common import UsageError
 
 if TYPE_CHECKING:
     from judge import Engine

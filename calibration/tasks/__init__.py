@@ -1,17 +1,17 @@
 """Labeled tasks: files on disk, and "judge a labeled set, then fit a calibration profile".
 
-    tasks.files     Task, LabeledItem, load_task, load_split, task_prompt, TaskError
-    tasks.labeled   LabeledScores, labeled_queries, judge_labeled, judge_task_items,
+    calibration.tasks.files     Task, LabeledItem, load_task, load_split, task_prompt, TaskError
+    calibration.tasks.labeled   LabeledScores, labeled_queries, judge_labeled, judge_task_items,
                     scores_from_judgments, fit_labeled, content_free_prompts,
                     load_prompts, judge_unlabeled, fit_unlabeled
 
-Sits above ``judge`` and ``calibration`` (it uses both) and below ``service`` and ``cli``
-(which use it), so the command line, the HTTP fit endpoint and the benchmarks calibrate the
+Sits above ``judge`` and calibration's core (it uses both; nothing else in ``calibration``
+imports it, so ``import calibration`` stays free of torch) and below ``service`` (which uses it), so the command line, the HTTP fit endpoint and the benchmarks calibrate the
 same way.
 """
 
-from tasks.files import LabeledItem, Task, TaskError, load_split, load_task, task_prompt
-from tasks.labeled import (
+from calibration.tasks.files import LabeledItem, Task, TaskError, load_split, load_task, task_prompt
+from calibration.tasks.labeled import (
     LabeledScores,
     content_free_prompts,
     fit_labeled,

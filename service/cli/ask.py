@@ -22,7 +22,6 @@ from typing import Literal, TextIO
 
 import msgspec
 
-from atomicio import replacing
 from calibration import (
     CalibrationError,
     CalibrationProfile,
@@ -33,7 +32,6 @@ from calibration import (
     ReasonCode,
     make_policy,
 )
-from cli.common import UsageError, load_engine, load_profile, to_json
 from judge import (
     ChoicesError,
     EmptyContextError,
@@ -44,7 +42,9 @@ from judge import (
     Query,
     TokenizerRoundTripError,
 )
+from judge.atomicio import replacing
 from judge.engine import validate_choices
+from service.cli.common import UsageError, load_engine, load_profile, to_json
 
 __all__ = ["Answer", "Failure", "InputLineError", "run"]
 

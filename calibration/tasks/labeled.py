@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from calibration.tasks.files import LabeledItem, Task, TaskError, task_prompt
 from judge import Engine, Judgment, Query
-from tasks.files import LabeledItem, Task, TaskError, task_prompt
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile

@@ -19,7 +19,6 @@ import re
 import sys
 from collections.abc import Sequence
 
-from atomicio import write_text
 from calibration import MIN_EXAMPLES, evaluate_policy
 from calibration.maps import Probe
 from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
@@ -32,9 +31,7 @@ from calibration.report import (
     signal_markdown,
 )
 from calibration.scaling import softmax
-from cli.common import UsageError, load_engine, load_profile, to_json
-from judge import Engine
-from tasks import (
+from calibration.tasks import (
     LabeledItem,
     LabeledScores,
     Task,
@@ -48,6 +45,9 @@ from tasks import (
     load_task,
     task_prompt,
 )
+from judge import Engine
+from judge.atomicio import write_text
+from service.cli.common import UsageError, load_engine, load_profile, to_json
 
 __all__ = ["run_calibrate", "run_evaluate"]
 

@@ -1,0 +1,11 @@
+"""The ``judge`` command line (console script ``judge = service.cli.main:main``).
+
+    service.cli.main        the argument parser and ``main(argv)``
+    service.cli.ask         ``judge ask``: one prompt, or a JSONL file of them (batch gating)
+    service.cli.calibrate   ``judge calibrate`` and ``judge evaluate`` on labeled tasks
+    service.cli.serve       ``judge serve``: the HTTP service
+    service.cli.common      what the commands share
+
+The top of the stack: it imports ``judge``, ``calibration`` (with ``calibration.tasks``) and
+``service``, and nothing imports it. ``python -m service.cli`` runs the same command line.
+"""
