@@ -266,7 +266,7 @@ def fit_and_evaluate(
         task.name,
         fitted_on,
         task.choices,
-        judge.configuration(),
+        judge.fingerprint(),
         dataset=f"{task.name}/calibration",
         dataset_sha256=digest,
         target_precision=args.target_precision,

@@ -93,7 +93,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def bench_row(judge: Judge, choices: list[str], reps: int) -> dict[str, Any]:
-    prepared = judge._prepare(Query(prompt=PROMPT, choices=choices))
+    prepared = judge.prepare(Query(prompt=PROMPT, choices=choices))
     trie = prepared.trie
     prompt_ids = torch.tensor(
         [judge.tokenizer(prepared.prompt, add_special_tokens=False).input_ids]

@@ -128,7 +128,7 @@ def run_task(judge: object, task: object, cache: Path) -> dict[str, object]:
         yc,
         task.choices,
         choice_mass=cal.choice_mass,
-        **judge.configuration(),
+        fingerprint=judge.fingerprint(),
         dataset=f"{task.name}/calibration",
         dataset_sha256=digest,
     )

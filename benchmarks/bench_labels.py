@@ -83,7 +83,7 @@ def main() -> None:
                         name,
                         subset,
                         task.choices,
-                        judge.configuration(),
+                        judge.fingerprint(),
                         dataset=f"{name}/calibration[{n}]",
                         dataset_sha256=digest,
                         target_precision=target,

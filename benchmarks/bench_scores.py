@@ -111,7 +111,7 @@ def main() -> None:
         cal.labels,
         task.choices,
         choice_mass=cal.choice_mass,
-        **judge.configuration(),
+        fingerprint=judge.fingerprint(),
         dataset="sts_images/calibration",
         dataset_sha256=digest,
         values=task.values,

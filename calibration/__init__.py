@@ -4,64 +4,151 @@ Works on per-choice log-probabilities and labels; depends on neither the engine 
 service (no torch). A pipeline reads::
 
     profile = load_profile("profiles/sms_spam.json")
-    profile.check(judge)                      # once: model, weights, dtype, template, system
+    profile.check(judge.fingerprint())        # once: model, weights, dtype, template, system
     judgment = judge.judge(text, choices=profile.choices, feature_layers=profile.feature_layers)
     decision = profile.decide(judgment)       # a probe reads the hidden state of its layers
     if decision.accepted: ...                 # else decision.reasons says why it escalated
+
+The names below load on first use (PEP 562), so that ``import calibration.profile`` (the wire
+types the client decodes) loads neither scipy nor scikit-learn: only fitting does.
 """
 
-from calibration.errors import (
-    CalibrationError,
-    FitError,
-    ProfileError,
-    ProfileMismatchError,
-    ProfileNotFoundError,
-    RuleError,
-    ValuesError,
-)
-from calibration.fitting import (
-    MIN_EXAMPLES,
-    PolicyEvaluation,
-    evaluate_policy,
-    fit_label_free_profile,
-    fit_profile,
-    fit_rule,
-)
-from calibration.label_free import CONTENT_FREE_INPUTS, LabelFree, estimate_prior, prior_correction
-from calibration.metrics import Interval, MetricReport, evaluate
-from calibration.policy import (
-    REASON_CODES,
-    Decision,
-    Policy,
-    PolicyDefaults,
-    ReasonCode,
-    ScoredJudgment,
-    make_policy,
-)
-from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers
-from calibration.profile import (
-    Baseline,
-    CalibrationProfile,
-    DataSplit,
-    decode_profile,
-    load_profile,
-    save_profile,
-)
-from calibration.routing import ThresholdResult, select_threshold
-from calibration.scaling import (
-    BatchTemperatureScaler,
-    BiasTemperature,
-    BiasTemperatureScaler,
-    CalibrationFit,
-    CalibrationMap,
-    Identity,
-    Probe,
-    Temperature,
-    TemperatureScaler,
-    fit_calibrator,
-)
-from calibration.scores import numeral_values, value_moments
-from calibration.signal import SignalReport, signal_report
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from calibration.errors import (
+        CalibrationError,
+        FitError,
+        ProfileError,
+        ProfileMismatchError,
+        ProfileNotFoundError,
+        RuleError,
+        ValuesError,
+    )
+    from calibration.fitting import (
+        PolicyEvaluation,
+        evaluate_policy,
+        fit_label_free_profile,
+        fit_profile,
+        fit_rule,
+    )
+    from calibration.label_free import (
+        CONTENT_FREE_INPUTS,
+        LabelFree,
+        estimate_prior,
+        prior_correction,
+    )
+    from calibration.limits import (
+        MIN_EXAMPLES,
+    )
+    from calibration.metrics import (
+        Interval,
+        MetricReport,
+        evaluate,
+    )
+    from calibration.policy import (
+        REASON_CODES,
+        Decision,
+        Policy,
+        PolicyDefaults,
+        ReasonCode,
+        ScoredJudgment,
+        make_policy,
+    )
+    from calibration.probe import (
+        MIN_PROBE_EXAMPLES,
+        candidate_layers,
+    )
+    from calibration.profile import (
+        Baseline,
+        CalibrationProfile,
+        DataSplit,
+        decode_profile,
+        load_profile,
+        save_profile,
+    )
+    from calibration.routing import (
+        ThresholdResult,
+        select_threshold,
+    )
+    from calibration.scaling import (
+        BatchTemperatureScaler,
+        BiasTemperature,
+        BiasTemperatureScaler,
+        CalibrationFit,
+        CalibrationMap,
+        Identity,
+        Probe,
+        Temperature,
+        TemperatureScaler,
+        fit_calibrator,
+    )
+    from calibration.scores import (
+        numeral_values,
+        value_moments,
+    )
+    from calibration.signal import (
+        SignalReport,
+        signal_report,
+    )
+
+# name -> the module that defines it
+_EXPORTS = {
+    "Baseline": "calibration.profile",
+    "BatchTemperatureScaler": "calibration.scaling",
+    "BiasTemperature": "calibration.scaling",
+    "BiasTemperatureScaler": "calibration.scaling",
+    "CONTENT_FREE_INPUTS": "calibration.label_free",
+    "CalibrationError": "calibration.errors",
+    "CalibrationFit": "calibration.scaling",
+    "CalibrationMap": "calibration.scaling",
+    "CalibrationProfile": "calibration.profile",
+    "DataSplit": "calibration.profile",
+    "Decision": "calibration.policy",
+    "FitError": "calibration.errors",
+    "Identity": "calibration.scaling",
+    "Interval": "calibration.metrics",
+    "LabelFree": "calibration.label_free",
+    "MIN_EXAMPLES": "calibration.limits",
+    "MIN_PROBE_EXAMPLES": "calibration.probe",
+    "MetricReport": "calibration.metrics",
+    "Policy": "calibration.policy",
+    "PolicyDefaults": "calibration.policy",
+    "PolicyEvaluation": "calibration.fitting",
+    "Probe": "calibration.scaling",
+    "ProfileError": "calibration.errors",
+    "ProfileMismatchError": "calibration.errors",
+    "ProfileNotFoundError": "calibration.errors",
+    "REASON_CODES": "calibration.policy",
+    "ReasonCode": "calibration.policy",
+    "RuleError": "calibration.errors",
+    "ScoredJudgment": "calibration.policy",
+    "SignalReport": "calibration.signal",
+    "Temperature": "calibration.scaling",
+    "TemperatureScaler": "calibration.scaling",
+    "ThresholdResult": "calibration.routing",
+    "ValuesError": "calibration.errors",
+    "candidate_layers": "calibration.probe",
+    "decode_profile": "calibration.profile",
+    "estimate_prior": "calibration.label_free",
+    "evaluate": "calibration.metrics",
+    "evaluate_policy": "calibration.fitting",
+    "fit_calibrator": "calibration.scaling",
+    "fit_label_free_profile": "calibration.fitting",
+    "fit_profile": "calibration.fitting",
+    "fit_rule": "calibration.fitting",
+    "load_profile": "calibration.profile",
+    "make_policy": "calibration.policy",
+    "numeral_values": "calibration.scores",
+    "prior_correction": "calibration.label_free",
+    "save_profile": "calibration.profile",
+    "select_threshold": "calibration.routing",
+    "signal_report": "calibration.signal",
+    "value_moments": "calibration.scores",
+}
 
 __all__ = [
     "CONTENT_FREE_INPUTS",
@@ -116,3 +203,16 @@ __all__ = [
     "signal_report",
     "value_moments",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'calibration' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-from sklearn import exceptions
 
 from calibration.validation import check_probs, check_probs_labels, check_unit_open
 
@@ -150,6 +149,8 @@ class ConformalClassifier:
     def predict_sets(self, probs: ArrayLike) -> list[list[int]]:
         """One non-empty prediction set (sorted choice indices) per row of (n, k) probs."""
         if not hasattr(self, "quantile_"):
+            from sklearn import exceptions  # here: a server dependency, not the client's
+
             raise exceptions.NotFittedError(
                 "this ConformalClassifier is not fitted yet; call fit(probs, y) first"
             )

@@ -5,12 +5,20 @@
     ├── ProfileError                 a profile file is missing, unreadable or invalid
     │   └── ProfileNotFoundError     no profile by that name
     ├── ProfileMismatchError         a profile does not fit the judgment it is applied to
-    └── ValuesError                  a score's values or its max_std cannot be used
+    └── RuleError                    a decoded value breaks a rule its type cannot state
+
+    judge.ValuesError                a score's values or its max_std cannot be used
+
+``ValuesError`` is the engine's (``judge.scores``), not a CalibrationError: values are checked
+by one set of rules whether the probabilities are raw or calibrated, so there is one class to
+catch (a ValueError, and to the service an InvalidQueryError naming ``values`` or ``max_std``).
 
 Input validation of arrays (shapes, labels) raises ValueError with the bad value named.
 """
 
 from __future__ import annotations
+
+from judge.scores import ValuesError
 
 __all__ = [
     "CalibrationError",
@@ -44,14 +52,6 @@ class ProfileMismatchError(CalibrationError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field  # which property differs, for the service's error body
-
-
-class ValuesError(CalibrationError, ValueError):
-    """``values`` (a number per choice) or ``max_std`` is missing, incomplete or not finite."""
-
-    def __init__(self, message: str, field: str = "values") -> None:
-        super().__init__(message)
-        self.field = field  # "values" or "max_std", for the service's error body
 
 
 class RuleError(CalibrationError):

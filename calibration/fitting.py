@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -58,17 +59,12 @@ from scipy import stats
 from calibration.conformal import conformal_quantile
 from calibration.errors import FitError
 from calibration.label_free import LabelFree, estimate_prior, prior_correction
+from calibration.limits import MIN_EXAMPLES
 from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.metrics import MetricReport, evaluate
 from calibration.policy import Policy, check_max_std
 from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
-from calibration.profile import (
-    FORMAT_VERSION,
-    Baseline,
-    CalibrationProfile,
-    DataSplit,
-    sha256_text,
-)
+from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
 from calibration.routing import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
 from calibration.scaling import CalibrationFit, Identity, Probe, fit_calibrator, softmax
 from calibration.scores import check_values
@@ -79,6 +75,7 @@ from calibration.validation import (
     check_logits,
     check_probability,
 )
+from judge.fingerprint import Fingerprint
 
 __all__ = [
     "AUTO_METHODS",
@@ -93,7 +90,6 @@ __all__ = [
     "split_examples",
 ]
 
-MIN_EXAMPLES = 20
 DEFAULT_METHODS = ("temperature", "bias_temperature")
 AUTO_METHODS = ("temperature", "bias_temperature", "probe")
 # Of every ten examples (per label, in random order): three fit the map, two set the conformal
@@ -103,12 +99,18 @@ _PATTERN = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
 _PROBE_PATTERN = np.array([0, 0, 0, 0, 0, 1, 2, 2, 2, 2])
 
 
-def _check(
-    log_probabilities: ArrayLike, y: ArrayLike, choices: Sequence[str], minimum: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _shaped(log_probabilities: ArrayLike, choices: Sequence[str]) -> np.ndarray:
+    """(n, k) log-probabilities as floats, one column per choice, else a ValueError."""
     z = np.asarray(log_probabilities, dtype=np.float64)
     if z.ndim != 2 or z.shape[1] != len(choices):
         raise ValueError(f"log_probabilities must have shape (n, {len(choices)}), got {z.shape}")
+    return z
+
+
+def _check(
+    log_probabilities: ArrayLike, y: ArrayLike, choices: Sequence[str], minimum: int
+) -> tuple[np.ndarray, np.ndarray]:
+    z = _shaped(log_probabilities, choices)
     if z.shape[0] < minimum:
         raise FitError(f"need at least {minimum} labeled examples, got {z.shape[0]}")
     return z, check_labels(y, z.shape[0], z.shape[1])
@@ -283,13 +285,8 @@ def fit_profile(
     y: ArrayLike,
     choices: Sequence[str],
     *,
+    fingerprint: Fingerprint,
     choice_mass: ArrayLike | None = None,
-    model: str,
-    model_sha256: str | None,
-    dtype: str,
-    response_prefix: str,
-    response_suffix: str,
-    system: str | None,
     dataset: str,
     dataset_sha256: str,
     target_precision: float = 0.9,
@@ -304,15 +301,13 @@ def fit_profile(
     methods: Sequence[str] | str = DEFAULT_METHODS,
     features: ArrayLike | None = None,
     feature_layers: Sequence[int] = (),
-    num_layers: int | None = None,
-    hidden_size: int | None = None,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
-    The keyword arguments from ``model`` to ``system``, and ``num_layers`` and
-    ``hidden_size``, are an engine's ``configuration()``;
-    ``n_bootstrap`` sets the resamples behind the metrics' intervals (evidence only: the map,
-    quantile and threshold do not depend on it); ``procedure`` is ``select_threshold``'s.
+    ``fingerprint`` is the engine's (``judge.fingerprint(...)`` for the template the scores
+    were judged with), stored in the profile; ``n_bootstrap`` sets the resamples behind the
+    metrics' intervals (evidence only: the map, quantile and threshold do not depend on it);
+    ``procedure`` is ``select_threshold``'s.
     ``values`` (a number per choice) and ``max_std`` make it a score profile (see
     ``calibration.policy``); ``methods`` are the labeled candidates of ``fit_calibrator``
     (add "batch_temperature" to let a batch-calibrated start compete), or "auto": every
@@ -322,9 +317,8 @@ def fit_profile(
     NLL, as without a probe) are fitted and certified on the same split too, and kept as the
     profile's ``baseline``.
     """
-    z = np.asarray(log_probabilities, dtype=np.float64)
-    if z.ndim != 2 or z.shape[1] != len(choices):
-        raise ValueError(f"log_probabilities must have shape (n, {len(choices)}), got {z.shape}")
+    _check_fingerprint(fingerprint)
+    z = _shaped(log_probabilities, choices)
     _check_classes(check_labels(y, z.shape[0], z.shape[1]), choices)
     z, labels = _check(z, y, choices, MIN_EXAMPLES)
     weights = None if features is None else probe_weights(len(choices), np.shape(features)[-1])
@@ -347,7 +341,7 @@ def fit_profile(
         methods=candidates,
         features=features,
         feature_layers=feature_layers,
-        num_layers=num_layers,
+        num_layers=fingerprint.num_layers,
         **options,  # type: ignore[arg-type]
     )
     held = rule.held_out
@@ -380,34 +374,27 @@ def fit_profile(
             "ignored, then a temperature fitted on their labels (batch_temperature)",
             prior=rule.fit.prior,
         )
-    return CalibrationProfile(
-        format_version=FORMAT_VERSION,
-        name=name,
-        model=model,
-        model_sha256=model_sha256,
-        dtype=dtype,
-        response_prefix=response_prefix,
-        response_suffix=response_suffix,
-        system_sha256=sha256_text(system),
-        choices=list(choices),
+    return _profile(
+        name,
+        choices,
+        fingerprint,
+        dataset=dataset,
+        dataset_sha256=dataset_sha256,
+        values=values,
+        max_std=max_std,
+        min_choice_mass=min_choice_mass,
+        conformal_alpha=alpha,
+        n_examples=len(labels),
         calibration_map=rule.fit.map,
         cv_nll=rule.fit.cv_nll,
         note=rule.fit.note + skipped,
         threshold=rule.threshold,
-        min_choice_mass=min_choice_mass,
-        conformal_alpha=alpha,
         conformal_quantile=rule.conformal_quantile,
         split=rule.split,
         metrics_before=evaluate(softmax(z), labels, seed=seed, n_bootstrap=n_bootstrap),
         metrics_after=evaluate(
             rule.probabilities[held], labels[held], seed=seed, n_bootstrap=n_bootstrap
         ),
-        n_examples=len(labels),
-        dataset=dataset,
-        dataset_sha256=dataset_sha256,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        values=None if values is None else check_values(values, choices),
-        max_std=max_std,
         label_free=label_free,
         signal=signal_report(
             rule.probabilities[held],
@@ -418,9 +405,42 @@ def fit_profile(
             n_bootstrap=n_bootstrap,
             seed=seed,
         ),
-        num_layers=num_layers,
-        hidden_size=hidden_size,
         baseline=baseline,
+    )
+
+
+def _check_fingerprint(fingerprint: object) -> None:
+    if not isinstance(fingerprint, Fingerprint):
+        raise TypeError(
+            "fingerprint must be a judge.Fingerprint (engine.fingerprint(...) for the template "
+            f"the scores were judged with), got {type(fingerprint).__name__}"
+        )
+
+
+def _profile(
+    name: str,
+    choices: Sequence[str],
+    fingerprint: Fingerprint,
+    *,
+    dataset: str,
+    dataset_sha256: str,
+    values: Mapping[str, float] | None,
+    max_std: float | None,
+    **fitted: Any,
+) -> CalibrationProfile:
+    """A profile of this format, named, fingerprinted, dated and with its score settings
+    checked; ``fitted`` are the fields a fit computed (map, threshold, evidence)."""
+    return CalibrationProfile(
+        format_version=FORMAT_VERSION,
+        name=name,
+        fingerprint=fingerprint,
+        choices=list(choices),
+        dataset=dataset,
+        dataset_sha256=dataset_sha256,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        values=None if values is None else check_values(values, choices),
+        max_std=None if max_std is None else check_max_std(max_std),
+        **fitted,
     )
 
 
@@ -480,12 +500,7 @@ def fit_label_free_profile(
     *,
     method: str,
     source: str,
-    model: str,
-    model_sha256: str | None,
-    dtype: str,
-    response_prefix: str,
-    response_suffix: str,
-    system: str | None,
+    fingerprint: Fingerprint,
     dataset: str,
     dataset_sha256: str,
     min_choice_mass: float = 0.0,
@@ -494,8 +509,6 @@ def fit_label_free_profile(
     alpha: float = 0.1,
     values: Mapping[str, float] | None = None,
     max_std: float | None = None,
-    num_layers: int | None = None,
-    hidden_size: int | None = None,
 ) -> CalibrationProfile:
     """A profile that divides out the prior estimated from unlabeled (n, k) log-probabilities.
 
@@ -503,17 +516,16 @@ def fit_label_free_profile(
     ``source`` says in words what the rows were, and is stored. Without labels nothing is
     certified (every decision escalates unless the caller sets a threshold), there is no
     conformal set, and there are no metrics; ``target_precision``, ``delta`` and ``alpha`` are
-    recorded only so that the profile reads like any other. The keyword arguments from
-    ``model`` to ``system`` are an engine's ``configuration()``.
+    recorded only so that the profile reads like any other. ``fingerprint`` is the engine's,
+    as for ``fit_profile``.
     """
     if method not in ("contextual", "batch"):
         raise ValueError(f"method must be 'contextual' or 'batch', got {method!r}")
-    z = np.asarray(log_probabilities, dtype=np.float64)
-    if z.ndim != 2 or z.shape[0] == 0:
+    _check_fingerprint(fingerprint)
+    if np.size(log_probabilities) == 0:
         what = "content-free inputs" if method == "contextual" else "unlabeled inputs"
         raise FitError(f"the set of {what} is empty: label-free calibration needs at least one")
-    if z.shape[1] != len(choices):
-        raise ValueError(f"log_probabilities must have shape (n, {len(choices)}), got {z.shape}")
+    z = _shaped(log_probabilities, choices)
     prior = estimate_prior(z, name="log_probabilities")
     min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
     n = int(z.shape[0])
@@ -540,16 +552,17 @@ def fit_label_free_profile(
         reason=no_labels,
     )
     shown = ", ".join(f"{c} {p:.4f}" for c, p in zip(choices, prior, strict=True))
-    return CalibrationProfile(
-        format_version=FORMAT_VERSION,
-        name=name,
-        model=model,
-        model_sha256=model_sha256,
-        dtype=dtype,
-        response_prefix=response_prefix,
-        response_suffix=response_suffix,
-        system_sha256=sha256_text(system),
-        choices=list(choices),
+    return _profile(
+        name,
+        choices,
+        fingerprint,
+        dataset=dataset,
+        dataset_sha256=dataset_sha256,
+        values=values,
+        max_std=max_std,
+        min_choice_mass=min_choice_mass,
+        conformal_alpha=alpha,
+        n_examples=n,
         calibration_map=prior_correction(prior),
         cv_nll={},
         note=(
@@ -559,22 +572,12 @@ def fit_label_free_profile(
             "known: whether this judge beats the label prior is untested"
         ),
         threshold=threshold,
-        min_choice_mass=min_choice_mass,
-        conformal_alpha=alpha,
         conformal_quantile=None,
         split=DataSplit(fit=n, conformal=0, certify=0, seed=0),
         metrics_before=None,
         metrics_after=None,
-        n_examples=n,
-        dataset=dataset,
-        dataset_sha256=dataset_sha256,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        values=None if values is None else check_values(values, choices),
-        max_std=None if max_std is None else check_max_std(max_std),
         label_free=LabelFree(method=method, n_inputs=n, source=source, prior=prior),  # type: ignore[arg-type]
         signal=None,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
     )
 
 

@@ -21,8 +21,9 @@ the profile's certified threshold, minimum mass and maximum std unchanged, the r
 ``calibration.fitting`` certified; an override is the caller's own choice and carries no
 guarantee.
 
-A judgment is anything with per-choice ``log_probabilities`` and a ``choice_mass`` (the
-engine's ``Judgment`` qualifies), so this module needs neither torch nor the engine.
+A judgment is anything with its ``choices``, their ``log_probs`` in that order and a
+``choice_mass`` (the engine's ``Judgment`` qualifies), so this module needs neither torch nor
+the engine.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ ThresholdSource = Literal["request", "profile", "default"]
 def check_max_std(value: object) -> float:
     """A finite number >= 0, as a bound on a score's standard deviation must be."""
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise ValuesError(f"max_std must be a number >= 0, got {value!r}", "max_std")
+        raise ValuesError(f"max_std must be a number >= 0, got {value!r}", field="max_std")
     out = float(value)
     if not (np.isfinite(out) and out >= 0):
-        raise ValuesError(f"max_std must be a finite number >= 0, got {value!r}", "max_std")
+        raise ValuesError(f"max_std must be a finite number >= 0, got {value!r}", field="max_std")
     return out
 
 
@@ -88,7 +89,10 @@ class ScoredJudgment(Protocol):
     """
 
     @property
-    def log_probabilities(self) -> Mapping[str, float]: ...
+    def choices(self) -> Sequence[str]: ...
+
+    @property
+    def log_probs(self) -> Sequence[float]: ...  # in ``choices`` order
 
     @property
     def choice_mass(self) -> float: ...
@@ -177,13 +181,15 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         """Decisions for many judgments, in order, computed together per set of choices."""
         groups: dict[tuple[str, ...], list[int]] = {}
         for i, j in enumerate(judgments):
-            groups.setdefault(self._order(j.log_probabilities), []).append(i)
+            groups.setdefault(tuple(j.choices), []).append(i)
         out: list[Decision | None] = [None] * len(judgments)
-        for choices, rows in groups.items():
-            z = np.array([[judgments[i].log_probabilities[c] for c in choices] for i in rows])
+        for order, rows in groups.items():
+            choices, columns = self._columns(order)
+            z = np.array([judgments[i].log_probs for i in rows], dtype=np.float64)  # (n, k)
             mass = np.array([judgments[i].choice_mass for i in rows], dtype=np.float64)
             features = self._features([judgments[i] for i in rows])
-            for i, d in zip(rows, self.decide_arrays(choices, z, mass, features), strict=True):
+            decisions = self.decide_arrays(choices, z[:, columns], mass, features)
+            for i, d in zip(rows, decisions, strict=True):
                 out[i] = d
         return [d for d in out if d is not None]
 
@@ -358,22 +364,24 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             if self.max_std is not None and self.max_std_source != "default":
                 raise ValuesError(
                     f"max_std {self.max_std:g} needs a number per choice, and the choices "
-                    f"{list(choices)!r} are not all numerals; give values",
-                    "values",
+                    f"{list(choices)!r} are not all numerals; give values"
                 )
             return None
         return np.array([values[c] for c in choices], dtype=np.float64)
 
-    def _order(self, log_probabilities: Mapping[str, float]) -> tuple[str, ...]:
+    def _columns(self, order: Sequence[str]) -> tuple[list[str], list[int]]:
+        """The choices a decision is made over (the profile's, else the judgment's own order)
+        and, for each, its column in a judgment made in ``order``."""
         if self.choices is None:
-            return tuple(log_probabilities)
-        if set(log_probabilities) != set(self.choices):
+            return list(order), list(range(len(order)))
+        if sorted(order) != sorted(self.choices):
             raise ProfileMismatchError(
                 "choices",
                 f"profile {self.profile!r} was fitted for choices {self.choices!r}, not "
-                f"{list(log_probabilities)!r}; judge with the profile's choices (any order)",
+                f"{list(order)!r}; judge with the profile's choices (any order)",
             )
-        return tuple(self.choices)
+        index = {c: j for j, c in enumerate(order)}
+        return list(self.choices), [index[c] for c in self.choices]
 
 
 def make_policy(

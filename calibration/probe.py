@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from sklearn.linear_model import LogisticRegression
-from sklearn.preprocessing import StandardScaler
 
 from calibration.errors import FitError
 from calibration.maps import MAX_PROBE_WEIGHTS, CalibrationMap, Probe, _log_softmax
@@ -125,6 +123,9 @@ def fit_probe_weights(
         bias = np.full(k, -10.0)
         bias[present[0]] = 0.0
         return np.zeros((k, inputs.shape[1])), bias
+    from sklearn.linear_model import LogisticRegression  # here: a server dependency
+    from sklearn.preprocessing import StandardScaler
+
     scaler = StandardScaler().fit(inputs)
     model = LogisticRegression(C=c, max_iter=2000, tol=1e-6)
     model.fit(scaler.transform(inputs), labels)

@@ -9,18 +9,19 @@ reader never sees half a profile and a crash never leaves one.
 Decoding validates everything a profile claims, so a file or an upload with a negative count,
 a non-finite number or an out-of-range threshold is refused with the field named, instead of
 being served. Fields added after format 2 (``values``, ``max_std``, ``label_free``,
-``signal``) are optional, so older files still load.
+``signal``) are optional, so older files still load. Format 3 keeps the engine's fingerprint
+(``judge.Fingerprint``) as one nested value where format 2 spread its fields over the top
+level; ``decode_profile`` reads a format-2 file into the format-3 shape.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -31,7 +32,6 @@ from calibration.errors import (
     ProfileMismatchError,
     ProfileNotFoundError,
     RuleError,
-    ValuesError,
 )
 from calibration.label_free import LabelFree
 from calibration.maps import BiasTemperature, CalibrationMap, Identity, Probe, Temperature
@@ -49,32 +49,29 @@ from calibration.routing import ThresholdResult
 from calibration.scores import check_values, numeral_values
 from calibration.signal import SignalReport
 from judge import atomicio
+from judge.fingerprint import Fingerprint
+from judge.scores import ValuesError
 
 __all__ = [
     "FORMAT_VERSION",
     "NAME_PATTERN",
     "Baseline",
     "CalibrationProfile",
-    "Configured",
     "DataSplit",
     "decode_profile",
     "load_profile",
     "save_profile",
-    "sha256_text",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# The fingerprint's fields, which format 2 kept at the top level of a profile.
+_FLAT_FINGERPRINT = Fingerprint.__struct_fields__
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 
 
 # Single-field constraints are in the types, so msgspec checks them and the OpenAPI document
 # shows them; rules across fields and finiteness are checked in __post_init__ (RuleError).
 Count = Annotated[int, Meta(ge=0)]
-
-
-def sha256_text(text: str | None) -> str | None:
-    """Hash of a system prompt; None stands for the model's default system prompt."""
-    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
 
 
 class DataSplit(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,13 +113,9 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 
     format_version: int
     name: Annotated[str, Meta(pattern=f"^{NAME_PATTERN}$")]
-    # What it was fitted on: a profile applies only where all of these match.
-    model: str
-    model_sha256: str | None
-    dtype: str
-    response_prefix: str
-    response_suffix: str
-    system_sha256: str | None
+    # What it was fitted on: a profile applies only where the engine's fingerprint and the
+    # choices match (the hidden-state shape only for a probe, see ``check``).
+    fingerprint: Fingerprint
     choices: Annotated[list[str], Meta(min_length=2, extra_json_schema={"uniqueItems": True})]
     # The fitted map, from per-choice log-probabilities to calibrated probabilities.
     calibration_map: CalibrationMap
@@ -157,10 +150,6 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # Whether the calibrated judge beats the label prior on held-out examples; None for a
     # label-free profile and for profiles written before it existed.
     signal: SignalReport | None = None
-    # The engine's hidden-state shape (configuration's num_layers and hidden_size), recorded
-    # by every fit; a probe applies only where both match.
-    num_layers: Annotated[int, Meta(ge=1)] | None = None
-    hidden_size: Annotated[int, Meta(ge=1)] | None = None
     # For a probe: the scalar maps fitted on the same split, for comparison; None otherwise.
     baseline: Baseline | None = None
 
@@ -234,11 +223,13 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
                 f"{len(self.choices)} choices"
             )
         for field, recorded, fitted in (
-            ("num_layers", self.num_layers, probe.num_layers),
-            ("hidden_size", self.hidden_size, probe.feature_dim),
+            ("num_layers", self.fingerprint.num_layers, probe.num_layers),
+            ("hidden_size", self.fingerprint.hidden_size, probe.feature_dim),
         ):
             if recorded is not None and recorded != fitted:
-                problems.append(f"{field} is {recorded} but the probe was fitted on {fitted}")
+                problems.append(
+                    f"fingerprint.{field} is {recorded} but the probe was fitted on {fitted}"
+                )
         return problems
 
     @property
@@ -279,46 +270,27 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
                 )
         return problems
 
-    def check(
-        self,
-        engine: Configured,
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        choices: Sequence[str] | None = None,
-    ) -> None:
-        """Raise ProfileMismatchError naming the first property that differs from ``engine``'s.
+    def check(self, fingerprint: Fingerprint, *, choices: Sequence[str] | None = None) -> None:
+        """Raise ProfileMismatchError naming the first field that differs from ``fingerprint``.
 
-        ``engine`` is anything with ``configuration(system=, response_prefix=,
-        response_suffix=)`` (a ``judge.Judge``); the keyword arguments are the per-call
-        overrides a request makes. Check once, before judging, not per item.
+        ``fingerprint`` is the engine's for the call's template (``judge.fingerprint(system=,
+        response_prefix=, response_suffix=)``, with the request's overrides). The shape of
+        the hidden states counts only for a probe, which reads them. Check once, before
+        judging, not per item.
         """
-        given = engine.configuration(
-            system=system, response_prefix=response_prefix, response_suffix=response_suffix
-        )
-        expected: dict[str, tuple[object, object]] = {
-            "model": (self.model, given["model"]),
-            "model_sha256": (self.model_sha256, given["model_sha256"]),
-            "dtype": (self.dtype, given["dtype"]),
-            "response_prefix": (self.response_prefix, given["response_prefix"]),
-            "response_suffix": (self.response_suffix, given["response_suffix"]),
-            "system": (self.system_sha256, sha256_text(given["system"])),
-        }
-        probe = self.calibration_map
-        if isinstance(probe, Probe):
-            # The probe reads hidden states: their number and width must be the ones it was
-            # fitted on (a different model fails on "model" above, unless renamed).
-            expected["num_layers"] = (probe.num_layers, given.get("num_layers"))
-            expected["hidden_size"] = (probe.feature_dim, given.get("hidden_size"))
-        for field, (fitted, actual) in expected.items():
-            if fitted != actual:
-                shown = "a different system prompt" if field == "system" else repr(actual)
-                raise ProfileMismatchError(
-                    field,
-                    f"profile {self.name!r} was fitted with {field} {fitted!r}, not {shown}; "
-                    "fit a profile for this configuration or drop the profile",
-                )
+        fitted, given = self._required(), self._relevant(fingerprint)
+        field = fitted.first_difference(given)
+        if field is not None:
+            expected, actual = getattr(fitted, field), getattr(given, field)
+            if field == "system_sha256":
+                field, shown = "system", "a different system prompt"
+            else:
+                shown = repr(actual)
+            raise ProfileMismatchError(
+                field,
+                f"profile {self.name!r} was fitted with {field} {expected!r}, not {shown}; "
+                "fit a profile for this configuration or drop the profile",
+            )
         if choices is not None and sorted(choices) != sorted(self.choices):
             raise ProfileMismatchError(
                 "choices",
@@ -326,27 +298,42 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
                 f"not {list(choices)!r}; the same choices are needed (in any order)",
             )
 
-    def calibrate(
-        self,
-        log_probabilities: Mapping[str, float],
-        features: Mapping[int, Sequence[float]] | None = None,
-    ) -> dict[str, float]:
-        """Calibrated probabilities for per-choice log-probabilities, in the given order.
+    def _required(self) -> Fingerprint:
+        """The fingerprint an engine must have: a probe's own shape, no shape for other maps."""
+        probe = self.calibration_map
+        if isinstance(probe, Probe):
+            # A different model fails on "model" first, unless renamed; then the shape tells.
+            return msgspec.structs.replace(
+                self.fingerprint, num_layers=probe.num_layers, hidden_size=probe.feature_dim
+            )
+        return self._relevant(self.fingerprint)
 
-        ``features`` (a judgment's, layer -> hidden state) are needed by a probe.
+    def _relevant(self, fingerprint: Fingerprint) -> Fingerprint:
+        """``fingerprint`` without the hidden-state shape, unless this profile reads it."""
+        if isinstance(self.calibration_map, Probe):
+            return fingerprint
+        return msgspec.structs.replace(fingerprint, num_layers=None, hidden_size=None)
+
+    def calibrate(self, judgment: ScoredJudgment) -> dict[str, float]:
+        """Calibrated probabilities of one judgment, keyed in the judgment's choice order.
+
+        A probe reads the judgment's ``features`` (layer -> hidden state).
         """
-        order = list(log_probabilities)
+        order = list(judgment.choices)
         if sorted(order) != sorted(self.choices):
             raise ProfileMismatchError(
                 "choices", f"profile {self.name!r} calibrates {self.choices!r}, not {order!r}"
             )
-        row = np.array([log_probabilities[c] for c in self.choices], dtype=np.float64)  # (k,)
+        index = {c: j for j, c in enumerate(order)}
+        z = np.asarray(judgment.log_probs, dtype=np.float64)  # (k,) in the judgment's order
+        row = z[[index[c] for c in self.choices]]  # (k,) in the profile's order
+        features = getattr(judgment, "features", None)
         x = None
         if self.feature_layers and features is not None:
             x = feature_row(features, self.feature_layers)
-        probs = self.calibration_map.apply(row, x)
-        index = {c: i for i, c in enumerate(self.choices)}
-        return {c: float(probs[index[c]]) for c in order}
+        probs = self.calibration_map.apply(row, x)  # (k,) in the profile's order
+        calibrated = dict(zip(self.choices, probs.tolist(), strict=True))
+        return {c: calibrated[c] for c in order}
 
     def policy(
         self,
@@ -406,18 +393,6 @@ def _threshold_problems(t: ThresholdResult) -> list[str]:
     return problems
 
 
-class Configured(Protocol):
-    """What ``CalibrationProfile.check`` needs of an engine."""
-
-    def configuration(
-        self,
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-    ) -> Mapping[str, Any]: ...
-
-
 def save_profile(profile: CalibrationProfile, path: str | os.PathLike[str]) -> Path:
     """Write ``profile`` as JSON at ``path`` atomically."""
     return atomicio.write_bytes(path, msgspec.json.format(msgspec.json.encode(profile), indent=2))
@@ -435,9 +410,36 @@ def load_profile(path: str | os.PathLike[str]) -> CalibrationProfile:
     return decode_profile(data, source=str(path))
 
 
+class _Version(msgspec.Struct):
+    format_version: Any = None
+
+
 def decode_profile(data: bytes | str, *, source: str = "profile") -> CalibrationProfile:
-    """Validate JSON as a profile (for uploads as much as for files)."""
+    """Validate JSON as a profile (for uploads as much as for files).
+
+    A format-2 profile (the fingerprint's fields at the top level) is read as format 3.
+    """
     try:
-        return msgspec.json.decode(data, type=CalibrationProfile)
+        return msgspec.json.decode(current_format(data), type=CalibrationProfile)
     except (msgspec.ValidationError, msgspec.DecodeError, RuleError) as exc:
         raise ProfileError(f"{source} is not a valid calibration profile: {exc}") from exc
+
+
+def current_format(data: bytes | str) -> bytes:
+    """A profile's JSON in this format: a format-2 profile is rewritten as format 3; anything
+    else (this format, or not a profile at all) is returned as it is, for the decoder to judge.
+    One place for files and uploads alike."""
+    data = data.encode() if isinstance(data, str) else data
+    try:
+        if msgspec.json.decode(data, type=_Version).format_version == 2:
+            return msgspec.json.encode(_nest_fingerprint(msgspec.json.decode(data)))
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass
+    return data
+
+
+def _nest_fingerprint(old: dict[str, Any]) -> dict[str, Any]:
+    """A format-2 profile as format 3: its fingerprint fields gathered into one object."""
+    fingerprint = {f: old[f] for f in _FLAT_FINGERPRINT if f in old}
+    rest = {k: v for k, v in old.items() if k not in fingerprint}
+    return {**rest, "format_version": FORMAT_VERSION, "fingerprint": fingerprint}

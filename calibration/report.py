@@ -146,11 +146,13 @@ def profile_markdown(
 ) -> str:
     s = profile.split
     lf = profile.label_free
+    fingerprint = profile.fingerprint
     parts = [
         f"# Calibration profile `{profile.name}`",
         "",
         signal_markdown(profile.signal, label_free=profile.metrics_after is None),
-        f"- model: `{profile.model}` (sha256 {profile.model_sha256 or 'n/a'}), dtype {profile.dtype}",
+        f"- model: `{fingerprint.model}` (sha256 {fingerprint.model_sha256 or 'n/a'}), "
+        f"dtype {fingerprint.dtype}",
         f"- choices: {', '.join(f'`{c}`' for c in profile.choices)}",
         f"- data: `{profile.dataset}`, {profile.n_examples} examples (sha256 {profile.dataset_sha256[:16]}...), "
         f"split {s.fit} to fit the map / {s.conformal} for the conformal quantile / {s.certify} to certify the threshold (seed {s.seed})",

@@ -41,7 +41,6 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 from msgspec import Meta
-from scipy import stats
 
 from calibration.validation import check_confidences, check_correct, check_int, check_unit_open
 
@@ -121,6 +120,8 @@ def _lower_bounds(successes: _IntArray, trials: _IntArray, alpha: float) -> _Flo
     out = np.zeros(successes.shape, dtype=np.float64)
     ok = successes > 0
     if np.any(ok):
+        from scipy import stats  # here: scipy is a server dependency, not the client's
+
         k = successes[ok].astype(np.float64)
         out[ok] = stats.beta.ppf(alpha, k, trials[ok] - k + 1.0)
     return out
@@ -146,6 +147,8 @@ def clopper_pearson_lower(successes: int, trials: int, alpha: float) -> float:
     alpha = check_unit_open(alpha, "alpha")
     if trials == 0 or successes == 0:
         return 0.0
+    from scipy import stats
+
     return float(stats.beta.ppf(alpha, successes, trials - successes + 1))
 
 

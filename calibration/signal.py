@@ -26,11 +26,10 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 from msgspec import Meta
-from scipy import stats
 
 from calibration.errors import RuleError
+from calibration.maps import T_MAX, T_MIN
 from calibration.metrics import Interval
-from calibration.scaling import T_MAX, T_MIN
 from calibration.validation import check_int, check_probs_labels
 
 __all__ = ["SignalReport", "auroc", "label_prior", "signal_report"]
@@ -86,6 +85,8 @@ def auroc(scores: npt.ArrayLike, positive: npt.ArrayLike) -> float | None:
     n1, n0 = int(pos.sum()), int((~pos).sum())
     if n1 == 0 or n0 == 0:
         return None
+    from scipy import stats  # here: scipy is a server dependency, not the client's
+
     ranks = stats.rankdata(s)  # average ranks for ties
     u = float(ranks[pos].sum()) - n1 * (n1 + 1) / 2
     return u / (n1 * n0)

@@ -1,11 +1,12 @@
 """judge: calibrated finite-choice judgments from one forward pass of a language model.
 
-The engine, and the leaves every layer uses (``judge.atomicio``, ``judge.scores``): it
-imports nothing from ``calibration`` or ``service`` (a test enforces it), so it can be used,
-and tested, on its own.
+The engine, and the leaves every layer uses (``judge.atomicio``, ``judge.scores``,
+``judge.fingerprint``): it imports nothing from ``calibration`` or ``service`` (a test
+enforces it), so it can be used, and tested, on its own.
 
-The names below load on first use (PEP 562), so ``import judge.atomicio`` or
-``import judge.scores`` does not pull in torch: ``calibration`` and the client use those.
+The names below load on first use (PEP 562), so ``import judge.atomicio``,
+``import judge.scores`` or ``import judge.fingerprint`` does not pull in torch: ``calibration``
+and the client use those.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ if TYPE_CHECKING:
         DEFAULT_PREFIX_CACHE_MB,
         DEFAULT_RESPONSE_PREFIX,
         DEFAULT_RESPONSE_SUFFIX,
-        MAX_CHOICES,
-        Configuration,
         Judge,
         Judgment,
+        Prepared,
         Query,
         TokenCount,
     )
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
         TooFewChoicesError,
         TooManyChoicesError,
     )
+    from judge.fingerprint import Fingerprint
+    from judge.limits import MAX_CHOICES
     from judge.prefix_cache import PrefixCache, PrefixCacheStats
     from judge.protocol import Engine
     from judge.scores import Score, ValuesError, default_values, score_of
@@ -51,7 +53,6 @@ _EXPORTS = {
     "AmbiguousChoicesError": "judge.errors",
     "ChoiceTypeError": "judge.errors",
     "ChoicesError": "judge.errors",
-    "Configuration": "judge.engine",
     "DEFAULT_PREFIX_CACHE_MB": "judge.engine",
     "DEFAULT_RESPONSE_PREFIX": "judge.engine",
     "DEFAULT_RESPONSE_SUFFIX": "judge.engine",
@@ -59,14 +60,16 @@ _EXPORTS = {
     "EmptyChoiceError": "judge.errors",
     "EmptyContextError": "judge.errors",
     "Engine": "judge.protocol",
+    "Fingerprint": "judge.fingerprint",
     "InvalidQueryError": "judge.errors",
     "Judge": "judge.engine",
     "JudgeError": "judge.errors",
     "Judgment": "judge.engine",
-    "MAX_CHOICES": "judge.engine",
+    "MAX_CHOICES": "judge.limits",
     "ModelLoadError": "judge.errors",
     "PrefixCache": "judge.prefix_cache",
     "PrefixCacheStats": "judge.prefix_cache",
+    "Prepared": "judge.engine",
     "PromptTooLongError": "judge.errors",
     "Query": "judge.engine",
     "Score": "judge.scores",
@@ -87,11 +90,11 @@ __all__ = [
     "AmbiguousChoicesError",
     "ChoiceTypeError",
     "ChoicesError",
-    "Configuration",
     "DuplicateChoiceError",
     "EmptyChoiceError",
     "EmptyContextError",
     "Engine",
+    "Fingerprint",
     "InvalidQueryError",
     "Judge",
     "JudgeError",
@@ -99,6 +102,7 @@ __all__ = [
     "ModelLoadError",
     "PrefixCache",
     "PrefixCacheStats",
+    "Prepared",
     "PromptTooLongError",
     "Query",
     "Score",

@@ -4,6 +4,12 @@ A judgment renders the chat prompt, prefills the response prefix, and reads the 
 that decoding constrained to the choices would emit each one. Each choice's token path is the
 tokenizer's own encoding of ``prompt + escape(choice) + suffix``, never prompt and choice
 tokenized apart; the paths form a trie (see ``judge.trie``) that one forward pass scores.
+
+Judging is two steps: ``prepare`` checks, renders and tokenizes a query (no model work) into a
+``Prepared`` that knows its exact size, and ``run`` scores prepared queries in passes packed
+to ``max_batch_tokens`` (``judge.packing``). ``judge``, ``judge_batch``, ``judge_each`` and
+``judge_shared`` are the two in one call; a server calls them apart, to check and schedule a
+query before the model sees it, without preparing it twice.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -30,6 +36,15 @@ from judge.errors import (
     TokenizerRoundTripError,
     TooFewChoicesError,
     TooManyChoicesError,
+)
+from judge.fingerprint import Fingerprint, sha256_text
+from judge.limits import MAX_CHOICES
+from judge.packing import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_BATCH_TOKENS,
+    pack_rows,
+    passes,
+    row_length,
 )
 from judge.prefix_cache import PrefixCache
 from judge.scores import Score, score_of
@@ -46,36 +61,17 @@ __all__ = [
     "DEFAULT_RESPONSE_PREFIX",
     "DEFAULT_RESPONSE_SUFFIX",
     "MAX_CHOICES",
-    "Configuration",
     "Judge",
     "Judgment",
+    "Prepared",
     "Query",
+    "shared_query",
     "validate_choices",
 ]
 
 DEFAULT_RESPONSE_PREFIX = '{"answer": "'
 DEFAULT_RESPONSE_SUFFIX = '"}'
-MAX_CHOICES = 1024
 DEFAULT_PREFIX_CACHE_MB = 256
-
-
-class Configuration(TypedDict):
-    """The model, its dtype and the effective response template a judgment was made with.
-
-    Exactly what a calibration profile records and must match: the keys are keyword
-    arguments of ``calibration.fit_profile``.
-    """
-
-    model: str
-    model_sha256: str | None
-    dtype: str
-    response_prefix: str
-    response_suffix: str
-    system: str | None
-    # The shape of the hidden states ``feature_layers`` reads: a probe fitted on them applies
-    # only where both match. Engines without hidden states may leave them out.
-    num_layers: NotRequired[int | None]
-    hidden_size: NotRequired[int | None]
 
 
 class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -97,9 +93,11 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
 
     choice: str  # the most probable choice
     confidence: float  # its probability
-    probabilities: dict[str, float]  # every choice, in the order given; sums to 1
-    # log P(choice) under decoding constrained to the choices; probabilities are their softmax
-    log_probabilities: dict[str, float]
+    choices: list[str]  # every choice, in the order given
+    probs: list[float]  # each choice's probability, in ``choices`` order; sums to 1
+    # log P(choice) under decoding constrained to the choices, in ``choices`` order; probs are
+    # their softmax
+    log_probs: list[float]
     choice_mass: float  # full-vocabulary probability of the choices' first tokens
     prompt: str  # the exact text fed to the model, ending with the response prefix
     prompt_tokens: int  # tokens of ``prompt``
@@ -117,11 +115,21 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     features: dict[int, list[float]] | None = None
 
     @property
+    def probabilities(self) -> dict[str, float]:
+        """Each choice's probability, keyed by choice in the order given (a view of ``probs``)."""
+        return dict(zip(self.choices, self.probs, strict=True))
+
+    @property
+    def log_probabilities(self) -> dict[str, float]:
+        """Each choice's log-probability, keyed by choice in the order given (of ``log_probs``)."""
+        return dict(zip(self.choices, self.log_probs, strict=True))
+
+    @property
     def logits(self) -> dict[str, float]:
         """The old name of ``log_probabilities`` (same values), kept so existing code runs.
 
         They were never raw logits but normalized log-probabilities, hence the new name. Not
-        part of the JSON form, which carries ``log_probabilities`` only.
+        part of the JSON form, which carries ``choices`` and ``log_probs``.
         """
         return self.log_probabilities
 
@@ -136,10 +144,10 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TokenCount(msgspec.Struct, frozen=True, kw_only=True):
-    """The size of a query in tokens, counted without any model work.
+    """The size of a query in tokens, each field counted alone, without any model work.
 
-    A server checks ``total`` against its budget before queueing the query; ``parts`` names
-    the field to blame when it is too long.
+    ``parts`` names the field to blame when a query is too long; the exact size of what runs
+    is ``Prepared.tokens``, which a server checks against its budget.
     """
 
     total: int  # the rendered prompt (template, system, prompt, response prefix) + longest choice
@@ -184,12 +192,37 @@ def json_escape(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
-class _Prepared(msgspec.Struct, frozen=True):
-    choices: list[str]
-    prompt: str
-    prompt_tokens: int
-    trie: ChoiceTrie
-    feature_layers: tuple[int, ...] = ()
+def shared_query(context: str, query: Query) -> Query:
+    """``query`` asked about ``context``: its prompt is the context, a blank line, then its own.
+
+    How ``Judge.judge_shared`` composes its questions; a server that prepares them itself uses
+    it too, so both feed the model the same text.
+    """
+    if not isinstance(context, str):
+        raise InvalidQueryError(f"context must be a string, got {type(context).__name__}")
+    return msgspec.structs.replace(query, prompt=f"{context}\n\n{query.prompt}")
+
+
+class Prepared(msgspec.Struct, frozen=True):
+    """A query ready for its forward pass: validated, rendered and tokenized, no model work.
+
+    ``Judge.prepare`` makes one and ``Judge.run`` (or ``run_shared``) scores it, so a server
+    can check its size against a budget and queue it without the model doing the work twice.
+    """
+
+    choices: list[str]  # validated, in the order given
+    prompt: str  # the exact text fed to the model, ending with the response prefix
+    prompt_tokens: int  # tokens of ``prompt``
+    trie: ChoiceTrie  # the choices' token paths, packed: what the pass feeds the model
+    feature_layers: tuple[int, ...] = ()  # checked against the model's depth, sorted
+
+    @property
+    def tokens(self) -> int:
+        """Tokens its pass computes for it alone on a cold cache: the prompt and choice trie.
+
+        Exact: a judgment made alone with nothing cached has this ``computed_tokens``.
+        """
+        return self.trie.packed_length
 
 
 class Judge:
@@ -208,8 +241,8 @@ class Judge:
         system: str | None = None,
         response_prefix: str = DEFAULT_RESPONSE_PREFIX,
         response_suffix: str = DEFAULT_RESPONSE_SUFFIX,
-        max_batch_size: int = 16,
-        max_batch_tokens: int = 8192,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         prefix_cache_block: int = 32,
     ) -> None:
@@ -269,26 +302,25 @@ class Judge:
     def dtype(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")
 
-    def configuration(
+    def fingerprint(
         self,
         *,
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
-    ) -> Configuration:
+    ) -> Fingerprint:
         """What a calibration profile must match: the model, its dtype, the effective template.
 
-        None arguments take the judge's defaults, as ``judge()`` does. The keys are keyword
-        arguments of ``calibration.fit_profile`` (``fit_profile(..., **configuration)``), and
-        ``CalibrationProfile.check(engine, ...)`` compares them field by field.
+        None arguments take the judge's defaults, as ``judge()`` does. ``calibration.fit_profile``
+        stores this value in the profile, and ``CalibrationProfile.check`` compares it.
         """
-        return Configuration(
+        return Fingerprint(
             model=self.model_id,
             model_sha256=self.weights_sha256,
             dtype=self.dtype,
             response_prefix=self.response_prefix if response_prefix is None else response_prefix,
             response_suffix=self.response_suffix if response_suffix is None else response_suffix,
-            system=self.system if system is None else system,
+            system_sha256=sha256_text(self.system if system is None else system),
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
         )
@@ -314,7 +346,8 @@ class Judge:
         """How many tokens ``query`` feeds the model, and each field's share; no model work.
 
         ``total`` is the rendered prompt's tokens plus the longest choice ending's (each
-        tokenized alone, so it may differ by a token from the joint encoding the engine runs).
+        tokenized alone, so it may differ from what runs: ``prepare(query).tokens`` is exact).
+        Servers use it to name the largest field of a query over their budget.
         """
         query = _as_query(query)
         _, rendered, suffix, endings = self._rendered(query)
@@ -353,29 +386,25 @@ class Judge:
     def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
         """Judge many items; items are left-padded and run together in batched passes.
 
-        Every item is validated before any forward pass runs, so one bad item fails the call
+        Every item is prepared before any forward pass runs, so one bad item fails the call
         without wasting work.
         """
         start = time.perf_counter()
-        prepared = [self._prepare(_as_query(q)) for q in queries]
-        return self._score([[p] for p in prepared], start)
+        return self._score([[self.prepare(q)] for q in queries], start)
 
     def judge_each(
         self, queries: Sequence[Query | Mapping[str, Any]]
     ) -> list[Judgment | JudgeError]:
-        """Like ``judge_batch``, but a bad item gets its error in its place and the rest run.
-
-        For servers that coalesce unrelated requests into one batch.
-        """
+        """Like ``judge_batch``, but a bad item gets its error in its place and the rest run."""
         start = time.perf_counter()
-        prepared: list[_Prepared | JudgeError] = []
+        prepared: list[Prepared | JudgeError] = []
         for q in queries:
             try:
-                prepared.append(self._prepare(_as_query(q)))
+                prepared.append(self.prepare(q))
             except JudgeError as exc:
                 prepared.append(exc)
-        valid = [p for p in prepared if isinstance(p, _Prepared)]
-        results = iter(self._score([[p] for p in valid], start))
+        valid = [[p] for p in prepared if isinstance(p, Prepared)]
+        results = iter(self._score(valid, start))
         return [p if isinstance(p, JudgeError) else next(results) for p in prepared]
 
     def judge_shared(
@@ -383,73 +412,22 @@ class Judge:
     ) -> list[Judgment]:
         """Judge many questions about one context, computing the shared prompt once.
 
-        Each question's prompt is ``context``, a blank line, then the question's own prompt.
-        The questions' rendered prompts share their leading tokens; those are fed to the
-        model once, with every question's remainder and choice trie packed after them.
+        Each question's prompt is ``context``, a blank line, then the question's own prompt
+        (``shared_query``). The questions' rendered prompts share their leading tokens; those
+        are fed to the model once, with every question's remainder and choice trie packed
+        after them (``run_shared``).
         """
         start = time.perf_counter()
-        if not isinstance(context, str):
-            raise InvalidQueryError(f"context must be a string, got {type(context).__name__}")
-        prepared = []
-        for q in questions:
-            query = _as_query(q)
-            prompt = f"{context}\n\n{query.prompt}"
-            prepared.append(self._prepare(msgspec.structs.replace(query, prompt=prompt)))
-        # A row holds the shared tokens once and as many branches as the token budget allows:
-        # with n tries sharing s tokens, the row is sum(packed lengths) - (n - 1) * s long.
-        rows: list[list[_Prepared]] = []
-        shared = total = 0
-        for p in prepared:
-            if rows:
-                s = min(shared, common_prefix_length(rows[-1][0].trie.context, p.trie.context))
-                if total + p.trie.packed_length - len(rows[-1]) * s <= self.max_batch_tokens:
-                    rows[-1].append(p)
-                    shared, total = s, total + p.trie.packed_length
-                    continue
-            rows.append([p])
-            shared, total = len(p.trie.context), p.trie.packed_length
-        return self._score(rows, start)
+        prepared = [self.prepare(shared_query(context, _as_query(q))) for q in questions]
+        return self._score(self._rows(prepared), start)
 
-    def _score(self, rows: list[list[_Prepared]], start: float) -> list[Judgment]:
-        """Run ``rows`` (each packed into one batch row) in bounded batches, in order."""
-        from judge.forward import prefill, score_rows
+    def prepare(self, query: Query | Mapping[str, Any]) -> Prepared:
+        """``query`` validated, rendered and tokenized for ``run``: every check, no model work.
 
-        scores: list[list[Any]] = [[] for _ in rows]
-        passes = [1] * len(rows)
-        for chunk in self._chunks(rows):
-            batch = [[p.trie for p in rows[i]] for i in chunk]
-            layers = sorted({n for i in chunk for p in rows[i] for n in p.feature_layers})
-            if self.prefix_cache is not None and len(batch) > 1:
-                # Rows that share a head not cached yet (concurrent requests with one rubric):
-                # compute the head once, in a pass of its own, so that every row reads it.
-                head = batch[0][0].context
-                shared = min(common_prefix_length(head, t.context) for r in batch for t in r)
-                if prefill(self.model, head[:shared], self.prefix_cache):
-                    for i in chunk:
-                        passes[i] = 2
-            scored = score_rows(self.model, batch, self._pad_id, self.prefix_cache, layers)
-            for i, s in zip(chunk, scored, strict=True):
-                scores[i] = s
-        latency_ms = (time.perf_counter() - start) * 1000
-        return [
-            self._result(p, s, latency_ms, n)
-            for row, row_scores, n in zip(rows, scores, passes, strict=True)
-            for p, s in zip(row, row_scores, strict=True)
-        ]
-
-    def _rendered(self, query: Query) -> tuple[list[str], str, str, list[str]]:
-        """The query checked and rendered: its choices, the text up to the decision point,
-        the response suffix in force and each choice's ending (escaped choice + suffix)."""
-        choices = validate_choices(query.choices)
-        if not isinstance(query.prompt, str):
-            raise InvalidQueryError(f"prompt must be a string, got {type(query.prompt).__name__}")
-        prompt = self.render(
-            query.prompt, system=query.system, response_prefix=query.response_prefix
-        )
-        suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
-        return choices, prompt, suffix, [json_escape(c) + suffix for c in choices]
-
-    def _prepare(self, query: Query) -> _Prepared:
+        Raises the JudgeError that says what is wrong with it (a ``PromptTooLongError`` names
+        the largest field). ``Prepared.tokens`` is its exact size.
+        """
+        query = _as_query(query)
         choices, prompt, suffix, endings = self._rendered(query)
         encoded = self._encoder.encode_paths(prompt, endings)
 
@@ -475,7 +453,68 @@ class Judge:
             )
         trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
         layers = self._feature_layers(query.feature_layers)
-        return _Prepared(choices, prompt, len(encoded.prompt_ids), trie, layers)
+        return Prepared(choices, prompt, len(encoded.prompt_ids), trie, layers)
+
+    def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
+        """Judge prepared queries, each in a row of its own, in passes within the budget.
+
+        Passes hold at most ``max_batch_size`` rows and ``max_batch_tokens`` tokens, padding
+        included (``judge.packing.passes``); queries that fit in one pass together run as one.
+        """
+        return self._score([[p] for p in prepared], time.perf_counter())
+
+    def run_shared(self, prepared: Sequence[Prepared]) -> list[Judgment]:
+        """Judge prepared queries whose prompts share a head: the head is fed once per row.
+
+        Consecutive queries are packed into rows of at most ``max_batch_tokens`` tokens
+        (``judge.packing.pack_rows``), each row holding the shared tokens once and every
+        query's remainder and choice trie after them.
+        """
+        return self._score(self._rows(prepared), time.perf_counter())
+
+    def _rows(self, prepared: Sequence[Prepared]) -> list[list[Prepared]]:
+        rows = pack_rows([p.trie for p in prepared], self.max_batch_tokens)
+        return [[prepared[i] for i in row] for row in rows]
+
+    def _score(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
+        """Run ``rows`` (each packed into one batch row) in bounded passes, in order."""
+        from judge.forward import prefill, score_rows
+
+        scores: list[list[Any]] = [[] for _ in rows]
+        n_passes = [1] * len(rows)
+        lengths = [row_length([p.trie for p in row]) for row in rows]
+        for chunk in passes(lengths, self.max_batch_size, self.max_batch_tokens):
+            batch = [[p.trie for p in rows[i]] for i in chunk]
+            layers = sorted({n for i in chunk for p in rows[i] for n in p.feature_layers})
+            if self.prefix_cache is not None and len(batch) > 1:
+                # Rows that share a head not cached yet (concurrent requests with one rubric):
+                # compute the head once, in a pass of its own, so that every row reads it.
+                head = batch[0][0].context
+                shared = min(common_prefix_length(head, t.context) for r in batch for t in r)
+                if prefill(self.model, head[:shared], self.prefix_cache):
+                    for i in chunk:
+                        n_passes[i] = 2
+            scored = score_rows(self.model, batch, self._pad_id, self.prefix_cache, layers)
+            for i, s in zip(chunk, scored, strict=True):
+                scores[i] = s
+        latency_ms = (time.perf_counter() - start) * 1000
+        return [
+            self._result(p, s, latency_ms, n)
+            for row, row_scores, n in zip(rows, scores, n_passes, strict=True)
+            for p, s in zip(row, row_scores, strict=True)
+        ]
+
+    def _rendered(self, query: Query) -> tuple[list[str], str, str, list[str]]:
+        """The query checked and rendered: its choices, the text up to the decision point,
+        the response suffix in force and each choice's ending (escaped choice + suffix)."""
+        choices = validate_choices(query.choices)
+        if not isinstance(query.prompt, str):
+            raise InvalidQueryError(f"prompt must be a string, got {type(query.prompt).__name__}")
+        prompt = self.render(
+            query.prompt, system=query.system, response_prefix=query.response_prefix
+        )
+        suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
+        return choices, prompt, suffix, [json_escape(c) + suffix for c in choices]
 
     def _feature_layers(self, layers: object) -> tuple[int, ...]:
         """The query's feature layers, checked against the model's depth, without repeats."""
@@ -520,23 +559,8 @@ class Judge:
             None,
         )
 
-    def _chunks(self, rows: Sequence[Sequence[_Prepared]]) -> list[list[int]]:
-        """Group rows of similar length so padding wastes little; bounded in size and tokens."""
-        lengths = [_row_length(r) for r in rows]
-        chunks: list[list[int]] = []
-        for i in sorted(range(len(rows)), key=lengths.__getitem__):
-            if (
-                chunks
-                and len(chunks[-1]) < self.max_batch_size
-                and lengths[i] * (len(chunks[-1]) + 1) <= self.max_batch_tokens
-            ):
-                chunks[-1].append(i)
-            else:
-                chunks.append([i])
-        return chunks
-
     def _result(
-        self, prepared: _Prepared, scores: Any, latency_ms: float, passes: int = 1
+        self, prepared: Prepared, scores: Any, latency_ms: float, passes: int = 1
     ) -> Judgment:
         # log P(choice) = sum over the scored nodes on its path of the restricted log-softmax.
         node_logprobs = [z - _logsumexp(z) for z in scores.node_logits]
@@ -548,8 +572,9 @@ class Judge:
         return Judgment(
             choice=prepared.choices[best],
             confidence=float(probs[best]),
-            probabilities={c: float(p) for c, p in zip(prepared.choices, probs, strict=True)},
-            log_probabilities={c: float(lp) for c, lp in zip(prepared.choices, logps, strict=True)},
+            choices=prepared.choices,
+            probs=probs.tolist(),
+            log_probs=logps.tolist(),
             choice_mass=scores.root_mass,
             prompt=prepared.prompt,
             prompt_tokens=prepared.prompt_tokens,
@@ -572,15 +597,6 @@ def _text_fields(query: Query, suffix: str) -> dict[str, str]:
         "response_prefix": query.response_prefix or "",
         "response_suffix": suffix,
     }
-
-
-def _row_length(row: Sequence[_Prepared]) -> int:
-    """Tokens in one packed row: the common context once, then each trie's branch."""
-    first = row[0].trie
-    shared = len(first.context)
-    for p in row[1:]:
-        shared = min(shared, common_prefix_length(first.context, p.trie.context))
-    return shared + sum(p.trie.packed_length - shared for p in row)
 
 
 def _as_query(item: Query | Mapping[str, Any]) -> Query:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from judge.engine import Configuration, Judgment, Query, TokenCount
+from judge.engine import Judgment, Prepared, Query, TokenCount
 from judge.errors import JudgeError
+from judge.fingerprint import Fingerprint
 
 __all__ = ["Engine"]
 
@@ -34,18 +35,40 @@ class Engine(Protocol):
         """The weights' floating-point type (``"float32"``, ``"bfloat16"``, ...)."""
         ...
 
-    def configuration(
+    @property
+    def max_batch_size(self) -> int:
+        """Rows one forward pass may hold."""
+        ...
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """Tokens one forward pass may hold, padding included: the budget ``run`` packs to."""
+        ...
+
+    def fingerprint(
         self,
         *,
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
-    ) -> Configuration:
+    ) -> Fingerprint:
         """What a calibration profile must match; None arguments take the engine's defaults."""
         ...
 
     def count_tokens(self, query: Query | Mapping[str, Any]) -> TokenCount:
-        """How many tokens ``query`` feeds the model, without model work (for budgets)."""
+        """Each field's share of ``query``'s tokens, without model work: the one to blame."""
+        ...
+
+    def prepare(self, query: Query | Mapping[str, Any]) -> Prepared:
+        """``query`` checked and tokenized for ``run``; ``Prepared.tokens`` is its exact size."""
+        ...
+
+    def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
+        """Judge prepared queries, each alone in its row, in passes within the budget."""
+        ...
+
+    def run_shared(self, prepared: Sequence[Prepared]) -> list[Judgment]:
+        """Judge prepared queries that share a head (``shared_query``), the head fed once."""
         ...
 
     def judge(

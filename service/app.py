@@ -6,10 +6,11 @@ may hand in a loaded engine or a fake. This module only wires the pieces togethe
 
     service.config    ServiceConfig, the server's settings, checked once
     service.frontdoor before routing: API key, admission, read timeout, clients that leave
-    service.routes    the endpoints, thin
+    service.operations the table of operations: routes, OpenAPI, metric labels, client paths
+    service.routes    the endpoints, thin, registered from the table
     service.bodies    strict decoding of request bodies
     service.schemas   request and response bodies (msgspec Structs)
-    service.openapi   the OpenAPI document, every status of every operation
+    service.openapi   the OpenAPI document, derived from the table, every status of each
     service.serving   what the endpoints do: profile checks, the policy, the batcher, fitting
     service.batcher   model work on one thread, single judgments coalesced into batches
     service.profiles  profiles on disk, one JSON file each

@@ -4,17 +4,21 @@ Every piece of model work is a job, served by one worker that owns the model: th
 pass never runs on the event loop, and never in two threads at once (two would only fight
 over the same cores).
 
-- **Bounded passes.** Single judgments waiting in the queue are coalesced into one pass, up to
-  ``max_batch_size`` of them and ``max_batch_tokens`` tokens in all, waiting at most
-  ``max_wait_ms`` for more to arrive after the first. Other jobs (a chunk of shared-context
-  questions) run alone. With each query's own tokens bounded by the service, no pass holds the
-  model for long.
+- **Bounded passes.** A job is a prepared judgment (``judge.Prepared``) or a call. Prepared
+  judgments waiting in the queue are coalesced into one pass while it fits the engine's own
+  rule (``judge.packing.pass_fits``: at most ``max_batch_size`` rows and ``max_batch_tokens``
+  tokens, padding included), waiting at most ``max_wait_ms`` for more to arrive after the
+  first; the engine, packing to the same budget, runs them as that one pass. A call (a row of
+  shared-context questions) runs alone. With each judgment's tokens bounded by the service,
+  no pass holds the model for long.
 - **Fair.** Jobs are queued per owner (one request), and the worker takes owners in turn, so a
   request with hundreds of items or a long fit interleaves with everyone else instead of
   making them wait for all of it.
 - **No wasted work.** Every job has a deadline. A job whose waiter has gone (its client
   disconnected, so the request's task was cancelled) or whose deadline has passed is dropped
   before it runs; a request made of many jobs loses the rest of them at once.
+- **Errors travel as exceptions.** A job's result, or the exception its work raised, is set on
+  its future; nothing but jobs goes through the queue.
 - **Bounded queue.** More than ``max_jobs`` waiting is refused at once (the service answers 503
   with Retry-After) rather than letting latency grow without bound.
 """
@@ -23,18 +27,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio.to_thread
 
-from judge.engine import Query
+from judge.engine import Judgment, Prepared
+from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS, pass_fits
 
 __all__ = ["Batcher", "DeadlineError", "QueueFullError"]
+
+T = TypeVar("T")
 
 
 class QueueFullError(Exception):
@@ -45,32 +51,45 @@ class DeadlineError(TimeoutError):
     """The request's deadline passed before its model work was done."""
 
 
-@dataclass
-class _Job:
-    future: asyncio.Future[Any]
+@dataclass(eq=False)
+class _Job(Generic[T]):
+    future: asyncio.Future[T]
     owner: Hashable
     deadline: float  # time.monotonic() after which nobody wants the result
-    query: Query | None = None  # a single judgment, which may be coalesced with others
-    tokens: int = 0  # the query's size, for the pass's token bound
-    call: Callable[[], Any] | None = None  # anything else, run alone
 
     def wanted(self, now: float) -> bool:
         return not self.future.done() and now < self.deadline
 
 
-def _alone(fn: Callable[[], Any]) -> list[Any]:
-    return [fn()]
+@dataclass(eq=False)
+class _Judging(_Job[Judgment]):
+    """A prepared judgment: it may share a pass with others."""
+
+    prepared: Prepared
+
+
+@dataclass(eq=False)
+class _Call(_Job[T]):
+    """Anything else on the model's thread, run alone."""
+
+    fn: Callable[[], T]
+
+
+_Queued = _Judging | _Call[Any]  # a call's result type is its caller's, not the queue's
 
 
 class Batcher:
-    """Serializes model work, coalesces single judgments and takes requests in turn."""
+    """Serializes model work, coalesces prepared judgments and takes requests in turn.
+
+    ``run`` judges prepared queries in order (``Engine.run``); it runs on a worker thread.
+    """
 
     def __init__(
         self,
-        judge_each: Callable[[Sequence[Query]], list[Any]],
+        run: Callable[[Sequence[Prepared]], list[Judgment]],
         *,
-        max_batch_size: int = 16,
-        max_batch_tokens: int = 4096,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_wait_ms: float = 5.0,
         max_jobs: int = 4096,
         on_batch: Callable[[int], None] | None = None,
@@ -79,13 +98,13 @@ class Batcher:
             raise ValueError(
                 "max_batch_size, max_batch_tokens and max_jobs must be >= 1, max_wait_ms >= 0"
             )
-        self._judge_each = judge_each
+        self._run_pass = run
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000
         self.max_jobs = max_jobs
         self._on_batch = on_batch
-        self._owners: OrderedDict[Hashable, deque[_Job]] = OrderedDict()
+        self._owners: OrderedDict[Hashable, deque[_Queued]] = OrderedDict()
         self._count = 0
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
@@ -98,7 +117,7 @@ class Batcher:
 
     def start(self) -> None:
         if self._worker is None:
-            self._worker = asyncio.get_running_loop().create_task(self._run())
+            self._worker = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
         if self._worker is not None:
@@ -107,17 +126,18 @@ class Batcher:
                 await self._worker
             self._worker = None
 
-    async def judge(self, query: Query, *, tokens: int, owner: Hashable, deadline: float) -> Any:
-        """The engine's result for ``query``: a Judgment, or a JudgeError to raise."""
-        future = asyncio.get_running_loop().create_future()
-        return await self._submit(_Job(future, owner, deadline, query=query, tokens=tokens))
+    async def judge(self, prepared: Prepared, *, owner: Hashable, deadline: float) -> Judgment:
+        """The judgment of ``prepared``, made in a pass with whatever else is waiting."""
+        future: asyncio.Future[Judgment] = asyncio.get_running_loop().create_future()
+        return await self._submit(_Judging(future, owner, deadline, prepared), future)
 
-    async def call(self, fn: Callable[[], Any], *, owner: Hashable, deadline: float) -> Any:
-        """Run ``fn`` on the model's thread, alone."""
-        future = asyncio.get_running_loop().create_future()
-        return await self._submit(_Job(future, owner, deadline, call=fn))
+    async def call(self, fn: Callable[[], T], *, owner: Hashable, deadline: float) -> T:
+        """Run ``fn`` on the model's thread, alone, and return what it returns."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        return await self._submit(_Call(future, owner, deadline, fn), future)
 
-    async def _submit(self, job: _Job) -> Any:
+    async def _submit(self, job: _Queued, future: asyncio.Future[T]) -> T:
+        """Queue ``job`` and wait for its ``future`` (the job's own, typed for the caller)."""
         if self._count >= self.max_jobs:
             raise QueueFullError(f"{self._count} jobs are waiting for the model")
         remaining = job.deadline - time.monotonic()
@@ -127,14 +147,14 @@ class Batcher:
         self._count += 1
         self._arrived.set()
         try:
-            return await asyncio.wait_for(asyncio.shield(job.future), remaining)
+            return await asyncio.wait_for(asyncio.shield(future), remaining)
         except TimeoutError:
             raise DeadlineError("the request's deadline passed waiting for the model") from None
         finally:
-            job.future.cancel()  # a no-op once done; otherwise the worker drops the job
+            future.cancel()  # a no-op once done; otherwise the worker drops the job
 
-    def _take(self, *, coalescable: bool, budget: int) -> _Job | None:
-        """The next wanted job, owners in turn; with ``coalescable``, a query within ``budget``."""
+    def _take(self, fits: Callable[[_Judging], bool] | None = None) -> _Queued | None:
+        """The next wanted job, owners in turn; with ``fits``, a judgment that it accepts."""
         now = time.monotonic()
         for owner in list(self._owners):
             jobs = self._owners[owner]
@@ -146,7 +166,7 @@ class Batcher:
                 del self._owners[owner]
                 continue
             head = jobs[0]
-            if coalescable and (head.query is None or head.tokens > budget):
+            if fits is not None and not (isinstance(head, _Judging) and fits(head)):
                 continue
             jobs.popleft()
             self._count -= 1
@@ -156,48 +176,74 @@ class Batcher:
             return head
         return None
 
-    async def _next(self) -> _Job:
+    async def _next(self) -> _Queued:
         while True:
-            job = self._take(coalescable=False, budget=0)
+            job = self._take()
             if job is not None:
                 return job
             self._arrived.clear()
             await self._arrived.wait()
 
-    async def _run(self) -> None:
+    async def _loop(self) -> None:
         while True:
             job = await self._next()
-            if job.call is not None:
-                await self._finish([job], functools.partial(_alone, job.call))
+            if isinstance(job, _Call):
+                self.run += 1
+                await self._settle(job.future, job.fn)
                 continue
-            batch, tokens = [job], job.tokens
-            until = time.monotonic() + self.max_wait
-            while len(batch) < self.max_batch_size:
-                nxt = self._take(coalescable=True, budget=self.max_batch_tokens - tokens)
-                if nxt is not None:
-                    batch.append(nxt)
-                    tokens += nxt.tokens
-                    continue
-                remaining = until - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._arrived.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
+            batch = await self._coalesce(job)
             if self._on_batch is not None:
                 self._on_batch(len(batch))
-            queries = [j.query for j in batch if j.query is not None]
-            await self._finish(batch, functools.partial(self._judge_each, queries))
+            self.run += len(batch)
+            await self._run_batch(batch)
 
-    async def _finish(self, jobs: list[_Job], work: Callable[[], list[Any]]) -> None:
-        self.run += len(jobs)
+    async def _coalesce(self, first: _Judging) -> list[_Judging]:
+        """``first`` and the judgments that arrive within ``max_wait`` and fit its pass."""
+        batch, lengths = [first], [first.prepared.tokens]
+
+        def fits(job: _Judging) -> bool:
+            grown = [*lengths, job.prepared.tokens]
+            return pass_fits(grown, self.max_batch_size, self.max_batch_tokens)
+
+        until = time.monotonic() + self.max_wait
+        while len(batch) < self.max_batch_size:
+            nxt = self._take(fits)
+            if isinstance(nxt, _Judging):
+                batch.append(nxt)
+                lengths.append(nxt.prepared.tokens)
+                continue
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+        return batch
+
+    async def _run_batch(self, batch: list[_Judging]) -> None:
+        """One pass for ``batch``; each judgment, or the pass's exception, to its future."""
+        prepared = [j.prepared for j in batch]
         try:
-            results = await anyio.to_thread.run_sync(work)
+            results = await anyio.to_thread.run_sync(self._run_pass, prepared)
+            if len(results) != len(batch):
+                raise RuntimeError(f"the engine returned {len(results)} results for {len(batch)}")
         except Exception as exc:  # an unexpected failure fails its jobs, not the worker
-            for j in jobs:
+            for j in batch:
                 if not j.future.done():
                     j.future.set_exception(exc)
             return
-        for j, result in zip(jobs, results, strict=True):
+        for j, result in zip(batch, results, strict=True):
             if not j.future.done():
                 j.future.set_result(result)
+
+    @staticmethod
+    async def _settle(future: asyncio.Future[T], fn: Callable[[], T]) -> None:
+        """Run ``fn`` on a worker thread; its result, or its exception, to ``future``."""
+        try:
+            result = await anyio.to_thread.run_sync(fn)
+        except Exception as exc:  # the caller's error, raised where it waits
+            if not future.done():
+                future.set_exception(exc)
+            return
+        if not future.done():
+            future.set_result(result)

@@ -5,12 +5,19 @@ number belongs and is refused, as the OpenAPI document says (Litestar's own body
 coerces it). Every refusal is a ``BodyError`` whose ``field`` is the JSON path msgspec
 reports, without its ``$.`` (``choices[1]``), or ``body`` / ``content-type`` for the body as a
 whole.
+
+A union of Structs (``schemas.BatchRequest``: ``ItemsBatch | SharedBatch``) is told apart by
+the keys the body has: the one member whose required fields the body has (not as null) is
+decoded, strictly; a body that has two members' keys, or none, is refused, naming the first
+member's first required field.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+import types
+import typing
+from typing import Any, TypeVar, overload
 
 import msgspec
 
@@ -42,7 +49,11 @@ def _is_json(content_type: str | None) -> bool:
     )
 
 
-def decode_body(body: bytes, content_type: str | None, type_: type[T]) -> T:
+@overload
+def decode_body(body: bytes, content_type: str | None, type_: type[T]) -> T: ...
+@overload
+def decode_body(body: bytes, content_type: str | None, type_: types.UnionType) -> Any: ...
+def decode_body(body: bytes, content_type: str | None, type_: Any) -> Any:
     """``body`` decoded into ``type_``, or a BodyError that names the field at fault."""
     if not _is_json(content_type):
         raise BodyError(
@@ -52,6 +63,8 @@ def decode_body(body: bytes, content_type: str | None, type_: type[T]) -> T:
         )
     if not body.strip():
         raise BodyError("body", "the request body is empty; send a JSON object")
+    if isinstance(type_, types.UnionType):
+        type_ = _member(body, typing.get_args(type_))
     try:
         try:
             return msgspec.json.decode(body, type=type_, strict=True)
@@ -68,6 +81,24 @@ def decode_body(body: bytes, content_type: str | None, type_: type[T]) -> T:
         raise BodyError(*_located(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise BodyError("body", f"the body is not valid JSON: {exc}") from None
+
+
+def _member(body: bytes, members: tuple[type[msgspec.Struct], ...]) -> type[msgspec.Struct]:
+    """The member of a union of Structs whose required keys ``body`` has (a null is absent)."""
+    try:
+        keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        raise BodyError("body", "the body must be a JSON object") from None
+    except msgspec.DecodeError as exc:
+        raise BodyError("body", f"the body is not valid JSON: {exc}") from None
+    given = {key for key, raw in keys.items() if bytes(raw).strip() != b"null"}
+    required = [[f.encode_name for f in msgspec.structs.fields(m) if f.required] for m in members]
+    chosen = [m for m, names in zip(members, required, strict=True) if given & set(names)]
+    if len(chosen) == 1:
+        return chosen[0]
+    shapes = ", or ".join(" with ".join(names) for names in required)
+    problem = "not both" if chosen else "the body has neither"
+    raise BodyError(required[0][0], f"{required[0][0]}: give either {shapes}; {problem}")
 
 
 def _integral(value: Any) -> Any:

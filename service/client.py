@@ -21,7 +21,19 @@ Retries (``RetryPolicy``): a 503 means the server did no work (still loading, qu
 every call is retried on it, waiting what ``Retry-After`` says (capped by ``max_wait``) or an
 exponential backoff with jitter when it says nothing, within ``budget`` seconds of waiting
 per call. A call that never got an answer is retried only when repeating it is harmless:
-everything but ``fit``, which would fit (and judge every example) twice.
+everything but ``fit``, which would fit (and judge every example) twice
+(``Operation.idempotent``).
+
+One implementation, two transports. What each method does (the request, the retries, the
+answer's decoding, the gate's ordering and bounds) is written once, in ``_Core``, as a
+generator of steps that does no I/O: it yields ``_Send`` (one HTTP exchange) and ``_Sleep``
+(a wait), and the gate also ``_Take`` (the next chunk of input), ``_Spawn``, ``_Join`` and
+``_Emit``. ``JudgeClient`` runs the steps on ``httpx.Client``, threads and ``time.sleep``;
+``AsyncJudgeClient`` on ``httpx.AsyncClient``, tasks and ``asyncio.sleep``. Methods and paths
+come from the service's table of operations (``service.operations``).
+
+Installed alone (``pip install judge``, without the ``server`` extra), the client needs only
+msgspec, httpx and numpy: this module imports neither the engine nor the server.
 """
 
 from __future__ import annotations
@@ -41,30 +53,30 @@ from collections.abc import (
     Callable,
     Generator,
     Iterable,
-    Iterator,
     Sequence,
 )
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self, TypedDict, TypeVar, Unpack
-from urllib.parse import quote
+from typing import Any, Generic, Self, TypedDict, TypeVar, Unpack
 
 import httpx
 import msgspec
 
-from calibration import CalibrationProfile
+from calibration.profile import CalibrationProfile
+from service.operations import BY_NAME, Operation
 from service.schemas import (
     MAX_BATCH_ITEMS,
-    BatchRequest,
     BatchResponse,
     ErrorBody,
     FitMethod,
     FitRequest,
+    ItemsBatch,
     JudgeRequest,
     JudgeResponse,
     LabeledExample,
     ProfileSummary,
+    SharedBatch,
     SharedQuestion,
 )
 
@@ -75,6 +87,8 @@ __all__ = [
     "ClientError",
     "ErrorBody",
     "FitMethod",
+    "FitOptions",
+    "GateOptions",
     "GateResult",
     "JudgeClient",
     "JudgeOptions",
@@ -91,6 +105,7 @@ Item = TypeVar("Item", bound=str | JudgeRequest)
 GateResult = JudgeResponse | ErrorBody
 Example = tuple[str, str] | LabeledExample
 T = TypeVar("T")
+Steps = Generator["_Send | _Sleep", Any, T]  # a call, as steps: see _Core
 
 
 class ClientError(Exception):
@@ -163,29 +178,18 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
-# --- one call, as data: sync and async clients differ only in how they send it --------------
-
-
-@dataclass(frozen=True)
-class _Call:
-    method: str
-    path: str
-    body: bytes | None = None
-    idempotent: bool = True  # safe to send again when no answer came back
-    timeout: float | None = None  # None: the client's
-
+# --- a call's answer ----------------------------------------------------------------------
 
 _DECODERS: dict[Any, msgspec.json.Decoder[Any]] = {}
 
 
-def _decode(response: httpx.Response, into: type[T]) -> T:
+def _decode(response: httpx.Response, into: Any) -> Any:
     if response.status_code >= 400:
         raise _error(response)
     decoder = _DECODERS.get(into)
     if decoder is None:
         decoder = _DECODERS[into] = msgspec.json.Decoder(into)
-    result: T = decoder.decode(response.content)
-    return result
+    return decoder.decode(response.content)
 
 
 def _error(response: httpx.Response) -> ClientError:
@@ -206,19 +210,8 @@ def _error(response: httpx.Response) -> ClientError:
     return ClientError(response.status_code, str(body)[:500] or response.reason_phrase, None, body)
 
 
-def _name(name: str) -> str:
-    return quote(name, safe="")  # a name is one path segment, whatever it holds
-
-
-def _examples(examples: Iterable[Example]) -> list[LabeledExample]:
-    return [
-        e if isinstance(e, LabeledExample) else LabeledExample(prompt=e[0], label=e[1])
-        for e in examples
-    ]
-
-
 def _batch_results(response: httpx.Response, sent: int) -> list[GateResult]:
-    results = _decode(response, BatchResponse).results
+    results: list[GateResult] = _decode(response, BatchResponse).results
     if len(results) != sent:
         raise ClientError(
             response.status_code, f"the server answered {len(results)} results for {sent} items"
@@ -235,86 +228,19 @@ def _shared_results(response: httpx.Response, sent: int) -> list[JudgeResponse]:
     return out
 
 
-@dataclass
-class _Gate:
-    """How ``gate`` turns an item into a request; strings take the gate's options."""
-
-    choices: list[str] | None
-    options: dict[str, Any]
-
-    def request(self, item: str | JudgeRequest) -> JudgeRequest:
-        if isinstance(item, JudgeRequest):
-            return item
-        if not isinstance(item, str):
-            raise TypeError(
-                f"gate items must be str or JudgeRequest, got {type(item).__name__}: {item!r}"
-            )
-        assert self.choices is not None  # checked when the gate started
-        return JudgeRequest(prompt=item, choices=self.choices, **self.options)
+def _ready(response: httpx.Response) -> bool:
+    """True on 200, False while loading; raises on a failed load or any other error."""
+    if response.status_code == 503:
+        error = _error(response)
+        body = error.body
+        if isinstance(body, dict) and body.get("status") == "failed":
+            raise error
+        return False
+    _decode(response, dict[str, Any])
+    return True
 
 
-def _check_gate(batch_size: int, concurrency: int) -> None:
-    if not 1 <= batch_size <= MAX_BATCH_ITEMS:
-        raise ValueError(f"batch_size must be in [1, {MAX_BATCH_ITEMS}], got {batch_size}")
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-
-
-class _Base:
-    """What both clients share: settings and how each method's call is built."""
-
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str | None,
-        timeout: float,
-        retries: RetryPolicy | None,
-        seed: int | None,
-    ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.retries = retries if retries is not None else RetryPolicy()
-        # Sent on every call; the key never appears in an error or a repr.
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = timeout
-        self._rng = random.Random(seed)
-
-    @staticmethod
-    def _judge_call(request: JudgeRequest) -> _Call:
-        return _Call("POST", "/judge", msgspec.json.encode(request))
-
-    @staticmethod
-    def _batch_call(request: BatchRequest) -> _Call:
-        return _Call("POST", "/judge/batch", msgspec.json.encode(request))
-
-    @staticmethod
-    def _fit_call(name: str, request: FitRequest, timeout: float | None) -> _Call:
-        body = msgspec.json.encode(request)
-        return _Call(
-            "POST", f"/profiles/{_name(name)}/fit", body, idempotent=False, timeout=timeout
-        )
-
-    @staticmethod
-    def _gate_options(
-        choices: Sequence[str] | None,
-        profile: str | None,
-        threshold: float | None,
-        min_choice_mass: float | None,
-        system: str | None,
-    ) -> _Gate:
-        options = {
-            "profile": profile,
-            "threshold": threshold,
-            "min_choice_mass": min_choice_mass,
-            "system": system,
-        }
-        return _Gate(list(choices) if choices is not None else None, options)
-
-    def _request(self, http: httpx.Client | httpx.AsyncClient, call: _Call) -> httpx.Request:
-        headers = {"Content-Type": "application/json"} if call.body is not None else None
-        timeout = self._timeout if call.timeout is None else call.timeout
-        return http.build_request(
-            call.method, call.path, content=call.body, headers=headers, timeout=timeout
-        )
+# --- the options of the methods that take many --------------------------------------------
 
 
 class JudgeOptions(TypedDict, total=False):
@@ -331,15 +257,300 @@ class JudgeOptions(TypedDict, total=False):
     max_std: float | None  # escalate a score whose std is above this
 
 
-def _judge_request(prompt: str, choices: Sequence[str], **options: Any) -> JudgeRequest:
-    return JudgeRequest(prompt=prompt, choices=list(choices), **options)
+class FitOptions(TypedDict, total=False):
+    """``fit``'s keyword arguments: the optional fields of ``FitRequest``, and a timeout.
+
+    ``method`` (default "auto"; "temperature", "bias_temperature" or "probe": a learned head
+    on the model's hidden state, at least 100 examples); ``target_precision`` (0.9),
+    ``delta`` (0.1) and ``alpha`` (0.1); ``timeout``: seconds for the whole fit (default:
+    the client's).
+    """
+
+    system: str | None
+    response_prefix: str | None
+    response_suffix: str | None
+    target_precision: float
+    delta: float
+    alpha: float
+    method: FitMethod
+    timeout: float | None
 
 
-def _fit_request(choices: Sequence[str], examples: Iterable[Example], **options: Any) -> FitRequest:
-    return FitRequest(choices=list(choices), examples=_examples(examples), **options)
+class GateOptions(TypedDict, total=False):
+    """``gate``'s keyword arguments.
+
+    ``choices`` (default: the profile's), ``profile``, ``threshold``, ``min_choice_mass`` and
+    ``system`` apply to string items; ``batch_size`` (16) items go in one request, at most
+    ``concurrency`` (4) requests at a time.
+    """
+
+    choices: Sequence[str] | None
+    profile: str | None
+    threshold: float | None
+    min_choice_mass: float | None
+    system: str | None
+    batch_size: int
+    concurrency: int
 
 
-class JudgeClient(_Base):
+# --- the steps a call is made of, and the gate's -------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Send:
+    """One HTTP exchange: answered with the response, or a TransportError thrown back."""
+
+    method: str
+    path: str
+    body: bytes | None = None
+    timeout: float | None = None  # None: the client's
+
+
+@dataclass(frozen=True)
+class _Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Take:
+    """The next ``size`` items of the gate's input (fewer at its end; none past it)."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class _Spawn:
+    """Start ``steps`` without waiting for them: answered with a handle for ``_Join``."""
+
+    steps: Steps[list[GateResult]]
+
+
+@dataclass(frozen=True)
+class _Join:
+    handle: Any  # what _Spawn answered
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run ``steps`` here and now: answered with their result."""
+
+    steps: Steps[Any]
+
+
+@dataclass(frozen=True)
+class _Emit:
+    """Hand these (item, result) pairs to the gate's consumer."""
+
+    pairs: list[tuple[Any, GateResult]]
+
+
+_GateStep = _Take | _Spawn | _Join | _Call | _Emit
+
+
+@dataclass(frozen=True)
+class _Done(Generic[T]):
+    value: T
+
+
+def _resume(
+    steps: Generator[Any, Any, T], value: Any, error: BaseException | None
+) -> Any | _Done[T]:
+    """The next step, given the last one's answer (or error); ``_Done`` when they are over."""
+    try:
+        return steps.send(value) if error is None else steps.throw(error)
+    except StopIteration as done:
+        return _Done(done.value)
+
+
+@dataclass(frozen=True)
+class _GateSettings:
+    batch_size: int
+    concurrency: int
+
+    @staticmethod
+    def of(options: GateOptions) -> _GateSettings:
+        batch_size, concurrency = options.get("batch_size", 16), options.get("concurrency", 4)
+        if not 1 <= batch_size <= MAX_BATCH_ITEMS:
+            raise ValueError(f"batch_size must be in [1, {MAX_BATCH_ITEMS}], got {batch_size}")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        return _GateSettings(batch_size, concurrency)
+
+
+# --- the one implementation ---------------------------------------------------------------
+
+
+class _Core:
+    """Everything both clients do, as steps (see the module's docstring); no I/O here."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        timeout: float,
+        retries: RetryPolicy | None,
+        seed: int | None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries if retries is not None else RetryPolicy()
+        # Sent on every call; the key never appears in an error or a repr.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = timeout
+        self._rng = random.Random(seed)
+
+    def _request(self, http: httpx.Client | httpx.AsyncClient, send: _Send) -> httpx.Request:
+        headers = {"Content-Type": "application/json"} if send.body is not None else None
+        timeout = self._timeout if send.timeout is None else send.timeout
+        return http.build_request(
+            send.method, send.path, content=send.body, headers=headers, timeout=timeout
+        )
+
+    # --- one operation, with retries ------------------------------------------------------
+
+    def _exchange(
+        self, operation: Operation, body: Any = None, timeout: float | None = None, /, **path: str
+    ) -> Steps[httpx.Response]:
+        """Send ``operation``, retrying per ``self.retries``; an error status is returned."""
+        content = None if body is None else msgspec.json.encode(body)
+        send = _Send(operation.method, operation.url(**path), content, timeout)
+        waited, attempt = 0.0, 0
+        while True:
+            try:
+                response = yield send
+            except httpx.TransportError:
+                wait = self.retries.wait(attempt, None, waited, self._rng)
+                if not operation.idempotent or wait is None:
+                    raise
+            else:
+                if response.status_code != 503:
+                    return response
+                retry_after = response.headers.get("retry-after")
+                wait = self.retries.wait(attempt, retry_after, waited, self._rng)
+                if wait is None:
+                    return response
+            yield _Sleep(wait)
+            waited, attempt = waited + wait, attempt + 1
+
+    def _call(self, operation: str, into: Any, body: Any = None, /, **path: str) -> Steps[Any]:
+        """The answer to ``operation`` (a name) decoded into ``into``; its error status raised."""
+        response = yield from self._exchange(BY_NAME[operation], body, None, **path)
+        return _decode(response, into)
+
+    # --- the methods' steps ---------------------------------------------------------------
+
+    def _judge(
+        self, prompt: str, choices: Sequence[str], options: JudgeOptions
+    ) -> Steps[JudgeResponse]:
+        request = JudgeRequest(prompt=prompt, choices=list(choices), **options)
+        return self._call("judge", JudgeResponse, request)
+
+    def _judge_batch(self, items: Sequence[JudgeRequest]) -> Steps[list[GateResult]]:
+        response = yield from self._exchange(BY_NAME["judge_batch"], ItemsBatch(items=list(items)))
+        return _batch_results(response, len(items))
+
+    def _judge_shared(
+        self, context: str, questions: Sequence[SharedQuestion]
+    ) -> Steps[list[JudgeResponse]]:
+        batch = SharedBatch(context=context, questions=list(questions))
+        response = yield from self._exchange(BY_NAME["judge_batch"], batch)
+        return _shared_results(response, len(questions))
+
+    def _profiles(self) -> Steps[list[ProfileSummary]]:
+        return self._call("profiles", list[ProfileSummary])
+
+    def _profile(self, name: str) -> Steps[CalibrationProfile]:
+        return self._call("profile", CalibrationProfile, name=name)
+
+    def _put_profile(self, profile: CalibrationProfile) -> Steps[CalibrationProfile]:
+        return self._call("put_profile", CalibrationProfile, profile, name=profile.name)
+
+    def _delete_profile(self, name: str) -> Steps[None]:
+        response = yield from self._exchange(BY_NAME["delete_profile"], name=name)
+        if response.status_code >= 400:
+            raise _error(response)
+
+    def _fit(
+        self, name: str, choices: Sequence[str], examples: Iterable[Example], options: FitOptions
+    ) -> Steps[CalibrationProfile]:
+        timeout = options.get("timeout")
+        fields: dict[str, Any] = {k: v for k, v in options.items() if k != "timeout"}
+        labeled = [
+            e if isinstance(e, LabeledExample) else LabeledExample(prompt=e[0], label=e[1])
+            for e in examples
+        ]
+        request = FitRequest(choices=list(choices), examples=labeled, **fields)
+        response = yield from self._exchange(BY_NAME["fit"], request, timeout, name=name)
+        profile: CalibrationProfile = _decode(response, CalibrationProfile)
+        return profile
+
+    def _ready(self) -> Steps[bool]:
+        ready = BY_NAME["ready"]
+        return _ready((yield _Send(ready.method, ready.path)))
+
+    def _wait_ready(self, timeout: float, interval: float) -> Steps[None]:
+        ready = BY_NAME["ready"]
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                response = yield _Send(ready.method, ready.path)
+            except httpx.TransportError:  # not listening yet counts as not ready
+                response = None
+            if response is not None and _ready(response):
+                return
+            if time.monotonic() + interval > deadline:
+                raise TimeoutError(f"{self.base_url} was not ready within {timeout} s")
+            yield _Sleep(interval)
+
+    # --- the gate -------------------------------------------------------------------------
+
+    def _gate(
+        self, options: GateOptions, settings: _GateSettings
+    ) -> Generator[_GateStep, Any, None]:
+        """Each item with its result, in input order, at most ``concurrency`` requests out.
+
+        Reads a chunk only when one is sent in its place: at most ``batch_size *
+        concurrency`` items are held.
+        """
+        choices = options.get("choices")
+        listed = list(choices) if choices is not None else None
+        profile = options.get("profile")
+        fields = {k: options.get(k) for k in ("profile", "threshold", "min_choice_mass", "system")}
+
+        def request(item: str | JudgeRequest) -> JudgeRequest:
+            if isinstance(item, JudgeRequest):
+                return item
+            if not isinstance(item, str):
+                raise TypeError(
+                    f"gate items must be str or JudgeRequest, got {type(item).__name__}: {item!r}"
+                )
+            assert listed is not None
+            return JudgeRequest(prompt=item, choices=listed, **fields)  # type: ignore[arg-type]
+
+        pending: deque[tuple[list[Any], Any]] = deque()
+
+        def send(chunk: list[Any]) -> Generator[_GateStep, Any, None]:
+            nonlocal listed
+            if listed is None and any(isinstance(i, str) for i in chunk):
+                if profile is None:
+                    raise ValueError("choices: give the choices, or a profile to take them from")
+                listed = (yield _Call(self._profile(profile))).choices
+            steps = self._judge_batch([request(item) for item in chunk])
+            pending.append((chunk, (yield _Spawn(steps))))
+
+        while len(pending) < settings.concurrency and (chunk := (yield _Take(settings.batch_size))):
+            yield from send(chunk)
+        while pending:
+            chunk, handle = pending.popleft()
+            yield _Emit(list(zip(chunk, (yield _Join(handle)), strict=True)))
+            # Only now: the chunk just emitted was the one held beyond those in flight.
+            if following := (yield _Take(settings.batch_size)):
+                yield from send(following)
+
+
+# --- the two transports -------------------------------------------------------------------
+
+
+class JudgeClient(_Core):
     """The service from Python, on ``httpx.Client``; safe to share between threads.
 
     ``transport`` replaces the network (an ``httpx.MockTransport`` in tests); ``sleep`` is
@@ -374,163 +585,74 @@ class JudgeClient(_Base):
     def close(self) -> None:
         self._http.close()
 
-    def _send(self, call: _Call) -> httpx.Response:
-        """Send ``call``, retrying per ``self.retries``; an error status is returned, not raised."""
-        waited, attempt = 0.0, 0
-        while True:
+    def _run(self, steps: Steps[T]) -> T:
+        """Take ``steps`` to their end: send what they send, sleep what they sleep."""
+        value: Any = None
+        error: BaseException | None = None
+        while not isinstance(step := _resume(steps, value, error), _Done):
+            value, error = None, None
+            if isinstance(step, _Sleep):
+                self._sleep(step.seconds)
+                continue
             try:
-                response = self._http.send(self._request(self._http, call))
-            except httpx.TransportError:
-                wait = self.retries.wait(attempt, None, waited, self._rng)
-                if not call.idempotent or wait is None:
-                    raise
-            else:
-                if response.status_code != 503:
-                    return response
-                retry_after = response.headers.get("retry-after")
-                wait = self.retries.wait(attempt, retry_after, waited, self._rng)
-                if wait is None:
-                    return response
-            self._sleep(wait)
-            waited, attempt = waited + wait, attempt + 1
-
-    # --- judging --------------------------------------------------------------------------
+                value = self._http.send(self._request(self._http, step))
+            except httpx.TransportError as exc:
+                error = exc
+        return step.value
 
     def judge(
         self, prompt: str, choices: Sequence[str], **options: Unpack[JudgeOptions]
     ) -> JudgeResponse:
         """``POST /judge``: one prompt between ``choices``, and the decision on it."""
-        request = _judge_request(prompt, choices, **options)
-        return _decode(self._send(self._judge_call(request)), JudgeResponse)
+        return self._run(self._judge(prompt, choices, options))
 
     def judge_batch(self, items: Sequence[JudgeRequest]) -> list[GateResult]:
         """``POST /judge/batch``: each item's judgment, or its 4xx as an ErrorBody, in order."""
-        call = self._batch_call(BatchRequest(items=list(items)))
-        return _batch_results(self._send(call), len(items))
+        return self._run(self._judge_batch(items))
 
     def judge_shared(
         self, context: str, questions: Sequence[SharedQuestion]
     ) -> list[JudgeResponse]:
         """``POST /judge/batch`` with a shared context: the context is encoded once."""
-        call = self._batch_call(BatchRequest(context=context, questions=list(questions)))
-        return _shared_results(self._send(call), len(questions))
-
-    def gate(
-        self,
-        items: Iterable[Item],
-        *,
-        choices: Sequence[str] | None = None,
-        profile: str | None = None,
-        threshold: float | None = None,
-        min_choice_mass: float | None = None,
-        system: str | None = None,
-        batch_size: int = 16,
-        concurrency: int = 4,
-    ) -> Generator[tuple[Item, GateResult], None, None]:
-        """Each item with its decision, in input order; lazy over ``items``.
-
-        A string item is a prompt judged with the options given here (``choices`` default to
-        the profile's); a ``JudgeRequest`` is sent as it is. Items go out ``batch_size`` to a
-        request, at most ``concurrency`` requests at a time, so at most
-        ``batch_size * concurrency`` items are held. An item's 4xx comes back as an ErrorBody
-        in its place; a request that fails as a whole raises ClientError.
-        """
-        _check_gate(batch_size, concurrency)
-        gate = self._gate_options(choices, profile, threshold, min_choice_mass, system)
-        chunks = _chunks(items, batch_size)
-        pool = ThreadPoolExecutor(concurrency, thread_name_prefix="judge-gate")
-        pending: deque[tuple[list[Item], Future[list[GateResult]]]] = deque()
-
-        def submit(chunk: list[Item]) -> None:
-            if gate.choices is None and any(isinstance(i, str) for i in chunk):
-                gate.choices = self._gate_choices(profile)
-            requests = [gate.request(item) for item in chunk]
-            pending.append((chunk, pool.submit(self.judge_batch, requests)))
-
-        try:
-            for chunk in itertools.islice(chunks, concurrency):
-                submit(chunk)
-            while pending:
-                chunk, future = pending.popleft()
-                yield from zip(chunk, future.result(), strict=True)
-                # Only now: the chunk just yielded was the one held beyond those in flight.
-                following = next(chunks, None)
-                if following is not None:
-                    submit(following)
-        finally:
-            for _, future in pending:
-                future.cancel()
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def _gate_choices(self, profile: str | None) -> list[str]:
-        if profile is None:
-            raise ValueError("choices: give the choices, or a profile to take them from")
-        return self.profile(profile).choices
-
-    # --- profiles -------------------------------------------------------------------------
+        return self._run(self._judge_shared(context, questions))
 
     def profiles(self) -> list[ProfileSummary]:
         """``GET /profiles``: a summary of every profile the server has."""
-        return _decode(self._send(_Call("GET", "/profiles")), list[ProfileSummary])
+        return self._run(self._profiles())
 
     def profile(self, name: str) -> CalibrationProfile:
         """``GET /profiles/{name}``: the whole profile."""
-        return _decode(self._send(_Call("GET", f"/profiles/{_name(name)}")), CalibrationProfile)
+        return self._run(self._profile(name))
 
     def put_profile(self, profile: CalibrationProfile) -> CalibrationProfile:
         """``PUT /profiles/{profile.name}``: upload (or replace) a profile."""
-        call = _Call("PUT", f"/profiles/{_name(profile.name)}", msgspec.json.encode(profile))
-        return _decode(self._send(call), CalibrationProfile)
+        return self._run(self._put_profile(profile))
 
     def delete_profile(self, name: str) -> None:
         """``DELETE /profiles/{name}``."""
-        response = self._send(_Call("DELETE", f"/profiles/{_name(name)}"))
-        if response.status_code >= 400:
-            raise _error(response)
+        self._run(self._delete_profile(name))
 
     def fit(
         self,
         name: str,
         choices: Sequence[str],
         examples: Iterable[Example],
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        target_precision: float = 0.9,
-        delta: float = 0.1,
-        alpha: float = 0.1,
-        method: FitMethod = "auto",
-        timeout: float | None = None,
+        **options: Unpack[FitOptions],
     ) -> CalibrationProfile:
         """``POST /profiles/{name}/fit`` on (prompt, label) pairs; the server keeps the profile.
 
-        ``method`` is ``FitRequest.method``: "auto" (the default), "temperature",
-        "bias_temperature" or "probe" (a learned head on the model's hidden state; at least
-        100 examples). Fitting judges every example, so give a ``timeout`` that fits their
-        number. It is retried on a 503 (no work was done) but not when no answer came back.
+        ``options`` are ``FitOptions``. Fitting judges every example, so give a ``timeout``
+        that fits their number. It is retried on a 503 (no work was done) but not when no
+        answer came back.
         """
-        request = _fit_request(
-            choices,
-            examples,
-            system=system,
-            response_prefix=response_prefix,
-            response_suffix=response_suffix,
-            target_precision=target_precision,
-            delta=delta,
-            alpha=alpha,
-            method=method,
-        )
-        return _decode(self._send(self._fit_call(name, request, timeout)), CalibrationProfile)
-
-    # --- readiness ------------------------------------------------------------------------
+        return self._run(self._fit(name, choices, examples, options))
 
     def ready(self) -> bool:
         """``GET /ready``: True once the model is loaded, False while it loads.
 
         A model that failed to load raises ClientError: that server will never be ready.
         """
-        return _ready(self._http.send(self._request(self._http, _Call("GET", "/ready"))))
+        return self._run(self._ready())
 
     def wait_ready(self, timeout: float = 300.0, interval: float = 0.2) -> None:
         """Poll ``/ready`` until it answers 200; TimeoutError after ``timeout`` seconds.
@@ -538,21 +660,51 @@ class JudgeClient(_Base):
         A server that cannot be reached yet counts as not ready; one whose model failed to
         load raises ClientError at once.
         """
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                response = self._http.send(self._request(self._http, _Call("GET", "/ready")))
-            except httpx.TransportError:
-                response = None
-            if response is not None and _ready(response):
-                return
-            if time.monotonic() + interval > deadline:
-                raise TimeoutError(f"{self.base_url} was not ready within {timeout} s")
-            self._sleep(interval)
+        self._run(self._wait_ready(timeout, interval))
+
+    def gate(
+        self, items: Iterable[Item], **options: Unpack[GateOptions]
+    ) -> Generator[tuple[Item, GateResult], None, None]:
+        """Each item with its decision, in input order; lazy over ``items``.
+
+        A string item is a prompt judged with the options given here (``GateOptions``:
+        ``choices`` default to the profile's); a ``JudgeRequest`` is sent as it is. Items go
+        out ``batch_size`` to a request, at most ``concurrency`` requests at a time, so at
+        most ``batch_size * concurrency`` items are held. An item's 4xx comes back as an
+        ErrorBody in its place; a request that fails as a whole raises ClientError.
+        """
+        settings = _GateSettings.of(options)
+        steps = self._gate(options, settings)
+        source = iter(items)
+        pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="judge-gate")
+        spawned: list[Future[list[GateResult]]] = []
+        value: Any = None
+        try:
+            while not isinstance(step := _resume(steps, value, None), _Done):
+                if isinstance(step, _Emit):
+                    yield from step.pairs
+                    value = None
+                elif isinstance(step, _Take):
+                    value = list(itertools.islice(source, step.size))
+                elif isinstance(step, _Spawn):
+                    value = pool.submit(self._run, step.steps)
+                    spawned.append(value)
+                elif isinstance(step, _Join):
+                    value = step.handle.result()
+                else:
+                    value = self._run(step.steps)
+        finally:
+            for future in spawned:
+                future.cancel()
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
-class AsyncJudgeClient(_Base):
-    """``JudgeClient`` for asyncio, on ``httpx.AsyncClient``: the same methods, awaited."""
+class AsyncJudgeClient(_Core):
+    """``JudgeClient`` for asyncio, on ``httpx.AsyncClient``: the same methods, awaited.
+
+    ``gate`` is an async generator (``async for item, d in client.gate(...)``) whose items
+    may be an async iterable; its requests in flight are tasks.
+    """
 
     def __init__(
         self,
@@ -582,190 +734,114 @@ class AsyncJudgeClient(_Base):
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _send(self, call: _Call) -> httpx.Response:
-        """``JudgeClient._send``, awaited."""
-        waited, attempt = 0.0, 0
-        while True:
+    async def _run(self, steps: Steps[T]) -> T:
+        """``JudgeClient._run``, awaited."""
+        value: Any = None
+        error: BaseException | None = None
+        while not isinstance(step := _resume(steps, value, error), _Done):
+            value, error = None, None
+            if isinstance(step, _Sleep):
+                await self._sleep(step.seconds)
+                continue
             try:
-                response = await self._http.send(self._request(self._http, call))
-            except httpx.TransportError:
-                wait = self.retries.wait(attempt, None, waited, self._rng)
-                if not call.idempotent or wait is None:
-                    raise
-            else:
-                if response.status_code != 503:
-                    return response
-                retry_after = response.headers.get("retry-after")
-                wait = self.retries.wait(attempt, retry_after, waited, self._rng)
-                if wait is None:
-                    return response
-            await self._sleep(wait)
-            waited, attempt = waited + wait, attempt + 1
+                value = await self._http.send(self._request(self._http, step))
+            except httpx.TransportError as exc:
+                error = exc
+        return step.value
 
     async def judge(
         self, prompt: str, choices: Sequence[str], **options: Unpack[JudgeOptions]
     ) -> JudgeResponse:
         """``JudgeClient.judge``, awaited."""
-        request = _judge_request(prompt, choices, **options)
-        return _decode(await self._send(self._judge_call(request)), JudgeResponse)
+        return await self._run(self._judge(prompt, choices, options))
 
     async def judge_batch(self, items: Sequence[JudgeRequest]) -> list[GateResult]:
         """``JudgeClient.judge_batch``, awaited."""
-        call = self._batch_call(BatchRequest(items=list(items)))
-        return _batch_results(await self._send(call), len(items))
+        return await self._run(self._judge_batch(items))
 
     async def judge_shared(
         self, context: str, questions: Sequence[SharedQuestion]
     ) -> list[JudgeResponse]:
         """``JudgeClient.judge_shared``, awaited."""
-        call = self._batch_call(BatchRequest(context=context, questions=list(questions)))
-        return _shared_results(await self._send(call), len(questions))
-
-    async def gate(
-        self,
-        items: Iterable[Item] | AsyncIterable[Item],
-        *,
-        choices: Sequence[str] | None = None,
-        profile: str | None = None,
-        threshold: float | None = None,
-        min_choice_mass: float | None = None,
-        system: str | None = None,
-        batch_size: int = 16,
-        concurrency: int = 4,
-    ) -> AsyncGenerator[tuple[Item, GateResult], None]:
-        """``JudgeClient.gate`` as an async generator: ``async for item, d in client.gate(...)``.
-
-        ``items`` may be an async iterable; requests in flight are tasks, at most
-        ``concurrency`` of them.
-        """
-        _check_gate(batch_size, concurrency)
-        gate = self._gate_options(choices, profile, threshold, min_choice_mass, system)
-        chunks = _achunks(items, batch_size)
-        pending: deque[tuple[list[Item], asyncio.Task[list[GateResult]]]] = deque()
-
-        async def submit(chunk: list[Item]) -> None:
-            if gate.choices is None and any(isinstance(i, str) for i in chunk):
-                gate.choices = await self._gate_choices(profile)
-            requests = [gate.request(item) for item in chunk]
-            pending.append((chunk, asyncio.create_task(self.judge_batch(requests))))
-
-        try:
-            while len(pending) < concurrency and (chunk := await anext(chunks, None)) is not None:
-                await submit(chunk)
-            while pending:
-                chunk, task = pending.popleft()
-                for pair in zip(chunk, await task, strict=True):
-                    yield pair
-                following = await anext(chunks, None)
-                if following is not None:
-                    await submit(following)
-        finally:
-            for _, task in pending:
-                task.cancel()
-            await asyncio.gather(*(task for _, task in pending), return_exceptions=True)
-
-    async def _gate_choices(self, profile: str | None) -> list[str]:
-        if profile is None:
-            raise ValueError("choices: give the choices, or a profile to take them from")
-        return (await self.profile(profile)).choices
+        return await self._run(self._judge_shared(context, questions))
 
     async def profiles(self) -> list[ProfileSummary]:
         """``JudgeClient.profiles``, awaited."""
-        return _decode(await self._send(_Call("GET", "/profiles")), list[ProfileSummary])
+        return await self._run(self._profiles())
 
     async def profile(self, name: str) -> CalibrationProfile:
         """``JudgeClient.profile``, awaited."""
-        response = await self._send(_Call("GET", f"/profiles/{_name(name)}"))
-        return _decode(response, CalibrationProfile)
+        return await self._run(self._profile(name))
 
     async def put_profile(self, profile: CalibrationProfile) -> CalibrationProfile:
         """``JudgeClient.put_profile``, awaited."""
-        call = _Call("PUT", f"/profiles/{_name(profile.name)}", msgspec.json.encode(profile))
-        return _decode(await self._send(call), CalibrationProfile)
+        return await self._run(self._put_profile(profile))
 
     async def delete_profile(self, name: str) -> None:
         """``JudgeClient.delete_profile``, awaited."""
-        response = await self._send(_Call("DELETE", f"/profiles/{_name(name)}"))
-        if response.status_code >= 400:
-            raise _error(response)
+        await self._run(self._delete_profile(name))
 
     async def fit(
         self,
         name: str,
         choices: Sequence[str],
         examples: Iterable[Example],
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        target_precision: float = 0.9,
-        delta: float = 0.1,
-        alpha: float = 0.1,
-        method: FitMethod = "auto",
-        timeout: float | None = None,
+        **options: Unpack[FitOptions],
     ) -> CalibrationProfile:
         """``JudgeClient.fit``, awaited."""
-        request = _fit_request(
-            choices,
-            examples,
-            system=system,
-            response_prefix=response_prefix,
-            response_suffix=response_suffix,
-            target_precision=target_precision,
-            delta=delta,
-            alpha=alpha,
-            method=method,
-        )
-        response = await self._send(self._fit_call(name, request, timeout))
-        return _decode(response, CalibrationProfile)
+        return await self._run(self._fit(name, choices, examples, options))
 
     async def ready(self) -> bool:
         """``JudgeClient.ready``, awaited."""
-        return _ready(await self._http.send(self._request(self._http, _Call("GET", "/ready"))))
+        return await self._run(self._ready())
 
     async def wait_ready(self, timeout: float = 300.0, interval: float = 0.2) -> None:
         """``JudgeClient.wait_ready``, awaited."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                response = await self._http.send(self._request(self._http, _Call("GET", "/ready")))
-            except httpx.TransportError:
-                response = None
-            if response is not None and _ready(response):
-                return
-            if time.monotonic() + interval > deadline:
-                raise TimeoutError(f"{self.base_url} was not ready within {timeout} s")
-            await self._sleep(interval)
+        await self._run(self._wait_ready(timeout, interval))
+
+    async def gate(
+        self, items: Iterable[Item] | AsyncIterable[Item], **options: Unpack[GateOptions]
+    ) -> AsyncGenerator[tuple[Item, GateResult], None]:
+        """``JudgeClient.gate`` as an async generator; ``items`` may be an async iterable."""
+        settings = _GateSettings.of(options)
+        steps = self._gate(options, settings)
+        source = _aiter(items)
+        spawned: list[asyncio.Task[list[GateResult]]] = []
+        value: Any = None
+        try:
+            while not isinstance(step := _resume(steps, value, None), _Done):
+                if isinstance(step, _Emit):
+                    for pair in step.pairs:
+                        yield pair
+                    value = None
+                elif isinstance(step, _Take):
+                    value = [item async for item in _islice(source, step.size)]
+                elif isinstance(step, _Spawn):
+                    value = asyncio.create_task(self._run(step.steps))
+                    spawned.append(value)
+                elif isinstance(step, _Join):
+                    value = await step.handle
+                else:
+                    value = await self._run(step.steps)
+        finally:
+            for task in spawned:
+                task.cancel()
+            await asyncio.gather(*spawned, return_exceptions=True)
 
 
-def _ready(response: httpx.Response) -> bool:
-    """True on 200, False while loading; raises on a failed load or any other error."""
-    if response.status_code == 503:
-        error = _error(response)
-        body = error.body
-        if isinstance(body, dict) and body.get("status") == "failed":
-            raise error
-        return False
-    _decode(response, dict[str, Any])
-    return True
+async def _aiter(items: Iterable[T] | AsyncIterable[T]) -> AsyncIterator[T]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
 
 
-def _chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
-    it = iter(items)
-    while chunk := list(itertools.islice(it, size)):
-        yield chunk
-
-
-async def _achunks(items: Iterable[T] | AsyncIterable[T], size: int) -> AsyncIterator[list[T]]:
-    if not isinstance(items, AsyncIterable):
-        for whole in _chunks(items, size):
-            yield whole
-        return
-    chunk: list[T] = []
-    async for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+async def _islice(items: AsyncIterator[T], size: int) -> AsyncIterator[T]:
+    """The next ``size`` items of ``items`` (fewer at its end), reading no more than those."""
+    for _ in range(size):
+        try:
+            yield await anext(items)
+        except StopAsyncIteration:
+            return

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from calibration import PolicyDefaults
 from calibration.validation import check_probability
+from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
 from service.profiles import ProfileBackend
 
 __all__ = ["ServiceConfig"]
@@ -18,10 +19,12 @@ class ServiceConfig:
     # A directory on this machine, or any service.profiles.ProfileBackend: with replicas,
     # a SharedDirectory that every replica mounts, so that they all serve the same profiles.
     profiles_dir: Path | ProfileBackend = Path("profiles")
-    max_batch_size: int = 16  # judgments coalesced into one pass
-    # Tokens one pass may hold. A judgment of about 4,000 tokens takes about 3-4 s on 2 cores
-    # of this CPU (SmolLM2-135M, bfloat16), so this keeps any one pass to a few seconds.
-    max_batch_tokens: int = 4096
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # judgments coalesced into one pass
+    # Tokens one pass may hold, padding included. A judgment of about 4,000 tokens takes about
+    # 3-4 s on 2 cores of this CPU (SmolLM2-135M, bfloat16), so this keeps any one pass to a
+    # few seconds. The one budget: the batcher coalesces to it, and the engine packs to it
+    # (built with ``engine_options``; the service refuses an engine built with another).
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_wait_ms: float = 5.0
     # Requests that need the model (judge, batch, fit) admitted at once; more wait at the door
     # for up to ``admission_wait_s``, unread, then get a 503.
@@ -79,3 +82,9 @@ class ServiceConfig:
             threshold=self.default_threshold, min_choice_mass=self.min_choice_mass
         )
         object.__setattr__(self, "policy_defaults", defaults)  # frozen: set once, here
+
+    @property
+    def engine_options(self) -> dict[str, int]:
+        """What the engine is built with (``Judge.load(..., **engine_options)``) so that it
+        packs its passes to this server's bounds."""
+        return {"max_batch_size": self.max_batch_size, "max_batch_tokens": self.max_batch_tokens}

@@ -1,8 +1,8 @@
 """Errors become responses here, and only here.
 
 Each domain error has a row in ``STATUS``: its status code and the request field it names.
-The body is always ``{"status_code", "detail", "field"?}``; a batch item's error has the same
-shape, in its place among the results. Anything unexpected is a bare 500 with nothing internal
+``error_of`` is the one place an error becomes a body, ``{"status_code", "detail", "field"?}``:
+a response's, a batch item's (in its place among the results) and a ``judge ask`` line's. Anything unexpected is a bare 500 with nothing internal
 in the body, and a log line with the traceback.
 
 The service's own errors:
@@ -43,6 +43,7 @@ from judge import AmbiguousChoicesError, ChoicesError, InvalidQueryError, JudgeE
 from service.batcher import DeadlineError, QueueFullError
 from service.bodies import BodyError
 from service.profiles import PreconditionFailedError
+from service.schemas import ErrorBody
 
 __all__ = [
     "STATUS",
@@ -50,7 +51,7 @@ __all__ = [
     "NotReadyError",
     "TooLargeError",
     "UnprocessableError",
-    "error_body",
+    "error_of",
     "exception_handlers",
 ]
 
@@ -102,10 +103,10 @@ STATUS: list[tuple[type[Exception], int, str | None]] = [
 ]
 
 
-def error_body(exc: Exception) -> tuple[int, dict[str, Any]]:
-    """The status code and body for ``exc``: its row in STATUS, or a bare 500."""
+def error_of(exc: Exception) -> ErrorBody:
+    """The body for ``exc``: its status and field from its row in STATUS, or a bare 500."""
     if isinstance(exc, BodyError):
-        return exc.status, {"status_code": exc.status, "detail": str(exc), "field": exc.field}
+        return ErrorBody(status_code=exc.status, detail=str(exc), field=exc.field)
     for cls, status, field_name in STATUS:
         if isinstance(exc, cls):
             name = getattr(exc, "field", None) or _rule_field(exc) or field_name
@@ -114,11 +115,16 @@ def error_body(exc: Exception) -> tuple[int, dict[str, Any]]:
                 detail = "the request timed out waiting for the model; retry later"
             elif isinstance(exc, QueueFullError):
                 detail = f"the server is at capacity ({exc}); retry later"
-            body: dict[str, Any] = {"status_code": status, "detail": detail}
-            if name:
-                body["field"] = name
-            return status, body
-    return 500, {"status_code": 500, "detail": "Internal Server Error"}
+            return ErrorBody(status_code=status, detail=detail, field=name or None)
+    return ErrorBody(status_code=500, detail="Internal Server Error")
+
+
+def _response_body(error: ErrorBody) -> dict[str, Any]:
+    """A response's body (``ErrorResponse``): the batch item's, without its type tag."""
+    body: dict[str, Any] = {"status_code": error.status_code, "detail": error.detail}
+    if error.field is not None:
+        body["field"] = error.field
+    return body
 
 
 # A rule's message starts with the field it is about, as a path: "calibration_map.weights
@@ -144,11 +150,12 @@ Handler = Callable[[Request[Any, Any, Any], Any], Response[Any]]
 
 
 def _domain(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-    status, body = error_body(exc)
+    error = error_of(exc)
+    status = error.status_code
     if status == 500:
         log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     headers = {"Retry-After": "1"} if status == 503 else None
-    return Response(body, status_code=status, headers=headers)
+    return Response(_response_body(error), status_code=status, headers=headers)
 
 
 def _http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:

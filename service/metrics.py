@@ -2,12 +2,13 @@
 decisions, queue depth, admission, model jobs run and dropped, and the engine's prefix cache
 (hits, misses, tokens reused, evictions, bytes held).
 
-Each app gets its own registry, so several apps in one process (tests) never collide.
+Each app gets its own registry, so several apps in one process (tests) never collide. A
+request's route label is the path template of its operation (``service.operations``), so that
+profile names do not become label values; a path that is no operation's is "other".
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -15,25 +16,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from judge import PrefixCacheStats
+from service.operations import route_of
 
-__all__ = ["ServiceMetrics"]
-
-# Route templates, so that profile names do not become label values.
-_ROUTES = [
-    (re.compile(r"^/profiles/[^/]+/fit$"), "/profiles/{name}/fit"),
-    (re.compile(r"^/profiles/[^/]+$"), "/profiles/{name}"),
-    (re.compile(r"^/schema(/.*)?$"), "/schema"),
-]
-_KNOWN = {"/judge", "/judge/batch", "/profiles", "/health", "/ready", "/metrics"}
+__all__ = ["ServiceMetrics", "route_label"]
 
 
 def route_label(path: str) -> str:
-    if path in _KNOWN:
-        return path
-    for pattern, label in _ROUTES:
-        if pattern.match(path):
-            return label
-    return "other"
+    """The metric label of a request's path: its operation's template, else "other"."""
+    return route_of(path) or "other"
 
 
 class ServiceMetrics:

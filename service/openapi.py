@@ -1,6 +1,8 @@
-"""The OpenAPI document: the service's contract, written once, here.
+"""The OpenAPI document: the service's contract, derived from the table of operations.
 
-Every operation lists every status it can answer, each with its body's schema. The body
+The operations (method, path, summary, bodies, statuses) are ``service.operations``'s; what
+only a document says (error descriptions, headers, examples, links) is written here. Every
+operation lists every status it can answer, each with its body's schema. The body
 schemas come from msgspec (``msgspec.json.schema_components``), from the very types
 ``service.bodies`` decodes with, so every constraint the server enforces on a body (lengths,
 ranges, patterns, unique choices, no unknown fields) is in the document by construction. A
@@ -9,31 +11,24 @@ test runs schemathesis against a live server with this document and fails on any
 
 from __future__ import annotations
 
+import copy
 import functools
+import types
+import typing
 from typing import Any
 
 import msgspec
 
 import judge
-from calibration import CalibrationProfile
 from calibration.profile import NAME_PATTERN
 from service.frontdoor import REPLICA_HEADER
-from service.schemas import (
-    BatchRequest,
-    BatchResponse,
-    ErrorResponse,
-    FitRequest,
-    JudgeRequest,
-    JudgeResponse,
-    ProfileSummary,
-    ReadyResponse,
-    StatusResponse,
-)
+from service.operations import BY_NAME, OPERATIONS, TIMEOUT_HEADER
+from service.schemas import ErrorResponse, ReadyResponse
 
-__all__ = ["openapi_document"]
+__all__ = ["TIMEOUT_HEADER", "openapi_document"]
 
 SCHEME = "BearerAuth"
-TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens the server's deadline, never lengthens
+_REF = "#/components/schemas/{name}"
 
 _ERRORS = {
     400: "The body (or a header) is malformed or breaks the schema; `field` names it",
@@ -51,31 +46,6 @@ _ERRORS = {
     "after Retry-After seconds",
 }
 
-# (method, path, summary, request body type, (status, response type or None), error statuses)
-_BODY_ERRORS = (400, 408, 413, 415)
-_OPERATIONS: list[tuple[str, str, str, type | None, tuple[int, Any], tuple[int, ...]]] = [
-    ("get", "/health", "Liveness: the process is up (no API key needed)", None,
-     (200, StatusResponse), ()),
-    ("head", "/health", "Liveness, without a body", None, (200, None), ()),
-    ("get", "/ready", "Readiness: the model is loaded and has judged once", None,
-     (200, ReadyResponse), (503,)),
-    ("get", "/metrics", "Prometheus metrics", None, (200, "text"), ()),
-    ("post", "/judge", "Judge one prompt between fixed choices", JudgeRequest,
-     (200, JudgeResponse), (*_BODY_ERRORS, 404, 422, 503)),
-    ("post", "/judge/batch", "Judge many items, or many questions about one context",
-     BatchRequest, (200, BatchResponse), (*_BODY_ERRORS, 404, 422, 503)),
-    ("get", "/profiles", "List calibration profiles", None, (200, list[ProfileSummary]), ()),
-    ("get", "/profiles/{name}", "One calibration profile", None, (200, CalibrationProfile),
-     (404,)),
-    ("put", "/profiles/{name}", "Store a calibration profile under its name", CalibrationProfile,
-     (200, CalibrationProfile), (*_BODY_ERRORS, 412, 422)),
-    ("delete", "/profiles/{name}", "Delete a calibration profile", None, (204, None),
-     (404, 412)),
-    ("post", "/profiles/{name}/fit", "Fit a profile on labeled examples and store it",
-     FitRequest, (200, CalibrationProfile), (*_BODY_ERRORS, 422, 503)),
-    ("get", "/schema/openapi.json", "This document", None, (200, "object"), ()),
-]  # fmt: skip
-
 # Profiles carry versions (service.profiles): an ETag on what GET and PUT answer, and
 # conditional PUT and DELETE.
 _ETAG = {
@@ -86,7 +56,7 @@ _REPLICA = {
     "schema": {"type": "string"},
     "description": "The replica (host:pid) that answered; see service.frontdoor",
 }
-_TAGGED = {("get", "/profiles/{name}"), ("put", "/profiles/{name}")}
+_TAGGED = {"profile", "put_profile"}  # operation names
 _PRECONDITIONS = {
     "If-Match": {
         "name": "If-Match",
@@ -103,10 +73,7 @@ _PRECONDITIONS = {
         "schema": {"type": "string"},
     },
 }
-_CONDITIONAL = {
-    ("put", "/profiles/{name}"): ("If-Match", "If-None-Match"),
-    ("delete", "/profiles/{name}"): ("If-Match",),
-}
+_CONDITIONAL = {"put_profile": ("If-Match", "If-None-Match"), "delete_profile": ("If-Match",)}
 
 
 # A working request for each operation that takes a body, for readers of the document (and for
@@ -125,20 +92,20 @@ _HAM = [
     "Happy birthday! See you on Saturday",
     "The film starts at 8, shall we eat before?",
 ]
-_EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
-    ("post", "/judge"): {
+_EXAMPLES: dict[str, dict[str, Any]] = {
+    "judge": {
         "prompt": f"Is this SMS spam? {_SPAM[0]}",
         "choices": ["spam", "ham"],
         "threshold": 0.8,
     },
-    ("post", "/judge/batch"): {
+    "judge_batch": {
         "context": f"SMS: {_HAM[0]}",
         "questions": [
             {"prompt": "Is it spam?", "choices": ["yes", "no"]},
             {"prompt": "Is it about a meeting place?", "choices": ["yes", "no"]},
         ],
     },
-    ("post", "/profiles/{name}/fit"): {
+    "fit": {
         "choices": ["spam", "ham"],
         "examples": [
             {"prompt": f"Is this SMS spam? {text}", "label": label}
@@ -153,40 +120,30 @@ _EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
 @functools.cache
 def openapi_document(*, secured: bool) -> dict[str, Any]:
     """The whole document; ``secured`` adds the bearer scheme and the 401 answers."""
-    types = [t for op in _OPERATIONS for t in (op[3], op[4][1]) if isinstance(t, type)]
-    schemas, components = msgspec.json.schema_components(
-        [*types, ErrorResponse, list[ProfileSummary]], ref_template="#/components/schemas/{name}"
-    )
-    # Either items, or context with questions: a rule across fields that msgspec checks in
-    # code (service.serving), written here so that the document states it too.
-    components["BatchRequest"]["oneOf"] = [
-        {
-            "required": ["items"],
-            "properties": {"items": {"type": "array"}, "context": {"type": "null"},
-                           "questions": {"type": "null"}},
-        },
-        {
-            "required": ["context", "questions"],
-            "properties": {"items": {"type": "null"}, "context": {"type": "string"},
-                           "questions": {"type": "array"}},
-        },
-    ]  # fmt: skip
-    refs = dict(zip([*types, ErrorResponse, "profiles"], schemas, strict=True))
+    operations = [op for op in OPERATIONS if op.documented]
+    bodies = [t for op in operations for t in (op.body, op.ok[1]) if not isinstance(t, str | None)]
+    named = list(dict.fromkeys([*_members(bodies), ErrorResponse, ReadyResponse]))
+    schemas, components = msgspec.json.schema_components(named, ref_template=_REF)
+    refs: dict[Any, Any] = dict(zip(named, schemas, strict=True))
+    for body in bodies:  # a union: its members' shapes exclude each other (service.bodies)
+        if isinstance(body, types.UnionType):
+            refs[body] = {"oneOf": [refs[member] for member in typing.get_args(body)]}
+    _batch_items(components)
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, summary, body, (ok, answer), errors in _OPERATIONS:
-        public = path == "/health"
-        op: dict[str, Any] = {"summary": summary, "operationId": _operation_id(method, path)}
-        params = []
-        if "{name}" in path:
-            params.append(
-                {
-                    "name": "name",
-                    "in": "path",
-                    "required": True,
-                    "schema": {"type": "string", "pattern": f"^{NAME_PATTERN}$"},
-                }
-            )
-        if 503 in errors and body is not None:
+    for op in operations:
+        method, path = op.method.lower(), op.path
+        ok, answer = op.ok
+        document: dict[str, Any] = {"summary": op.summary, "operationId": op.operation_id}
+        params = [
+            {
+                "name": name,
+                "in": "path",
+                "required": True,
+                "schema": {"type": "string", "pattern": f"^{NAME_PATTERN}$"},
+            }
+            for name in op.parameters
+        ]
+        if op.model:
             params.append(
                 {
                     "name": TIMEOUT_HEADER,
@@ -196,71 +153,90 @@ def openapi_document(*, secured: bool) -> dict[str, Any]:
                     "schema": {"type": "number", "exclusiveMinimum": 0},
                 }
             )
-        params += [_PRECONDITIONS[h] for h in _CONDITIONAL.get((method, path), ())]
+        params += [_PRECONDITIONS[h] for h in _CONDITIONAL.get(op.name, ())]
         if params:
-            op["parameters"] = params
-        if body is not None:
-            op["requestBody"] = {"required": True, "content": _json(refs[body])}
-            if (method, path) in _EXAMPLES:
-                op["requestBody"]["content"]["application/json"]["example"] = _EXAMPLES[
-                    (method, path)
-                ]
-        responses: dict[str, Any] = {str(ok): _success(ok, answer, refs)}
-        if (method, path) in _TAGGED:
+            document["parameters"] = params
+        if op.body is not None:
+            content = _json(refs[op.body])
+            if op.name in _EXAMPLES:
+                content["application/json"]["example"] = _EXAMPLES[op.name]
+            document["requestBody"] = {"required": True, "content": content}
+        responses: dict[str, Any] = {str(ok): _success(answer, refs)}
+        if op.name in _TAGGED:
             responses[str(ok)]["headers"] = {"ETag": _ETAG}
-        statuses = sorted({*errors, *(() if public or not secured else (401,))})
+        statuses = sorted({*op.errors, *(() if op.public or not secured else (401,))})
         for status in statuses:
             responses[str(status)] = {
                 "description": _ERRORS[status],
                 # /ready's 503 says why it is not ready, in the shape of its 200.
                 "content": _json(
-                    refs[ReadyResponse]
-                    if (path, status) == ("/ready", 503)
-                    else refs[ErrorResponse]
+                    refs[ReadyResponse if (op.name, status) == ("ready", 503) else ErrorResponse]
                 ),
             }
             if status == 503:
                 responses["503"]["headers"] = {
                     "Retry-After": {"schema": {"type": "integer"}, "description": "Seconds"}
                 }
-        if method in ("put", "post") and path.startswith("/profiles/{name}"):
+        if op.name in ("put_profile", "fit"):
             # What was stored can be read and deleted by its name: links for stateful clients
             # (and for schemathesis's stateful phase).
             responses[str(ok)]["links"] = {
                 f"{verb.capitalize()}Profile": {
-                    "operationId": f"{verb}_profiles_name",
+                    "operationId": other.operation_id,
                     "parameters": {"name": "$request.path.name"},
                 }
-                for verb in ("get", "delete")
+                for verb, other in (
+                    ("get", BY_NAME["profile"]),
+                    ("delete", BY_NAME["delete_profile"]),
+                )
             }
         for response in responses.values():  # the front door names itself on every answer
             response.setdefault("headers", {})[REPLICA_HEADER] = _REPLICA
-        op["responses"] = responses
-        if public and secured:
-            op["security"] = []
-        paths.setdefault(path, {})[method] = op
-    document: dict[str, Any] = {
+        document["responses"] = responses
+        if op.public and secured:
+            document["security"] = []
+        paths.setdefault(path, {})[method] = document
+    out: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "judge", "version": judge.__version__},
         "paths": paths,
         "components": {"schemas": components},
     }
     if secured:
-        document["components"]["securitySchemes"] = {SCHEME: {"type": "http", "scheme": "bearer"}}
-        document["security"] = [{SCHEME: []}]
-    return document
+        out["components"]["securitySchemes"] = {SCHEME: {"type": "http", "scheme": "bearer"}}
+        out["security"] = [{SCHEME: []}]
+    return out
 
 
-def _operation_id(method: str, path: str) -> str:
-    words = [w.strip("{}").replace(".", "_") for w in path.split("/") if w]
-    return "_".join([method, *words])
+def _batch_items(components: dict[str, Any]) -> None:
+    """A batch item's own schema: a JudgeRequest whose choices may repeat.
+
+    The engine, not the schema, refuses repeated choices (msgspec cannot check uniqueItems),
+    and a batch answers each item's refusal in its place: the request is accepted (200) with
+    that item's 400 among the results, so the batch's schema does not forbid it.
+    """
+    item = copy.deepcopy(components["JudgeRequest"])
+    del item["properties"]["choices"]["uniqueItems"]
+    item["title"] = "BatchItem"
+    item["description"] = "A JudgeRequest in a batch: repeated choices are refused in its place"
+    components["BatchItem"] = item
+    components["ItemsBatch"]["properties"]["items"]["items"] = {
+        "$ref": _REF.format(name="BatchItem")
+    }
+
+
+def _members(bodies: list[Any]) -> list[Any]:
+    """The types that get a schema of their own: each body, or each member of a union."""
+    return [
+        m for t in bodies for m in (typing.get_args(t) if isinstance(t, types.UnionType) else (t,))
+    ]
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def _success(status: int, answer: Any, refs: dict[Any, Any]) -> dict[str, Any]:
+def _success(answer: Any, refs: dict[Any, Any]) -> dict[str, Any]:
     if answer is None:
         return {"description": "Done; no body"}
     if answer == "text":
@@ -270,5 +246,4 @@ def _success(status: int, answer: Any, refs: dict[Any, Any]) -> dict[str, Any]:
         }
     if answer == "object":
         return {"description": "OpenAPI 3.1", "content": _json({"type": "object"})}
-    key = "profiles" if answer == list[ProfileSummary] else answer
-    return {"description": "OK", "content": _json(refs[key])}
+    return {"description": "OK", "content": _json(refs[answer])}

@@ -188,7 +188,9 @@ def application(
     """The Ray Serve application (``Deployment.bind()``), for ``serve.run``.
 
     ``loader`` runs in each replica (it is pickled there), so it must be importable or
-    picklable: ``functools.partial(Judge.load, ...)`` is.
+    picklable: ``functools.partial(Judge.load, ..., **config.engine_options)`` is. The engine
+    must pack to the server's ``max_batch_tokens`` (``engine_options``), or the replica's
+    model fails to load and so does its start.
     """
     check_ray()
     from ray import serve

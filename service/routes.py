@@ -1,21 +1,26 @@
 """The endpoints: each one decodes its body strictly and hands it to ``Service``.
 
+Each handler serves the operation of its name in ``service.operations``, which says its
+method, path, success status and options; ``ROUTES`` registers them from that table, and an
+OPTIONS for each of its paths whose Allow lists the path's methods.
+
 The ``service`` argument is the app's one ``Service``, injected by the app (see
 ``service.app``). Bodies are decoded by ``service.bodies`` (msgspec, strict), so a malformed
 one is refused with a 4xx that names the field before any work; errors raised here become
 responses in ``service.errors``. Route options tell the front door (``service.frontdoor``)
 what a route needs: ``PUBLIC`` routes need no API key, ``MODEL`` routes take an admission
-slot. What each operation can answer is written once, in ``service.openapi``.
+slot.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio.to_thread
-from litestar import Request, Response, delete, get, head, post, put, route
+from litestar import Request, Response, route
 from litestar.di import NamedDependency
 from litestar.enums import HttpMethod
 from litestar.handlers import HTTPRouteHandler
@@ -23,10 +28,12 @@ from litestar.params import FromPath
 from litestar.types import ControllerRouterHandler
 
 from calibration import CalibrationProfile
+from calibration.profile import current_format
 from service.bodies import decode_body
 from service.errors import BadFieldError, TooLargeError
 from service.frontdoor import MODEL, PUBLIC
-from service.openapi import TIMEOUT_HEADER, openapi_document
+from service.openapi import openapi_document
+from service.operations import OPERATIONS, TIMEOUT_HEADER, Operation, allowed, paths
 from service.playground import PLAYGROUND_ROUTES
 from service.profiles import parse_etags
 from service.schemas import (
@@ -39,7 +46,7 @@ from service.schemas import (
 )
 from service.serving import Service, Ticket
 
-__all__ = ["ROUTES", "TIMEOUT_HEADER"]
+__all__ = ["HANDLERS", "ROUTES", "TIMEOUT_HEADER"]
 
 METRICS_TYPE = "text/plain; version=0.0.4"
 
@@ -49,6 +56,14 @@ AnyRequest = Request[Any, Any, Any]
 
 async def _body(request: AnyRequest, type_: type[T]) -> T:
     return decode_body(await request.body(), request.headers.get("content-type"), type_)
+
+
+async def _batch_body(request: AnyRequest) -> BatchRequest:
+    """The batch's body: one of its shapes, chosen by the keys it has (``service.bodies``)."""
+    batch: BatchRequest = decode_body(
+        await request.body(), request.headers.get("content-type"), BatchRequest
+    )
+    return batch
 
 
 def _ticket(service: Service, request: AnyRequest, limit_s: float | None = None) -> Ticket:
@@ -64,17 +79,14 @@ def _ticket(service: Service, request: AnyRequest, limit_s: float | None = None)
     return service.ticket(timeout, limit_s)
 
 
-@get("/health", opt={PUBLIC: True})
 async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@head("/health", opt={PUBLIC: True})
 async def health_head() -> None:
     return None
 
 
-@get("/ready")
 async def ready(service: NamedDependency[Service]) -> Response[dict[str, str]]:
     if service.loaded is not None:
         engine = service.loaded
@@ -84,30 +96,25 @@ async def ready(service: NamedDependency[Service]) -> Response[dict[str, str]]:
     return Response({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
 
 
-@get("/metrics", media_type=METRICS_TYPE)
 async def metrics(service: NamedDependency[Service]) -> Response[bytes]:
     return Response(service.render_metrics(), media_type=METRICS_TYPE)
 
 
-@post("/judge", status_code=200, opt={MODEL: True})
-async def judge_one(request: AnyRequest, service: NamedDependency[Service]) -> JudgeResponse:
+async def judge(request: AnyRequest, service: NamedDependency[Service]) -> JudgeResponse:
     ticket = _ticket(service, request)
     return await service.judge(await _body(request, JudgeRequest), ticket)
 
 
-@post("/judge/batch", status_code=200, opt={MODEL: True})
 async def judge_batch(request: AnyRequest, service: NamedDependency[Service]) -> BatchResponse:
     ticket = _ticket(service, request)
-    return await service.judge_batch(await _body(request, BatchRequest), ticket)
+    return await service.judge_batch(await _batch_body(request), ticket)
 
 
-@get("/profiles")
 async def list_profiles(service: NamedDependency[Service]) -> list[ProfileSummary]:
     return service.profile_summaries()
 
 
-@get("/profiles/{name:str}")
-async def get_profile(
+async def profile(
     name: FromPath[str], service: NamedDependency[Service]
 ) -> Response[CalibrationProfile]:
     profile, etag = service.store.get_tagged(name)
@@ -131,9 +138,6 @@ async def _limited_body(request: AnyRequest, limit: int, setting: str) -> bytes:
     return b"".join(chunks)
 
 
-# The app's body limit (max_body_bytes) is lifted for this route alone, which reads its body
-# under max_profile_bytes: room for a probe at MAX_PROBE_WEIGHTS, see ServiceConfig.
-@put("/profiles/{name:str}", status_code=200, request_max_body_size=None)
 async def put_profile(
     name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> Response[CalibrationProfile]:
@@ -143,8 +147,9 @@ async def put_profile(
         request, service.config.max_profile_bytes, "ServiceConfig.max_profile_bytes"
     )
     # Off the event loop: a probe's weights are up to megabytes of numbers to decode and check.
+    # A profile saved by an earlier version (format 2) is read as this one, as files are.
     decode = functools.partial(
-        decode_body, body, request.headers.get("content-type"), CalibrationProfile
+        decode_body, current_format(body), request.headers.get("content-type"), CalibrationProfile
     )
     profile = await anyio.to_thread.run_sync(decode)
     write = functools.partial(
@@ -158,7 +163,6 @@ async def put_profile(
     return Response(profile, headers={"ETag": etag})
 
 
-@post("/profiles/{name:str}/fit", status_code=200, opt={MODEL: True})
 async def fit(
     name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> CalibrationProfile:
@@ -166,7 +170,6 @@ async def fit(
     return await service.fit(name, await _body(request, FitRequest), ticket)
 
 
-@delete("/profiles/{name:str}", status_code=204)
 async def delete_profile(
     name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> None:
@@ -176,43 +179,79 @@ async def delete_profile(
     await anyio.to_thread.run_sync(remove)
 
 
-def _options(path: str, methods: str, opt: dict[str, Any] | None = None) -> HTTPRouteHandler:
-    """OPTIONS for a path with several handlers: Litestar's own lists only the first's method."""
-
-    async def options() -> Response[None]:
-        return Response(None, status_code=204, headers={"Allow": methods})
-
-    return route(path, http_method=[HttpMethod.OPTIONS], opt=opt or {}, name=f"options {path}")(
-        options
-    )
-
-
-@get("/schema/openapi.json")
 async def schema(service: NamedDependency[Service]) -> dict[str, Any]:
     return openapi_document(secured=service.config.api_key is not None)
 
 
-@get("/schema")
 async def schema_index() -> Response[None]:
     return Response(None, status_code=307, headers={"Location": "/schema/openapi.json"})
 
 
+HANDLERS: dict[str, Callable[..., Any]] = {
+    "health": health,
+    "health_head": health_head,
+    "ready": ready,
+    "metrics": metrics,
+    "judge": judge,
+    "judge_batch": judge_batch,
+    "profiles": list_profiles,
+    "profile": profile,
+    "put_profile": put_profile,
+    "delete_profile": delete_profile,
+    "fit": fit,
+    "schema": schema,
+    "schema_index": schema_index,
+}
+# What a route needs beyond its operation: the app's body limit (max_body_bytes) is lifted for
+# PUT /profiles/{name} alone, which reads its body under max_profile_bytes (room for a probe at
+# MAX_PROBE_WEIGHTS, see ServiceConfig).
+_EXTRA: dict[str, dict[str, Any]] = {
+    "metrics": {"media_type": METRICS_TYPE},
+    "put_profile": {"request_max_body_size": None},
+}
+
+
+def _opt(public: bool, model: bool = False) -> dict[str, Any]:
+    return {key: True for key, on in ((PUBLIC, public), (MODEL, model)) if on}
+
+
+def _handler(op: Operation) -> HTTPRouteHandler:
+    """The operation's handler, registered as the table says."""
+    return route(
+        op.route,
+        http_method=[HttpMethod(op.method)],
+        status_code=op.ok[0],
+        opt=_opt(op.public, op.model),
+        name=op.name,
+        include_in_schema=False,  # the document is service.openapi's
+        **_EXTRA.get(op.name, {}),
+    )(HANDLERS[op.name])
+
+
+def _options(path: str, operations: list[Operation]) -> HTTPRouteHandler:
+    """OPTIONS for a path: Litestar's own lists only the first handler's method."""
+    methods = allowed(path)
+
+    async def options() -> Response[None]:
+        return Response(None, status_code=204, headers={"Allow": methods})
+
+    public = all(op.public for op in operations)
+    route_path = operations[0].route
+    return route(
+        route_path,
+        http_method=[HttpMethod.OPTIONS],
+        opt=_opt(public),
+        name=f"options {path}",
+        include_in_schema=False,
+    )(options)
+
+
+if set(HANDLERS) != {op.name for op in OPERATIONS}:
+    raise RuntimeError("service.routes.HANDLERS and service.operations.OPERATIONS differ")
+
 ROUTES: list[ControllerRouterHandler] = [
     # First: a path's first handler decides its OPTIONS (see _options).
-    _options("/health", "GET, HEAD, OPTIONS", {PUBLIC: True}),
-    _options("/profiles/{name:str}", "DELETE, GET, OPTIONS, PUT"),
-    health,
-    health_head,
-    ready,
-    metrics,
-    judge_one,
-    judge_batch,
-    list_profiles,
-    get_profile,
-    put_profile,
-    fit,
-    delete_profile,
-    schema,
-    schema_index,
+    *(_options(path, ops) for path, ops in paths().items()),
+    *(_handler(op) for op in OPERATIONS),
     *PLAYGROUND_ROUTES,
 ]

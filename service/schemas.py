@@ -8,16 +8,25 @@ long for the model) comes back as a 4xx from the engine's own errors.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
-from calibration import MIN_EXAMPLES, MetricReport, ReasonCode, ThresholdResult
 from calibration.label_free import LabelFree
+from calibration.limits import MIN_EXAMPLES
+from calibration.metrics import MetricReport
+from calibration.policy import ReasonCode
 from calibration.profile import NAME_PATTERN
+from calibration.routing import ThresholdResult
 from calibration.signal import SignalReport
-from judge import MAX_CHOICES
+from judge.limits import MAX_CHOICES
+
+if TYPE_CHECKING:
+    from calibration.maps import CalibrationMap
+    from calibration.policy import Decision
+    from judge import Judgment, Query
 
 __all__ = [
     "BatchRequest",
@@ -27,12 +36,14 @@ __all__ = [
     "ErrorResponse",
     "FitMethod",
     "FitRequest",
+    "ItemsBatch",
     "JudgeRequest",
     "JudgeResponse",
     "LabeledExample",
     "ProfileName",
     "ProfileSummary",
     "ReadyResponse",
+    "SharedBatch",
     "SharedQuestion",
     "StatusResponse",
 ]
@@ -63,6 +74,18 @@ class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # standard deviation is above max_std (overrides the profile's).
     values: dict[str, float] | None = None
     max_std: Annotated[float, Meta(ge=0.0)] | None = None
+
+    def query(self) -> Query:
+        """The engine's query for this request."""
+        from judge import Query  # here: the client decodes these types without the engine
+
+        return Query(
+            prompt=self.prompt,
+            choices=list(self.choices),
+            system=self.system,
+            response_prefix=self.response_prefix,
+            response_suffix=self.response_suffix,
+        )
 
 
 class JudgeResponse(
@@ -101,13 +124,79 @@ class JudgeResponse(
     calibration_method: str | None = None
     feature_layers: list[int] | None = None
 
+    @classmethod
+    def of(
+        cls,
+        judgment: Judgment,
+        decision: Decision,
+        *,
+        choices: Sequence[str] | None = None,
+        calibration_map: CalibrationMap | None = None,
+        feature_layers: Sequence[int] = (),
+        return_prompt: bool = False,
+    ) -> JudgeResponse:
+        """The wire form of ``decision`` on ``judgment``: the one place it is built.
 
-class BatchRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Either ``items`` (independent requests) or ``context`` with ``questions`` about it."""
+        ``choices`` orders the probabilities (the request's order; default: the decision's,
+        which is the profile's); ``calibration_map`` is the profile's, if one applied.
+        """
+        order = list(decision.probabilities) if choices is None else choices
+        method = calibration_map.method if calibration_map is not None else None
+        return cls(
+            choice=decision.choice,
+            confidence=decision.confidence,
+            probabilities={c: decision.probabilities[c] for c in order},
+            raw_probabilities=dict(judgment.probabilities),
+            decision=decision.decision,
+            reasons=list(decision.reasons),
+            reason_codes=list(decision.reason_codes),
+            threshold=decision.threshold,
+            certified=decision.certified,
+            # A probe has no temperature: it reads hidden states rather than rescaling.
+            temperature=None
+            if calibration_map is None or method == "probe"
+            else calibration_map.temperature,
+            choice_mass=decision.choice_mass,
+            prediction_set=decision.prediction_set,
+            profile=decision.profile,
+            model=judgment.model,
+            latency_ms=judgment.latency_ms,
+            prompt=judgment.prompt if return_prompt else None,
+            expected_value=decision.expected_value,
+            std=decision.std,
+            max_std=decision.max_std,
+            calibration_method=method,
+            feature_layers=list(feature_layers) or None,
+        )
 
-    items: Annotated[list[JudgeRequest], Meta(max_length=MAX_BATCH_ITEMS)] | None = None
-    context: str | None = None
-    questions: Annotated[list[SharedQuestion], Meta(max_length=MAX_BATCH_ITEMS)] | None = None
+
+# A batch is one of two shapes, told apart by the key it has (``service.bodies``): ``items``,
+# or ``context`` with ``questions``. The other shape's keys may be sent as null (older clients
+# sent every key), and nothing else: so each type carries them, typed None, and the schema
+# says so; a body with both or neither shape's keys is a 400 that names ``items``.
+
+
+class ItemsBatch(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """Independent requests, each judged (or refused) on its own."""
+
+    items: Annotated[list[JudgeRequest], Meta(max_length=MAX_BATCH_ITEMS)]
+    context: None = None  # the other shape's keys: absent, or null
+    questions: None = None
+
+
+class SharedBatch(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """Questions about one ``context``, which the engine encodes once for all of them."""
+
+    context: str
+    questions: Annotated[list[SharedQuestion], Meta(max_length=MAX_BATCH_ITEMS)]
+    items: None = None  # the other shape's key: absent, or null
+
+
+BatchRequest = ItemsBatch | SharedBatch
 
 
 class SharedQuestion(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -119,6 +208,12 @@ class SharedQuestion(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     threshold: Probability | None = None
     min_choice_mass: Probability | None = None
     return_prompt: bool = False
+
+    def query(self) -> Query:
+        """The engine's query for this question alone; the engine's own template applies."""
+        from judge import Query  # here: the client decodes these types without the engine
+
+        return Query(prompt=self.prompt, choices=list(self.choices))
 
 
 class BatchResponse(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,10 +1,13 @@
 """What each endpoint does between the request body and the response body.
 
-A judgment request goes: its size in tokens against the budget (``max_request_tokens``),
-profile lookup and ``profile.check`` against the engine's configuration and the request's
-choices, and the policy built (``calibration.make_policy``), all before any model work; then
-the query joins the batcher's queue under the request's ``Ticket`` and is judged on the model's
-thread, coalesced with whatever else is waiting; then the policy decides. Every accept/escalate
+A judgment request goes: its plan (profile lookup and ``profile.check`` against the engine's
+fingerprint and the request's choices, the policy built by ``calibration.make_policy``, a
+probe's feature layers added to the query), with no model work; then the query prepared once
+(``Engine.prepare``: checked, rendered, tokenized) on a worker thread, and its exact size
+(``Prepared.tokens``) checked against the budget (``max_request_tokens``: a 413 that names
+the largest field); then the prepared query joins the batcher's queue under the request's
+``Ticket``, and the model's thread only runs its pass, coalesced with whatever else is
+waiting; then the policy decides. Every accept/escalate
 decision is ``Policy.decide``: nothing here compares a confidence with a threshold. A probe
 profile's policy reads the hidden state of its layers (``Policy.feature_layers``), so its plan
 asks the engine for them (``Query.feature_layers``); they reach the decision and go no further.
@@ -48,7 +51,9 @@ from calibration.maps import CalibrationMap, Probe
 from calibration.probe import candidate_layers, probe_weights
 from calibration.profile import NAME_PATTERN
 from calibration.tasks import fit_labeled, labeled_queries, scores_from_judgments
-from judge import Configuration, Engine, JudgeError, Judgment, PrefixCache, Query, TokenCount
+from judge import Engine, Fingerprint, JudgeError, Judgment, PrefixCache, Prepared, Query
+from judge.engine import shared_query
+from judge.packing import pack_rows
 from judge.scores import check_values
 from service.batcher import Batcher, DeadlineError, QueueFullError
 from service.config import ServiceConfig
@@ -57,7 +62,7 @@ from service.errors import (
     NotReadyError,
     TooLargeError,
     UnprocessableError,
-    error_body,
+    error_of,
 )
 from service.frontdoor import Admission
 from service.metrics import ServiceMetrics
@@ -68,6 +73,7 @@ from service.schemas import (
     CalibrationMapSummary,
     ErrorBody,
     FitRequest,
+    ItemsBatch,
     JudgeRequest,
     JudgeResponse,
     ProfileSummary,
@@ -94,7 +100,6 @@ class _Plan:
     """What a judgment request needs before its model work: the query and its policy."""
 
     query: Query
-    tokens: int
     profile: CalibrationProfile | None
     policy: Policy
 
@@ -110,7 +115,7 @@ class Service:
         self.failure: str | None = None  # why loading failed
         self.admission = Admission(config.max_queue, config.admission_wait_s)
         self.batcher = Batcher(
-            lambda queries: self.engine().judge_each(queries),
+            lambda prepared: self.engine().run(prepared),
             max_batch_size=config.max_batch_size,
             max_batch_tokens=config.max_batch_tokens,
             max_wait_ms=config.max_wait_ms,
@@ -127,6 +132,7 @@ class Service:
         """Load the engine and judge once, off the event loop; then the service is ready."""
         try:
             engine = await anyio.to_thread.run_sync(load)
+            self._check_budget(engine)
             await anyio.to_thread.run_sync(functools.partial(engine.judge, *WARM_UP))
         except Exception as exc:
             log.exception("loading the model failed")
@@ -137,6 +143,20 @@ class Service:
             self.metrics.watch_prefix_cache(cache.stats)
         self.loaded = engine
         log.info("ready: model %s, dtype %s", engine.model_id, engine.dtype)
+
+    def _check_budget(self, engine: Engine) -> None:
+        """Refuse an engine that packs passes to another budget than this server's.
+
+        One number bounds every pass: the batcher coalesces and ``_shared`` splits to
+        ``max_batch_tokens``, and the engine packs to its own (``Judge(max_batch_tokens=...)``,
+        which ``judge serve`` sets from ``--max-batch-tokens``); a job is then one pass.
+        """
+        if engine.max_batch_tokens != self.config.max_batch_tokens:
+            raise ValueError(
+                f"the engine packs passes to {engine.max_batch_tokens} tokens but the server's "
+                f"max_batch_tokens is {self.config.max_batch_tokens}: build the engine with "
+                f"max_batch_tokens={self.config.max_batch_tokens}"
+            )
 
     def ticket(self, timeout_s: float | None, limit_s: float | None = None) -> Ticket:
         """A new request's ticket: the shorter of its own timeout and the server's."""
@@ -155,86 +175,83 @@ class Service:
 
     async def judge(self, request: JudgeRequest, ticket: Ticket) -> JudgeResponse:
         engine = self.engine()
-        query = _query(request)
-        (size,) = await self._sizes(engine, [query])
-        plan = self._plan(engine, request, query, size)
-        result = await self.batcher.judge(
-            plan.query, tokens=plan.tokens, owner=ticket.owner, deadline=ticket.deadline
-        )
-        if isinstance(result, JudgeError):
-            raise result
+        query = request.query()
+        plan = self._plan(engine, request, query)
+        (prepared,) = await self._prepare(engine, [plan.query])
+        if not isinstance(prepared, Prepared):
+            raise prepared
+        result = await self.batcher.judge(prepared, owner=ticket.owner, deadline=ticket.deadline)
         return self._respond(engine, result, request, plan)
 
     async def judge_batch(self, request: BatchRequest, ticket: Ticket) -> BatchResponse:
         engine = self.engine()
-        if request.items is not None and request.context is None and request.questions is None:
-            sizes = await self._sizes(engine, [_query(item) for item in request.items])
-            items = await asyncio.gather(
-                *(
-                    self._item(engine, item, size, ticket)
-                    for item, size in zip(request.items, sizes, strict=True)
-                )
-            )
+        if isinstance(request, ItemsBatch):
+            items = await self._items(engine, request.items, ticket)
             return BatchResponse(results=list(items))
-        if request.items is None and request.context is not None and request.questions is not None:
-            results = await self._shared(engine, request.context, request.questions, ticket)
-            return BatchResponse(results=list(results))
-        raise BadFieldError("items", "give either items, or context with questions")
+        results = await self._shared(engine, request.context, request.questions, ticket)
+        return BatchResponse(results=list(results))
 
-    async def _sizes(
-        self, engine: Engine, queries: Sequence[Query]
-    ) -> list[TokenCount | JudgeError]:
-        """Each query's size, or the error that makes it unjudgeable: tokenizing, no model work.
+    async def _prepare(
+        self, engine: Engine, queries: Sequence[Query], fields: Sequence[str | None] = ()
+    ) -> list[Prepared | JudgeError | TooLargeError]:
+        """Each query prepared for its pass and within the budget, or the error refusing it.
 
-        On a worker thread (not the model's), so a long prompt does not hold the event loop.
+        ``Engine.prepare`` checks, renders and tokenizes each query once, on a worker thread
+        (not the model's), so a long prompt holds neither the event loop nor the model. A query
+        over ``max_request_tokens`` (its exact ``Prepared.tokens``) is a 413 naming
+        ``fields[i]`` if given, else its largest field.
         """
 
-        def count() -> list[TokenCount | JudgeError]:
-            sizes: list[TokenCount | JudgeError] = []
-            for q in queries:
+        def prepare() -> list[Prepared | JudgeError | TooLargeError]:
+            results: list[Prepared | JudgeError | TooLargeError] = []
+            for i, query in enumerate(queries):
                 try:
-                    sizes.append(engine.count_tokens(q))
-                except JudgeError as exc:
-                    sizes.append(exc)
-            return sizes
+                    prepared = engine.prepare(query)
+                    self._check_size(engine, query, prepared, fields[i] if fields else None)
+                except (JudgeError, TooLargeError) as exc:
+                    results.append(exc)
+                else:
+                    results.append(prepared)
+            return results
 
-        return await anyio.to_thread.run_sync(count)
+        return await anyio.to_thread.run_sync(prepare)
 
-    def _check_size(self, size: TokenCount | JudgeError, field: str | None = None) -> int:
-        """The query's tokens, if within the budget; else the error, naming the field."""
-        if isinstance(size, JudgeError):
-            raise size
+    def _check_size(
+        self, engine: Engine, query: Query, prepared: Prepared, field: str | None
+    ) -> None:
+        """Refuse ``prepared`` over the budget, naming ``field`` or the query's largest field.
+
+        The field attribution (``Engine.count_tokens``, each field tokenized alone) is computed
+        only here, on the way to the 413; the count in the message is the exact one.
+        """
         budget = self.config.max_request_tokens
-        if size.total > budget:
-            name = field or size.largest
-            raise TooLargeError(
-                name,
-                f"the judgment is {size.total} tokens, over this server's budget of {budget} "
-                f"(--max-request-tokens); {name} is the largest part "
-                f"({size.parts.get(size.largest, 0)} tokens): shorten it or split the work",
-            )
-        return size.total
+        if prepared.tokens <= budget:
+            return
+        parts = engine.count_tokens(query)
+        name = field or parts.largest
+        raise TooLargeError(
+            name,
+            f"the judgment is {prepared.tokens} tokens, over this server's budget of {budget} "
+            f"(--max-request-tokens); {name} is the largest part "
+            f"({parts.parts.get(parts.largest, 0)} tokens): shorten it or split the work",
+        )
 
     def _plan(
         self,
         engine: Engine,
         request: JudgeRequest | SharedQuestion,
         query: Query,
-        size: TokenCount | JudgeError,
-        field: str | None = None,
     ) -> _Plan:
-        """Check the request's size and profile, and build its policy: no model work."""
-        tokens = self._check_size(size, field)
+        """Check the request's profile and build its policy: no model work, no tokenizing."""
         profile = None
         if request.profile is not None:
             profile = self.store.get(request.profile)
-            profile.check(
-                engine,
+            fingerprint = engine.fingerprint(
                 system=query.system,
                 response_prefix=query.response_prefix,
                 response_suffix=query.response_suffix,
-                choices=request.choices,
             )
+            profile.check(fingerprint, choices=request.choices)
         values = getattr(request, "values", None)
         max_std = getattr(request, "max_std", None)
         if values is not None or (max_std is not None and profile is None):
@@ -249,7 +266,7 @@ class Service:
         )
         if policy.feature_layers:  # a probe reads the pass's hidden state: ask for it
             query = msgspec.structs.replace(query, feature_layers=policy.feature_layers)
-        return _Plan(query, tokens, profile, policy)
+        return _Plan(query, profile, policy)
 
     def _respond(
         self,
@@ -260,36 +277,43 @@ class Service:
     ) -> JudgeResponse:
         decision = plan.policy.decide(result)
         self.metrics.decisions.labels(decision.decision).inc()
-        return JudgeResponse(
-            choice=decision.choice,
-            confidence=decision.confidence,
-            # The decision keeps the profile's order; a response keeps the request's.
-            probabilities={c: decision.probabilities[c] for c in request.choices},
-            raw_probabilities=dict(result.probabilities),
-            decision=decision.decision,
-            reasons=list(decision.reasons),
-            reason_codes=list(decision.reason_codes),
-            threshold=decision.threshold,
-            certified=decision.certified,
-            temperature=_temperature(plan.profile.calibration_map) if plan.profile else None,
-            choice_mass=decision.choice_mass,
-            prediction_set=decision.prediction_set,
-            profile=decision.profile,
-            model=engine.model_id,
-            latency_ms=result.latency_ms,
-            prompt=result.prompt if request.return_prompt else None,
-            expected_value=decision.expected_value,
-            std=decision.std,
-            max_std=decision.max_std,
-            calibration_method=plan.profile.calibration_map.method if plan.profile else None,
-            feature_layers=list(plan.policy.feature_layers) or None,
+        return JudgeResponse.of(
+            result,
+            decision,
+            choices=request.choices,  # the decision keeps the profile's order; this, the request's
+            calibration_map=plan.profile.calibration_map if plan.profile else None,
+            feature_layers=plan.policy.feature_layers,
+            return_prompt=request.return_prompt,
+        )
+
+    async def _items(
+        self, engine: Engine, items: Sequence[JudgeRequest], ticket: Ticket
+    ) -> list[JudgeResponse | ErrorBody]:
+        """A batch's items: each planned, all prepared in one trip to a worker thread, then
+        each judged; an item refused on the way gets its error in its place."""
+        plans: list[_Plan | Exception] = []
+        for item in items:
+            try:
+                plans.append(self._plan(engine, item, item.query()))
+            except Exception as exc:  # _item decides: a 4xx in its place, else it fails all
+                plans.append(exc)
+        planned = [p for p in plans if isinstance(p, _Plan)]
+        prepared = iter(await self._prepare(engine, [p.query for p in planned]))
+        staged = [p if isinstance(p, Exception) else (p, next(prepared)) for p in plans]
+        return list(
+            await asyncio.gather(
+                *(
+                    self._item(engine, item, s, ticket)
+                    for item, s in zip(items, staged, strict=True)
+                )
+            )
         )
 
     async def _item(
         self,
         engine: Engine,
         item: JudgeRequest,
-        size: TokenCount | JudgeError,
+        staged: tuple[_Plan, Prepared | JudgeError | TooLargeError] | Exception,
         ticket: Ticket,
     ) -> JudgeResponse | ErrorBody:
         """One item of a batch: its 4xx, or a 503 when out of time, in its place.
@@ -297,18 +321,20 @@ class Service:
         Any other 5xx fails the whole request.
         """
         try:
-            plan = self._plan(engine, item, _query(item), size)
+            if isinstance(staged, Exception):
+                raise staged
+            plan, prepared = staged
+            if not isinstance(prepared, Prepared):
+                raise prepared
             result = await self.batcher.judge(
-                plan.query, tokens=plan.tokens, owner=ticket.owner, deadline=ticket.deadline
+                prepared, owner=ticket.owner, deadline=ticket.deadline
             )
-            if isinstance(result, JudgeError):
-                raise result
             return self._respond(engine, result, item, plan)
         except Exception as exc:
-            status, body = error_body(exc)
-            if status >= 500 and not isinstance(exc, DeadlineError | QueueFullError):
+            error = error_of(exc)
+            if error.status_code >= 500 and not isinstance(exc, DeadlineError | QueueFullError):
                 raise
-            return ErrorBody(status_code=status, detail=body["detail"], field=body.get("field"))
+            return error
 
     async def _shared(
         self,
@@ -317,47 +343,36 @@ class Service:
         questions: Sequence[SharedQuestion],
         ticket: Ticket,
     ) -> list[JudgeResponse]:
-        """Questions about one context, in jobs of at most ``max_batch_tokens`` tokens each.
+        """Questions about one context: each prepared once, then judged row by row.
 
-        Each job is one ``judge_shared`` call. A job after the first finds the context in the
-        engine's prefix cache, so splitting costs little and keeps each pass short.
+        Each question's query is the context and the question (``shared_query``), rendered
+        and tokenized once. The prepared questions are split with the engine's own row packing
+        (``judge.packing.pack_rows``, to the same ``max_batch_tokens``), and each row is one
+        job, one ``run_shared`` call that packs it into the same single row: one pass, so the
+        model is never held for long and other requests take their turns between rows. A row
+        after the first finds the context in the engine's prefix cache, so splitting costs
+        little.
         """
-        queries = [
-            msgspec.structs.replace(_query(q), prompt=f"{context}\n\n{q.prompt}") for q in questions
+        queries = [shared_query(context, q.query()) for q in questions]
+        plans = [self._plan(engine, q, query) for q, query in zip(questions, queries, strict=True)]
+        # The field a 413 names: the context, unless this question's own prompt is longer.
+        fields = [
+            "context" if len(context) >= len(q.prompt) else f"questions[{i}].prompt"
+            for i, q in enumerate(questions)
         ]
-        sizes = await self._sizes(engine, [*queries, Query(prompt=context, choices=["yes", "no"])])
-        plans = []
-        for i, (q, query, size) in enumerate(zip(questions, queries, sizes[:-1], strict=True)):
-            field = "context" if len(context) >= len(q.prompt) else f"questions[{i}].prompt"
-            plans.append(self._plan(engine, q, query, size, field))
-        context_size = sizes[-1]
-        shared = context_size.parts["prompt"] if isinstance(context_size, TokenCount) else 0
-        jobs: list[list[int]] = []
-        tokens = 0
-        for i, plan in enumerate(plans):
-            own = max(plan.tokens - shared, 1)
-            fits = tokens + own <= self.config.max_batch_tokens
-            if jobs and len(jobs[-1]) < self.config.max_batch_size and fits:
-                jobs[-1].append(i)
-                tokens += own
-                continue
-            jobs.append([i])
-            tokens = shared + own
+        ready: list[Prepared] = []
+        for prepared in await self._prepare(engine, [p.query for p in plans], fields):
+            if not isinstance(prepared, Prepared):
+                raise prepared
+            ready.append(prepared)
         results: list[Judgment] = []
-        for job in jobs:
-            # The engine prepends the context itself; a probe's layers come from the plan.
-            part = [
-                msgspec.structs.replace(
-                    _query(questions[i]), feature_layers=plans[i].query.feature_layers
-                )
-                for i in job
-            ]
+        for row in pack_rows([p.trie for p in ready], self.config.max_batch_tokens):
             results += await self.batcher.call(
-                functools.partial(engine.judge_shared, context, part),
+                functools.partial(engine.run_shared, [ready[i] for i in row]),
                 owner=ticket.owner,
                 deadline=ticket.deadline,
             )
-            self.metrics.batch_size.observe(len(job))
+            self.metrics.batch_size.observe(len(row))
         return [
             self._respond(engine, r, q, p)
             for r, q, p in zip(results, questions, plans, strict=True)
@@ -388,35 +403,35 @@ class Service:
             "response_prefix": request.response_prefix,
             "response_suffix": request.response_suffix,
         }
-        configuration = engine.configuration(**template)
-        layers = _fit_layers(request, configuration)  # refuses an impossible probe up front
+        fingerprint = engine.fingerprint(**template)
+        layers = _fit_layers(request, fingerprint)  # refuses an impossible probe up front
         queries = labeled_queries(
             [e.prompt for e in request.examples],
             request.choices,
             feature_layers=layers,
             **template,
         )
-        sizes = await self._sizes(engine, queries)
-        tokens = [self._check_size(s, f"examples[{i}].prompt") for i, s in enumerate(sizes)]
+        fields = [f"examples[{i}].prompt" for i in range(len(queries))]
+        ready: list[Prepared] = []
+        for i, prepared in enumerate(await self._prepare(engine, queries, fields)):
+            if not isinstance(prepared, Prepared):
+                if prepared.field in (None, "prompt"):  # the engine's name for the field
+                    prepared.field = fields[i]
+                raise prepared
+            ready.append(prepared)
         judgments: list[Judgment] = []
         # The hidden states, kept as one float32 array rather than in the judgments: as lists
         # of Python floats, 20,000 examples at 5 layers of 576 would take about 2 GB.
         features: np.ndarray | None = None  # (n, m, H)
         wave = 4 * self.config.max_batch_size  # jobs queued at once: a bounded share of the queue
-        for start in range(0, len(queries), wave):
+        for start in range(0, len(ready), wave):
             results = await asyncio.gather(
                 *(
-                    self.batcher.judge(
-                        queries[i], tokens=tokens[i], owner=ticket.owner, deadline=ticket.deadline
-                    )
-                    for i in range(start, min(start + wave, len(queries)))
+                    self.batcher.judge(ready[i], owner=ticket.owner, deadline=ticket.deadline)
+                    for i in range(start, min(start + wave, len(ready)))
                 )
             )
             for i, result in enumerate(results, start):
-                if isinstance(result, JudgeError):
-                    if result.field in (None, "prompt"):
-                        result.field = f"examples[{i}].prompt"
-                    raise result
                 if layers:
                     row = _features_of(result, layers)  # (m, H)
                     if features is None:
@@ -434,7 +449,7 @@ class Service:
             name,
             scores,
             request.choices,
-            configuration,
+            fingerprint,
             dataset=f"POST /profiles/{name}/fit",
             dataset_sha256=hashlib.sha256(msgspec.json.encode(request.examples)).hexdigest(),
             target_precision=request.target_precision,
@@ -463,7 +478,7 @@ class Service:
             summaries.append(
                 ProfileSummary(
                     name=p.name,
-                    model=p.model,
+                    model=p.fingerprint.model,
                     choices=p.choices,
                     calibration_map=_map_summary(p.calibration_map),
                     threshold=p.threshold,
@@ -508,7 +523,7 @@ _FIT_METHODS: dict[str, str | list[str]] = {
 }
 
 
-def _fit_layers(request: FitRequest, configuration: Configuration) -> tuple[int, ...]:
+def _fit_layers(request: FitRequest, fingerprint: Fingerprint) -> tuple[int, ...]:
     """The hidden-state layers to judge a fit's examples with: a probe's candidates, or none.
 
     An explicit probe that cannot be fitted (no hidden states, too few examples, more weights
@@ -518,14 +533,13 @@ def _fit_layers(request: FitRequest, configuration: Configuration) -> tuple[int,
     """
     if request.method not in ("auto", "probe"):
         return ()
-    num_layers = configuration.get("num_layers")
-    hidden_size = configuration.get("hidden_size")
+    num_layers, hidden_size = fingerprint.num_layers, fingerprint.hidden_size
     if num_layers is None or hidden_size is None:
         if request.method == "probe":
             raise UnprocessableError(
                 "method",
                 f"method 'probe' reads the model's hidden states, and this server's engine "
-                f"({configuration['model']}) exposes none; use method auto or temperature",
+                f"({fingerprint.model}) exposes none; use method auto or temperature",
             )
         return ()
     if request.method == "probe":
@@ -556,17 +570,4 @@ def _map_summary(calibration_map: CalibrationMap) -> CalibrationMapSummary:
     layers = list(calibration_map.layers) if isinstance(calibration_map, Probe) else None
     return CalibrationMapSummary(
         method=calibration_map.method, temperature=_temperature(calibration_map), layers=layers
-    )
-
-
-def _query(request: JudgeRequest | SharedQuestion) -> Query:
-    """The engine's query for a request; a shared question uses the engine's template."""
-    if isinstance(request, SharedQuestion):
-        return Query(prompt=request.prompt, choices=list(request.choices))
-    return Query(
-        prompt=request.prompt,
-        choices=list(request.choices),
-        system=request.system,
-        response_prefix=request.response_prefix,
-        response_suffix=request.response_suffix,
     )

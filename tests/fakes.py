@@ -10,17 +10,20 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgspec
-
 from judge import (
     DEFAULT_RESPONSE_PREFIX,
     DEFAULT_RESPONSE_SUFFIX,
-    Configuration,
+    Fingerprint,
     JudgeError,
     Judgment,
+    Prepared,
     Query,
     TokenCount,
 )
+from judge.engine import shared_query, validate_choices
+from judge.fingerprint import sha256_text
+from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
+from judge.trie import build_trie
 
 
 def as_query(item: Query | Mapping[str, Any]) -> Query:
@@ -35,8 +38,9 @@ def judgment_of(
     return Judgment(
         choice=choice,
         confidence=probabilities[choice],
-        probabilities=dict(probabilities),
-        log_probabilities={c: math.log(p) for c, p in probabilities.items()},
+        choices=list(probabilities),
+        probs=list(probabilities.values()),
+        log_probs=[math.log(p) for p in probabilities.values()],
         choice_mass=mass,
         prompt=prompt,
         prompt_tokens=1,
@@ -53,25 +57,28 @@ class FakeEngine:
 
     model_id = "fake"
     dtype = "float32"
+    max_batch_size = DEFAULT_MAX_BATCH_SIZE
+    max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
 
     def judgment(self, query: Query) -> Judgment:
         """Uniform probabilities over the query's choices; override for others."""
-        return judgment_of(dict.fromkeys(query.choices, 1 / len(query.choices)))
+        uniform = dict.fromkeys(query.choices, 1 / len(query.choices))
+        return judgment_of(uniform, prompt=query.prompt)
 
-    def configuration(
+    def fingerprint(
         self,
         *,
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
-    ) -> Configuration:
-        return Configuration(
+    ) -> Fingerprint:
+        return Fingerprint(
             model=self.model_id,
             model_sha256=None,
             dtype=self.dtype,
             response_prefix=response_prefix or DEFAULT_RESPONSE_PREFIX,
             response_suffix=response_suffix or DEFAULT_RESPONSE_SUFFIX,
-            system=system,
+            system_sha256=sha256_text(system),
         )
 
     def count_tokens(self, query: Query | Mapping[str, Any]) -> TokenCount:
@@ -99,33 +106,68 @@ class FakeEngine:
         query = Query(prompt=prompt, choices=list(choices), feature_layers=tuple(feature_layers))
         return self.judge_batch([query])[0]
 
+    def prepare(self, query: Query | Mapping[str, Any]) -> Prepared:
+        """A real trie over made-up token ids: a start token, then one per character.
+
+        ``Prepared.prompt`` is the query's own prompt (the fake renders nothing), so that
+        ``run`` hands ``judgment`` the prompt it was asked.
+        """
+        q = as_query(query)
+        choices = validate_choices(q.choices)
+        head = [0, *map(ord, (q.system or "") + q.prompt + (q.response_prefix or ""))]
+        suffix = DEFAULT_RESPONSE_SUFFIX if q.response_suffix is None else q.response_suffix
+        trie = build_trie([[*head, *map(ord, c + suffix)] for c in choices], head, choices)
+        return Prepared(choices, q.prompt, len(head), trie, tuple(q.feature_layers))
+
+    def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
+        return [
+            self.judgment(
+                Query(prompt=p.prompt, choices=p.choices, feature_layers=p.feature_layers)
+            )
+            for p in prepared
+        ]
+
+    def run_shared(self, prepared: Sequence[Prepared]) -> list[Judgment]:
+        return self.run(prepared)
+
     def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
-        return [self.judgment(as_query(q)) for q in queries]
+        checked = [as_query(q) for q in queries]
+        for q in checked:
+            self.prepare(q)  # refuses what the real engine would, before any judgment
+        return [self.judgment(q) for q in checked]
 
     def judge_each(
         self, queries: Sequence[Query | Mapping[str, Any]]
     ) -> list[Judgment | JudgeError]:
-        return list(self.judge_batch(queries))
+        results: list[Judgment | JudgeError] = []
+        for q in queries:
+            try:
+                results += self.judge_batch([q])
+            except JudgeError as exc:
+                results.append(exc)
+        return results
 
     def judge_shared(
         self, context: str, questions: Sequence[Query | Mapping[str, Any]]
     ) -> list[Judgment]:
-        return self.judge_batch(questions)
+        return self.judge_batch([shared_query(context, as_query(q)) for q in questions])
 
 
-# What calibration.fit_profile records of the engine, for profiles fitted on synthetic data.
-CONFIG: dict[str, Any] = {
-    "model": "m",
-    "model_sha256": None,
-    "dtype": "float32",
-    "response_prefix": "",
-    "response_suffix": "",
-    "system": None,
-}
+# The engine calibration.fit_profile records, for profiles fitted on synthetic data.
+FINGERPRINT = Fingerprint(
+    model="m",
+    model_sha256=None,
+    dtype="float32",
+    response_prefix="",
+    response_suffix="",
+    system_sha256=None,
+)
 
 
-class Scored(msgspec.Struct, frozen=True):
-    """A judgment as the policy sees it: log-probabilities and the choice mass."""
+class Scored:
+    """A judgment as the policy sees it: its choices, their log-probabilities, the choice mass."""
 
-    log_probabilities: dict[str, float]
-    choice_mass: float = 1.0
+    def __init__(self, log_probabilities: Mapping[str, float], choice_mass: float = 1.0) -> None:
+        self.choices = list(log_probabilities)
+        self.log_probs = list(log_probabilities.values())
+        self.choice_mass = choice_mass

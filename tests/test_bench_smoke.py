@@ -51,57 +51,51 @@ def test_success_with_braces_and_quotes_inside_the_choice() -> None:
     assert classify_output('{"answer": "{a} \\"b\\""}', choices) == ('{a} "b"', None)
 
 
-@pytest.mark.parametrize(
-    ("text", "failure"),
-    [
-        ('```json\n{"answer": "spam"}\n```', "markdown_wrap"),
-        ('```\n{"answer": "spam"}', "markdown_wrap"),
-        ('Sure! Here is my answer: {"answer": "spam"}', "prose_preamble"),
-        ('This message is clearly spam.\n{"answer": "spam"', "prose_preamble"),
-        (
-            '{"type": "object", "properties": {"answer": {"enum": ["spam", "ham"]}}}',
-            "schema_mirroring",
-        ),
-        ('{"$schema": "http://json-schema.org/draft-07/schema#"}', "schema_mirroring"),
-        ('{"answer": "spam", "required": ["answer"]} ok', "schema_mirroring"),
-        ('{"answer": "spam"}\n{"answer": "ham"}', "multiple_objects"),
-        ('{"answer": "spam"} {"answer": "h', "multiple_objects"),  # the second cut off
-        ('{"answer": "spam"} because it promises a prize', "trailing_text"),
-        ('{"answer": "spam"}\n```', "trailing_text"),
-        ('{"answer": "Spam"} trailing', "trailing_text"),  # before the enum check
-        ('{"answer": "spam"', "parse_error"),  # cut off
-        ("The message is spam.", "parse_error"),  # no JSON at all
-        ("Certainly, this one is an obvious case of spam", "parse_error"),  # prose, no brace
-        ('Answer: {"answer": "spam"}', "parse_error"),  # under 20 characters of preamble
-        ('"spam"', "parse_error"),  # valid JSON, but not an object
-        ('["spam"]', "parse_error"),
-        ("", "parse_error"),
-        ("{'answer': 'spam'}", "parse_error"),  # single quotes
-        ('{"answer": "Spam"}', "enum_violation"),
-        ('{"answer": " spam"}', "enum_violation"),
-        ('{"answer": "<choice>"}', "enum_violation"),
-        ('{"answer": 1}', "enum_violation"),
-        ('{"answer": "a}{b"}', "enum_violation"),  # braces inside a string open no object
-        ('{"label": "spam"}', "missing_field"),
-        ("{}", "missing_field"),
-    ],
-)
+FAILURE_CASES: list[tuple[str, str]] = [
+    ('```json\n{"answer": "spam"}\n```', "markdown_wrap"),
+    ('```\n{"answer": "spam"}', "markdown_wrap"),
+    ('Sure! Here is my answer: {"answer": "spam"}', "prose_preamble"),
+    ('This message is clearly spam.\n{"answer": "spam"', "prose_preamble"),
+    (
+        '{"type": "object", "properties": {"answer": {"enum": ["spam", "ham"]}}}',
+        "schema_mirroring",
+    ),
+    ('{"$schema": "http://json-schema.org/draft-07/schema#"}', "schema_mirroring"),
+    ('{"answer": "spam", "required": ["answer"]} ok', "schema_mirroring"),
+    ('{"answer": "spam"}\n{"answer": "ham"}', "multiple_objects"),
+    ('{"answer": "spam"} {"answer": "h', "multiple_objects"),  # the second cut off
+    ('{"answer": "spam"} because it promises a prize', "trailing_text"),
+    ('{"answer": "spam"}\n```', "trailing_text"),
+    ('{"answer": "Spam"} trailing', "trailing_text"),  # before the enum check
+    ('{"answer": "spam"', "parse_error"),  # cut off
+    ("The message is spam.", "parse_error"),  # no JSON at all
+    ("Certainly, this one is an obvious case of spam", "parse_error"),  # prose, no brace
+    ('Answer: {"answer": "spam"}', "parse_error"),  # under 20 characters of preamble
+    ('"spam"', "parse_error"),  # valid JSON, but not an object
+    ('["spam"]', "parse_error"),
+    ("", "parse_error"),
+    ("{'answer': 'spam'}", "parse_error"),  # single quotes
+    ('{"answer": "Spam"}', "enum_violation"),
+    ('{"answer": " spam"}', "enum_violation"),
+    ('{"answer": "<choice>"}', "enum_violation"),
+    ('{"answer": 1}', "enum_violation"),
+    ('{"answer": "a}{b"}', "enum_violation"),  # braces inside a string open no object
+    ('{"label": "spam"}', "missing_field"),
+    ("{}", "missing_field"),
+]
+
+
+@pytest.mark.parametrize(("text", "failure"), FAILURE_CASES)
 def test_failure(text: str, failure: str) -> None:
     assert failure in bench_quality.FAILURE_TYPES
     assert classify_output(text, CHOICES) == (None, failure)
 
 
 def test_every_failure_type_is_tested() -> None:
-    assert bench_quality.FAILURE_TYPES == (
-        "markdown_wrap",
-        "prose_preamble",
-        "schema_mirroring",
-        "multiple_objects",
-        "trailing_text",
-        "parse_error",
-        "enum_violation",
-        "missing_field",
-    )
+    # A failure type the classifier can report but no case above produces is untested.
+    untested = set(bench_quality.FAILURE_TYPES) - {failure for _, failure in FAILURE_CASES}
+    assert not untested, f"no test_failure case for {sorted(untested)}"
+    assert len(set(bench_quality.FAILURE_TYPES)) == len(bench_quality.FAILURE_TYPES)
 
 
 def _run(script: str, *args: str) -> None:

@@ -53,8 +53,7 @@ def test_calibrate_writes_profile_report_and_diagram(
     profile = load_profile(fitted / "sms_spam.json")
     assert profile.n_examples == 48
     assert profile.choices == ["ham", "spam"]
-    assert profile.model == judge.model_id and profile.model_sha256 == judge.weights_sha256
-    assert profile.dtype == judge.dtype
+    assert profile.fingerprint == judge.fingerprint()  # model, weights, dtype, template, shape
     assert profile.dataset == "sms_spam/calibration"
     assert (fitted / "sms_spam.reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "# Calibration profile `sms_spam`" in (fitted / "sms_spam.report.md").read_text()
@@ -184,7 +183,7 @@ def test_calibrate_fits_a_probe_and_compares_it_with_temperature(
     profile = load_profile(probe_profile)
     probe = profile.calibration_map
     assert probe.method == "probe" and profile.feature_layers
-    assert profile.num_layers == judge.num_layers and profile.hidden_size == judge.hidden_size
+    assert profile.fingerprint == judge.fingerprint()  # the shape the probe must be served on
     assert profile.split.fit == 60 and profile.split.certify == 48  # the probe's 5:1:4 split
     assert profile.baseline is not None and profile.baseline.calibration_map.method in (
         "none",

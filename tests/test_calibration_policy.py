@@ -7,7 +7,7 @@ import math
 import msgspec
 import numpy as np
 import pytest
-from fakes import CONFIG, Scored
+from fakes import FINGERPRINT, Scored
 
 from calibration import (
     Decision,
@@ -37,7 +37,14 @@ def profile() -> CalibrationProfile:
     y = (rng.random(400) > p[:, 0]).astype(int)
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     return fit_profile(
-        "sms", logp, y, CHOICES, **CONFIG, dataset="d", dataset_sha256="0", n_bootstrap=20
+        "sms",
+        logp,
+        y,
+        CHOICES,
+        fingerprint=FINGERPRINT,
+        dataset="d",
+        dataset_sha256="0",
+        n_bootstrap=20,
     )
 
 

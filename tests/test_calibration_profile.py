@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from fakes import Scored
 
 from calibration.errors import (
     FitError,
@@ -21,37 +22,22 @@ from calibration.fitting import evaluate_policy, fit_profile
 from calibration.metrics import Interval
 from calibration.profile import CalibrationProfile, decode_profile, load_profile, save_profile
 from calibration.scaling import BiasTemperature, Temperature
+from judge.fingerprint import Fingerprint, sha256_text
 
 CHOICES = ["ham", "spam", "unsure"]
-CONFIG: dict[str, Any] = {
-    "model": "m",
-    "model_sha256": "abc",
-    "dtype": "float32",
-    "response_prefix": '{"answer": "',
-    "response_suffix": '"}',
-    "system": None,
-}
+FINGERPRINT = Fingerprint(
+    model="m",
+    model_sha256="abc",
+    dtype="float32",
+    response_prefix='{"answer": "',
+    response_suffix='"}',
+    system_sha256=None,
+)
 
 
-class Engine:
-    """Anything with ``configuration()`` is checked like a judge."""
-
-    def __init__(self, **changes: Any) -> None:
-        self.config = {**CONFIG, **changes}
-
-    def configuration(
-        self,
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-    ) -> dict[str, Any]:
-        overrides = {
-            "system": system,
-            "response_prefix": response_prefix,
-            "response_suffix": response_suffix,
-        }
-        return {**self.config, **{k: v for k, v in overrides.items() if v is not None}}
+def engine(system: str | None = None, **changes: Any) -> Fingerprint:
+    """The fingerprint of an engine like the profile's, with ``changes`` (and ``system``)."""
+    return msgspec.structs.replace(FINGERPRINT, system_sha256=sha256_text(system), **changes)
 
 
 def synthetic(n: int, seed: int, temperature: float = 2.0) -> tuple[np.ndarray, np.ndarray]:
@@ -74,13 +60,14 @@ def profile() -> CalibrationProfile:
         CHOICES,
         dataset="synthetic",
         dataset_sha256="d" * 64,
-        **CONFIG,
+        fingerprint=FINGERPRINT,
     )
 
 
 def test_fit_recovers_the_temperature_and_improves_held_out(profile: CalibrationProfile) -> None:
     assert profile.metrics_after is not None and profile.metrics_before is not None
-    assert isinstance(profile.calibration_map, Temperature | BiasTemperature)
+    # Over-confident, with no offset between choices: temperature scaling is the fix.
+    assert isinstance(profile.calibration_map, Temperature)
     assert profile.calibration_map.temperature == pytest.approx(2.0, abs=0.4)
     assert profile.metrics_after.nll.value < profile.metrics_before.nll.value
     z, y = synthetic(1000, seed=2)
@@ -106,17 +93,18 @@ def test_each_step_has_its_own_examples(profile: CalibrationProfile) -> None:
 
 
 def test_too_few_or_too_uniform_examples_are_refused() -> None:
+    options: dict[str, Any] = {"dataset": "d", "dataset_sha256": "0", "fingerprint": FINGERPRINT}
     z, y = synthetic(19, seed=3)
     with pytest.raises(FitError, match="at least 20 labeled examples, got 19"):
-        fit_profile("p", z, y, CHOICES, dataset="d", dataset_sha256="0", **CONFIG)
+        fit_profile("p", z, y, CHOICES, **options)
     z, _ = synthetic(40, seed=4)
     with pytest.raises(FitError, match="all 40 examples have label 'spam'; need at least two"):
-        fit_profile("p", z, np.ones(40, int), CHOICES, dataset="d", dataset_sha256="0", **CONFIG)
+        fit_profile("p", z, np.ones(40, int), CHOICES, **options)
     # Ten examples of one class: the one-class problem is named, not just the count (it used
     # to be a profile with T = 0.01 and precision 1.0).
     z, _ = synthetic(10, seed=5)
     with pytest.raises(FitError, match="all 10 examples have label 'ham'; need at least two"):
-        fit_profile("p", z, np.zeros(10, int), CHOICES, dataset="d", dataset_sha256="0", **CONFIG)
+        fit_profile("p", z, np.zeros(10, int), CHOICES, **options)
 
 
 def test_round_trip(tmp_path: Path, profile: CalibrationProfile) -> None:
@@ -281,31 +269,66 @@ def test_mismatch_is_an_error(
     profile: CalibrationProfile, change: dict[str, object], field: str
 ) -> None:
     with pytest.raises(ProfileMismatchError) as info:
-        profile.check(Engine(**change))
+        profile.check(engine(**change))  # type: ignore[arg-type]
     assert info.value.field == field
     assert "spam-v1" in str(info.value)
 
 
-def test_per_call_overrides_and_choices_are_checked(profile: CalibrationProfile) -> None:
-    for kwargs, field in [
-        ({"system": "Be brief."}, "system"),
-        ({"response_prefix": "Answer: "}, "response_prefix"),
-        ({"choices": ["ham", "spam"]}, "choices"),
-    ]:
-        with pytest.raises(ProfileMismatchError) as info:
-            profile.check(Engine(), **kwargs)  # type: ignore[arg-type]
-        assert info.value.field == field
+def test_mismatch_messages_name_the_field_and_both_values(profile: CalibrationProfile) -> None:
+    with pytest.raises(ProfileMismatchError, match="fitted with dtype 'float32', not 'bfloat16'"):
+        profile.check(engine(dtype="bfloat16"))
+    # The system prompt is stored as a hash and never shown back.
+    with pytest.raises(ProfileMismatchError, match="not a different system prompt") as info:
+        profile.check(engine(system="Be brief."))
+    assert "Be brief." not in str(info.value)
+    with pytest.raises(ProfileMismatchError, match=r"choices \['ham', 'spam', 'unsure'\]") as info:
+        profile.check(engine(), choices=["ham", "spam"])
+    assert info.value.field == "choices"
+    # The first field that differs is named, in the fingerprint's order.
+    with pytest.raises(ProfileMismatchError) as info:
+        profile.check(engine(dtype="bfloat16", response_suffix="x"))
+    assert info.value.field == "dtype"
+    # The hidden-state shape counts only for a probe; this profile is a scalar map.
+    profile.check(engine(num_layers=30, hidden_size=576))
+
+
+def test_the_fingerprint_is_stored_as_one_value(profile: CalibrationProfile) -> None:
+    assert profile.fingerprint == FINGERPRINT
+    data = msgspec.json.decode(msgspec.json.encode(profile))
+    assert data["format_version"] == 3
+    assert data["fingerprint"] == msgspec.to_builtins(FINGERPRINT)
+    assert not {"model", "dtype", "system_sha256"} & data.keys()
+
+
+def test_a_profile_in_the_flat_format_2_layout_still_loads(
+    profile: CalibrationProfile, tmp_path: Path
+) -> None:
+    data = msgspec.json.decode(msgspec.json.encode(profile))
+    rest = {k: v for k, v in data.items() if k != "fingerprint"}
+    flat = {**rest, **data["fingerprint"], "format_version": 2}
+    (tmp_path / "old.json").write_bytes(msgspec.json.encode(flat))
+    old = load_profile(tmp_path / "old.json")
+    assert old == profile and old.format_version == 3
+    # Written back, it is in the current layout.
+    save_profile(old, tmp_path / "new.json")
+    assert msgspec.json.decode((tmp_path / "new.json").read_bytes()) == data
+    # A format-2 file that lacks a fingerprint field is refused, naming it.
+    del flat["dtype"]
+    with pytest.raises(ProfileError, match="dtype"):
+        decode_profile(msgspec.json.encode(flat))
 
 
 def test_matching_configuration_passes_in_any_choice_order(profile: CalibrationProfile) -> None:
-    profile.check(Engine(), choices=CHOICES[::-1])
+    profile.check(engine(), choices=CHOICES[::-1])
     logits = {"unsure": -3.0, "ham": -0.2, "spam": -1.9}
-    calibrated = profile.calibrate(logits)
+    calibrated = profile.calibrate(Scored(logits))
     assert list(calibrated) == ["unsure", "ham", "spam"]
     assert sum(calibrated.values()) == pytest.approx(1.0)
-    reordered = profile.calibrate({c: logits[c] for c in CHOICES})
+    reordered = profile.calibrate(Scored({c: logits[c] for c in CHOICES}))
     assert all(calibrated[c] == pytest.approx(reordered[c]) for c in CHOICES)
-    assert (
-        max(calibrated, key=calibrated.__getitem__) == "ham"
-        or profile.calibration_map.method == "bias_temperature"
-    )
+    # The profile's map is a temperature (test above), which never changes the top choice,
+    # and the probabilities are softmax(log-probabilities / T), computed here by hand.
+    t = profile.calibration_map.temperature
+    scaled = {c: np.exp(v / t) for c, v in logits.items()}
+    assert calibrated == pytest.approx({c: v / sum(scaled.values()) for c, v in scaled.items()})
+    assert max(calibrated, key=calibrated.__getitem__) == "ham"

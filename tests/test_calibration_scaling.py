@@ -114,7 +114,7 @@ def test_fit_calibrator_keeps_calibrated_data_unscaled() -> None:
     z, y = synthetic(5, n=2000)
     fit = fit_calibrator(z, y)
     assert fit.map == Identity()
-    assert fit.map.method == "none" and fit.map.temperature == 1.0
+    assert fit.method == fit.map.method == "none" and fit.map.temperature == 1.0
     assert set(fit.cv_nll) == {"none", "temperature", "bias_temperature"}
     assert "temperature stays 1.0" in fit.note
     # Held-out check on a fresh draw: applying the fit loses nothing against no scaling.
@@ -126,10 +126,13 @@ def test_fit_calibrator_keeps_calibrated_data_unscaled() -> None:
 def test_fit_calibrator_picks_temperature_and_improves_held_out_nll() -> None:
     z, y = synthetic(7, temperature=2.5, n=2000)
     fit = fit_calibrator(z, y)
-    assert isinstance(fit.map, Temperature | BiasTemperature)
-    assert fit.cv_nll[fit.map.method] < fit.cv_nll["none"]
+    # Labels follow softmax(z / 2.5) with no offset: one parameter explains the data, so the
+    # per-choice offsets cannot beat it by a standard error and the simpler method wins.
+    assert isinstance(fit.map, Temperature)
+    assert fit.method == fit.map.method == "temperature"
+    assert fit.cv_nll["temperature"] < fit.cv_nll["none"]
     assert fit.map.temperature == pytest.approx(2.5, abs=0.3)
-    assert fit.note.startswith(f"{fit.map.method} won")
+    assert fit.note.startswith("temperature won")
     z_test, y_test = synthetic(8, temperature=2.5, n=2000)
     applied = fit.map.apply(z_test)
     assert nll(applied, y_test) < nll(softmax(z_test), y_test) - 0.05
@@ -147,7 +150,11 @@ def test_bias_recovery_and_selection() -> None:
     np.testing.assert_allclose(scaler.predict_proba(z).sum(axis=1), 1.0, rtol=1e-12)
 
     fit = fit_calibrator(z, y)
+    # Calibrated up to the offsets: only bias_temperature can fit them.
     assert isinstance(fit.map, BiasTemperature)
+    assert fit.method == "bias_temperature"
+    assert fit.cv_nll["bias_temperature"] < fit.cv_nll["temperature"]
+    assert fit.note.startswith("bias_temperature won")
     assert len(fit.map.bias) == 3
     assert all(type(v) is float for v in fit.map.bias)
     np.testing.assert_allclose(np.diff(fit.map.bias), np.diff(b_true), atol=0.2)
@@ -179,7 +186,12 @@ def test_calibration_fit_is_plain_frozen_data() -> None:
 def test_tiny_and_unstratifiable_sets_still_fit() -> None:
     z = np.array([[2.0, 0.0], [0.0, 2.0], [1.0, 0.0]])
     fit = fit_calibrator(z, [0, 1, 1], cv=5)  # cv reduced to n=3, class 0 has one member
-    assert fit.map.method in {"none", "temperature", "bias_temperature"}
+    # Leave-one-out on 3 items: without the third, the other two are separable, so a scaler
+    # fitted on them goes to T_MIN and is confidently wrong on the third (whose label is not
+    # its top score). That one fold costs every scaler far more than it saves elsewhere.
+    assert fit.map == Identity()
+    assert fit.method == "none"
+    assert fit.cv_nll["none"] < min(fit.cv_nll["temperature"], fit.cv_nll["bias_temperature"])
     assert "3-fold CV" in fit.note
 
 

@@ -70,7 +70,7 @@ def profile(judge: Judge) -> CalibrationProfile:
         labels,
         CHOICES,
         choice_mass=np.full(n, 0.9),
-        **judge.configuration(),
+        fingerprint=judge.fingerprint(),
         dataset="synthetic",
         dataset_sha256="0" * 64,
     )
@@ -139,7 +139,7 @@ def test_ask_with_a_profile_uses_its_choices_dtype_and_policy(
         assert out["raw_probabilities"][choice] == pytest.approx(
             judgment.probabilities[choice], abs=1e-6
         )
-    assert loaded_once[0]["dtype"] == profile.dtype == "float32"
+    assert loaded_once[0]["dtype"] == profile.fingerprint.dtype == "float32"
 
 
 @pytest.mark.parametrize(("threshold", "codes"), [("0", []), ("1", ["below_threshold"])])
@@ -386,6 +386,8 @@ def test_serve_passes_its_settings_to_the_app_and_the_loader(
     assert seen["config"].default_threshold == 0.7 and seen["config"].profiles_dir == tmp_path
     assert seen["loader"]() == "engine"  # the model loads in the server, with the cache budget
     assert seen["load"]["prefix_cache_mb"] == 12.5
+    # The engine packs its passes to the server's budget: one number everywhere.
+    assert seen["load"]["max_batch_tokens"] == seen["config"].max_batch_tokens
     with pytest.raises(SystemExit):
         main(["serve", "--prefix-cache-mb", "-1"])
     # The key: from a file (never the command line, where `ps` shows it), else the environment.

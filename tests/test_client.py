@@ -30,11 +30,12 @@ from service.client import (
     parse_retry_after,
 )
 from service.schemas import (
-    BatchRequest,
     BatchResponse,
     ErrorBody,
+    ItemsBatch,
     JudgeRequest,
     JudgeResponse,
+    SharedBatch,
     SharedQuestion,
 )
 
@@ -85,7 +86,9 @@ def raw_judgment(url: str, body: dict[str, Any]) -> JudgeResponse:
 def raw_answer(url: str, path: str, body: Any) -> tuple[int, Any]:
     """Status and decoded body of a POST sent with httpx alone, the client's reference."""
     content = body if isinstance(body, bytes) else msgspec.json.encode(body)
-    r = httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{url}{path}", content=content, headers={"content-type": "application/json"}, timeout=120
+    )
     return r.status_code, r.json()
 
 
@@ -162,7 +165,7 @@ def test_shared_context_equals_a_raw_post(server: Server, client: JudgeClient) -
     got = client.judge_shared(context, questions)
     raw = httpx.post(
         f"{server.url}/judge/batch",
-        content=msgspec.json.encode(BatchRequest(context=context, questions=questions)),
+        content=msgspec.json.encode(SharedBatch(context=context, questions=questions)),
         headers={"content-type": "application/json"},
         timeout=120,
     )
@@ -454,7 +457,7 @@ class BatchServer:
         self.lock = threading.Lock()
 
     def answer(self, request: httpx.Request) -> httpx.Response:
-        items = msgspec.json.decode(request.content, type=BatchRequest).items or []
+        items = msgspec.json.decode(request.content, type=ItemsBatch).items
         if any(i.prompt == self.fail_on for i in items):
             return httpx.Response(500, json={"status_code": 500, "detail": "Internal Server Error"})
         results: list[JudgeResponse | ErrorBody] = [
@@ -471,7 +474,7 @@ class BatchServer:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            items = msgspec.json.decode(request.content, type=BatchRequest).items or []
+            items = msgspec.json.decode(request.content, type=ItemsBatch).items
             time.sleep(self.delay(items))
             return self.answer(request)
         finally:
@@ -483,7 +486,7 @@ class BatchServer:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            items = msgspec.json.decode(request.content, type=BatchRequest).items or []
+            items = msgspec.json.decode(request.content, type=ItemsBatch).items
             await asyncio.sleep(self.delay(items))
             return self.answer(request)
         finally:
@@ -642,3 +645,43 @@ def test_retry_policy_refuses_nonsense() -> None:
         RetryPolicy(max_retries=-1)
     with pytest.raises(ValueError, match="budget"):
         RetryPolicy(budget=float("nan"))
+
+
+def test_each_method_sends_its_operation_s_method_and_path() -> None:
+    """The paths are the service's table's (service.operations), sync and async alike."""
+    from service.operations import BY_NAME
+
+    sent: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append((request.method, request.url.raw_path.decode()))
+        return httpx.Response(404, json={"status_code": 404, "detail": "x"})
+
+    calls: list[tuple[str, dict[str, str], Callable[[Any], Any]]] = [
+        ("judge", {}, lambda c: c.judge("p", ["a", "b"])),
+        ("judge_batch", {}, lambda c: c.judge_batch([JudgeRequest(prompt="p", choices=["a", "b"])])),
+        ("judge_batch", {}, lambda c: c.judge_shared("c", [SharedQuestion(prompt="q", choices=["a", "b"])])),
+        ("profiles", {}, lambda c: c.profiles()),
+        ("profile", {"name": "a b/c"}, lambda c: c.profile("a b/c")),
+        ("delete_profile", {"name": "sms"}, lambda c: c.delete_profile("sms")),
+        ("fit", {"name": "sms"}, lambda c: c.fit("sms", ["a", "b"], [("p", "a")])),
+        ("ready", {}, lambda c: c.ready()),
+    ]  # fmt: skip
+    for name, params, call in calls:
+        op = BY_NAME[name]
+        want = (op.method, op.url(**params))
+        client, _ = mock(handler, retries=RetryPolicy(max_retries=0))
+        sent.clear()
+        with pytest.raises(ClientError):
+            call(client)
+        assert sent == [want], name
+
+        async def go(call: Callable[[Any], Any] = call) -> None:
+            transport = httpx.MockTransport(handler)
+            async with AsyncJudgeClient("http://judge.test", transport=transport) as c:
+                await call(c)
+
+        sent.clear()
+        with pytest.raises(ClientError):
+            asyncio.run(go())
+        assert sent == [want], name

@@ -2,6 +2,10 @@
 stateful phase included, against a live `judge serve` on the real default model, and any
 finding fails the test. The budget is small here (a fixed seed, a few examples per
 operation); `make fuzz` runs the same with a larger one. Settings: schemathesis.toml.
+
+Every check but one: response time is not part of the contract. `--checks all` would also
+switch on schemathesis' max_response_time (10 s unless told otherwise), which a correct fit
+fails on a busy machine (22 s seen); timing is measured in benchmarks/, not asserted here.
 """
 
 from __future__ import annotations
@@ -26,6 +30,47 @@ def schemathesis_command() -> str:
     return found
 
 
+def contract_checks() -> list[str]:
+    """Every check that ``--checks all`` turns on, less max_response_time.
+
+    schemathesis cannot exclude that one by name (``--exclude-checks`` does not accept it, and
+    schemathesis.toml can only set its limit), so the test names every other check instead,
+    from the registry the CLI itself offers for ``--checks``.
+    """
+    pytest.importorskip("schemathesis", reason="schemathesis is not installed")
+    from schemathesis.checks import CHECKS, load_all_checks
+
+    load_all_checks()
+    return [name for name in CHECKS.get_all_names() if name != "max_response_time"]
+
+
+def test_every_check_but_response_time_is_on() -> None:
+    names = contract_checks()
+    from schemathesis.config import ChecksConfig
+
+    # The checks the contract is about are among them.
+    assert {
+        "not_a_server_error",
+        "status_code_conformance",
+        "content_type_conformance",
+        "response_schema_conformance",
+        "response_headers_conformance",
+        "positive_data_acceptance",
+        "negative_data_rejection",
+        "use_after_free",
+        "ensure_resource_availability",
+        "ignored_auth",
+    } <= set(names)
+    # As the CLI applies --checks: `all` brings in the timing check, the named list does not.
+    everything = ChecksConfig()
+    everything.update(included_check_names=["all"])
+    assert everything.max_response_time.enabled
+    chosen = ChecksConfig()
+    chosen.update(included_check_names=names)
+    assert not chosen.max_response_time.enabled
+    assert all(chosen.get_by_name(name=n).enabled for n in names)
+
+
 def run_contract(tmp_path: Path, max_examples: int, extra: list[str] | None = None) -> None:
     st = schemathesis_command()
     port = free_port()
@@ -44,7 +89,7 @@ def run_contract(tmp_path: Path, max_examples: int, extra: list[str] | None = No
                 "run",
                 f"{server.url}/schema/openapi.json",
                 "--checks",
-                "all",
+                ",".join(contract_checks()),
                 "--seed",
                 "20261130",
                 "--max-examples",

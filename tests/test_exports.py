@@ -4,9 +4,13 @@ Three packages are installed (judge, calibration, service); inside them the laye
 
     judge.atomicio  <-  judge  <-  calibration.tasks  <-  service  <-  service.cli
     judge.atomicio  <-  calibration  <-  calibration.tasks
+    judge.errors  <-  judge.scores  <-  calibration
+    judge.fingerprint  <-  calibration
 
 judge (torch) and calibration's core (numpy) know nothing of each other or of anything above
-them; calibration.tasks joins them (it judges labeled sets and fits profiles on the results).
+them, except the engine's torch-free leaves: calibration applies the values rules of
+judge.scores and stores judge.fingerprint's value. calibration.tasks joins them (it judges
+labeled sets and fits profiles on the results).
 """
 
 from __future__ import annotations
@@ -28,13 +32,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("judge", "calibration", "service")
 # Each layer, and what it may import from the project besides itself. A module belongs to the
 # longest layer name that prefixes its own.
+_LEAVES = {"judge.atomicio", "judge.errors", "judge.scores", "judge.fingerprint"}
 ALLOWED = {
     "judge.atomicio": set(),
-    "judge": {"judge.atomicio"},
-    "calibration": {"judge.atomicio"},
-    "calibration.tasks": {"judge.atomicio", "judge", "calibration"},
-    "service": {"judge.atomicio", "judge", "calibration", "calibration.tasks"},
-    "service.cli": {"judge.atomicio", "judge", "calibration", "calibration.tasks", "service"},
+    "judge.errors": set(),
+    "judge.scores": {"judge.errors"},
+    "judge.fingerprint": set(),
+    "judge": _LEAVES,
+    "calibration": {"judge.atomicio", "judge.scores", "judge.fingerprint"},
+    "calibration.tasks": _LEAVES | {"judge", "calibration"},
+    "service": _LEAVES | {"judge", "calibration", "calibration.tasks"},
+    "service.cli": _LEAVES | {"judge", "calibration", "calibration.tasks", "service"},
 }
 
 

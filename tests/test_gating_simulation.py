@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
+from fakes import FINGERPRINT
 
 from calibration import fit_profile
 from calibration.policy import Gates
@@ -50,14 +51,7 @@ CHOICES = ["a", "b", "c"]
 # the deeper one.
 H, LAYERS, NUM_LAYERS = 4, (6, 12), 12
 A = np.random.default_rng(7).normal(0.0, 2.25, size=(K, H))
-CONFIGURATION: dict[str, Any] = {
-    "model": "synthetic",
-    "model_sha256": None,
-    "dtype": "float64",
-    "response_prefix": "",
-    "response_suffix": "",
-    "system": None,
-}
+PROBE_FINGERPRINT = msgspec.structs.replace(FINGERPRINT, num_layers=NUM_LAYERS, hidden_size=H)
 
 
 def world(
@@ -92,7 +86,7 @@ def simulate(
             z,
             y,
             CHOICES,
-            **CONFIGURATION,
+            fingerprint=FINGERPRINT,
             dataset="synthetic",
             dataset_sha256="0",
             target_precision=target,
@@ -187,7 +181,7 @@ def simulate_probe(
             z,
             y,
             CHOICES,
-            **CONFIGURATION,
+            fingerprint=PROBE_FINGERPRINT,
             dataset="synthetic",
             dataset_sha256="0",
             target_precision=target,
@@ -197,8 +191,6 @@ def simulate_probe(
             methods="auto",
             features=x,
             feature_layers=LAYERS,
-            num_layers=NUM_LAYERS,
-            hidden_size=H,
         )
         # The served policy reads the hidden states of the probe's own layers, flattened.
         index = [LAYERS.index(layer) for layer in profile.feature_layers]

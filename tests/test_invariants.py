@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 
 import msgspec
 import pytest
 import torch
 
-from judge import Judge, Query
+from judge import Fingerprint, Judge, Judgment, Query
+from judge.packing import passes
 
 PROMPT = "Is this SMS spam? Free entry in a weekly competition, text WIN to 80082 now!"
 
@@ -70,7 +72,8 @@ def test_batch_equals_single_judgments(judge: Judge) -> None:
 def test_batch_splits_into_bounded_chunks(judge: Judge) -> None:
     small = Judge(judge.model, judge.tokenizer, max_batch_size=2, max_batch_tokens=10**6)
     queries = [Query(prompt=f"Item {i}: is it spam?", choices=["spam", "ham"]) for i in range(5)]
-    assert [len(c) for c in small._chunks([[small._prepare(q)] for q in queries])] == [2, 2, 1]
+    lengths = [small.prepare(q).tokens for q in queries]
+    assert [len(c) for c in passes(lengths, 2, small.max_batch_tokens)] == [2, 2, 1]
     results = small.judge_batch(queries)
     for q, r in zip(queries, results, strict=True):
         assert r.probabilities["spam"] == pytest.approx(
@@ -147,19 +150,24 @@ def test_logits_is_the_old_read_only_name_of_log_probabilities(judge: Judge) -> 
     with pytest.raises(AttributeError):
         result.logits = {}  # type: ignore[misc]
     encoded = msgspec.json.decode(msgspec.json.encode(result))
-    assert encoded["log_probabilities"] == result.log_probabilities
-    assert "logits" not in encoded
+    # The JSON form carries the arrays in choice order; the dicts are views of them.
+    assert (encoded["choices"], encoded["log_probs"]) == (result.choices, result.log_probs)
+    assert dict(zip(encoded["choices"], encoded["log_probs"], strict=True)) == result.logits
+    assert not {"logits", "log_probabilities", "probabilities"} & encoded.keys()
+    assert msgspec.json.decode(msgspec.json.encode(result), type=Judgment) == result
 
 
-def test_configuration_names_the_dtype(judge: Judge) -> None:
-    assert judge.configuration() == {
-        "model": judge.model_id,
-        "model_sha256": judge.weights_sha256,
-        "dtype": "float32",
-        "response_prefix": judge.response_prefix,
-        "response_suffix": judge.response_suffix,
-        "system": None,
-        "num_layers": 30,  # the default model's shape, which a probe profile must match
-        "hidden_size": 576,
-    }
-    assert judge.configuration(system="Be brief.")["system"] == "Be brief."
+def test_the_fingerprint_names_the_dtype_and_hashes_the_system_prompt(judge: Judge) -> None:
+    assert judge.fingerprint() == Fingerprint(
+        model=judge.model_id,
+        model_sha256=judge.weights_sha256,
+        dtype="float32",
+        response_prefix=judge.response_prefix,
+        response_suffix=judge.response_suffix,
+        system_sha256=None,
+        num_layers=30,  # the default model's shape, which a probe profile must match
+        hidden_size=576,
+    )
+    brief = judge.fingerprint(system="Be brief.", response_suffix="!")
+    assert brief.system_sha256 == hashlib.sha256(b"Be brief.").hexdigest()
+    assert brief.first_difference(judge.fingerprint()) == "response_suffix"

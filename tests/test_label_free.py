@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from fakes import CONFIG
+from fakes import FINGERPRINT
 
 from calibration import (
     BatchTemperatureScaler,
@@ -73,7 +73,7 @@ def test_batch_calibration_fixes_a_prior_without_labels() -> None:
         CHOICES,
         method="batch",
         source="synthetic unlabeled",
-        **CONFIG,
+        fingerprint=FINGERPRINT,
         dataset="d",
         dataset_sha256="0",
     )
@@ -104,7 +104,7 @@ def test_an_empty_unlabeled_set_is_a_clear_error() -> None:
                 CHOICES,
                 method=method,
                 source="s",
-                **CONFIG,
+                fingerprint=FINGERPRINT,
                 dataset="d",
                 dataset_sha256="0",
             )
@@ -126,7 +126,7 @@ def test_batch_temperature_is_a_labeled_candidate_chosen_by_cv_nll() -> None:
         z,
         y,
         CHOICES,
-        **CONFIG,
+        fingerprint=FINGERPRINT,
         dataset="d",
         dataset_sha256="0",
         n_bootstrap=20,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from judge import Judge
+from judge import Judge, loading
 from judge.loading import cache_root, cached_directory, default_model_path, resolve_dtype
 
 
@@ -70,4 +70,52 @@ def test_default_model_was_converted_into_the_cache(judge: Judge) -> None:
 def test_dtype_resolution() -> None:
     assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
-    assert resolve_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)
+    assert resolve_dtype("float16", "cpu") == torch.float16
+    with pytest.raises(ValueError, match=r"dtype must be one of 'auto'.*got 'int8'"):
+        resolve_dtype("int8", "cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_is_bfloat16_only_where_the_cpu_computes_it(
+    monkeypatch: pytest.MonkeyPatch, native: bool, expected: torch.dtype
+) -> None:
+    monkeypatch.setattr(loading, "_cpu_has_bf16", lambda: native)
+    assert resolve_dtype("auto", "cpu") == expected
+    # The CPU's flags say nothing about other devices.
+    assert resolve_dtype("auto", "mps") == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("supported", "expected"), [(True, torch.bfloat16), (False, torch.float32)]
+)
+def test_auto_on_cuda_asks_the_gpu_not_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, supported: bool, expected: torch.dtype
+) -> None:
+    monkeypatch.setattr(loading, "_cpu_has_bf16", lambda: not supported)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: supported)
+    assert resolve_dtype("auto", "cuda") == expected
+    assert resolve_dtype("auto", "cuda:1") == expected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto", "cuda") == torch.float32
+
+
+def _cpuinfo_flags() -> set[str]:
+    """Every flag on the "flags" lines of /proc/cpuinfo, read independently of the loader."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {
+        flag
+        for line in lines
+        if line.split(":", 1)[0].strip() == "flags"
+        for flag in line.split(":", 1)[1].split()
+    }
+
+
+def test_auto_on_this_machine_follows_its_cpu_flags() -> None:
+    flags = _cpuinfo_flags()
+    native = bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert loading._cpu_has_bf16() is native
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)

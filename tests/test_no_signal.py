@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fakes import CONFIG
+from fakes import FINGERPRINT
 from sklearn.metrics import roc_auc_score
 
 from calibration import evaluate_policy, fit_profile, signal_report
@@ -36,7 +36,14 @@ def signal(n: int, seed: int) -> tuple[Any, Any]:
 def test_a_prior_predictor_is_called_one() -> None:
     z, y = noise(600, seed=0)
     profile = fit_profile(
-        "rte", z, y, CHOICES, **CONFIG, dataset="d", dataset_sha256="0", n_bootstrap=200
+        "rte",
+        z,
+        y,
+        CHOICES,
+        fingerprint=FINGERPRINT,
+        dataset="d",
+        dataset_sha256="0",
+        n_bootstrap=200,
     )
     s = profile.signal
     assert s is not None
@@ -59,7 +66,14 @@ def test_a_prior_predictor_is_called_one() -> None:
 def test_a_judge_with_signal_beats_the_prior() -> None:
     z, y = signal(600, seed=2)
     profile = fit_profile(
-        "sst", z, y, CHOICES, **CONFIG, dataset="d", dataset_sha256="0", n_bootstrap=200
+        "sst",
+        z,
+        y,
+        CHOICES,
+        fingerprint=FINGERPRINT,
+        dataset="d",
+        dataset_sha256="0",
+        n_bootstrap=200,
     )
     s = profile.signal
     assert s is not None and s.beats_prior and not s.temperature_at_bound
@@ -70,7 +84,9 @@ def test_a_judge_with_signal_beats_the_prior() -> None:
 
 def test_the_comparison_is_on_held_out_items_against_fit_split_frequencies() -> None:
     z, y = signal(600, seed=3)
-    profile = fit_profile("s", z, y, CHOICES, **CONFIG, dataset="d", dataset_sha256="0")
+    profile = fit_profile(
+        "s", z, y, CHOICES, fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"
+    )
     s = profile.signal
     assert s is not None
     assert s.n == profile.split.conformal + profile.split.certify

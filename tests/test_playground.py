@@ -21,6 +21,7 @@ import pytest
 from fakes import FakeEngine
 from litestar.testing import TestClient
 from server import Server, free_port
+from test_reliability import live
 from test_service import EXAMPLES, NUM_LAYERS, FeatureEngine, H, probe_profile
 
 from calibration.reliability import reliability_diagram
@@ -272,6 +273,23 @@ class Page:
     def find(self, css: str) -> Any:
         return self.driver.find_element(self.by.CSS_SELECTOR, css)
 
+    def shown_panels(self) -> list[str]:
+        """The ids of the tab panels a person can see, as Chromium lays the page out."""
+        return [p.get_attribute("id") for p in self.all("[role=tabpanel]") if p.is_displayed()]
+
+    def selected_tabs(self) -> list[str]:
+        return [
+            t.get_attribute("id")
+            for t in self.all("[role=tab]")
+            if t.get_attribute("aria-selected") == "true"
+        ]
+
+    def show(self, tab: str, panel: str) -> None:
+        """Click a tab; then its panel, and only it, is on screen."""
+        self.find(f"#{tab}").click()  # the page switches panels in the click handler
+        assert self.selected_tabs() == [tab]
+        assert self.shown_panels() == [panel], f"after clicking {tab}"
+
     def all(self, css: str) -> list[Any]:
         return list(self.driver.find_elements(self.by.CSS_SELECTOR, css))
 
@@ -282,6 +300,7 @@ class Page:
         key.send_keys(KEY)
         self.find("#prompt").click()  # leaving the field fires its change: profiles load
         self.wait.until(lambda d: self.all("#profile option[value='sms']"))
+        assert self.shown_panels() == ["judge-view"]
 
     def fill(self, css: str, text: str) -> None:
         field = self.find(css)
@@ -348,6 +367,26 @@ def same_numbers(bars: list[tuple[str, str, str, str]], body: dict[str, Any]) ->
         # two judgments that differ in float noise.
         assert float(calibrated) == pytest.approx(printed(body["probabilities"][choice]), abs=1e-4)
         assert float(raw) == pytest.approx(printed(body["raw_probabilities"][choice]), abs=1e-4)
+
+
+def test_each_tab_shows_its_own_panel_and_no_other(browser: Any, tmp_path: Path) -> None:
+    # Pure page mechanics: a server on a fake engine is enough to serve the page.
+    with live(FakeEngine(), tmp_path) as url:
+        page = Page(browser, url)
+        browser.get(url + "/playground")
+        page.wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
+        tabs = {t.get_attribute("id"): t.get_attribute("data-view") for t in page.all("[role=tab]")}
+        # Every tab names its own panel and every panel has a tab, so visiting every tab below
+        # covers every panel, whatever tabs the page grows.
+        panels = [p.get_attribute("id") for p in page.all("[role=tabpanel]")]
+        assert sorted(tabs.values()) == sorted(panels) and len(set(panels)) == len(panels)
+        assert {"tab-judge": "judge-view", "tab-profiles": "profiles-view"}.items() <= tabs.items()
+        # What a person sees on first load: the Judge panel, and only it.
+        assert page.selected_tabs() == ["tab-judge"]
+        assert page.shown_panels() == ["judge-view"], "first load"
+        for tab in [*tabs, *reversed(tabs), "tab-profiles", "tab-profiles"]:
+            page.show(tab, tabs[tab])
+        assert_no_csp_violations(browser)
 
 
 def test_the_page_shows_what_post_judge_says(browser: Any, server: Server, tmp_path: Path) -> None:
@@ -424,7 +463,7 @@ def test_the_profile_view(browser: Any, server: Server, tmp_path: Path) -> None:
     profile = httpx.get(f"{server.url}/profiles/sms", headers=auth()).json()
     page = Page(browser, server.url)
     page.open()
-    page.find("#tab-profiles").click()
+    page.show("tab-profiles", "profiles-view")
     page.wait.until(lambda d: page.all("#profile-pick option[value='sms']"))
     Select(page.find("#profile-pick")).select_by_value("sms")
     page.wait.until(lambda d: page.find("#profile-detail").get_attribute("data-state") == "done")
@@ -468,7 +507,7 @@ def test_the_profile_view_of_a_probe(browser: Any, server: Server) -> None:
     try:
         page = Page(browser, server.url)
         page.open()
-        page.find("#tab-profiles").click()
+        page.show("tab-profiles", "profiles-view")
         page.wait.until(lambda d: page.all("#profile-pick option[value='probe-view']"))
         Select(page.find("#profile-pick")).select_by_value("probe-view")
         page.wait.until(

@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
-from fakes import CONFIG, Scored, judgment_of
+from fakes import FINGERPRINT, Scored, judgment_of
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold
 from sklearn.pipeline import make_pipeline
@@ -28,7 +28,7 @@ from calibration.errors import FitError, ProfileError, ProfileMismatchError, Rul
 from calibration.maps import MAX_PROBE_WEIGHTS, Probe, Temperature, softmax
 from calibration.probe import MIN_PROBE_EXAMPLES, fit_probe, fit_probe_weights, map_features
 from calibration.profile import CalibrationProfile
-from judge import Judgment
+from judge import Fingerprint, Judgment
 
 CHOICES = ["a", "b", "c"]
 LAYERS = (4, 8, 12)  # the layers judged, of a model with NUM_LAYERS blocks of width H
@@ -67,6 +67,12 @@ def logit_world(n: int, seed: int) -> tuple[FloatArray, IntArray, npt.NDArray[np
     return z, y, rng.normal(size=(n, len(LAYERS), H)).astype(np.float32)
 
 
+def engine(**changes: Any) -> Fingerprint:
+    """The fingerprint of ``fakes.FINGERPRINT``'s engine with hidden states of NUM_LAYERS x H."""
+    shape = {"num_layers": NUM_LAYERS, "hidden_size": H}
+    return msgspec.structs.replace(FINGERPRINT, **{**shape, **changes})
+
+
 def folds(y: IntArray) -> list[tuple[IntArray, IntArray]]:
     splitter = StratifiedKFold(n_splits=5, shuffle=True, random_state=0)
     return list(splitter.split(np.zeros((y.shape[0], 1)), y))
@@ -76,19 +82,17 @@ def fit(
     z: FloatArray, y: IntArray, x: Any, *, choices: list[str] = CHOICES, **options: Any
 ) -> CalibrationProfile:
     """``fit_profile`` on synthetic items and their features (n, 3, H) of ``LAYERS``, with the
-    engine of ``fakes.CONFIG``."""
+    engine of ``engine()``."""
     return fit_profile(
         "probe-v1",
         z,
         y,
         choices,
-        **CONFIG,
+        fingerprint=engine(),
         dataset="synthetic",
         dataset_sha256="0",
         features=x,
         feature_layers=LAYERS,
-        num_layers=NUM_LAYERS,
-        hidden_size=H,
         n_bootstrap=20,
         **options,
     )
@@ -321,7 +325,7 @@ HUGE = "a number JSON can write and a float cannot hold"  # replaced by 1e400 in
 
 def _wide(data: dict[str, Any]) -> None:
     # Three rows of 2**17 + 3 numbers, over the limit, and a profile whose width agrees.
-    data["calibration_map"]["feature_dim"] = data["hidden_size"] = 2**17
+    data["calibration_map"]["feature_dim"] = data["fingerprint"]["hidden_size"] = 2**17
     data["calibration_map"]["weights"] = [[0.0] * (2**17 + 3)] * 3
 
 
@@ -341,8 +345,8 @@ def _wide(data: dict[str, Any]) -> None:
         (_set("calibration_map.layers", [0]), r"calibration_map\.layers\[0\]"),
         (_set("calibration_map.l2", 0.0), r"calibration_map\.l2"),
         (_set("calibration_map.feature_dim", 0), r"calibration_map\.feature_dim"),
-        (_set("num_layers", 24), r"num_layers is 24 but the probe was fitted on 12"),
-        (_set("hidden_size", 16), r"hidden_size is 16 but the probe was fitted on 8"),
+        (_set("fingerprint.num_layers", 24), r"fingerprint\.num_layers is 24 but the probe was"),
+        (_set("fingerprint.hidden_size", 16), r"fingerprint\.hidden_size is 16 but the probe"),
     ],
 )
 def test_a_bad_probe_profile_is_a_profile_error_naming_the_field(
@@ -368,7 +372,7 @@ def test_missing_features_are_a_mismatch_naming_features(profile: CalibrationPro
     assert info.value.field == "features"
     row = x[0, LAYERS.index(SIGNAL_LAYER)].tolist()
     for judged in (
-        Scored(log_probabilities=dict(zip(CHOICES, z[0].tolist(), strict=True))),
+        Scored(dict(zip(CHOICES, z[0].tolist(), strict=True))),
         judgment(z[0], None),
         judgment(z[0], {4: row}),  # features, but not of the probe's layer
     ):
@@ -376,7 +380,7 @@ def test_missing_features_are_a_mismatch_naming_features(profile: CalibrationPro
             profile.decide(judged)
         assert info.value.field == "features"
     with pytest.raises(ProfileMismatchError) as info:
-        profile.calibrate(dict(zip(CHOICES, z[0].tolist(), strict=True)))
+        profile.calibrate(Scored(dict(zip(CHOICES, z[0].tolist(), strict=True))))
     assert info.value.field == "features"
     with pytest.raises(ValueError, match="pass the items' features"):
         evaluate_policy(profile, z, [0, 1, 2], n_bootstrap=10)
@@ -401,30 +405,20 @@ def test_features_of_the_wrong_width_are_a_mismatch_naming_hidden_size(
         probe.apply(z[:2], flat[:1].repeat(2, axis=1))
 
 
-class Engine:
-    """An engine's configuration, with the hidden-state shape a probe depends on."""
-
-    def __init__(self, **changes: Any) -> None:
-        self.config = {**CONFIG, "num_layers": NUM_LAYERS, "hidden_size": H, **changes}
-
-    def configuration(self, **overrides: Any) -> dict[str, Any]:
-        return {**self.config, **{k: v for k, v in overrides.items() if v is not None}}
-
-
 def test_check_refuses_an_engine_of_another_shape_for_a_probe_only(
     profile: CalibrationProfile,
 ) -> None:
-    profile.check(Engine())
+    profile.check(engine())
     for field, fitted, value in (("num_layers", NUM_LAYERS, 24), ("hidden_size", H, 16)):
         with pytest.raises(ProfileMismatchError, match=f"{field} {fitted}, not {value}") as info:
-            profile.check(Engine(**{field: value}))
+            profile.check(engine(**{field: value}))
         assert info.value.field == field
     # A scalar profile reads no hidden state: another shape changes nothing for it.
     z, y, x = layer_world(200, seed=7)
     scalar = fit(z, y, x, methods=["temperature"])
     assert not isinstance(scalar.calibration_map, Probe)
-    scalar.check(Engine(num_layers=24, hidden_size=16))
-    scalar.check(Engine(num_layers=None, hidden_size=None))
+    scalar.check(engine(num_layers=24, hidden_size=16))
+    scalar.check(engine(num_layers=None, hidden_size=None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,14 +476,12 @@ def test_a_probe_profile_of_the_default_model_is_small() -> None:
         z,
         y,
         ["negative", "positive"],
-        **CONFIG,
+        fingerprint=engine(num_layers=30, hidden_size=hidden),
         dataset="synthetic",
         dataset_sha256="0",
         methods=["probe"],
         features=x,
         feature_layers=[20],
-        num_layers=30,
-        hidden_size=hidden,
         n_bootstrap=10,
     )
     assert isinstance(fitted.calibration_map, Probe)
@@ -534,5 +526,5 @@ def test_decide_reads_the_judgments_features_as_apply_does(profile: CalibrationP
         decision = profile.decide(judged)
         got = [decision.probabilities[c] for c in CHOICES]
         np.testing.assert_allclose(got, expected[i], rtol=1e-12)
-        calibrated = profile.calibrate(judged.log_probabilities, judged.features)
+        calibrated = profile.calibrate(judged)
         np.testing.assert_allclose([calibrated[c] for c in CHOICES], expected[i], rtol=1e-12)

@@ -30,18 +30,25 @@ from service.profiles import (
     parse_etags,
 )
 
-# The fake engine's own configuration, so the profile applies to it.
-FAKE: dict[str, Any] = dict(FakeEngine().configuration())
+# The fake engine's own fingerprint, so the profile applies to it.
+FAKE = FakeEngine().fingerprint()
 
 
 def fake_profile(name: str = "sms", seed: int = 0) -> CalibrationProfile:
-    """A real fitted profile (synthetic scores) whose configuration is FakeEngine's."""
+    """A real fitted profile (synthetic scores) whose fingerprint is FakeEngine's."""
     rng = np.random.default_rng(seed)
     z = rng.normal(0, 3, size=(200, 2))
     y = (rng.random(200) > np.exp(z[:, 0] / 2) / np.exp(z / 2).sum(1)).astype(int)
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     return fit_profile(
-        name, logp, y, ["ham", "spam"], **FAKE, dataset="d", dataset_sha256="0", n_bootstrap=10
+        name,
+        logp,
+        y,
+        ["ham", "spam"],
+        fingerprint=FAKE,
+        dataset="d",
+        dataset_sha256="0",
+        n_bootstrap=10,
     )
 
 

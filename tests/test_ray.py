@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import math
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,12 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from fakes import FakeEngine, as_query, judgment_of
+from fakes import FakeEngine, judgment_of
 from server import free_port
 from test_profile_store import fake_profile
 from test_reliability import live
 
-from judge import JudgeError, Judgment, Query
+from judge import Judgment, Prepared, Query
 from service import ServiceConfig
 from service.cli.main import main
 from service.ray_serve import INSTALL_HINT, Scaling, application
@@ -57,11 +58,9 @@ class HashEngine(FakeEngine):
         total = sum(weights.values())
         return judgment_of({c: w / total for c, w in weights.items()}, prompt=query.prompt)
 
-    def judge_each(
-        self, queries: Sequence[Query | Mapping[str, Any]]
-    ) -> list[Judgment | JudgeError]:
+    def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         time.sleep(self.delay)
-        return [self.judgment(as_query(q)) for q in queries]
+        return super().run(prepared)
 
 
 def hash_engine() -> HashEngine:
@@ -106,7 +105,24 @@ def fake_url(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def ask(client: httpx.Client, url: str, i: int, **extra: Any) -> httpx.Response:
     body = {"prompt": f"message {i}: is it spam?", "choices": CHOICES, **extra}
-    return client.post(f"{url}/judge", json=body, timeout=30)
+    return client.post(f"{url}/judge", json=body, timeout=60)
+
+
+# Generous bounds, each for one thing: a loaded machine makes these slow, not wrong.
+STARTUP_S = 180.0  # both replicas answering after the deployment
+RECOVERY_S = 180.0  # Serve replacing a killed replica, from the kill
+SETTLE_S = 60.0  # the recovered pair answering a few more requests
+
+
+def poll_until(condition: Callable[[], bool], within_s: float, what: str) -> float:
+    """Check ``condition`` every 50 ms until it holds; the time it took. Fails after ``within_s``."""
+    started = time.monotonic()
+    deadline = started + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {within_s:.0f} s")
+        time.sleep(0.05)
+    return time.monotonic() - started
 
 
 @pytest.mark.slow
@@ -129,17 +145,27 @@ def test_requests_spread_over_both_replicas_and_match_one_process(
             assert r.json()["decision"] == alone["decision"]
 
 
-def until_both(url: str, check: Any, limit: int = 200) -> collections.Counter[str]:
-    """Send requests until both replicas have answered ``check``-passing responses."""
+def until_both(
+    url: str, check: Callable[[httpx.Response], bool], within_s: float = STARTUP_S
+) -> collections.Counter[str]:
+    """Send requests until both replicas have answered ``check``-passing responses.
+
+    Eight at a time: the router spreads concurrent requests by queue length, while requests
+    sent one by one find every replica idle and may all go to the same one (seen: 200 of 200).
+    """
     seen: collections.Counter[str] = collections.Counter()
-    with httpx.Client() as client:
-        for i in range(limit):  # bounded: 2 replicas, round-robin-ish routing
-            r = ask(client, url, i, profile="shared")
-            if check(r):
-                seen[r.headers[REPLICA]] += 1
+    deadline = time.monotonic() + within_s
+    with httpx.Client() as client, ThreadPoolExecutor(8) as pool:
+        for start in itertools.count(0, 8):
+            batch = range(start, start + 8)
+            for r in pool.map(lambda i: ask(client, url, i, profile="shared"), batch):
+                if check(r):
+                    seen[r.headers[REPLICA]] += 1
             if len(seen) == 2:
                 return seen
-    raise AssertionError(f"after {limit} requests only {dict(seen)} answered as expected")
+            if time.monotonic() > deadline:
+                break
+    raise AssertionError(f"within {within_s:.0f} s only {dict(seen)} answered as expected")
 
 
 @pytest.mark.slow
@@ -181,7 +207,7 @@ def test_killing_a_replica_loses_only_what_was_in_flight_on_it(fake_url: str) ->
 
     def stream(worker: int) -> None:
         with httpx.Client() as client:
-            for i in range(100_000):  # bounded by the stop event and the deadline below
+            for i in range(100_000):  # bounded by the stop event, set within the deadlines
                 if stop.is_set():
                     return
                 try:
@@ -192,37 +218,45 @@ def test_killing_a_replica_loses_only_what_was_in_flight_on_it(fake_url: str) ->
                 with lock:
                     results.append((time.monotonic(), status, replica))
 
+    def answered_since(t: float) -> collections.Counter[str]:
+        """Answers per replica, counting the 200s sent after ``t``."""
+        with lock:
+            return collections.Counter(
+                r[2] for r in results if r[0] > t and r[1] == 200 and r[2] is not None
+            )
+
     threads = [threading.Thread(target=stream, args=(w,), daemon=True) for w in range(workers)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 90
-    while len({r[2] for r in results if r[1] == 200}) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    before = {r[2] for r in results if r[1] == 200 and r[2] is not None}
-    assert len(before) == 2
-    victim = sorted(before)[0]
-    killed_at = time.monotonic()
-    os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
-    recovered_at = None
-    while time.monotonic() < deadline:
-        with lock:
-            answered = {r[2] for r in results if r[0] > killed_at and r[1] == 200}
-        if len(answered - {victim}) == 2:  # the survivor and a new replica
-            recovered_at = time.monotonic()
-            break
-        time.sleep(0.05)
-    time.sleep(1.0)  # a little more traffic on the recovered pair
-    stop.set()
-    for t in threads:
-        t.join(30)
+    try:
+        # Start-up and recovery each get their own deadline: a slow start must not eat into
+        # the time a replacement replica has to come up.
+        poll_until(lambda: len(answered_since(0.0)) == 2, STARTUP_S, "both replicas answering")
+        victim = sorted(answered_since(0.0))[0]
+        killed_at = time.monotonic()
+        os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
+
+        def pair_answered(since: float, each: int) -> bool:
+            """The survivor and a new replica have each answered ``each`` times since then."""
+            seen = answered_since(since)
+            seen.pop(victim, None)
+            return len(seen) == 2 and min(seen.values()) >= each
+
+        recovery = poll_until(
+            lambda: pair_answered(killed_at, 1), RECOVERY_S, f"a replica to replace {victim}"
+        )
+        recovered_at = time.monotonic()  # then a little more traffic on the recovered pair
+        poll_until(lambda: pair_answered(recovered_at, 3), SETTLE_S, "the recovered pair")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
     failed = [r for r in results if r[1] != 200]
     after = collections.Counter(r[2] for r in results if r[0] > killed_at and r[1] == 200)
     print(
         f"\n{len(results)} requests, {len(failed)} failed ({collections.Counter(r[1] for r in failed)}); "
-        f"recovery {recovered_at - killed_at if recovered_at else math.nan:.1f} s; "
-        f"answers after the kill: {dict(after)}"
+        f"recovery {recovery:.1f} s; answers after the kill: {dict(after)}"
     )
-    assert recovered_at is not None, "a new replica never answered"
     # Each client has one request at a time, so at most `workers` were in flight on the victim.
     assert len(failed) <= workers
     assert all(r[0] >= killed_at for r in failed)
@@ -253,7 +287,9 @@ def test_the_real_model_on_two_replicas_equals_one_process(
     with live(judge, tmp_path) as one, httpx.Client() as client:
         worst = 0.0
         for p, r in zip(prompts, answers, strict=True):
-            alone = client.post(f"{one}/judge", json={"prompt": p, "choices": CHOICES}).json()
+            alone = client.post(
+                f"{one}/judge", json={"prompt": p, "choices": CHOICES}, timeout=120
+            ).json()
             for c in CHOICES:
                 worst = max(
                     worst, abs(r.json()["raw_probabilities"][c] - alone["raw_probabilities"][c])

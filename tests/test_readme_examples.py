@@ -59,7 +59,7 @@ def test_pipeline_example(
         logp,
         labels,
         ["ham", "spam"],
-        **judge.configuration(),
+        fingerprint=judge.fingerprint(),
         dataset="t",
         dataset_sha256="0",
         n_bootstrap=20,

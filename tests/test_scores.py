@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
-from fakes import CONFIG, Scored, judgment_of
+from fakes import FINGERPRINT, Scored, judgment_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -67,7 +68,7 @@ def test_score_is_the_probability_weighted_mean_and_spread() -> None:
     ("probs", "values", "words"),
     [
         ({"yes": 0.5, "no": 0.5}, None, "'yes' is not a numeral"),
-        ({"a": 0.5, "b": 0.5}, {"a": 1.0}, r"no number for the choice\(s\) \['b'\]"),
+        ({"a": 0.5, "b": 0.5}, {"a": 1.0}, r"values is missing \['b'\]"),
         ({"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 2.0, "c": 3.0}, r"names \['c'\]"),
         ({"a": 0.5, "b": 0.5}, {"a": 1.0, "b": float("nan")}, "finite"),
         ({"a": 0.5, "b": 0.5}, {"a": 1.0, "b": float("inf")}, "finite"),
@@ -145,6 +146,24 @@ def test_values_and_max_std_precedence_request_over_profile_over_default(
     assert d.expected_value == pytest.approx(5.0)  # mean of 0, 2, ..., 10
 
 
+def test_one_values_error_for_raw_and_calibrated_scores() -> None:
+    # One set of rules (judge.scores) and one class, whichever layer checks the values.
+    assert CalibrationValuesError is ValuesError
+    grades = scored({"1": 0.5, "2": 0.5})
+    bad_values: list[dict[str, Any]] = [
+        {"1": 1.0, "3": 2.0},
+        {"1": 1.0, "2": float("nan")},
+        {"1": "x", "2": 2.0},
+    ]
+    for bad in bad_values:
+        with pytest.raises(ValuesError) as raw:
+            score_of({"1": 0.5, "2": 0.5}, bad)
+        with pytest.raises(ValuesError) as calibrated:
+            make_policy(None, values=bad).decide(grades)
+        assert str(calibrated.value) == str(raw.value)
+        assert calibrated.value.field == raw.value.field == "values"
+
+
 def test_max_std_without_values_is_an_error_naming_values() -> None:
     with pytest.raises(CalibrationValuesError, match="give values") as info:
         make_policy(None, max_std=1.0).decide(scored({"yes": 0.5, "no": 0.5}))
@@ -174,7 +193,7 @@ def score_profile() -> CalibrationProfile:
         logp,
         y,
         GRADES,
-        **CONFIG,
+        fingerprint=FINGERPRINT,
         dataset="d",
         dataset_sha256="0",
         n_bootstrap=20,

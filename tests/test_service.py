@@ -7,7 +7,7 @@ import re
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,11 @@ from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.probe import candidate_layers
 from calibration.tasks import load_split, load_task, task_prompt
 from judge import (
-    Configuration,
     Engine,
+    Fingerprint,
     Judge,
-    JudgeError,
     Judgment,
+    Prepared,
     Query,
 )
 from service import ServiceConfig, create_app
@@ -167,7 +167,9 @@ def test_prompt_too_long_for_the_model(judge: Judge, tmp_path: Path) -> None:
     config = ServiceConfig(
         profiles_dir=tmp_path, max_request_tokens=20_000, max_batch_tokens=20_000
     )
-    app = create_app(judge, config=config)
+    # The engine packs to the server's budget: one number everywhere.
+    engine = Judge(judge.model, judge.tokenizer, model_id=judge.model_id, max_batch_tokens=20_000)
+    app = create_app(engine, config=config)
     with TestClient(app=app) as c:
         wait_ready(c)
         status, body = post(c, {"prompt": "word " * 9000, "choices": ["a", "b"]})
@@ -181,8 +183,13 @@ def test_token_budget_refuses_before_any_work(client: TestClient[Any]) -> None:
     long = "word " * 5000  # about 5,000 tokens: over the default budget of 4,096
     status, body = post(client, {"prompt": long, "choices": ["a", "b"]})
     assert status == 413 and body["field"] == "prompt" and "4096" in body["detail"]
-    status, body = post(client, {"prompt": "x", "choices": ["a", long]})
+    # The budget counts what the pass feeds: choices that share a long head before they differ
+    # feed it all; a long tail after the choices part ways is never fed, and costs nothing.
+    dense = "a " * 5000  # 5,000 tokens in 10 kB: two fit under the body limit
+    status, body = post(client, {"prompt": "x", "choices": [dense + "x", dense + "y"]})
     assert status == 413 and body["field"] == "choices"
+    status, body = post(client, {"prompt": "x", "choices": ["a", long]})
+    assert status == 200
     status, body = post(client, {"prompt": "x", "response_prefix": long, "choices": ["a", "b"]})
     assert status == 413 and body["field"] == "response_prefix"
     # In a batch, the long item gets its 413 in its place; the other is judged.
@@ -266,7 +273,9 @@ def test_batch_items_and_shared_context(client: TestClient[Any], judge: Judge) -
         alone = judge.judge(f"{context}\n\n{q['prompt']}", q["choices"])
         assert got["raw_probabilities"] == pytest.approx(alone.probabilities, abs=1e-4)
     status, body = post(client, {"context": context}, "/judge/batch")
-    assert status == 400 and body["field"] == "items"
+    assert status == 400 and body["field"] == "questions"  # the shared shape, incomplete
+    status, body = post(client, {"items": [], "context": context}, "/judge/batch")
+    assert status == 400 and body["field"] == "items"  # both shapes
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +293,7 @@ def test_profiles_fit_use_list_get_put_delete(
 ) -> None:
     profile = fitted
     assert profile["name"] == "sms" and profile["n_examples"] == len(EXAMPLES)
-    assert profile["model"] == judge.model_id and profile["dtype"] == judge.dtype
+    assert profile["fingerprint"] == msgspec.to_builtins(judge.fingerprint())
     summaries = {p["name"]: p for p in client.get("/profiles").json()}
     assert summaries["sms"]["calibration_map"] == {
         "method": profile["calibration_map"]["method"],
@@ -320,7 +329,8 @@ def test_profiles_fit_use_list_get_put_delete(
     )
     assert status == 422 and body["field"] == "system"
 
-    other = {**profile, "name": "other", "model": "someone-elses-model"}
+    elsewhere = {**profile["fingerprint"], "model": "someone-elses-model"}
+    other = {**profile, "name": "other", "fingerprint": elsewhere}
     assert client.put("/profiles/other", json=other).status_code == 200
     status, body = post(client, {"prompt": SPAM, "choices": ["spam", "ham"], "profile": "other"})
     assert status == 422 and body["field"] == "model"
@@ -348,6 +358,13 @@ def test_profiles_fit_use_list_get_put_delete(
     }
     assert client.put("/profiles/broken", json=broken).status_code == 400
     assert client.put("/profiles/broken", json={"name": "broken"}).status_code == 400
+    # A profile saved by the previous version (format 2: the fingerprint's fields at the top
+    # level) is accepted and stored in this format, as files are.
+    rest = {k: v for k, v in profile.items() if k != "fingerprint"}
+    flat = {**rest, **profile["fingerprint"], "name": "old", "format_version": 2}
+    assert client.put("/profiles/old", json=flat).status_code == 200
+    stored = client.get("/profiles/old").json()
+    assert stored["format_version"] == 3 and stored["fingerprint"] == profile["fingerprint"]
 
     assert client.delete("/profiles/other").status_code == 204
     assert client.get("/profiles/other").status_code == 404
@@ -479,13 +496,11 @@ class SlowEngine(FakeEngine):
     def __init__(self, delay: float, fail: bool = False) -> None:
         self.delay, self.fail = delay, fail
 
-    def judge_each(
-        self, queries: Sequence[Query | Mapping[str, Any]]
-    ) -> list[Judgment | JudgeError]:
+    def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         time.sleep(self.delay)
         if self.fail:
             raise RuntimeError("secret internal detail")
-        return super().judge_each(queries)
+        return super().run(prepared)
 
 
 def test_queue_full_and_timeout_answer_503(tmp_path: Path) -> None:
@@ -641,19 +656,18 @@ class FeatureEngine(FakeEngine):
         self.num_layers, self.hidden_size = num_layers, hidden_size
         self.asked: list[tuple[int, ...]] = []
 
-    def configuration(
+    def fingerprint(
         self,
         *,
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
-    ) -> Configuration:
-        config = super().configuration(
+    ) -> Fingerprint:
+        fingerprint = super().fingerprint(
             system=system, response_prefix=response_prefix, response_suffix=response_suffix
         )
-        config["num_layers"] = self.num_layers
-        config["hidden_size"] = self.hidden_size
-        return config
+        shape = {"num_layers": self.num_layers, "hidden_size": self.hidden_size}
+        return msgspec.structs.replace(fingerprint, **shape)
 
     def judgment(self, query: Query) -> Judgment:
         self.asked.append(tuple(query.feature_layers))
@@ -684,10 +698,10 @@ def probe_profile(name: str = "probe", n: int = 150) -> CalibrationProfile:
         feature_layers=(2,),
         dataset="synthetic",
         dataset_sha256="0" * 64,
-        **FeatureEngine().configuration(),
+        fingerprint=FeatureEngine().fingerprint(),
     )
     assert profile.calibration_map.method == "probe" and profile.feature_layers == (2,)
-    assert (profile.num_layers, profile.hidden_size) == (NUM_LAYERS, H)
+    assert (profile.fingerprint.num_layers, profile.fingerprint.hidden_size) == (NUM_LAYERS, H)
     return profile
 
 
@@ -753,14 +767,15 @@ def test_a_probe_profile_is_served_with_the_hidden_states_it_reads(
         for prompt, got in zip(prompts, body["results"], strict=False):
             assert got["probabilities"] == pytest.approx(expected(prompt).probabilities, rel=1e-12)
 
-        # Questions about a shared context (the fake judges the question's own prompt).
+        # Questions about a shared context (the fake judges the context and the question).
         engine.asked.clear()
         questions = [{"prompt": p, "choices": choices, "profile": "probe"} for p in prompts]
         status, body = post(c, {"context": "Some context.", "questions": questions}, "/judge/batch")
         assert status == 200, body
         assert engine.asked == [(2,)] * len(prompts)
         for prompt, got in zip(prompts, body["results"], strict=True):
-            assert got["probabilities"] == pytest.approx(expected(prompt).probabilities, rel=1e-12)
+            want = expected(f"Some context.\n\n{prompt}")
+            assert got["probabilities"] == pytest.approx(want.probabilities, rel=1e-12)
             assert "features" not in got
 
         # Fitted with the default template: another one is refused, as for any profile.
@@ -799,8 +814,10 @@ def test_a_probe_profile_for_another_shape_of_model_is_refused(
 
 def _probe_json(profile: CalibrationProfile, **changes: Any) -> dict[str, Any]:
     data: dict[str, Any] = msgspec.to_builtins(profile)
-    calibration_map = changes.pop("calibration_map", {})
-    return {**data, **changes, "calibration_map": {**data["calibration_map"], **calibration_map}}
+    nested = {
+        key: {**data[key], **changes.pop(key, {})} for key in ("calibration_map", "fingerprint")
+    }
+    return {**data, **changes, **nested}
 
 
 def test_uploaded_probe_weights_are_checked_and_named(
@@ -815,8 +832,8 @@ def test_uploaded_probe_weights_are_checked_and_named(
         ({"calibration_map": {"intercept": [1e7, 0.0]}}, 422, "calibration_map.intercept"),
         ({"calibration_map": {"layers": [5]}}, 422, "calibration_map.layers"),
         ({"calibration_map": {"weights": [w[0], "x"]}}, 400, "calibration_map.weights[1]"),
-        ({"num_layers": 6}, 422, "num_layers"),
-        ({"hidden_size": 9}, 422, "hidden_size"),
+        ({"fingerprint": {"num_layers": 6}}, 422, "fingerprint.num_layers"),
+        ({"fingerprint": {"hidden_size": 9}}, 422, "fingerprint.hidden_size"),
     ]
     with served(FeatureEngine(), tmp_path) as c:
         wait_ready(c)
@@ -830,8 +847,9 @@ def test_uploaded_probe_weights_are_checked_and_named(
         assert (r.status_code, r.json()["field"]) == (400, "calibration_map.weights[0][0]"), r.text
         assert c.get("/profiles/probe").status_code == 404  # nothing was stored
         # JSON Schema's integer includes 4.0, in an optional field too (as num_layers is).
-        r = put(c, msgspec.json.encode(_probe_json(probe, num_layers=4.0, hidden_size=8.0)))
-        assert r.status_code == 200 and r.json()["num_layers"] == 4, r.text
+        shape = {"num_layers": 4.0, "hidden_size": 8.0}
+        r = put(c, msgspec.json.encode(_probe_json(probe, fingerprint=shape)))
+        assert r.status_code == 200 and r.json()["fingerprint"]["num_layers"] == 4, r.text
 
 
 def test_a_probe_at_the_weight_limit_fits_under_the_profile_body_limit(
@@ -843,7 +861,7 @@ def test_a_probe_at_the_weight_limit_fits_under_the_profile_body_limit(
         return msgspec.json.encode(
             _probe_json(
                 probe,
-                hidden_size=dim,
+                fingerprint={"hidden_size": dim},
                 calibration_map={"feature_dim": dim, "weights": weights},
             )
         )
@@ -899,7 +917,7 @@ def test_fit_a_probe_over_http(tmp_path: Path) -> None:
         # The examples were judged with every layer a probe may be chosen among.
         assert set(engine.asked) == {candidate_layers(NUM_LAYERS)} and len(engine.asked) == 150
         assert profile.calibration_map.method == "probe" and profile.feature_layers == (2,)
-        assert profile.baseline is not None and profile.num_layers == NUM_LAYERS
+        assert profile.baseline is not None and profile.fingerprint.num_layers == NUM_LAYERS
         status, body = post(c, {"prompt": "Is it?", "choices": ["yes", "no"], "profile": "p"})
         assert status == 200, body
         query = Query(prompt="Is it?", choices=["yes", "no"], feature_layers=(2,))
@@ -939,7 +957,8 @@ def test_a_probe_fitted_over_http_decides_as_the_profile_does(judge: Judge, tmp_
         assert r.status_code == 200, r.text
         profile = decode_profile(r.content)
         assert profile.calibration_map.method == "probe" and profile.baseline is not None
-        assert (profile.num_layers, profile.hidden_size) == (judge.num_layers, judge.hidden_size)
+        shape = (profile.fingerprint.num_layers, profile.fingerprint.hidden_size)
+        assert shape == (judge.num_layers, judge.hidden_size)
         fitted = time.perf_counter() - began
         # A pass that reads part of its prompt from the prefix cache differs from one that
         # computes it by float32 noise (about 1e-5 on hidden states of size 100), which the
@@ -958,3 +977,108 @@ def test_a_probe_fitted_over_http_decides_as_the_profile_does(judge: Judge, tmp_
             assert (body["choice"], body["decision"]) == (expected.choice, expected.decision)
             assert body["calibration_method"] == "probe" and body["temperature"] is None
     print(f"probe over HTTP: fitted in {fitted:.1f} s, {time.perf_counter() - began:.1f} s in all")
+
+
+# --- the table of operations (service.operations) is the one description of the API -------
+
+
+def test_the_app_s_routes_are_the_operation_table(tmp_path: Path) -> None:
+    from service.operations import OPERATIONS, allowed
+
+    app = create_app(FakeEngine(), config=ServiceConfig(profiles_dir=tmp_path))
+    served_ops = {
+        (method, handler.name, route.path)
+        for route in app.routes
+        for handler in getattr(route, "route_handlers", [])
+        for method in handler.http_methods
+        if handler.name is not None and not handler.name.startswith(("options ", "playground"))
+    }
+    assert served_ops == {(op.method, op.name, op.route) for op in OPERATIONS}
+    with TestClient(app=app) as c:
+        for op in OPERATIONS:
+            path = op.url(**dict.fromkeys(op.parameters, "sms"))
+            r = c.options(path)
+            assert r.status_code == 204 and r.headers["allow"] == allowed(op.path), path
+
+
+def test_the_openapi_paths_are_the_operation_table() -> None:
+    from service.openapi import openapi_document
+    from service.operations import OPERATIONS
+
+    for secured in (False, True):
+        document = openapi_document(secured=secured)
+        got = {
+            (method.upper(), path, op["operationId"], op["summary"])
+            for path, ops in document["paths"].items()
+            for method, op in ops.items()
+        }
+        documented = [op for op in OPERATIONS if op.documented]
+        assert got == {(op.method, op.path, op.operation_id, op.summary) for op in documented}
+        for op in documented:
+            answers = document["paths"][op.path][op.method.lower()]["responses"]
+            auth = () if op.public or not secured else (401,)
+            assert set(answers) == {str(s) for s in (op.ok[0], *op.errors, *auth)}
+            assert ("requestBody" in document["paths"][op.path][op.method.lower()]) == (
+                op.body is not None
+            )
+    # The batch body: one of two shapes, each a Struct of its own.
+    batch = document["paths"]["/judge/batch"]["post"]["requestBody"]["content"]
+    assert batch["application/json"]["schema"] == {
+        "oneOf": [
+            {"$ref": "#/components/schemas/ItemsBatch"},
+            {"$ref": "#/components/schemas/SharedBatch"},
+        ]
+    }
+    # A batch answers an item's repeated choices in its place (200), so its items may repeat.
+    schemas = document["components"]["schemas"]
+    assert schemas["JudgeRequest"]["properties"]["choices"]["uniqueItems"] is True
+    assert "uniqueItems" not in schemas["BatchItem"]["properties"]["choices"]
+
+
+@pytest.mark.parametrize(
+    ("path", "label"),
+    [
+        ("/judge", "/judge"),
+        ("/judge/batch", "/judge/batch"),
+        ("/profiles", "/profiles"),
+        ("/profiles/sms", "/profiles/{name}"),
+        ("/profiles/sms/fit", "/profiles/{name}/fit"),
+        ("/schema/openapi.json", "/schema/openapi.json"),
+        ("/playground", "other"),
+        ("/profiles/a/b/c", "other"),
+    ],
+)
+def test_metric_labels_are_the_operations_paths(path: str, label: str) -> None:
+    from service.metrics import route_label
+
+    assert route_label(path) == label
+
+
+@pytest.mark.parametrize(
+    ("body", "shape", "field"),
+    [
+        ({"items": []}, "ItemsBatch", None),
+        ({"items": [], "context": None, "questions": None}, "ItemsBatch", None),  # older clients
+        ({"context": "c", "questions": []}, "SharedBatch", None),
+        ({"context": "c", "questions": [], "items": None}, "SharedBatch", None),
+        ({}, None, "items"),
+        ({"items": None}, None, "items"),
+        ({"items": [], "context": "c", "questions": []}, None, "items"),
+        ({"items": [], "context": "c"}, None, "items"),
+        ({"context": "c"}, None, "questions"),
+        ({"questions": []}, None, "context"),
+        ({"items": [], "extra": 1}, None, "extra"),
+        ([], None, "body"),
+    ],
+)
+def test_a_batch_body_is_one_of_two_shapes(body: Any, shape: str | None, field: str) -> None:
+    from service.bodies import BodyError, decode_body
+    from service.schemas import BatchRequest
+
+    raw = msgspec.json.encode(body)
+    if shape is not None:
+        assert type(decode_body(raw, "application/json", BatchRequest)).__name__ == shape
+        return
+    with pytest.raises(BodyError) as refused:
+        decode_body(raw, "application/json", BatchRequest)
+    assert refused.value.status == 400 and refused.value.field == field

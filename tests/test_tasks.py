@@ -6,10 +6,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 
+from calibration.errors import ProfileMismatchError
 from calibration.tasks import (
     LabeledItem,
     LabeledScores,
@@ -24,7 +26,7 @@ from calibration.tasks import (
     scores_from_judgments,
     task_prompt,
 )
-from judge import Configuration, Engine, Judge, JudgeError, Judgment, Query
+from judge import Engine, Fingerprint, Judge, JudgeError, Judgment, Query
 
 CHOICES = ["ham", "spam"]
 
@@ -35,14 +37,14 @@ class PromptEngine(FakeEngine):
     def __init__(self) -> None:
         self.batches: list[int] = []
 
-    def configuration(
+    def fingerprint(
         self,
         *,
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
-    ) -> Configuration:
-        return super().configuration(
+    ) -> Fingerprint:
+        return super().fingerprint(
             system=system,
             response_prefix=response_prefix or "<",
             response_suffix=response_suffix or ">",
@@ -119,12 +121,12 @@ def test_fit_labeled_records_the_engine_and_the_data() -> None:
     labels = ["spam" if rng.random() < p else "ham" for p in p_spam]
     queries = labeled_queries([f"p={p}" for p in p_spam], CHOICES)
     scores = judge_labeled(engine, queries, labels, CHOICES, batch_size=50)
-    configuration = engine.configuration(system="Be brief.")
+    fingerprint = engine.fingerprint(system="Be brief.")
     profile = fit_labeled(
         "fake",
         scores,
         CHOICES,
-        configuration,
+        fingerprint,
         dataset="fake/calibration",
         dataset_sha256="ab" * 32,
         target_precision=0.8,
@@ -132,18 +134,24 @@ def test_fit_labeled_records_the_engine_and_the_data() -> None:
         alpha=0.2,
     )
     assert profile.name == "fake" and profile.choices == CHOICES and profile.n_examples == 120
-    assert (profile.model, profile.dtype, profile.response_prefix) == ("fake", "float32", "<")
+    assert profile.fingerprint == fingerprint
+    assert (fingerprint.model, fingerprint.dtype, fingerprint.response_prefix) == (
+        "fake",
+        "float32",
+        "<",
+    )
     assert profile.dataset == "fake/calibration" and profile.conformal_alpha == 0.2
     assert profile.threshold.target_precision == 0.8 and profile.threshold.delta == 0.2
-    profile.check(engine, system="Be brief.", choices=["spam", "ham"])
+    profile.check(engine.fingerprint(system="Be brief."), choices=["spam", "ham"])
+    with pytest.raises(ProfileMismatchError) as info:
+        profile.check(engine.fingerprint(), choices=["spam", "ham"])
+    assert info.value.field == "system"
 
-    with pytest.raises(TypeError, match=r"missing \['dtype'\], unexpected \['weights'\]"):
-        broken = {k: v for k, v in configuration.items() if k != "dtype"} | {"weights": 1}
-        fit_labeled("x", scores, CHOICES, broken, dataset="d", dataset_sha256="0")
+    with pytest.raises(TypeError, match=r"fingerprint must be a judge\.Fingerprint"):
+        as_dict = msgspec.to_builtins(fingerprint)
+        fit_labeled("x", scores, CHOICES, as_dict, dataset="d", dataset_sha256="0")
     with pytest.raises(ValueError, match="2 columns but there are 3 choices"):
-        fit_labeled(
-            "x", scores, [*CHOICES, "maybe"], configuration, dataset="d", dataset_sha256="0"
-        )
+        fit_labeled("x", scores, [*CHOICES, "maybe"], fingerprint, dataset="d", dataset_sha256="0")
 
 
 def test_judge_labeled_agrees_with_judging_one_at_a_time(judge: Judge) -> None:
@@ -205,6 +213,23 @@ def test_task_errors_are_value_errors_not_engine_errors(tmp_path: Path) -> None:
         load_split(task, "test")
     with pytest.raises(TaskError, match="limit must be a positive number"):
         load_split(task, "calibration", 0)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ('{"ham": 0}', r"values is missing \['spam'\]"),
+        ('{"ham": 0, "spam": 1, "eggs": 2}', r"values names \['eggs'\]"),
+    ],
+)
+def test_a_task_file_with_bad_values_is_named(tmp_path: Path, values: str, message: str) -> None:
+    # The same rules as every other values (judge.scores), reported as a task file error.
+    (tmp_path / "task.json").write_text(
+        '{"name": "t", "choices": ["ham", "spam"], "instruction": "Rate it.", '
+        f'"values": {values}}}'
+    )
+    with pytest.raises(TaskError, match=r"task\.json: " + message):
+        load_task(tmp_path)
 
 
 class RecordingEngine(FakeEngine):

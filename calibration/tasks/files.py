@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
 from typing import Literal
 
 import msgspec
+
+from judge.scores import ValuesError, check_values
 
 __all__ = [
     "LabeledItem",
@@ -71,13 +72,11 @@ def load_task(path: str | Path) -> Task:
         raise TaskError(f"{str(folder)!r} has no task.json; pass a task directory") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise TaskError(f"{folder / 'task.json'} is malformed: {exc}") from exc
-    if spec.values is not None and sorted(spec.values) != sorted(spec.choices):
-        raise TaskError(
-            f"{folder / 'task.json'}: values must give a number for exactly the choices "
-            f"{spec.choices}, got {sorted(spec.values)}"
-        )
-    if spec.values is not None and not all(math.isfinite(v) for v in spec.values.values()):
-        raise TaskError(f"{folder / 'task.json'}: values must be finite numbers")
+    if spec.values is not None:
+        try:
+            check_values(spec.values, spec.choices)
+        except ValuesError as exc:
+            raise TaskError(f"{folder / 'task.json'}: {exc}") from exc
     return Task(
         name=spec.name,
         choices=spec.choices,

@@ -5,7 +5,7 @@ The two halves of "calibrate on my data", shared by ``judge calibrate``, the ser
 
 * ``judge_labeled`` runs an engine over labeled prompts in batches and keeps, per item, the
   per-choice log-probabilities in one fixed choice order, the choice mass and the label index;
-* ``fit_labeled`` hands those arrays, with the engine's configuration, to
+* ``fit_labeled`` hands those arrays, with the engine's fingerprint, to
   ``calibration.fit_profile``.
 
 Without labels, ``judge_unlabeled`` judges prompts alone (content-free ones from
@@ -23,12 +23,12 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from calibration.tasks.files import LabeledItem, Task, TaskError, task_prompt
-from judge import Engine, Judgment, Query
+from judge import Engine, Fingerprint, Judgment, Query
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
@@ -45,12 +45,6 @@ __all__ = [
     "load_prompts",
     "scores_from_judgments",
 ]
-
-# What ``Engine.configuration()`` returns, and what a profile records about its engine.
-_CONFIGURATION_KEYS = frozenset(
-    {"model", "model_sha256", "dtype", "response_prefix", "response_suffix", "system"}
-)
-_OPTIONAL_KEYS = frozenset({"num_layers", "hidden_size"})  # engines with hidden states
 
 
 @dataclass(frozen=True)
@@ -192,12 +186,7 @@ def scores_from_judgments(
         label_index[i] = index[label]
     z = np.empty((len(judgments), len(choices)))  # (n, k)
     for i, judgment in enumerate(judgments):
-        if set(judgment.log_probabilities) != set(choices):
-            raise TaskError(
-                f"judgment {i} was made between {list(judgment.log_probabilities)}, "
-                f"not the choices {choices}"
-            )
-        z[i] = [judgment.log_probabilities[c] for c in choices]
+        z[i] = _row(judgment, choices, i)
     mass = np.array([j.choice_mass for j in judgments], dtype=np.float64)  # (n,)
     features = None
     if feature_layers:
@@ -215,6 +204,20 @@ def scores_from_judgments(
         features=features,
         feature_layers=tuple(feature_layers),
     )
+
+
+def _row(judgment: Judgment, choices: list[str], i: int) -> np.ndarray:
+    """Judgment ``i``'s log-probabilities, (k,) in ``choices`` order; TaskError if it was made
+    between other choices."""
+    if sorted(judgment.choices) != sorted(choices):
+        raise TaskError(
+            f"judgment {i} was made between {list(judgment.choices)}, not the choices {choices}"
+        )
+    z = np.asarray(judgment.log_probs, dtype=np.float64)  # (k,) in the judgment's order
+    if judgment.choices == choices:
+        return z
+    index = {c: j for j, c in enumerate(judgment.choices)}
+    return z[[index[c] for c in choices]]
 
 
 def _hidden_size(judgments: Sequence[Judgment], layers: Sequence[int]) -> int:
@@ -296,7 +299,7 @@ def fit_labeled(
     name: str,
     scores: LabeledScores,
     choices: Sequence[str],
-    configuration: Mapping[str, Any],
+    fingerprint: Fingerprint,
     *,
     dataset: str,
     dataset_sha256: str,
@@ -308,7 +311,7 @@ def fit_labeled(
     methods: Sequence[str] | str = "auto",
     seed: int = 0,
 ) -> CalibrationProfile:
-    """Fit a calibration profile on ``scores``, for the engine that ``configuration`` describes.
+    """Fit a calibration profile on ``scores``, for the engine that ``fingerprint`` describes.
 
     A probe (``methods`` "auto" or with "probe") reads ``scores.features``: judge the items
     with ``feature_layers=calibration.candidate_layers(num_layers)``.
@@ -320,9 +323,8 @@ def fit_labeled(
     scores : LabeledScores
         Columns in ``choices`` order (as ``judge_labeled`` returns them).
     choices : sequence of str
-    configuration : mapping
-        ``engine.configuration(...)`` for the template the scores were judged with: model,
-        model_sha256, dtype, response_prefix, response_suffix, system.
+    fingerprint : Fingerprint
+        ``engine.fingerprint(...)`` for the template the scores were judged with.
     dataset, dataset_sha256 : str
         What the scores were computed on, recorded in the profile.
     target_precision, delta, alpha : float
@@ -338,7 +340,6 @@ def fit_labeled(
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
 
-    _check_configuration(configuration)
     if scores.log_probabilities.shape[1] != len(choices):
         raise ValueError(
             f"scores have {scores.log_probabilities.shape[1]} columns but there are "
@@ -349,8 +350,8 @@ def fit_labeled(
         scores.log_probabilities,
         scores.labels,
         list(choices),
+        fingerprint=fingerprint,
         choice_mass=scores.choice_mass,
-        **configuration,
         dataset=dataset,
         dataset_sha256=dataset_sha256,
         target_precision=target_precision,
@@ -363,17 +364,6 @@ def fit_labeled(
         features=scores.features,
         feature_layers=scores.feature_layers,
     )
-
-
-def _check_configuration(configuration: Mapping[str, Any]) -> None:
-    keys = set(configuration)
-    if not _CONFIGURATION_KEYS <= keys <= _CONFIGURATION_KEYS | _OPTIONAL_KEYS:
-        missing = sorted(_CONFIGURATION_KEYS - keys)
-        extra = sorted(keys - _CONFIGURATION_KEYS - _OPTIONAL_KEYS)
-        raise TypeError(
-            f"configuration must be engine.configuration(...); missing {missing}, "
-            f"unexpected {extra}"
-        )
 
 
 def content_free_prompts(task: Task, inputs: Sequence[str] | None = None) -> list[str]:
@@ -431,7 +421,7 @@ def judge_unlabeled(
     for start in range(0, len(queries), batch_size):
         chunk = queries[start : start + batch_size]
         for i, judgment in enumerate(engine.judge_batch(chunk), start=start):
-            z[i] = [judgment.log_probabilities[c] for c in choices]
+            z[i] = _row(judgment, list(choices), i)
         if progress is not None:
             progress(len(chunk))
     return z
@@ -441,7 +431,7 @@ def fit_unlabeled(
     name: str,
     log_probabilities: np.ndarray,
     choices: Sequence[str],
-    configuration: Mapping[str, Any],
+    fingerprint: Fingerprint,
     *,
     method: str,
     source: str,
@@ -458,14 +448,13 @@ def fit_unlabeled(
     """
     from calibration import fit_label_free_profile
 
-    _check_configuration(configuration)
     return fit_label_free_profile(
         name,
         log_probabilities,
         list(choices),
         method=method,
         source=source,
-        **configuration,
+        fingerprint=fingerprint,
         dataset=dataset,
         dataset_sha256=dataset_sha256,
         values=values,

@@ -6,7 +6,8 @@ way and answered by one JSON line, in input order; a line that cannot be judged 
 in its place, so the output lines up with the input and nothing is silently dropped.
 
 The decision always comes from ``calibration.make_policy(...).decide``, the same rule the HTTP
-service applies and ``judge evaluate`` measures; nothing here decides on its own.
+service applies and ``judge evaluate`` measures; nothing here decides on its own. Its wire form
+is the HTTP service's (``JudgeResponse.of``), and an error's is too (``service.errors.error_of``).
 """
 
 from __future__ import annotations
@@ -32,27 +33,24 @@ from calibration import (
     ReasonCode,
     make_policy,
 )
-from judge import (
-    ChoicesError,
-    EmptyContextError,
-    Engine,
-    JudgeError,
-    Judgment,
-    PromptTooLongError,
-    Query,
-    TokenizerRoundTripError,
-)
+from judge import Engine, JudgeError, Judgment, Query
 from judge.atomicio import replacing
 from judge.engine import validate_choices
 from service.cli.common import UsageError, load_engine, load_profile, to_json
+from service.errors import BadFieldError, error_of
+from service.schemas import JudgeResponse
 
-__all__ = ["Answer", "Failure", "InputLineError", "run"]
+__all__ = ["Answer", "Failure", "InputLineError", "LineError", "run"]
 
 Scalar = str | int | float | bool
 
 
 class Answer(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``judge ask`` prints per prompt: the decision and the judgment behind it."""
+    """What ``judge ask`` prints per prompt: the decision and the judgment behind it.
+
+    The fields of the HTTP service's ``JudgeResponse`` that describe a judgment made without
+    a request's options, taken from it (``_answer``), and the input line's id.
+    """
 
     id: Scalar | msgspec.UnsetType = msgspec.UNSET  # batch mode only
     decision: Literal["accept", "escalate"]
@@ -71,7 +69,9 @@ class Answer(msgspec.Struct, frozen=True, kw_only=True):
     latency_ms: float
 
 
-class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+class LineError(msgspec.Struct, frozen=True, kw_only=True):
+    """A line's error: the service's error body (``error_of``), named by the error's class."""
+
     type: str  # the error's class name
     detail: str  # what is wrong and how to fix it
     field: str | None  # the input field at fault, where one is
@@ -82,15 +82,15 @@ class Failure(msgspec.Struct, frozen=True, kw_only=True):
 
     id: Scalar
     line: int  # 1-based line number in the input
-    error: ErrorBody
+    error: LineError
 
 
-class InputLineError(ValueError):
+class InputLineError(BadFieldError, ValueError):
     """A line of ``--input`` is not a JSON object with a prompt (and optional choices, id)."""
 
     def __init__(self, field: str | None, message: str) -> None:
-        super().__init__(message)
-        self.field = field
+        Exception.__init__(self, message)
+        self.field = field  # type: ignore[assignment]  # None: the line as a whole
 
 
 _FIELDS = ("prompt", "choices", "id")
@@ -102,24 +102,13 @@ class _Item(msgspec.Struct, frozen=True):
     query: Query
 
 
+_ANSWERED = [name for name in Answer.__struct_fields__ if name != "id"]
+
+
 def _answer(judgment: Judgment, decision: Decision, item_id: Scalar | msgspec.UnsetType) -> Answer:
-    return Answer(
-        id=item_id,
-        decision=decision.decision,
-        choice=decision.choice,
-        confidence=decision.confidence,
-        probabilities=decision.probabilities,
-        raw_probabilities=judgment.probabilities,
-        prediction_set=decision.prediction_set,
-        reasons=list(decision.reasons),
-        reason_codes=list(decision.reason_codes),
-        threshold=decision.threshold,
-        certified=decision.certified,
-        choice_mass=decision.choice_mass,
-        profile=decision.profile,
-        model=judgment.model,
-        latency_ms=judgment.latency_ms,
-    )
+    """The decision's wire form (the probabilities in the profile's order), with the line's id."""
+    response = JudgeResponse.of(judgment, decision)
+    return Answer(id=item_id, **{name: getattr(response, name) for name in _ANSWERED})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if profile is not None:
         # Once, before any item: every item shares the model, dtype, template and system.
-        profile.check(engine, system=args.system, choices=args.choice)
+        profile.check(engine.fingerprint(system=args.system), choices=args.choice)
     choices = args.choice or (list(profile.choices) if profile else None)
     if args.input is None:
         if choices is None:
@@ -344,20 +333,11 @@ def _parse(
 
 
 def _failure(item_id: Scalar, n: int, exc: Exception) -> Failure:
+    """The line's error: the field the service would name; the error's whole message, always
+    (the service hides an unexpected error's from its clients; here the reader is the owner)."""
+    error = error_of(exc)
     return Failure(
         id=item_id,
         line=n,
-        error=ErrorBody(type=type(exc).__name__, detail=str(exc), field=_field(exc)),
+        error=LineError(type=type(exc).__name__, detail=str(exc), field=error.field),
     )
-
-
-def _field(exc: Exception) -> str | None:
-    """The input field an error is about, for the error body."""
-    field = getattr(exc, "field", None)
-    if isinstance(field, str) or isinstance(exc, InputLineError):
-        return field
-    if isinstance(exc, ChoicesError):
-        return "choices"
-    if isinstance(exc, PromptTooLongError | TokenizerRoundTripError | EmptyContextError):
-        return "prompt"
-    return None

@@ -77,7 +77,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         )
     engine = load_engine(args, dtype=args.dtype)
     # The probe's candidate layers come from the same passes; nothing is asked otherwise.
-    num_layers = engine.configuration().get("num_layers")
+    fingerprint = engine.fingerprint()
+    num_layers = fingerprint.num_layers
     layers = (
         candidate_layers(num_layers)
         if num_layers and (methods == "auto" or "probe" in methods)
@@ -88,7 +89,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         name,
         scores,
         task.choices,
-        engine.configuration(),
+        fingerprint,
         dataset=f"{task.name}/{args.split}",
         dataset_sha256=digest,
         target_precision=args.target_precision,
@@ -180,7 +181,7 @@ def _calibrate_unlabeled(args: argparse.Namespace, task: Task, name: str) -> int
         name,
         z,
         task.choices,
-        engine.configuration(),
+        engine.fingerprint(),
         method=method,
         source=source,
         dataset=dataset,
@@ -205,7 +206,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     items, _ = load_split(task, args.split, args.limit)
     engine = load_engine(args, profile)
     # Before any item is judged: the task's choices and the engine must be the profile's.
-    profile.check(engine, choices=task.choices)
+    profile.check(engine.fingerprint(), choices=task.choices)
     scores = _judge_items(
         engine, task, args.split, items, profile.choices, args.batch_size, profile.feature_layers
     )

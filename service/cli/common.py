@@ -99,12 +99,12 @@ def profile_dtype(requested: str | None, profile: CalibrationProfile | None) -> 
         return cast(DType, requested)
     if profile is None:
         return "auto"
-    if profile.dtype not in DTYPES:
+    if profile.fingerprint.dtype not in DTYPES:
         raise UsageError(
-            f"profile {profile.name!r} was fitted in dtype {profile.dtype!r}, which cannot be "
-            f"loaded here (one of {', '.join(DTYPES)}); refit it"
+            f"profile {profile.name!r} was fitted in dtype {profile.fingerprint.dtype!r}, which "
+            f"cannot be loaded here (one of {', '.join(DTYPES)}); refit it"
         )
-    return cast(DType, profile.dtype)
+    return cast(DType, profile.fingerprint.dtype)
 
 
 def load_engine(
@@ -121,9 +121,13 @@ def load_engine(
     that a profile works without repeating its dtype and template on the command line.
     """
     if response_prefix is None:
-        response_prefix = profile.response_prefix if profile else DEFAULT_RESPONSE_PREFIX
+        response_prefix = (
+            profile.fingerprint.response_prefix if profile else DEFAULT_RESPONSE_PREFIX
+        )
     if response_suffix is None:
-        response_suffix = profile.response_suffix if profile else DEFAULT_RESPONSE_SUFFIX
+        response_suffix = (
+            profile.fingerprint.response_suffix if profile else DEFAULT_RESPONSE_SUFFIX
+        )
     return Judge.load(
         args.model,
         dtype=profile_dtype(dtype, profile),

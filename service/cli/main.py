@@ -6,11 +6,15 @@ judge calibrate --task DIR                    fit a calibration profile on a lab
 judge calibrate --task DIR --unlabeled batch  fit a label-free prior correction (no labels)
 judge evaluate --task DIR --profile FILE      measure the served policy on a held-out split
 judge serve                                   run the HTTP service
+
+Every command runs the model, so each needs the server's dependencies: without them (the
+client's install, ``pip install judge``) it stops with one line that says to install them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,21 +28,24 @@ from judge import (
     DEFAULT_RESPONSE_SUFFIX,
     JudgeError,
 )
-from service.cli.common import (
-    DTYPES,
-    UsageError,
-    megabytes,
-    open_probability,
-    positive_int,
-    probability,
-    seconds,
-)
 
-__all__ = ["main", "parser"]
+__all__ = ["SERVER_MODULES", "main", "parser"]
+
+# What the commands import that the client's install lacks: the `server` extra's.
+SERVER_MODULES = ("torch", "transformers", "scipy", "sklearn", "litestar", "uvicorn")
 
 
 def parser() -> argparse.ArgumentParser:
     """The ``judge`` argument parser, with one subcommand per command."""
+    from service.cli.common import (  # here: it loads the engine's modules (torch)
+        DTYPES,
+        megabytes,
+        open_probability,
+        positive_int,
+        probability,
+        seconds,
+    )
+
     root = argparse.ArgumentParser(
         prog="judge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -272,6 +279,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") -> None:
+    from service.cli.common import DTYPES
+
     parser.add_argument(
         "--model",
         default=None,
@@ -282,6 +291,8 @@ def _model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") -
 
 
 def _task_arguments(parser: argparse.ArgumentParser, *, split: str, dtype: bool = True) -> None:
+    from service.cli.common import DTYPES, positive_int
+
     parser.add_argument("--task", type=Path, required=True, help="task directory with task.json")
     parser.add_argument("--split", default=split, help=f"which <split>.jsonl (default: {split})")
     parser.add_argument("--limit", type=positive_int, help="use only the first N items")
@@ -306,6 +317,18 @@ def _check_ask(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; return its exit status (2: usage, profile or input error)."""
+    missing = [name for name in SERVER_MODULES if not _installed(name)]
+    if missing:  # before the parser, which loads the engine's modules
+        words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+        command = " ".join(["judge", *words[:1]])
+        print(
+            f"judge: error: `{command}` needs the server's dependencies "
+            f"({', '.join(missing)} not installed): pip install 'judge[server]'",
+            file=sys.stderr,
+        )
+        return 2
+    from service.cli.common import UsageError
+
     root = parser()
     args = root.parse_args(argv)
     try:
@@ -330,6 +353,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" ({field})" if isinstance(field, str) else ""
         print(f"judge: error{where}: {exc}", file=sys.stderr)
         return 2
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without a spec
+        return False
 
 
 if __name__ == "__main__":

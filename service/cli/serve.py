@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         prefix_cache_mb=args.prefix_cache_mb,
+        **config.engine_options,  # the engine packs passes to --max-batch-tokens too
     )
     if getattr(args, "ray", False):
         return run_ray(args, loader, config)

@@ -1,0 +1,46 @@
+"""The engine's fingerprint: what a judgment was made with, as one value.
+
+A calibration profile holds only for the model, weights, dtype, response template and system
+prompt it was fitted with, and a probe only for hidden states of the shape it was fitted on.
+``Judge.fingerprint(...)`` gives that value for a call's template; ``calibration.fit_profile``
+stores it in the profile, and ``CalibrationProfile.check`` compares the two values and names
+the first field that differs. Plain data and no torch, so ``calibration`` imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+__all__ = ["Fingerprint", "sha256_text"]
+
+
+def sha256_text(text: str | None) -> str | None:
+    """Hash of a system prompt; None stands for the model's default system prompt."""
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+
+class Fingerprint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The model, its dtype, the effective response template and system prompt, and the shape
+    of the hidden states a probe reads. Compared as a value (fields in this order)."""
+
+    model: str
+    model_sha256: str | None  # of the weights; None where the loader could not hash them
+    dtype: str
+    response_prefix: str
+    response_suffix: str
+    # The system prompt's sha256 (``sha256_text``), so that a profile does not carry the prompt
+    # itself; None: the model's default system prompt.
+    system_sha256: str | None
+    # The shape of the hidden states ``feature_layers`` read; None for an engine without them.
+    num_layers: Annotated[int, Meta(ge=1)] | None = None
+    hidden_size: Annotated[int, Meta(ge=1)] | None = None
+
+    def first_difference(self, other: Fingerprint) -> str | None:
+        """The name of the first field whose value differs from ``other``'s; None if equal."""
+        if self == other:
+            return None
+        return next(f for f in self.__struct_fields__ if getattr(self, f) != getattr(other, f))

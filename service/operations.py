@@ -1,0 +1,144 @@
+"""The HTTP operations, written once: every other description of the API is derived from this.
+
+    service.routes   registers a handler for each operation (method, path, status, options),
+                     and OPTIONS for each path, whose Allow lists the path's methods
+    service.openapi  the OpenAPI document's paths: summary, bodies, statuses, operationId
+    service.metrics  the route label of a request: the path template of its operation
+    service.client   each call's method and path
+
+This module imports no Litestar: the client uses it. A path is an OpenAPI template,
+``/profiles/{name}``, each ``{parameter}`` one path segment.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import quote
+
+from calibration.profile import CalibrationProfile
+from service.schemas import (
+    BatchRequest,
+    BatchResponse,
+    FitRequest,
+    JudgeRequest,
+    JudgeResponse,
+    ProfileSummary,
+    ReadyResponse,
+    StatusResponse,
+)
+
+__all__ = ["BY_NAME", "OPERATIONS", "TIMEOUT_HEADER", "Operation", "allowed", "paths", "route_of"]
+
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens the server's deadline, never lengthens
+
+Method = Literal["GET", "HEAD", "POST", "PUT", "DELETE"]
+# A success body: a type msgspec encodes, None (no body), "text" (Prometheus) or "object" (JSON)
+Answer = Any
+
+_BODY_ERRORS = (400, 408, 413, 415)
+_PARAMETER = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One method on one path: what it takes, what it answers, and how it is served."""
+
+    name: str  # the handler's name, and the client's
+    method: Method
+    path: str
+    summary: str
+    body: Any = None  # the request body's type; None: no body
+    ok: tuple[int, Answer] = (200, None)  # the success status and its body
+    errors: tuple[int, ...] = ()  # every error status it can answer (401 comes with a key)
+    public: bool = False  # no API key needed
+    model: bool = False  # needs the model: admitted through the front door's slots
+    idempotent: bool = True  # safe to send again when no answer came back
+    documented: bool = True  # in the OpenAPI document
+    parameters: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parameters", tuple(_PARAMETER.findall(self.path)))
+
+    @property
+    def operation_id(self) -> str:
+        """The OpenAPI operationId: ``post_profiles_name_fit``."""
+        words = [w.strip("{}").replace(".", "_") for w in self.path.split("/") if w]
+        return "_".join([self.method.lower(), *words])
+
+    @property
+    def route(self) -> str:
+        """The path in Litestar's syntax: ``/profiles/{name:str}``."""
+        return _PARAMETER.sub(r"{\1:str}", self.path)
+
+    def url(self, **values: str) -> str:
+        """The path with its parameters filled in, each quoted as one path segment."""
+        if set(values) != set(self.parameters):
+            raise TypeError(f"{self.name} takes the path parameters {self.parameters}")
+        return _PARAMETER.sub(lambda m: quote(values[m.group(1)], safe=""), self.path)
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("health", "GET", "/health", "Liveness: the process is up (no API key needed)",
+              ok=(200, StatusResponse), public=True),
+    Operation("health_head", "HEAD", "/health", "Liveness, without a body", public=True),
+    Operation("ready", "GET", "/ready", "Readiness: the model is loaded and has judged once",
+              ok=(200, ReadyResponse), errors=(503,)),
+    Operation("metrics", "GET", "/metrics", "Prometheus metrics", ok=(200, "text")),
+    Operation("judge", "POST", "/judge", "Judge one prompt between fixed choices",
+              body=JudgeRequest, ok=(200, JudgeResponse),
+              errors=(*_BODY_ERRORS, 404, 422, 503), model=True),
+    Operation("judge_batch", "POST", "/judge/batch",
+              "Judge many items, or many questions about one context",
+              body=BatchRequest, ok=(200, BatchResponse),
+              errors=(*_BODY_ERRORS, 404, 422, 503), model=True),
+    Operation("profiles", "GET", "/profiles", "List calibration profiles",
+              ok=(200, list[ProfileSummary])),
+    Operation("profile", "GET", "/profiles/{name}", "One calibration profile",
+              ok=(200, CalibrationProfile), errors=(404,)),
+    Operation("put_profile", "PUT", "/profiles/{name}",
+              "Store a calibration profile under its name", body=CalibrationProfile,
+              ok=(200, CalibrationProfile), errors=(*_BODY_ERRORS, 412, 422)),
+    Operation("delete_profile", "DELETE", "/profiles/{name}", "Delete a calibration profile",
+              ok=(204, None), errors=(404, 412)),
+    # Fitting judges every example: sent twice, it would do all of that twice.
+    Operation("fit", "POST", "/profiles/{name}/fit",
+              "Fit a profile on labeled examples and store it", body=FitRequest,
+              ok=(200, CalibrationProfile), errors=(*_BODY_ERRORS, 422, 503), model=True,
+              idempotent=False),
+    Operation("schema", "GET", "/schema/openapi.json", "This document", ok=(200, "object")),
+    Operation("schema_index", "GET", "/schema", "A redirect to the OpenAPI document",
+              ok=(307, None), documented=False),
+)  # fmt: skip
+
+BY_NAME: Mapping[str, Operation] = {op.name: op for op in OPERATIONS}
+
+
+def paths(operations: Iterable[Operation] = OPERATIONS) -> dict[str, list[Operation]]:
+    """Each path and its operations, in the table's order."""
+    out: dict[str, list[Operation]] = {}
+    for op in operations:
+        out.setdefault(op.path, []).append(op)
+    return out
+
+
+def allowed(path: str) -> str:
+    """The Allow header of ``path`` (a template): its methods and OPTIONS."""
+    return ", ".join(sorted({op.method for op in paths()[path]} | {"OPTIONS"}))
+
+
+# Each template as a pattern: its text as it is, each parameter one segment.
+_MATCHERS = [
+    (re.compile("[^/]+".join(re.escape(text) for text in _PARAMETER.split(p)[::2])), p)
+    for p in paths()
+]
+
+
+def route_of(path: str) -> str | None:
+    """The template of the table's path that ``path`` (a request's) matches; None if none."""
+    for pattern, template in _MATCHERS:
+        if pattern.fullmatch(path):
+            return template
+    return None
