@@ -6,7 +6,8 @@ Fits a small profile over HTTP (POST /profiles/{name}/fit, 40 sms_spam examples,
 then traces one ``POST /judge`` with that profile from the ASGI entry to the logits and back.
 Every function call that lands in a project file (judge/, calibration/, service/, and the
 old top-level packages where they still exist) is recorded per thread with
-``sys.setprofile`` / ``threading.setprofile``. Per thread, consecutive calls in one file are one
+``sys.setprofile`` / ``threading.setprofile`` (a coroutine resumed after an await is the same
+call, not a new one). Per thread, consecutive calls in one file are one
 visit; a *step* is a move from one file to another, and a *re-entry* is a visit to a file the
 thread had already left. Prints the files in first-visit order with their visits, and the
 totals, so that two trees can be compared with the same measure.
@@ -17,6 +18,7 @@ A structural measure, not a timing: it does not depend on the machine's speed.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import threading
@@ -34,9 +36,19 @@ _active = False
 _events: list[tuple[int, str]] = []  # (thread id, project file), in call order
 
 
+_SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
+_started: set[int] = set()  # coroutine and generator frames already entered once
+
+
 def _record(frame: FrameType, event: str, arg: Any) -> None:
     if not _active or event != "call":
         return
+    if frame.f_code.co_flags & _SUSPENDABLE:
+        # A coroutine resumed after an await reports "call" again: the same call, not a new
+        # entry into its file (async code would otherwise count every await as a re-entry).
+        if id(frame) in _started:
+            return
+        _started.add(id(frame))
     file = frame.f_code.co_filename
     if file.startswith(str(ROOT)):
         relative = file[len(str(ROOT)) + 1 :]
