@@ -51,7 +51,16 @@ from calibration.maps import CalibrationMap, Probe
 from calibration.probe import candidate_layers, probe_weights
 from calibration.profile import NAME_PATTERN
 from calibration.tasks import fit_labeled, labeled_queries, scores_from_judgments
-from judge import Engine, Fingerprint, JudgeError, Judgment, PrefixCache, Prepared, Query
+from judge import (
+    Engine,
+    Fingerprint,
+    JudgeError,
+    Judgment,
+    PrefixCache,
+    Prepared,
+    PromptTooLongError,
+    Query,
+)
 from judge.engine import shared_query
 from judge.packing import pack_rows
 from judge.scores import check_values
@@ -205,9 +214,12 @@ class Service:
         def prepare() -> list[Prepared | JudgeError | TooLargeError]:
             results: list[Prepared | JudgeError | TooLargeError] = []
             for i, query in enumerate(queries):
+                field = fields[i] if fields else None
                 try:
                     prepared = engine.prepare(query)
-                    self._check_size(engine, query, prepared, fields[i] if fields else None)
+                    self._check_size(engine, query, prepared, field)
+                except PromptTooLongError as exc:
+                    results.append(self._over_window(engine, exc, field))
                 except (JudgeError, TooLargeError) as exc:
                     results.append(exc)
                 else:
@@ -234,6 +246,24 @@ class Service:
             f"the judgment is {prepared.tokens} tokens, over this server's budget of {budget} "
             f"(--max-request-tokens); {name} is the largest part "
             f"({parts.parts.get(parts.largest, 0)} tokens): shorten it or split the work",
+        )
+
+    def _over_window(
+        self, engine: Engine, exc: PromptTooLongError, field: str | None
+    ) -> PromptTooLongError | TooLargeError:
+        """Longer than the model's context window: where the server's budget is the smaller
+        limit, that is over the budget too, and a 413 as for any judgment over it; else the
+        engine's own refusal (422) stands."""
+        budget = self.config.max_request_tokens
+        window = getattr(engine, "context_window", None)
+        if window is None or budget >= window:
+            return exc
+        name = field or exc.field or "prompt"
+        return TooLargeError(
+            name,
+            f"the judgment is longer than the model's context window of {window} tokens, so "
+            f"over this server's budget of {budget} (--max-request-tokens); {name} is the "
+            "largest part: shorten it or split the work",
         )
 
     def _plan(

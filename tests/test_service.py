@@ -183,6 +183,10 @@ def test_token_budget_refuses_before_any_work(client: TestClient[Any]) -> None:
     long = "word " * 5000  # about 5,000 tokens: over the default budget of 4,096
     status, body = post(client, {"prompt": long, "choices": ["a", "b"]})
     assert status == 413 and body["field"] == "prompt" and "4096" in body["detail"]
+    # Longer than the model's context window (8,192) as well: still the server's 413, since
+    # its budget is the smaller limit, not the engine's 422.
+    status, body = post(client, {"prompt": "word " * 9000, "choices": ["a", "b"]})
+    assert status == 413 and body["field"] == "prompt" and "4096" in body["detail"], body
     # The budget counts what the pass feeds: choices that share a long head before they differ
     # feed it all; a long tail after the choices part ways is never fed, and costs nothing.
     dense = "a " * 5000  # 5,000 tokens in 10 kB: two fit under the body limit
