@@ -7,8 +7,9 @@ does not pull in Litestar.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from judge.lazy import exports
 
 if TYPE_CHECKING:
     from service.app import create_app
@@ -19,10 +20,4 @@ _EXPORTS = {"ServiceConfig": "service.config", "create_app": "service.app"}
 __all__ = ["ServiceConfig", "create_app"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'service' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = exports(__name__, _EXPORTS)
