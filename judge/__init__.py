@@ -16,6 +16,14 @@ from typing import TYPE_CHECKING
 from judge.lazy import exports
 
 if TYPE_CHECKING:
+    from judge.decisions import (
+        ChoiceAnswer,
+        ChoiceQuestion,
+        NoulAnswer,
+        NoulQuestion,
+        ScoreAnswer,
+        ScoreQuestion,
+    )
     from judge.engine import (
         DEFAULT_PREFIX_CACHE_MB,
         DEFAULT_RESPONSE_PREFIX,
@@ -51,6 +59,12 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it
 _EXPORTS = {
+    "ChoiceAnswer": "judge.decisions",
+    "ChoiceQuestion": "judge.decisions",
+    "NoulAnswer": "judge.decisions",
+    "NoulQuestion": "judge.decisions",
+    "ScoreAnswer": "judge.decisions",
+    "ScoreQuestion": "judge.decisions",
     "AmbiguousChoicesError": "judge.errors",
     "ChoiceTypeError": "judge.errors",
     "ChoicesError": "judge.errors",
@@ -89,6 +103,8 @@ __all__ = [
     "DEFAULT_RESPONSE_SUFFIX",
     "MAX_CHOICES",
     "AmbiguousChoicesError",
+    "ChoiceAnswer",
+    "ChoiceQuestion",
     "ChoiceTypeError",
     "ChoicesError",
     "DuplicateChoiceError",
@@ -101,12 +117,16 @@ __all__ = [
     "JudgeError",
     "Judgment",
     "ModelLoadError",
+    "NoulAnswer",
+    "NoulQuestion",
     "PrefixCache",
     "PrefixCacheStats",
     "Prepared",
     "PromptTooLongError",
     "Query",
     "Score",
+    "ScoreAnswer",
+    "ScoreQuestion",
     "TokenCount",
     "TokenizerRoundTripError",
     "TooFewChoicesError",

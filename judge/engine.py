@@ -54,6 +54,7 @@ from judge.trie import ChoiceTrie, build_trie, common_prefix_length
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from judge.decisions import Answer
     from judge.loading import DType
 
 __all__ = [
@@ -420,6 +421,19 @@ class Judge:
         start = time.perf_counter()
         prepared = [self.prepare(shared_query(context, _as_query(q))) for q in questions]
         return self._score(self._rows(prepared), start)
+
+    def decide(
+        self, state: object, questions: Mapping[str, Any], *, max_orderings: int | None = None
+    ) -> dict[str, Answer]:
+        """Typed questions about one ``state`` (``judge.decisions``), the state computed once.
+
+        ``questions`` maps an id to a ``NoulQuestion``, ``ChoiceQuestion`` or ``ScoreQuestion``
+        (or its JSON form); returns each id's typed answer.
+        """
+        from judge.decisions import MAX_ORDERINGS, decide
+
+        orderings = MAX_ORDERINGS if max_orderings is None else max_orderings
+        return dict(decide(self, state, questions, max_orderings=orderings))
 
     def prepare(self, query: Query | Mapping[str, Any]) -> Prepared:
         """``query`` validated, rendered and tokenized for ``run``: every check, no model work.

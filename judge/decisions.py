@@ -1,0 +1,357 @@
+"""Typed decisions over one state: yes/no, one of named options, a level on a scale.
+
+The System One wire format's model of a request (``POST /v1/systemone``): a *state* (a
+document, a ticket, any JSON) and several typed questions about it. Here each question becomes
+ordinary judge queries whose prompt is the rendered state, a blank line, then the question
+(``judge.engine.shared_query``), so the state's tokens are computed once for all questions
+(``Judge.run_shared`` packs them into shared rows, within the token budget).
+
+    noul    "Is this about billing?"            choices yes / no;      answer: P(yes)
+    choice  options {name: description | None}  choices the names;    answer: the name
+    score   levels [level, ...] (2-10)          choices "0".."n-1";   answer: sum i * P(i)
+
+**Order invariance.** A small model prefers options by where they are listed (first, last).
+With ``order="invariant"`` a question is asked under several listings of its options (cyclic
+shifts for a choice, up to ``max_orderings``; both directions for yes/no and for a scale), all
+in the same run as the others, and its probabilities are the mean over the listings; the
+answer's ``order_spread`` says how far the listings disagreed (the largest difference, across
+listings, in the probability of one option). The choices the model reads stay the same in
+every listing: only the prompt's order changes, so the mean is over the same choice set.
+
+Three steps, so that a server can prepare and schedule the queries itself:
+
+    plan = plan_decisions(state, questions)          # checked, rendered prompts; no model
+    judgments = engine.run_shared([engine.prepare(q) for q in plan.queries])
+    answers = plan.answers(judgments)                # typed answers, one per question id
+
+``decide(engine, state, questions)`` does all three. A leaf of the engine layer: it imports
+no torch itself and nothing from ``calibration`` (gating an answer is the caller's, with the
+answer's ``judgment``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from judge.engine import Judgment, Query, shared_query
+from judge.errors import InvalidQueryError
+
+if TYPE_CHECKING:
+    from judge.protocol import Engine
+
+__all__ = [
+    "MAX_LEVELS",
+    "MAX_OPTIONS",
+    "MAX_ORDERINGS",
+    "Answer",
+    "ChoiceAnswer",
+    "ChoiceQuestion",
+    "DecisionPlan",
+    "NoulAnswer",
+    "NoulQuestion",
+    "Question",
+    "ScoreAnswer",
+    "ScoreQuestion",
+    "decide",
+    "describe",
+    "plan_decisions",
+    "render_state",
+]
+
+MAX_OPTIONS = 255  # a choice question's options (the System One limit)
+MAX_LEVELS = 10  # a score's levels; "0".."9" are one token each in common tokenizers
+MAX_ORDERINGS = 5  # listings of a choice question's options under order="invariant"
+
+Order = Literal["given", "invariant"]
+# A criterion: free text, or an object whose values describe the option ({"what": ...}).
+Criterion = str | dict[str, Any] | None
+
+
+class NoulQuestion(msgspec.Struct, frozen=True, kw_only=True, tag="noul", tag_field="type"):
+    """Yes or no; the answer is the probability of yes."""
+
+    instructions: Annotated[str, Meta(min_length=1)]
+    criteria: Criterion = None
+    order: Order = "given"
+
+
+class ChoiceQuestion(msgspec.Struct, frozen=True, kw_only=True, tag="choice", tag_field="type"):
+    """One of 2-255 named options, each with an optional description."""
+
+    instructions: Annotated[str, Meta(min_length=1)]
+    criteria: Annotated[dict[str, Criterion], Meta(min_length=2, max_length=MAX_OPTIONS)]
+    order: Order = "given"
+
+
+class ScoreQuestion(msgspec.Struct, frozen=True, kw_only=True, tag="score", tag_field="type"):
+    """A level on an ordered scale of 2-10 levels; the answer is the expected level index."""
+
+    instructions: Annotated[str, Meta(min_length=1)]
+    criteria: Annotated[list[Criterion], Meta(min_length=2, max_length=MAX_LEVELS)]
+    order: Order = "given"
+
+
+Question = NoulQuestion | ChoiceQuestion | ScoreQuestion
+
+
+class _Answered(msgspec.Struct, frozen=True, kw_only=True):
+    """What every answer carries besides its typed value."""
+
+    # The choices the model read, and the mean probability of each over the listings.
+    probabilities: dict[str, float]
+    # The question's judgment: over its listings, the mean probabilities (log_probs their
+    # logarithms) and the mean choice mass; prompt, tokens and features of the first listing.
+    # What a calibration Policy decides on.
+    judgment: Judgment
+    orderings: int  # listings of the options judged (1 unless order="invariant")
+    order_spread: float  # largest difference across listings in one choice's probability
+
+
+class NoulAnswer(_Answered, frozen=True, kw_only=True, tag="noul", tag_field="type"):
+    noul: float  # P(yes)
+
+
+class ChoiceAnswer(_Answered, frozen=True, kw_only=True, tag="choice", tag_field="type"):
+    choice: str
+    confidence: float  # the probability of ``choice``
+
+
+class ScoreAnswer(_Answered, frozen=True, kw_only=True, tag="score", tag_field="type"):
+    score: float  # sum over levels of index * probability (0..n-1)
+    confidence: float  # the probability of the most likely level
+    legend: dict[str, str]  # level index -> its description
+
+
+Answer = NoulAnswer | ChoiceAnswer | ScoreAnswer
+
+
+def render_state(state: object) -> str:
+    """The state as the model reads it: a string as it is, anything else as indented JSON."""
+    if isinstance(state, str):
+        return state
+    try:
+        return json.dumps(state, indent=2, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidQueryError(f"state is not JSON: {exc}", field="state") from None
+
+
+def describe(criterion: Criterion) -> str:
+    """A criterion as one line: text as it is; an object's values joined, keys naming them."""
+    if criterion is None:
+        return ""
+    if isinstance(criterion, str):
+        return criterion.strip()
+    parts = []
+    for key, value in criterion.items():
+        text = "; ".join(map(str, value)) if isinstance(value, list) else str(value)
+        parts.append(text if key == "what" else f"{key.replace('_', ' ')}: {text}")
+    return " | ".join(parts)
+
+
+class _Asked(msgspec.Struct, frozen=True):
+    """One question of a plan: where its listings' queries sit in ``DecisionPlan.queries``."""
+
+    id: str
+    question: Question
+    choices: list[str]  # what the model reads, in canonical order
+    start: int
+    count: int  # listings
+
+
+class DecisionPlan(msgspec.Struct, frozen=True):
+    """The queries of a decision request, in order, and how to read their judgments back."""
+
+    context: str  # the rendered state, shared by every query
+    queries: list[Query]  # each already holds the context (shared_query)
+    asked: list[_Asked]
+
+    def question_of(self, index: int) -> str:
+        """The id of the question whose listing is ``queries[index]``."""
+        return next(a.id for a in self.asked if a.start <= index < a.start + a.count)
+
+    def answers(self, judgments: Sequence[Judgment]) -> dict[str, Answer]:
+        """Each question's typed answer, from the judgments of ``queries`` in order."""
+        if len(judgments) != len(self.queries):
+            raise ValueError(f"{len(judgments)} judgments for {len(self.queries)} queries")
+        return {a.id: _answer(a, list(judgments[a.start : a.start + a.count])) for a in self.asked}
+
+
+def plan_decisions(
+    state: object,
+    questions: Mapping[str, Question | Mapping[str, Any]],
+    *,
+    max_orderings: int = MAX_ORDERINGS,
+    response_prefix: str | None = None,
+    feature_layers: Mapping[str, Sequence[int]] | None = None,
+) -> DecisionPlan:
+    """Check ``questions`` and render every listing's query; no model work.
+
+    ``questions`` maps an id to a question (or its JSON form, ``{"type": ...}``). A bad one
+    raises ``InvalidQueryError`` whose field names it (``questions.<id>.criteria``).
+    ``feature_layers``: hidden-state layers to read per question id (a probe's).
+    """
+    if max_orderings < 1:
+        raise ValueError(f"max_orderings must be >= 1, got {max_orderings}")
+    if not isinstance(questions, Mapping) or not questions:
+        raise InvalidQueryError("ask at least one question", field="questions")
+    context = render_state(state)
+    queries: list[Query] = []
+    asked: list[_Asked] = []
+    for qid, raw in questions.items():
+        question = _as_question(qid, raw)
+        choices = _choices(qid, question)
+        listings = _listings(question, max_orderings)
+        layers = tuple((feature_layers or {}).get(qid, ()))
+        asked.append(_Asked(qid, question, choices, len(queries), len(listings)))
+        for listing in listings:
+            prompt = _prompt(question, listing)
+            query = Query(
+                prompt=prompt,
+                choices=choices,
+                response_prefix=response_prefix,
+                feature_layers=layers,
+            )
+            queries.append(shared_query(context, query))
+    return DecisionPlan(context, queries, asked)
+
+
+def decide(
+    engine: Engine,
+    state: object,
+    questions: Mapping[str, Question | Mapping[str, Any]],
+    *,
+    max_orderings: int = MAX_ORDERINGS,
+) -> dict[str, Answer]:
+    """Answer typed ``questions`` about ``state`` with ``engine``, the state computed once."""
+    plan = plan_decisions(state, questions, max_orderings=max_orderings)
+    prepared = []
+    for i, query in enumerate(plan.queries):
+        try:
+            prepared.append(engine.prepare(query))
+        except InvalidQueryError as exc:
+            exc.field = f"questions.{plan.question_of(i)}.{exc.field or 'criteria'}"
+            raise
+    return plan.answers(engine.run_shared(prepared))
+
+
+def _as_question(qid: object, raw: Question | Mapping[str, Any]) -> Question:
+    if not isinstance(qid, str) or not qid:
+        raise InvalidQueryError(f"a question id must be a non-empty string, got {qid!r}")
+    if isinstance(raw, NoulQuestion | ChoiceQuestion | ScoreQuestion):
+        return raw
+    try:
+        return msgspec.convert(raw, Question)
+    except msgspec.ValidationError as exc:
+        # msgspec says "... - at `$.criteria`": name the question's field.
+        text = str(exc)
+        path = text.rsplit("at `$.", 1)[1].split("`")[0] if "at `$." in text else ""
+        field = f"questions.{qid}" + (f".{path.split('[')[0].split('.')[0]}" if path else "")
+        raise InvalidQueryError(f"question {qid!r}: {text}", field=field) from None
+
+
+def _choices(qid: str, question: Question) -> list[str]:
+    if isinstance(question, NoulQuestion):
+        return ["yes", "no"]
+    if isinstance(question, ScoreQuestion):
+        return [str(i) for i in range(len(question.criteria))]
+    names = list(question.criteria)
+    for name in names:
+        if not name.strip():
+            raise InvalidQueryError(
+                f"question {qid!r}: an option's name is empty; name every option",
+                field=f"questions.{qid}.criteria",
+            )
+    return names
+
+
+def _listings(question: Question, max_orderings: int) -> list[list[int]]:
+    """The orders in which the question's options are listed: indices into its options."""
+    n = 2 if isinstance(question, NoulQuestion) else len(question.criteria)
+    given = list(range(n))
+    if question.order == "given" or max_orderings == 1:
+        return [given]
+    if isinstance(question, ChoiceQuestion):
+        # Cyclic shifts, evenly spaced when capped: every option takes several positions.
+        count = min(n, max_orderings)
+        shifts = sorted({round(i * n / count) % n for i in range(count)})
+        return [given[s:] + given[:s] for s in shifts]
+    return [given, given[::-1]]  # yes/no and no/yes; a scale up and down
+
+
+def _prompt(question: Question, listing: Sequence[int]) -> str:
+    """The question as the model reads it, its options listed in ``listing``'s order."""
+    lines = [question.instructions.strip()]
+    if isinstance(question, NoulQuestion):
+        criteria = describe(question.criteria)
+        if criteria:
+            lines.append(f"Criteria: {criteria}")
+        words = [["yes", "no"][i] for i in listing]
+        lines.append(f"Answer {words[0]} or {words[1]}.")
+    elif isinstance(question, ChoiceQuestion):
+        names = list(question.criteria)
+        lines.append("Options:")
+        for i in listing:
+            text = describe(question.criteria[names[i]])
+            lines.append(f"- {names[i]}: {text}" if text else f"- {names[i]}")
+        lines.append("Answer with the name of one option.")
+    else:
+        lines.append("Levels:")
+        lines += [f"{i}: {describe(question.criteria[i])}" for i in listing]
+        lines.append("Answer with the number of one level.")
+    return "\n".join(lines)
+
+
+def _answer(asked: _Asked, judgments: list[Judgment]) -> Answer:
+    """The question's answer: the mean over its listings' judgments."""
+    probs = [sum(j.probs[k] for j in judgments) / len(judgments) for k in range(len(asked.choices))]
+    spread = max(
+        max(j.probs[k] for j in judgments) - min(j.probs[k] for j in judgments)
+        for k in range(len(asked.choices))
+    )
+    first = judgments[0]
+    best = max(range(len(probs)), key=probs.__getitem__)
+    judgment = msgspec.structs.replace(
+        first,
+        choice=asked.choices[best],
+        confidence=probs[best],
+        probs=probs,
+        # log of the mean; a probability that underflowed to 0 stays finite for the gates
+        log_probs=[math.log(max(p, 1e-300)) for p in probs],
+        choice_mass=sum(j.choice_mass for j in judgments) / len(judgments),
+        computed_tokens=sum(j.computed_tokens for j in judgments),
+        cached_tokens=sum(j.cached_tokens for j in judgments),
+    )
+    probabilities = dict(zip(asked.choices, probs, strict=True))
+    question = asked.question
+    if isinstance(question, NoulQuestion):
+        return NoulAnswer(
+            noul=probs[0],
+            probabilities=probabilities,
+            judgment=judgment,
+            orderings=len(judgments),
+            order_spread=spread,
+        )
+    if isinstance(question, ChoiceQuestion):
+        return ChoiceAnswer(
+            choice=asked.choices[best],
+            confidence=probs[best],
+            probabilities=probabilities,
+            judgment=judgment,
+            orderings=len(judgments),
+            order_spread=spread,
+        )
+    return ScoreAnswer(
+        score=sum(i * p for i, p in enumerate(probs)),
+        confidence=probs[best],
+        legend={str(i): describe(level) for i, level in enumerate(question.criteria)},
+        probabilities=probabilities,
+        judgment=judgment,
+        orderings=len(judgments),
+        order_spread=spread,
+    )
