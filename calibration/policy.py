@@ -12,7 +12,13 @@ rule that is served. A decision accepts only when every gate passes:
 * with a profile, the conformal prediction set holds one choice (``ambiguous_set``);
 * for a score (choices that stand for numbers, see ``calibration.scores``), the standard
   deviation of the calibrated distribution over the values is at most ``max_std``
-  (``high_std``): a judge torn between "1" and "5" has not given a grade.
+  (``high_std``): a judge torn between "1" and "5" has not given a grade;
+* for a question asked under several listings of its options (``judge.decisions``,
+  ``order="invariant"``), the listings' disagreement, its ``order_spread``, is at most
+  ``max_order_spread`` (``order_sensitive``): an answer that moves with the order in which
+  the options were read is the order's, not the model's judgment. The caller passes the spread
+  (``decide(judgment, order_spread=...)``); a judgment without one passes this gate. The bound
+  only ever adds escalations, and is the caller's: it leaves ``certified`` as it is.
 
 Which threshold, minimum mass, values and maximum std apply is decided in one place,
 ``make_policy``: the request's value, else the profile's, else the server's default (for
@@ -57,7 +63,12 @@ __all__ = [
 ]
 
 ReasonCode = Literal[
-    "no_certified_threshold", "below_threshold", "low_choice_mass", "ambiguous_set", "high_std"
+    "no_certified_threshold",
+    "below_threshold",
+    "low_choice_mass",
+    "ambiguous_set",
+    "high_std",
+    "order_sensitive",
 ]
 REASON_CODES: tuple[str, ...] = get_args(ReasonCode)
 ThresholdSource = Literal["request", "profile", "default"]
@@ -118,6 +129,10 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     expected_value: float | None = None
     std: float | None = None
     max_std: float | None = None
+    # A question asked under several listings (judge.decisions): how far they disagreed, and
+    # the bound in force. None when not given.
+    order_spread: float | None = None
+    max_order_spread: float | None = None
 
     @property
     def accepted(self) -> bool:
@@ -138,6 +153,8 @@ class Gates:
     expected_value: npt.NDArray[np.float64] | None  # (n,) for a score; None without values
     std: npt.NDArray[np.float64] | None  # (n,) for a score; None without values
     high_std: npt.NDArray[np.bool_]  # (n,) std above max_std; False everywhere without a bound
+    # (n,) order_spread above max_order_spread; False everywhere without both
+    order_sensitive: npt.NDArray[np.bool_]
     accepted: npt.NDArray[np.bool_]  # (n,) every gate passed
 
 
@@ -172,13 +189,26 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     values: dict[str, float] | None = None
     max_std: float | None = None
     max_std_source: ThresholdSource = "default"
+    # Escalate a judgment whose order_spread (given to decide) is above this; None: no bound.
+    max_order_spread: float | None = None
 
-    def decide(self, judgment: ScoredJudgment) -> Decision:
-        """The decision for one judgment."""
-        return self.decide_many([judgment])[0]
+    def decide(self, judgment: ScoredJudgment, *, order_spread: float | None = None) -> Decision:
+        """The decision for one judgment; ``order_spread``: how far its listings disagreed."""
+        spreads = None if order_spread is None else [order_spread]
+        return self.decide_many([judgment], order_spreads=spreads)[0]
 
-    def decide_many(self, judgments: Sequence[ScoredJudgment]) -> list[Decision]:
-        """Decisions for many judgments, in order, computed together per set of choices."""
+    def decide_many(
+        self,
+        judgments: Sequence[ScoredJudgment],
+        *,
+        order_spreads: Sequence[float] | None = None,
+    ) -> list[Decision]:
+        """Decisions for many judgments, in order, computed together per set of choices.
+
+        ``order_spreads``: one per judgment (see ``order_sensitive`` in the module docstring).
+        """
+        if order_spreads is not None and len(order_spreads) != len(judgments):
+            raise ValueError(f"{len(order_spreads)} order spreads for {len(judgments)} judgments")
         groups: dict[tuple[str, ...], list[int]] = {}
         for i, j in enumerate(judgments):
             groups.setdefault(tuple(j.choices), []).append(i)
@@ -188,7 +218,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             z = np.array([judgments[i].log_probs for i in rows], dtype=np.float64)  # (n, k)
             mass = np.array([judgments[i].choice_mass for i in rows], dtype=np.float64)
             features = self._features([judgments[i] for i in rows])
-            decisions = self.decide_arrays(choices, z[:, columns], mass, features)
+            spread = None if order_spreads is None else [order_spreads[i] for i in rows]
+            decisions = self.decide_arrays(choices, z[:, columns], mass, features, spread)
             for i, d in zip(rows, decisions, strict=True):
                 out[i] = d
         return [d for d in out if d is not None]
@@ -225,13 +256,16 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         log_probabilities: npt.ArrayLike,
         choice_mass: npt.ArrayLike | None = None,
         features: npt.ArrayLike | None = None,
+        order_spread: npt.ArrayLike | None = None,
     ) -> list[Decision]:
         """Decisions for (n, k) log-probabilities whose columns follow ``choices``.
 
         ``choice_mass`` is (n,); None counts as 1 (nothing known against the choices).
         ``features`` is (n, m * H), the hidden states of ``feature_layers`` (a probe's).
+        ``order_spread`` is (n,), each judgment's spread across listings; None: not known.
         """
-        g = self.gates(choices, log_probabilities, choice_mass, features)
+        g = self.gates(choices, log_probabilities, choice_mass, features, order_spread)
+        spreads = None if order_spread is None else np.asarray(order_spread, dtype=np.float64)
         decisions = []
         for i in range(g.probabilities.shape[0]):
             codes: list[ReasonCode] = []
@@ -268,6 +302,13 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     f"the score's standard deviation {g.std[i]:.4f} is above the maximum "
                     f"{self.max_std:.4f}"
                 )
+            if g.order_sensitive[i]:
+                assert spreads is not None and self.max_order_spread is not None
+                codes.append("order_sensitive")
+                reasons.append(
+                    f"the order of the options moved a probability by {spreads[i]:.4f}, above "
+                    f"the maximum order spread {self.max_order_spread:.4f}"
+                )
             scored = g.expected_value is not None and g.std is not None
             decisions.append(
                 Decision(
@@ -288,6 +329,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     expected_value=float(g.expected_value[i]) if scored else None,  # type: ignore[index]
                     std=float(g.std[i]) if scored else None,  # type: ignore[index]
                     max_std=self.max_std if scored else None,
+                    order_spread=None if spreads is None else float(spreads[i]),
+                    max_order_spread=None if spreads is None else self.max_order_spread,
                 )
             )
         return decisions
@@ -298,10 +341,12 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         log_probabilities: npt.ArrayLike,
         choice_mass: npt.ArrayLike | None = None,
         features: npt.ArrayLike | None = None,
+        order_spread: npt.ArrayLike | None = None,
     ) -> Gates:
         """Every gate of the policy for (n, k) log-probabilities, as arrays.
 
         ``features`` (n, m * H) are the hidden states a probe map reads; other maps ignore them.
+        ``order_spread`` (n,) is each judgment's spread across listings of its options.
 
         ``decide_arrays`` turns these into decisions; for large evaluations, ``Gates.accepted``
         and ``Gates.best`` are the decisions without building an object per item.
@@ -337,6 +382,13 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             expected, std = value_moments(probs, values)  # (n,), (n,)
             if self.max_std is not None:
                 high_std = std > self.max_std
+        order_sensitive = np.zeros(n, dtype=bool)
+        if order_spread is not None:
+            spreads = np.asarray(order_spread, dtype=np.float64)
+            if spreads.shape != (n,):
+                raise ValueError(f"order_spread must have shape ({n},), got {spreads.shape}")
+            if self.max_order_spread is not None:
+                order_sensitive = spreads > self.max_order_spread
         return Gates(
             probabilities=probs,
             best=best,
@@ -348,7 +400,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             expected_value=expected,
             std=std,
             high_std=high_std,
-            accepted=~(below | low_mass | ambiguous | high_std),
+            order_sensitive=order_sensitive,
+            accepted=~(below | low_mass | ambiguous | high_std | order_sensitive),
         )
 
     def values_for(self, choices: Sequence[str]) -> npt.NDArray[np.float64] | None:
@@ -392,14 +445,19 @@ def make_policy(
     max_std: float | None = None,
     values: Mapping[str, float] | None = None,
     defaults: PolicyDefaults | None = None,
+    max_order_spread: float | None = None,
 ) -> Policy:
     """The policy in force: the request's settings over the profile's over the defaults.
 
     This is the only place where that precedence is written. ``threshold`` and
     ``min_choice_mass`` are the caller's overrides (None: not set); they must be in [0, 1].
     ``values`` (a number per choice) and ``max_std`` (>= 0) are a score's; see
-    ``Policy.values_for``.
+    ``Policy.values_for``. ``max_order_spread`` (in [0, 1]) bounds a judgment's spread across
+    listings of its options (``Policy.decide(..., order_spread=...)``); it is the caller's own
+    bound, so it does not change ``certified``.
     """
+    if max_order_spread is not None:
+        max_order_spread = check_probability(max_order_spread, "max_order_spread")
     if threshold is not None:
         threshold = check_probability(threshold, "threshold")
     if min_choice_mass is not None:
@@ -424,6 +482,7 @@ def make_policy(
             values=checked_values,
             max_std=defaults.max_std if max_std is None else max_std,
             max_std_source="default" if max_std is None else "request",
+            max_order_spread=max_order_spread,
         )
     if checked_values is not None:
         checked_values = check_values(checked_values, profile.choices)
@@ -459,4 +518,5 @@ def make_policy(
         values=chosen_values,
         max_std=chosen_std,
         max_std_source=std_source,
+        max_order_spread=max_order_spread,
     )

@@ -40,7 +40,7 @@ import msgspec
 from msgspec import Meta
 
 from judge.engine import Judgment, Query, shared_query
-from judge.errors import InvalidQueryError
+from judge.errors import InvalidQueryError, JudgeError
 
 if TYPE_CHECKING:
     from judge.protocol import Engine
@@ -136,8 +136,9 @@ def render_state(state: object) -> str:
     if isinstance(state, str):
         return state
     try:
-        return json.dumps(state, indent=2, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
+        # allow_nan=False: NaN and Infinity are not JSON, and the model should not read them.
+        return json.dumps(state, indent=2, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidQueryError(f"state is not JSON: {exc}", field="state") from None
 
 
@@ -234,25 +235,37 @@ def decide(
     for i, query in enumerate(plan.queries):
         try:
             prepared.append(engine.prepare(query))
-        except InvalidQueryError as exc:
-            exc.field = f"questions.{plan.question_of(i)}.{exc.field or 'criteria'}"
+        except JudgeError as exc:
+            # The engine names a query's field; the caller wrote a question: name it and its
+            # field (the choices are the question's criteria).
+            own = "criteria" if exc.field in (None, "choices") else exc.field
+            exc.field = f"questions.{plan.question_of(i)}.{own}"
             raise
     return plan.answers(engine.run_shared(prepared))
 
 
 def _as_question(qid: object, raw: Question | Mapping[str, Any]) -> Question:
     if not isinstance(qid, str) or not qid:
-        raise InvalidQueryError(f"a question id must be a non-empty string, got {qid!r}")
-    if isinstance(raw, NoulQuestion | ChoiceQuestion | ScoreQuestion):
-        return raw
+        raise InvalidQueryError(
+            f"a question id must be a non-empty string, got {qid!r}", field="questions"
+        )
     try:
-        return msgspec.convert(raw, Question)
-    except msgspec.ValidationError as exc:
+        if isinstance(raw, NoulQuestion | ChoiceQuestion | ScoreQuestion):
+            # A Struct's constructor checks no constraints: check a built one as its JSON form.
+            raw = msgspec.to_builtins(raw)
+        question = msgspec.convert(raw, Question)
+    except (msgspec.ValidationError, TypeError) as exc:
         # msgspec says "... - at `$.criteria`": name the question's field.
         text = str(exc)
         path = text.rsplit("at `$.", 1)[1].split("`")[0] if "at `$." in text else ""
         field = f"questions.{qid}" + (f".{path.split('[')[0].split('.')[0]}" if path else "")
         raise InvalidQueryError(f"question {qid!r}: {text}", field=field) from None
+    if not question.instructions.strip():
+        raise InvalidQueryError(
+            f"question {qid!r}: the instructions are blank; say what to decide",
+            field=f"questions.{qid}.instructions",
+        )
+    return question
 
 
 def _choices(qid: str, question: Question) -> list[str]:

@@ -53,6 +53,7 @@ from collections.abc import (
     Callable,
     Generator,
     Iterable,
+    Mapping,
     Sequence,
 )
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,6 +80,7 @@ from service.schemas import (
     SharedBatch,
     SharedQuestion,
 )
+from service.systemone import SystemOneQuestion, SystemOneRequest, SystemOneResponse
 
 # The schema's Structs too, so that one import serves a program that uses the client.
 __all__ = [
@@ -98,6 +100,8 @@ __all__ = [
     "ProfileSummary",
     "RetryPolicy",
     "SharedQuestion",
+    "SystemOneQuestion",
+    "SystemOneResponse",
     "parse_retry_after",
 ]
 
@@ -455,6 +459,22 @@ class _Core:
         response = yield from self._exchange(BY_NAME["judge_batch"], batch)
         return _shared_results(response, len(questions))
 
+    def _systemone(
+        self,
+        state: Any,
+        questions: Mapping[str, SystemOneQuestion | Mapping[str, Any]],
+        model: str | None,
+    ) -> Steps[SystemOneResponse]:
+        request = SystemOneRequest(
+            state=state,
+            questions={
+                qid: q if isinstance(q, msgspec.Struct) else msgspec.convert(q, SystemOneQuestion)
+                for qid, q in questions.items()
+            },
+            model=model,
+        )
+        return self._call("systemone", SystemOneResponse, request)
+
     def _profiles(self) -> Steps[list[ProfileSummary]]:
         return self._call("profiles", list[ProfileSummary])
 
@@ -616,6 +636,19 @@ class JudgeClient(_Core):
         """``POST /judge/batch`` with a shared context: the context is encoded once."""
         return self._run(self._judge_shared(context, questions))
 
+    def systemone(
+        self,
+        state: Any,
+        questions: Mapping[str, SystemOneQuestion | Mapping[str, Any]],
+        model: str | None = None,
+    ) -> SystemOneResponse:
+        """``POST /v1/systemone``: typed questions about ``state``, each answered and gated.
+
+        ``questions`` maps an id to a ``SystemOneNoul``, ``SystemOneChoice`` or
+        ``SystemOneScore`` (``service.systemone``), or to its JSON form (``{"type": ...}``).
+        """
+        return self._run(self._systemone(state, questions, model))
+
     def profiles(self) -> list[ProfileSummary]:
         """``GET /profiles``: a summary of every profile the server has."""
         return self._run(self._profiles())
@@ -764,6 +797,15 @@ class AsyncJudgeClient(_Core):
     ) -> list[JudgeResponse]:
         """``JudgeClient.judge_shared``, awaited."""
         return await self._run(self._judge_shared(context, questions))
+
+    async def systemone(
+        self,
+        state: Any,
+        questions: Mapping[str, SystemOneQuestion | Mapping[str, Any]],
+        model: str | None = None,
+    ) -> SystemOneResponse:
+        """``JudgeClient.systemone``, awaited."""
+        return await self._run(self._systemone(state, questions, model))
 
     async def profiles(self) -> list[ProfileSummary]:
         """``JudgeClient.profiles``, awaited."""

@@ -36,6 +36,8 @@ class ServiceConfig:
     # Tokens one judgment (or a batch item, or a shared question with its context) may feed the
     # model; larger ones are refused with a 413 before any work. See max_batch_tokens.
     max_request_tokens: int = 4096
+    # Questions one POST /v1/systemone may ask about its state; more are refused with a 413.
+    max_questions: int = 64
     read_timeout_s: float = 30.0  # the longest a client may take to send its body
     api_key: str | None = None
     max_body_bytes: int = 1_000_000
@@ -57,6 +59,7 @@ class ServiceConfig:
             "max_queue",
             "max_jobs",
             "max_request_tokens",
+            "max_questions",
             "max_body_bytes",
             "max_profile_bytes",
         ):

@@ -37,7 +37,8 @@ _ERRORS = {
     408: "The body did not arrive in time",
     412: "If-Match or If-None-Match does not hold for the stored version; `field` names the header",
     413: "The body is too large (`--max-body-bytes`; a profile PUT has its own, larger limit, "
-    "room for a probe's weights), or a judgment is over the server's token budget",
+    "room for a probe's weights), a judgment is over the server's token budget, or a System One "
+    "request asks more questions than the server's limit (`--max-questions`)",
     415: "The body is not JSON",
     422: "The request is well-formed but cannot be served (the profile does not match, the "
     "prompt is too long for the model, the tokenizer cannot round-trip it, a profile breaks a "
@@ -104,6 +105,22 @@ _EXAMPLES: dict[str, dict[str, Any]] = {
             {"prompt": "Is it spam?", "choices": ["yes", "no"]},
             {"prompt": "Is it about a meeting place?", "choices": ["yes", "no"]},
         ],
+    },
+    "systemone": {
+        "state": {"ticket": "I was charged twice for my subscription this month."},
+        "questions": {
+            "billing": {"type": "noul", "instructions": "Is this about billing?"},
+            "team": {
+                "type": "choice",
+                "instructions": "Which team should handle it?",
+                "criteria": {"billing": "payments, refunds", "technical": "bugs, outages"},
+            },
+            "urgency": {
+                "type": "score",
+                "instructions": "How urgent is it?",
+                "criteria": ["not urgent", "soon", "now"],
+            },
+        },
     },
     "fit": {
         "choices": ["spam", "ham"],

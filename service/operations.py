@@ -29,6 +29,7 @@ from service.schemas import (
     ReadyResponse,
     StatusResponse,
 )
+from service.systemone import SystemOneRequest, SystemOneResponse
 
 __all__ = ["BY_NAME", "OPERATIONS", "TIMEOUT_HEADER", "Operation", "allowed", "paths", "route_of"]
 
@@ -93,6 +94,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("judge_batch", "POST", "/judge/batch",
               "Judge many items, or many questions about one context",
               body=BatchRequest, ok=(200, BatchResponse),
+              errors=(*_BODY_ERRORS, 404, 422, 503), model=True),
+    Operation("systemone", "POST", "/v1/systemone",
+              "Typed questions about one state, in the System One wire format",
+              body=SystemOneRequest, ok=(200, SystemOneResponse),
               errors=(*_BODY_ERRORS, 404, 422, 503), model=True),
     Operation("profiles", "GET", "/profiles", "List calibration profiles",
               ok=(200, list[ProfileSummary])),

@@ -45,6 +45,7 @@ from service.schemas import (
     ProfileSummary,
 )
 from service.serving import Service, Ticket
+from service.systemone import SystemOneResponse, decode_request
 
 __all__ = ["HANDLERS", "ROUTES", "TIMEOUT_HEADER"]
 
@@ -108,6 +109,12 @@ async def judge(request: AnyRequest, service: NamedDependency[Service]) -> Judge
 async def judge_batch(request: AnyRequest, service: NamedDependency[Service]) -> BatchResponse:
     ticket = _ticket(service, request)
     return await service.judge_batch(await _batch_body(request), ticket)
+
+
+async def systemone(request: AnyRequest, service: NamedDependency[Service]) -> SystemOneResponse:
+    ticket = _ticket(service, request)
+    body = decode_request(await request.body(), request.headers.get("content-type"))
+    return await service.systemone(body, ticket)
 
 
 async def list_profiles(service: NamedDependency[Service]) -> list[ProfileSummary]:
@@ -194,6 +201,7 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "metrics": metrics,
     "judge": judge,
     "judge_batch": judge_batch,
+    "systemone": systemone,
     "profiles": list_profiles,
     "profile": profile,
     "put_profile": put_profile,

@@ -20,6 +20,11 @@ thread (``tasks.fit_labeled``); if its client leaves, the request is cancelled a
 written. A fit whose method may be a probe ("auto", "probe") judges its examples with the
 hidden states of ``calibration.probe.candidate_layers``; a probe that cannot be fitted is
 refused (``method``) before any model work.
+
+``POST /v1/systemone`` (``service.systemone``) is typed questions about one state: each
+question's listings are rendered by ``judge.decisions.plan_decisions`` and served as a shared
+context is (``_prepare``, then ``_run_rows``); each answer is gated by its own Policy, with the
+question's order spread (``Policy.decide(..., order_spread=...)``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from calibration import (
     FitError,
     Policy,
     ProfileError,
+    ProfileMismatchError,
     make_policy,
 )
 from calibration.fitting import resolve_methods
@@ -61,6 +67,7 @@ from judge import (
     PromptTooLongError,
     Query,
 )
+from judge.decisions import plan_decisions
 from judge.engine import shared_query
 from judge.packing import pack_rows
 from judge.scores import check_values
@@ -87,6 +94,14 @@ from service.schemas import (
     JudgeResponse,
     ProfileSummary,
     SharedQuestion,
+)
+from service.systemone import (
+    SystemOneAnswer,
+    SystemOneQuestion,
+    SystemOneRequest,
+    SystemOneResponse,
+    Usage,
+    wire_answer,
 )
 
 __all__ = ["Service"]
@@ -395,6 +410,16 @@ class Service:
             if not isinstance(prepared, Prepared):
                 raise prepared
             ready.append(prepared)
+        results = await self._run_rows(engine, ready, ticket)
+        return [
+            self._respond(engine, r, q, p)
+            for r, q, p in zip(results, questions, plans, strict=True)
+        ]
+
+    async def _run_rows(
+        self, engine: Engine, ready: Sequence[Prepared], ticket: Ticket
+    ) -> list[Judgment]:
+        """Prepared queries that share a context, judged in order: one job per packed row."""
         results: list[Judgment] = []
         for row in pack_rows([p.trie for p in ready], self.config.max_batch_tokens):
             results += await self.batcher.call(
@@ -403,10 +428,96 @@ class Service:
                 deadline=ticket.deadline,
             )
             self.metrics.batch_size.observe(len(row))
-        return [
-            self._respond(engine, r, q, p)
-            for r, q, p in zip(results, questions, plans, strict=True)
-        ]
+        return results
+
+    # --- System One ---------------------------------------------------------------------------
+
+    async def systemone(self, request: SystemOneRequest, ticket: Ticket) -> SystemOneResponse:
+        """Typed questions about one state (``service.systemone``), as ``_shared`` serves them.
+
+        Everything is checked before any model work: the model's name, how many questions,
+        each question (``judge.decisions.plan_decisions``), its profile against the engine and
+        its choices, and each listing's size against the budget (``_prepare``); every refusal
+        names ``questions.<id>.<field>``. Then the listings run as shared rows, the state
+        computed once where the budget allows, and each answer is gated by its own Policy.
+        """
+        started = time.perf_counter()
+        engine = self.engine()
+        if request.model is not None and request.model != engine.model_id:
+            raise UnprocessableError(
+                "model",
+                f"this server serves {engine.model_id!r}, not {request.model!r}; "
+                "leave model out or name that one",
+            )
+        limit = self.config.max_questions
+        if len(request.questions) > limit:
+            raise TooLargeError(
+                "questions",
+                f"{len(request.questions)} questions, over this server's limit of {limit} "
+                "(--max-questions): split them over several requests",
+            )
+        questions = {qid: q.question() for qid, q in request.questions.items()}
+        plan = plan_decisions(request.state, questions)
+        policies = {
+            asked.id: self._systemone_policy(
+                engine, asked.id, request.questions[asked.id], asked.choices
+            )
+            for asked in plan.asked
+        }
+        layers = {qid: p.feature_layers for qid, p in policies.items() if p.feature_layers}
+        if layers:  # a probe reads the pass's hidden state: ask for it
+            plan = plan_decisions(request.state, questions, feature_layers=layers)
+        owners = [plan.question_of(i) for i in range(len(plan.queries))]
+        fields = [_systemone_field(plan.context, q, request.questions[q]) for q in owners]
+        ready: list[Prepared] = []
+        for qid, field_name, prepared in zip(
+            owners, fields, await self._prepare(engine, plan.queries, fields), strict=True
+        ):
+            if not isinstance(prepared, Prepared):
+                # The engine names the query's fields: its choices are the question's criteria,
+                # its prompt the state and the question.
+                if prepared.field in (None, "choices"):
+                    prepared.field = f"questions.{qid}.criteria"
+                elif not prepared.field.startswith(("questions.", "state")):
+                    prepared.field = field_name
+                raise prepared
+            ready.append(prepared)
+        judgments = await self._run_rows(engine, ready, ticket)
+        answers: dict[str, SystemOneAnswer] = {}
+        for qid, answer in plan.answers(judgments).items():
+            decision = policies[qid].decide(answer.judgment, order_spread=answer.order_spread)
+            self.metrics.decisions.labels(decision.decision).inc()
+            answers[qid] = wire_answer(answer, decision)
+        return SystemOneResponse(
+            model=engine.model_id,
+            answers=answers,
+            usage=Usage(input_tokens=sum(j.computed_tokens for j in judgments)),
+            latency_ms=(time.perf_counter() - started) * 1000,
+        )
+
+    def _systemone_policy(
+        self, engine: Engine, qid: str, question: SystemOneQuestion, choices: list[str]
+    ) -> Policy:
+        """The question's Policy: its profile (checked against the engine and the question's
+        choices) under its overrides, as ``_plan`` builds one for ``POST /judge``."""
+        profile = None
+        if question.profile is not None:
+            try:
+                profile = self.store.get(question.profile)
+                profile.check(engine.fingerprint(), choices=choices)
+            except ProfileMismatchError as exc:
+                exc.field = f"questions.{qid}.profile"
+                raise
+            except ProfileError as exc:  # no such profile, or unreadable: error_of reads field
+                exc.field = f"questions.{qid}.profile"  # type: ignore[attr-defined]
+                raise
+        return make_policy(
+            profile,
+            threshold=question.threshold,
+            min_choice_mass=question.min_choice_mass,
+            max_order_spread=question.max_order_spread,
+            defaults=self.config.policy_defaults,
+        )
 
     # --- profiles -----------------------------------------------------------------------------
 
@@ -542,6 +653,16 @@ class Service:
                 "name", f"the profile is named {profile.name!r} but the path says {name!r}"
             )
         return self.store.put(profile, if_match=if_match, if_none_match=if_none_match)
+
+
+def _systemone_field(context: str, qid: str, question: SystemOneQuestion) -> str:
+    """The field a 413 names for a question's listing: the state, unless the question's own
+    text (its instructions, or its criteria) is longer."""
+    criteria = len(msgspec.json.encode(question.criteria))
+    instructions = len(question.instructions)
+    if len(context) >= max(instructions, criteria):
+        return "state"
+    return f"questions.{qid}." + ("instructions" if instructions >= criteria else "criteria")
 
 
 # FitRequest.method -> fit_labeled's methods: the candidates that compete with no scaling.

@@ -226,6 +226,29 @@ def test_bench_prefix_cache_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_order_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_order.json"
+    _run("bench_order.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result) == {"machine", "quick", "config", "rows", "elapsed_s"}
+    assert result["quick"] is True and result["config"]["n"] == 10
+    assert result["machine"]["dtype"] and result["machine"]["cpu"]
+    rows = {(r["naming"], r["order"]): r for r in result["rows"]}
+    assert set(rows) == {(n, o) for n in ("letters", "texts") for o in ("given", "invariant")}
+    for (_, order), row in rows.items():
+        assert row["orderings"] == (1 if order == "given" else 5)
+        assert 0 <= row["accuracy"] <= 1 and 0 <= row["ece"] <= 1
+        assert row["ms_per_item"] > 0 and row["tokens_per_item"] > 0
+        if order == "given":
+            assert row["spread_mean"] == row["spread_p90"] == 0
+            assert row["tokens_ratio"] == row["ms_ratio"] == 1
+        else:
+            # Five listings share the question's state: more than 1x, less than 5x the tokens.
+            assert 1 < row["tokens_ratio"] < 5 and row["spread_mean"] > 0
+
+
+@pytest.mark.slow
 def test_bench_reliability_quick(tmp_path: Path) -> None:
     # The scenarios one server start can hold (~30 s); soak, overload and kill -9 need more.
     out = tmp_path / "reliability.json"
@@ -239,7 +262,12 @@ def test_bench_reliability_quick(tmp_path: Path) -> None:
     # unrun, and each hang-up is recorded as a 499.
     gone = result["disconnect"]
     assert gone["busy_request"]["status"] == "200"
-    assert (gone["computed"], gone["dropped"], gone["responses_499"]) == (0, 32, 32)
+    # Nothing computed for a client that left, and every one of them is a 499. Most jobs are
+    # dropped in the queue; on a busy machine a request can be cancelled while it is still
+    # being prepared (on a worker thread), before its job was queued: then it is not counted
+    # as dropped, and that is no less right.
+    assert gone["computed"] == 0 and gone["responses_499"] == 32
+    assert gone["dropped"] <= 32
     late = result["deadline"]
     assert late["client_outcomes"] == {"503": 25}
     assert (late["computed"], late["dropped"]) == (0, 25)

@@ -204,3 +204,44 @@ def test_threshold_results_stay_in_range_on_upload(profile: CalibrationProfile) 
     with pytest.raises(ProfileError, match=r">= 0.0 - at `\$.threshold.threshold`"):
         decode_profile(msgspec.json.encode(data))
     assert isinstance(profile.threshold, ThresholdResult)
+
+
+def test_an_order_spread_over_the_bound_escalates(profile: CalibrationProfile) -> None:
+    policy = make_policy(None, threshold=0.6, max_order_spread=0.2)
+    assert policy.decide(scored(0.9)).accepted  # no spread given: the gate passes
+    calm = policy.decide(scored(0.9), order_spread=0.2)  # at the bound: still accepted
+    assert calm.accepted and calm.order_spread == 0.2 and calm.max_order_spread == 0.2
+    moved = policy.decide(scored(0.9), order_spread=0.35)
+    assert moved.decision == "escalate" and moved.reason_codes == ["order_sensitive"]
+    assert "0.3500" in moved.reasons[0] and "0.2000" in moved.reasons[0]
+    # With other reasons, in the documented order: the threshold's first.
+    low = policy.decide(scored(0.45), order_spread=0.9)
+    assert low.reason_codes == ["below_threshold", "order_sensitive"]
+    # Without a bound, a spread is recorded and decides nothing.
+    free = make_policy(None, threshold=0.5).decide(scored(0.9), order_spread=0.9)
+    assert free.accepted and free.order_spread == 0.9 and free.max_order_spread is None
+    # The bound is the caller's: a profile's certified rule stays certified under it.
+    certified = make_policy(profile)
+    bounded = make_policy(profile, max_order_spread=0.1)
+    assert bounded.certified == certified.certified
+    judgments = [scored(p) for p in (0.02, 0.5, 0.98)]
+    spreads = [0.0, 0.05, 0.3]
+    many = bounded.decide_many(judgments, order_spreads=spreads)
+    one_by_one = [
+        bounded.decide(j, order_spread=s) for j, s in zip(judgments, spreads, strict=True)
+    ]
+    assert many == one_by_one
+    assert "order_sensitive" in many[2].reason_codes
+    assert many[2].reason_codes[:-1] == certified.decide(judgments[2]).reason_codes
+    gates = bounded.gates(CHOICES, [[math.log(0.02), math.log(0.98)]] * 3, order_spread=spreads)
+    assert gates.order_sensitive.tolist() == [False, False, True] and not gates.accepted[2]
+    with pytest.raises(ValueError, match="order spreads"):
+        bounded.decide_many(judgments, order_spreads=[0.1])
+    with pytest.raises(ValueError, match="max_order_spread"):
+        make_policy(None, max_order_spread=1.5)
+
+
+def test_order_sensitive_is_a_reason_code() -> None:
+    from calibration import REASON_CODES
+
+    assert "order_sensitive" in REASON_CODES

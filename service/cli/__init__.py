@@ -4,6 +4,8 @@
     service.cli.ask         ``judge ask``: one prompt, or a JSONL file of them (batch gating)
     service.cli.calibrate   ``judge calibrate`` and ``judge evaluate`` on labeled tasks
     service.cli.serve       ``judge serve``: the HTTP service
+    service.cli.decide      ``judge decide``: typed questions about a state
+    service.cli.serve_mcp   ``judge mcp``: the MCP server (service.mcp_server) over stdio
     service.cli.common      what the commands share
 
 The top of the stack: it imports ``judge``, ``calibration`` (with ``calibration.tasks``) and

@@ -34,6 +34,10 @@ DTYPES: tuple[str, ...] = get_args(DType)
 class UsageError(Exception):
     """The command line asks for something that cannot be done as given (exit status 2)."""
 
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field  # the input at fault (``questions.q1``), where there is one
+
 
 def _number(text: str, expected: str) -> float:
     """``text`` as a float, or the argparse error that says what was ``expected``."""

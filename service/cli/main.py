@@ -6,6 +6,8 @@ judge calibrate --task DIR                    fit a calibration profile on a lab
 judge calibrate --task DIR --unlabeled batch  fit a label-free prior correction (no labels)
 judge evaluate --task DIR --profile FILE      measure the served policy on a held-out split
 judge serve                                   run the HTTP service
+judge decide --state FILE --question ID=JSON  typed questions about a state; print the answers
+judge mcp                                     a Model Context Protocol server over stdio
 
 Every command runs the model, so each needs the server's dependencies: without them (the
 client's install, ``pip install judge``) it stops with one line that says to install them.
@@ -97,6 +99,8 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help=f"default: the profile's, else {DEFAULT_RESPONSE_SUFFIX!r}",
     )
+
+    _decide_arguments(commands)
 
     fit = commands.add_parser(
         "calibrate", help="fit a calibration profile on a task's labeled data"
@@ -197,6 +201,12 @@ def parser() -> argparse.ArgumentParser:
         "context) may feed the model; larger ones get a 413 before any work (default: 4096, "
         "about 3-4 s on 2 CPU cores)",
     )
+    serve.add_argument(
+        "--max-questions",
+        type=positive_int,
+        default=64,
+        help="questions one POST /v1/systemone may ask; more get a 413 (default: 64)",
+    )
     serve.add_argument("--max-wait-ms", type=seconds, default=5.0, help="wait for a batch to fill")
     serve.add_argument(
         "--max-queue",
@@ -275,7 +285,71 @@ def parser() -> argparse.ArgumentParser:
         "--ray-address",
         help="join this Ray cluster (e.g. ray://head:10001 or auto); default: start a local one",
     )
+    mcp = commands.add_parser(
+        "mcp",
+        help="serve the judge to MCP clients over stdio (pip install 'judge[mcp]')",
+        description="A Model Context Protocol server on stdin/stdout with the tools judge "
+        "(one prompt), decide (typed questions about a state) and list_profiles. The model "
+        "loads once, at start. Register it with a client as the command `judge mcp`.",
+    )
+    mcp.add_argument("--model", default=None, help="model id, directory or .gguf")
+    mcp.add_argument("--dtype", default="auto", choices=DTYPES)
+    mcp.add_argument("--device", default="cpu")
+    mcp.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    mcp.add_argument(
+        "--prefix-cache-mb",
+        type=megabytes,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="memory for cached prompt prefixes, reused across calls (0: off)",
+    )
     return root
+
+
+def _decide_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from judge.decisions import MAX_ORDERINGS
+    from service.cli.common import positive_int
+
+    decide = commands.add_parser(
+        "decide",
+        help="answer typed questions (yes/no, one of options, a score) about a state",
+        description="Answer typed questions about one state in one run of the model and "
+        "print one JSON object, id -> answer. A question is "
+        '{"type": "noul" | "choice" | "score", "instructions": ..., "criteria": ...}.',
+    )
+    decide.add_argument(
+        "--state",
+        required=True,
+        help="a file with the state ('-' for stdin): JSON if it parses, else text",
+    )
+    decide.add_argument(
+        "--question",
+        action="append",
+        metavar="ID=JSON",
+        help="a question and its id; repeat for each",
+    )
+    decide.add_argument(
+        "--questions", type=Path, metavar="FILE", help="a JSON object of questions, id -> question"
+    )
+    decide.add_argument(
+        "--order",
+        choices=["given", "invariant"],
+        help="for questions that set no order: invariant asks under several listings of the "
+        "options and averages (default: each question's own, else given)",
+    )
+    decide.add_argument(
+        "--max-orderings",
+        type=positive_int,
+        default=MAX_ORDERINGS,
+        help=f"listings of a choice question's options under order invariant ({MAX_ORDERINGS})",
+    )
+    decide.add_argument(
+        "--profile",
+        action="append",
+        metavar="ID=NAME",
+        help="gate question ID with the profile NAME from --profiles-dir; repeat for each",
+    )
+    decide.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    _model_arguments(decide, dtype_help="(default: the first profile's, else auto)")
 
 
 def _model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") -> None:
@@ -345,6 +419,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from service.cli import calibrate
 
             return calibrate.run_evaluate(args)
+        if args.command == "decide":
+            from service.cli import decide
+
+            return decide.run(args)
+        if args.command == "mcp":
+            from service.cli import serve_mcp
+
+            return serve_mcp.run(args)
         from service.cli import serve
 
         return serve.run(args)

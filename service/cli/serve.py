@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens,
         max_request_tokens=args.max_request_tokens,
+        max_questions=args.max_questions,
         max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue,
         admission_wait_s=args.admission_wait,

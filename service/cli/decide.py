@@ -1,0 +1,149 @@
+"""``judge decide``: typed questions about one state, answered in one run of the model.
+
+    judge decide --state ticket.json \\
+        --question 'billing={"type": "noul", "instructions": "Is this about billing?"}' \\
+        --questions more.json --order invariant --profile billing=billing-v2
+
+The state is a file (``-``: stdin), read as JSON if it parses and as text otherwise. Each
+question is ``ID=JSON`` on the command line, or an entry of ``--questions FILE`` (a JSON
+object, id -> question); a question is ``judge.decisions``'s: ``{"type": "noul" | "choice" |
+"score", "instructions": ..., "criteria": ..., "order": ...}``. ``--profile ID=NAME`` gates
+question ID with the profile NAME from ``--profiles-dir``.
+
+Prints one JSON object, id -> answer (the answers of ``POST /v1/systemone``, ``service.systemone``). Everything the
+command line can get wrong is checked before the model loads; an error is one line that
+names the question and its field, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from calibration import CalibrationProfile, ProfileError
+from judge.decisions import plan_decisions
+from service.answers import answer_questions, with_order
+from service.cli.common import UsageError, load_engine, to_json
+from service.profiles import ProfileStore
+
+__all__ = ["read_state", "run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the questions and profiles, load the model once, answer, print."""
+    state = read_state(args.state)
+    questions: dict[str, Any] = _questions(args)
+    if args.order is not None:
+        questions = with_order(questions, args.order)
+    # No model yet: the questions, the profiles and their choices are checked first.
+    plan = plan_decisions(state, questions, max_orderings=args.max_orderings)
+    profiles = _profiles(args.profile or [], args.profiles_dir, questions)
+    for asked in plan.asked:
+        profile = profiles.get(asked.id)
+        if profile is not None and sorted(profile.choices) != sorted(asked.choices):
+            raise UsageError(
+                f"profile {profile.name!r} was fitted for choices {profile.choices!r}, not "
+                f"question {asked.id!r}'s {asked.choices!r}; the same choices are needed "
+                "(in any order)",
+                field=f"profiles.{asked.id}",
+            )
+    first = next(iter(profiles.values()), None)
+    engine = load_engine(args, first, dtype=args.dtype)
+    answers = answer_questions(
+        engine, state, questions, profiles=profiles, max_orderings=args.max_orderings
+    )
+    sys.stdout.write(to_json(answers, indent=2) + "\n")
+    return 0
+
+
+def read_state(source: str) -> object:
+    """The state in ``source`` (a path, or ``-`` for stdin): JSON if it parses, else text."""
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise UsageError(f"cannot read --state {source!r}: {reason}", field="state") from None
+    if not text.strip():
+        raise UsageError(f"--state {source!r} is empty; give the state to judge", field="state")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _questions(args: argparse.Namespace) -> dict[str, Any]:
+    """The questions of ``--questions FILE`` and then of each ``--question ID=JSON``."""
+    questions: dict[str, Any] = {}
+    if args.questions is not None:
+        path = args.questions
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or exc
+            raise UsageError(
+                f"cannot read --questions {path}: {reason}", field="questions"
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--questions {path} is not JSON: {exc}", field="questions") from None
+        if not isinstance(data, dict):
+            raise UsageError(
+                f"--questions {path} must be a JSON object, id -> question; "
+                f"got {type(data).__name__}",
+                field="questions",
+            )
+        questions.update(data)
+    for item in args.question or []:
+        qid, text = _pair(item, "--question", "ID=JSON")
+        if qid in questions:
+            raise UsageError(
+                f"question {qid!r} is asked twice; give each question its own id",
+                field=f"questions.{qid}",
+            )
+        try:
+            questions[qid] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UsageError(
+                f"--question {qid}: not JSON ({exc}); write it as "
+                f'{qid}=\'{{"type": "noul", "instructions": "..."}}\'',
+                field=f"questions.{qid}",
+            ) from None
+    if not questions:
+        raise UsageError(
+            "ask at least one question: --question ID=JSON or --questions FILE", field="questions"
+        )
+    return questions
+
+
+def _profiles(
+    pairs: list[str], directory: Path, questions: dict[str, Any]
+) -> dict[str, CalibrationProfile]:
+    """Each ``--profile ID=NAME``'s profile, by question id, from ``directory``."""
+    store: ProfileStore | None = None
+    profiles: dict[str, CalibrationProfile] = {}
+    for item in pairs:
+        qid, name = _pair(item, "--profile", "ID=NAME")
+        field = f"profiles.{qid}"
+        if qid not in questions:
+            raise UsageError(
+                f"--profile {item}: no question {qid!r} is asked (the questions are "
+                f"{', '.join(sorted(questions))})",
+                field=field,
+            )
+        if qid in profiles:
+            raise UsageError(f"--profile: question {qid!r} is given two profiles", field=field)
+        store = store or ProfileStore(directory)
+        try:
+            profiles[qid] = store.get(name)
+        except ProfileError as exc:
+            raise UsageError(f"--profile {item}: {exc} (in {directory})", field=field) from None
+    return profiles
+
+
+def _pair(item: str, flag: str, form: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip() or not value.strip():
+        raise UsageError(f"{flag} {item!r}: expected {form}")
+    return key.strip(), value

@@ -1,0 +1,241 @@
+"""The judge as a Model Context Protocol server (the official SDK's ``MCPServer``).
+
+Three tools, each with a JSON input schema:
+
+    judge           prompt, choices (2 or more), optional profile, system, threshold:
+                    the judgment and the policy's decision on it (``JudgeResponse``, as
+                    ``POST /judge`` answers), calibrated and certified with a profile
+    decide          state, questions (id -> {"type": "noul" | "choice" | "score", ...}),
+                    optional profiles (id -> name), order, max_orderings: one typed answer
+                    per question (``service.answers``), all in one run of the model
+    list_profiles   the profiles in the profiles directory: name, choices, method, threshold
+
+``create_server(engine, store)`` builds the server around a loaded engine (tests may hand in
+their own); ``judge mcp`` loads the model once and serves it over stdio. A call that cannot be
+answered comes back as a tool error (``isError``) whose text starts with the argument at fault
+(``choices: ...``, ``questions.q1.criteria: ...``). Model work runs on the SDK's worker
+threads, one call at a time (the engine is not shared between threads).
+
+The MCP SDK is the ``mcp`` extra (``pip install 'judge[mcp]'``), imported only here and by
+``judge mcp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+import msgspec
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver.tools import Tool
+from pydantic import Field
+
+from calibration import (
+    CalibrationError,
+    CalibrationProfile,
+    PolicyDefaults,
+    ProfileError,
+    make_policy,
+)
+from judge import Engine, JudgeError
+from judge.decisions import MAX_ORDERINGS, Question
+from service.answers import answer_questions, with_order
+from service.profiles import ProfileStore
+from service.schemas import JudgeResponse
+
+__all__ = ["create_server"]
+
+INSTRUCTIONS = (
+    "Calibrated finite-choice judgments from one forward pass of a small language model. "
+    "`judge` picks one of the given choices for a prompt, with probabilities, and accepts or "
+    "escalates the answer (with a calibration profile, under its certified threshold). "
+    "`decide` answers typed questions (yes/no, one of named options, a level on a scale) "
+    "about one state (a document, a ticket, any JSON). `list_profiles` names the profiles."
+)
+
+
+def create_server(
+    engine: Engine, store: ProfileStore, *, defaults: PolicyDefaults | None = None
+) -> MCPServer:
+    """An MCP server whose tools judge with ``engine`` and gate with ``store``'s profiles."""
+    defaults = defaults or PolicyDefaults()
+    model_lock = threading.Lock()
+
+    def profile_of(name: str, field: str) -> CalibrationProfile:
+        try:
+            return store.get(name)
+        except ProfileError as exc:
+            names = ", ".join(store.names()) or "none"
+            raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
+
+    judge_about = (
+        "Judge a prompt: the probability of each choice, the most probable one, "
+        "and the decision to accept it or escalate (with a profile: calibrated, under the "
+        "profile's certified threshold; without: the raw probabilities under threshold 0.9)."
+    )
+
+    def judge_tool(
+        prompt: Annotated[str, Field(min_length=1, description="the question or item to judge")],
+        choices: Annotated[
+            list[str],
+            Field(min_length=2, description="the answers to choose from, two or more"),
+        ],
+        profile: Annotated[
+            str | None,
+            Field(description="a calibration profile's name (see list_profiles)"),
+        ] = None,
+        system: Annotated[
+            str | None, Field(description="a system prompt (default: the model's own)")
+        ] = None,
+        threshold: Annotated[
+            float | None,
+            Field(
+                ge=0.0,
+                le=1.0,
+                description="accept at this confidence or above (default: the profile's "
+                "certified threshold, else 0.9); overriding drops the certification",
+            ),
+        ] = None,
+    ) -> dict[str, Any]:
+        fitted = profile_of(profile, "profile") if profile is not None else None
+        with _tool_errors():
+            policy = make_policy(fitted, threshold=threshold, defaults=defaults)
+            with model_lock:
+                if fitted is not None:
+                    fitted.check(engine.fingerprint(system=system), choices=choices)
+                judgment = engine.judge(
+                    prompt, choices, system=system, feature_layers=policy.feature_layers
+                )
+            response = JudgeResponse.of(
+                judgment,
+                policy.decide(judgment),
+                choices=choices,
+                calibration_map=fitted.calibration_map if fitted is not None else None,
+                feature_layers=policy.feature_layers,
+            )
+        return _plain(response)
+
+    decide_about = (
+        "Answer typed questions about one state in one run of the model. A "
+        'question is {"type": "noul", "instructions": ...} (yes or no: the answer is P(yes)), '
+        '{"type": "choice", "instructions": ..., "criteria": {name: description or null}} '
+        '(one of the named options), or {"type": "score", "instructions": ..., "criteria": '
+        "[level, ...]} (2-10 levels: the answer is the expected level index). Each answer has "
+        "the probabilities, and with a profile the decision to accept or escalate."
+    )
+
+    def decide_tool(
+        state: Annotated[
+            Any,
+            Field(description="what the questions are about: text, or any JSON value"),
+        ],
+        questions: Annotated[
+            dict[str, dict[str, Any]],
+            Field(min_length=1, description="the questions, by id"),
+        ],
+        profiles: Annotated[
+            dict[str, str] | None,
+            Field(description="question id -> the profile (by name) that gates its answer"),
+        ] = None,
+        order: Annotated[
+            Literal["given", "invariant"] | None,
+            Field(
+                description="for questions that set no order: invariant asks under several "
+                "listings of the options and averages, so the answer does not depend on "
+                "where an option is listed"
+            ),
+        ] = None,
+        max_orderings: Annotated[
+            int, Field(ge=1, description="listings of a choice's options under invariant")
+        ] = MAX_ORDERINGS,
+    ) -> dict[str, Any]:
+        fitted = {
+            qid: profile_of(name, f"profiles.{qid}") for qid, name in (profiles or {}).items()
+        }
+        asked: dict[str, Any] = dict(questions)
+        if order is not None:
+            asked = with_order(asked, order)
+        with _tool_errors(), model_lock:
+            answers = answer_questions(
+                engine, state, asked, profiles=fitted, max_orderings=max_orderings
+            )
+        return _plain(answers)
+
+    list_about = (
+        "The calibration profiles a judge or decide call may name: each one's "
+        "choices, calibration method and certified threshold (null: none certified)."
+    )
+
+    def list_profiles() -> dict[str, Any]:
+        rows: list[dict[str, Any]] = []
+        for name in store.names():
+            try:
+                p = store.get(name)
+            except ProfileError as exc:
+                rows.append({"name": name, "error": str(exc)})
+                continue
+            rows.append(
+                {
+                    "name": p.name,
+                    "choices": p.choices,
+                    "method": p.calibration_map.method,
+                    "threshold": p.threshold.threshold,
+                    "model": p.fingerprint.model,
+                }
+            )
+        return {"profiles": rows}
+
+    decide = Tool.from_function(
+        decide_tool, name="decide", description=decide_about, structured_output=True
+    )
+    _describe_questions(decide.parameters)
+    tools = [
+        Tool.from_function(
+            judge_tool, name="judge", description=judge_about, structured_output=True
+        ),
+        decide,
+        Tool.from_function(
+            list_profiles, name="list_profiles", description=list_about, structured_output=True
+        ),
+    ]
+    return MCPServer(name="judge", instructions=INSTRUCTIONS, tools=tools)
+
+
+@contextlib.contextmanager
+def _tool_errors() -> Iterator[None]:
+    """The judge's own errors as tool errors whose text starts with the field at fault."""
+    try:
+        yield
+    except (JudgeError, CalibrationError) as exc:
+        field = getattr(exc, "field", None)
+        raise ToolError(f"{field}: {exc}" if isinstance(field, str) else str(exc)) from None
+
+
+def _plain(value: object) -> dict[str, Any]:
+    """A Struct (or a dict of them) as plain JSON data, unset fields left out."""
+    data = msgspec.to_builtins(value)
+    assert isinstance(data, dict)
+    return data
+
+
+def _describe_questions(parameters: dict[str, Any]) -> None:
+    """Put the questions' own schema (``judge.decisions.Question``) in ``decide``'s.
+
+    The SDK derives a tool's schema from its signature, where a question is any object; the
+    engine checks each question itself (and names the field), so this only tells clients
+    what to send.
+    """
+    (schema,), components = msgspec.json.schema_components(
+        [Question], ref_template="#/$defs/{name}"
+    )
+    properties = parameters["properties"]
+    properties["questions"] = {
+        "type": "object",
+        "description": properties["questions"].get("description", "the questions, by id"),
+        "minProperties": 1,
+        "additionalProperties": schema,
+    }
+    parameters.setdefault("$defs", {}).update(components)

@@ -1,0 +1,277 @@
+"""The System One wire format (``POST /v1/systemone``): typed questions about one state.
+
+What the ``systemone-client`` package (0.1.0) sends and reads, plus judge's own fields:
+
+    request   {"state": <any JSON>, "questions": {id: question}, "model"?: str}
+    question  {"type": "noul" | "choice" | "score", "instructions", "criteria"?,
+               judge's: "order", "profile", "threshold", "min_choice_mass", "max_order_spread"}
+    response  {"model", "answers": {id: answer}, "usage": {"input_tokens", "output_tokens"},
+               "latency_ms"}
+    answer    noul:   {"type": "noul", "noul"}                        P(yes)
+              choice: {"type": "choice", "choice", "confidence", "probabilities"}
+              score:  {"type": "score", "score", "confidence", "probabilities", "legend"}
+              judge's, on every answer: the Policy's decision (decision, reasons,
+              reason_codes, certified, threshold, choice_mass, prediction_set, profile),
+              raw_probabilities, orderings and order_spread.
+
+A question is ``judge.decisions``'s (its prompt, choices and listings are rendered there); the
+fields beyond the System One core choose its gate, as on ``POST /judge``: ``profile`` names a
+calibration profile fitted for the question's choices (yes/no; the option names; "0".."n-1"
+for a score), ``threshold`` and ``min_choice_mass`` override the profile's or the server's,
+and ``max_order_spread`` escalates an answer whose listings (``order="invariant"``) disagreed
+by more than that (reason code ``order_sensitive``). Probabilities are the calibrated ones
+when a profile applies (``raw_probabilities``: the model's own, the mean over listings); a
+score's are keyed by level index, "0".."n-1".
+
+``model``: this server serves one model; a request that names another is refused (422,
+``model``) rather than answered by a model it did not ask for.
+
+``usage.input_tokens`` is the tokens the passes computed (the state once, where it fits in one
+pass, then each question's own); ``output_tokens`` is 0: nothing is generated.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from calibration.policy import ReasonCode
+from judge.decisions import (
+    MAX_LEVELS,
+    MAX_OPTIONS,
+    ChoiceQuestion,
+    NoulQuestion,
+    ScoreQuestion,
+)
+from service.bodies import BodyError, _integral, _located, decode_body
+from service.schemas import ProfileName
+
+if TYPE_CHECKING:
+    from calibration.policy import Decision
+    from judge.decisions import Answer, Question
+
+__all__ = [
+    "SystemOneAnswer",
+    "SystemOneChoice",
+    "SystemOneChoiceAnswer",
+    "SystemOneNoul",
+    "SystemOneNoulAnswer",
+    "SystemOneQuestion",
+    "SystemOneRequest",
+    "SystemOneResponse",
+    "SystemOneScore",
+    "SystemOneScoreAnswer",
+    "Usage",
+    "decode_request",
+    "wire_answer",
+]
+
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Order = Literal["given", "invariant"]
+# A criterion: free text, or an object whose values describe it ({"what": ...}), or nothing.
+Criterion = str | dict[str, Any] | None
+# An option's name: what the model answers with, so it holds at least one visible character.
+OptionName = Annotated[str, Meta(min_length=1, pattern=r"\S")]
+QuestionId = Annotated[str, Meta(min_length=1)]
+
+
+class _Asked(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """What every question carries besides its criteria: the System One core and judge's.
+
+    Encoded without the fields left at their defaults: what a System One server reads.
+    """
+
+    instructions: Annotated[str, Meta(min_length=1, pattern=r"\S")]  # not blank
+    order: Order = "given"  # "invariant": asked under several listings, the mean answers
+    profile: ProfileName | None = None  # fitted for this question's choices
+    threshold: Probability | None = None  # overrides the profile's, else the server's
+    min_choice_mass: Probability | None = None  # overrides the profile's, else the server's
+    max_order_spread: Probability | None = None  # escalate when the listings disagree more
+
+
+class SystemOneNoul(_Asked, frozen=True, kw_only=True, tag="noul", tag_field="type"):
+    """Yes or no; the answer is P(yes)."""
+
+    criteria: Criterion = None
+
+    def question(self) -> Question:
+        return NoulQuestion(
+            instructions=self.instructions, criteria=self.criteria, order=self.order
+        )
+
+
+class SystemOneChoice(_Asked, frozen=True, kw_only=True, tag="choice", tag_field="type"):
+    """One of 2-255 named options, each with an optional description."""
+
+    criteria: Annotated[dict[OptionName, Criterion], Meta(min_length=2, max_length=MAX_OPTIONS)]
+
+    def question(self) -> Question:
+        return ChoiceQuestion(
+            instructions=self.instructions, criteria=self.criteria, order=self.order
+        )
+
+
+class SystemOneScore(_Asked, frozen=True, kw_only=True, tag="score", tag_field="type"):
+    """A level on an ordered scale of 2-10 levels; the answer is the expected level index."""
+
+    criteria: Annotated[list[Criterion], Meta(min_length=2, max_length=MAX_LEVELS)]
+
+    def question(self) -> Question:
+        return ScoreQuestion(
+            instructions=self.instructions, criteria=self.criteria, order=self.order
+        )
+
+
+SystemOneQuestion = SystemOneNoul | SystemOneChoice | SystemOneScore
+
+
+class SystemOneRequest(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """Questions about one state; the server's ``max_questions`` bounds how many."""
+
+    state: Any  # a string as it is, anything else rendered as indented JSON
+    questions: Annotated[dict[QuestionId, SystemOneQuestion], Meta(min_length=1)]
+    model: str | None = None  # if given, the served model's id
+
+
+class _Answered(msgspec.Struct, frozen=True, kw_only=True):
+    """judge's fields on every answer: the Policy's decision and the listings."""
+
+    probabilities: dict[str, float]  # calibrated when a profile applies; the question's order
+    raw_probabilities: dict[str, float]  # the model's own: the mean over the listings
+    decision: Literal["accept", "escalate"]
+    reasons: list[str]
+    reason_codes: list[ReasonCode]
+    certified: bool
+    threshold: float | None
+    choice_mass: float
+    prediction_set: list[str] | None
+    profile: str | None
+    orderings: int  # listings of the options judged (1 unless order="invariant")
+    order_spread: float  # largest difference across listings in one choice's probability
+    max_order_spread: float | None
+
+
+class SystemOneNoulAnswer(_Answered, frozen=True, kw_only=True, tag="noul", tag_field="type"):
+    noul: float  # P(yes)
+
+
+class SystemOneChoiceAnswer(_Answered, frozen=True, kw_only=True, tag="choice", tag_field="type"):
+    choice: str
+    confidence: float  # the probability of ``choice``
+
+
+class SystemOneScoreAnswer(_Answered, frozen=True, kw_only=True, tag="score", tag_field="type"):
+    score: float  # sum over levels of index * probability (0..n-1)
+    confidence: float  # the probability of the most likely level
+    legend: dict[str, str]  # level index -> its description
+
+
+SystemOneAnswer = SystemOneNoulAnswer | SystemOneChoiceAnswer | SystemOneScoreAnswer
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    input_tokens: int  # tokens the passes computed
+    output_tokens: int = 0  # nothing is generated
+
+
+class SystemOneResponse(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    answers: dict[str, SystemOneAnswer]
+    usage: Usage
+    latency_ms: float
+
+
+# msgspec names a map's values ``questions[...]`` and a bad key "at `key` in `$.path`".
+_KEY_AT = re.compile(r" - at `key` in `\$\.?([^`]*)`$")
+
+
+def decode_request(body: bytes, content_type: str | None) -> SystemOneRequest:
+    """The request, or a BodyError whose field names the question by its id.
+
+    ``service.bodies.decode_body`` decodes it; msgspec names a question only as
+    ``questions[...]``, so a refusal there is found again question by question, to name it
+    ``questions.<id>.<field>``.
+    """
+    try:
+        return decode_body(body, content_type, SystemOneRequest)
+    except BodyError as exc:
+        message = str(exc)
+        if exc.status != 400 or "questions" not in message:
+            raise
+        if message.endswith("at `key` in `$.questions`"):
+            raise BodyError(
+                "questions", "questions: a question id must be a non-empty string"
+            ) from None
+        raise (_question_error(body) or exc) from None
+
+
+def _question_error(body: bytes) -> BodyError | None:
+    """The first question of ``body`` that does not decode, as a BodyError naming it."""
+    try:
+        raw = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    questions = raw.get("questions") if isinstance(raw, dict) else None
+    if not isinstance(questions, dict):
+        return None
+    for qid, question in questions.items():
+        try:
+            msgspec.convert(_integral(question), SystemOneQuestion, strict=True)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            key = _KEY_AT.search(message)
+            if key:  # a bad key inside the question: an option's name
+                field, text = key.group(1), f"an option's name: {message[: key.start()]}"
+            else:
+                field, text = _located(message)
+                text = text.split(": ", 1)[1]
+            field = f"questions.{qid}" + (f".{field}" if field and field != "body" else "")
+            return BodyError(field, f"{field}: {text}")
+        except RecursionError:
+            return None
+    return None
+
+
+def wire_answer(answer: Answer, decision: Decision) -> SystemOneAnswer:
+    """The wire form of a question's ``answer`` as ``decision`` (its Policy's) gates it.
+
+    The System One fields are computed from the decision's probabilities (calibrated when a
+    profile applies; the answer's own otherwise), in the question's order of choices.
+    """
+    from judge.decisions import ChoiceAnswer, NoulAnswer
+
+    order = list(answer.probabilities)
+    probs = {c: decision.probabilities[c] for c in order}
+    common: dict[str, Any] = {
+        "probabilities": probs,
+        "raw_probabilities": dict(answer.probabilities),
+        "decision": decision.decision,
+        "reasons": list(decision.reasons),
+        "reason_codes": list(decision.reason_codes),
+        "certified": decision.certified,
+        "threshold": decision.threshold,
+        "choice_mass": decision.choice_mass,
+        "prediction_set": decision.prediction_set,
+        "profile": decision.profile,
+        "orderings": answer.orderings,
+        "order_spread": answer.order_spread,
+        "max_order_spread": decision.max_order_spread,
+    }
+    best = max(order, key=probs.__getitem__)
+    if isinstance(answer, NoulAnswer):
+        return SystemOneNoulAnswer(noul=probs["yes"], **common)
+    if isinstance(answer, ChoiceAnswer):
+        return SystemOneChoiceAnswer(choice=best, confidence=probs[best], **common)
+    return SystemOneScoreAnswer(
+        score=sum(int(c) * p for c, p in probs.items()),
+        confidence=probs[best],
+        legend=dict(answer.legend),
+        **common,
+    )

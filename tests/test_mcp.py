@@ -1,0 +1,293 @@
+"""`judge mcp`, driven as a client would: the MCP SDK's stdio client against the real command.
+
+One server process (the real default model, float32 like the session's) answers one
+conversation, held for the module; each test checks one part of it against the engine in
+this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from calibration import CalibrationProfile, fit_profile, make_policy, save_profile
+from judge import Judge
+from judge.decisions import decide
+from service.cli.main import main, parser
+
+try:
+    import anyio
+    from mcp.client.session import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+except ImportError:  # the tests that need it skip; the one for its absence runs
+    SDK = False
+else:
+    SDK = True
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082."
+STATE = {"subject": "Invoice #123 charged twice", "body": "Please refund one of the charges."}
+QUESTIONS: dict[str, Any] = {
+    "billing": {"type": "noul", "instructions": "Is this about billing?"},
+    "team": {
+        "type": "choice",
+        "instructions": "Which team should handle it?",
+        "criteria": {"payments": "invoices, refunds", "support": "bugs", "sales": None},
+        "order": "invariant",
+    },
+}
+
+# The conversation's tests need the SDK, and load the real model (in `judge mcp` and here).
+needs_sdk = pytest.mark.skipif(
+    not SDK, reason="the MCP SDK is not installed: pip install -e '.[mcp]'"
+)
+
+
+def _profile(name: str, choices: list[str], judge: Judge) -> CalibrationProfile:
+    """A profile for the session model, fitted cheaply on synthetic log-probabilities."""
+    rng = np.random.default_rng(0)
+    n = 400
+    labels = rng.integers(0, 2, n)
+    p_right = rng.beta(8, 2, n)
+    p = np.where(labels == 0, p_right, 1 - p_right)
+    return fit_profile(
+        name,
+        np.log(np.stack([p, 1 - p], axis=1)),
+        labels,
+        choices,
+        choice_mass=np.full(n, 0.9),
+        fingerprint=judge.fingerprint(),
+        dataset="synthetic",
+        dataset_sha256="0" * 64,
+    )
+
+
+CALLS: dict[str, tuple[str, dict[str, Any]]] = {
+    "judge": ("judge", {"prompt": PROMPT, "choices": ["spam", "ham"]}),
+    "judge_profile": ("judge", {"prompt": PROMPT, "choices": ["ham", "spam"], "profile": "sms"}),
+    "decide": ("decide", {"state": STATE, "questions": QUESTIONS, "profiles": {"billing": "yn"}}),
+    "list_profiles": ("list_profiles", {}),
+    "one_choice": ("judge", {"prompt": PROMPT, "choices": ["spam"]}),
+    "unknown_profile": ("judge", {"prompt": PROMPT, "choices": ["spam", "ham"], "profile": "no"}),
+    "bad_question": (
+        "decide",
+        {
+            "state": "text",
+            "questions": {
+                "q1": {"type": "choice", "instructions": "Which?", "criteria": {"a": None}}
+            },
+        },
+    ),
+    "mismatched_profile": (
+        "decide",
+        {"state": "text", "questions": QUESTIONS, "profiles": {"team": "sms"}},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def profiles(judge: Judge) -> dict[str, CalibrationProfile]:
+    return {
+        "sms": _profile("sms", ["spam", "ham"], judge),
+        "yn": _profile("yn", ["yes", "no"], judge),
+    }
+
+
+@pytest.fixture(scope="module")
+def profiles_dir(
+    profiles: dict[str, CalibrationProfile], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    directory = tmp_path_factory.mktemp("profiles")
+    for name, profile in profiles.items():
+        save_profile(profile, directory / f"{name}.json")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def conversation(profiles_dir: Path) -> dict[str, Any]:
+    """The tools listed and each of CALLS made, over one stdio session with `judge mcp`."""
+    server = StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "service.cli.main",
+            "mcp",
+            "--dtype",
+            "float32",
+            "--profiles-dir",
+            str(profiles_dir),
+        ],
+        env=dict(os.environ),
+        cwd=str(ROOT),
+    )
+
+    async def talk() -> dict[str, Any]:
+        with anyio.fail_after(120):
+            async with (
+                stdio_client(server) as (read, write),
+                ClientSession(read, write) as session,
+            ):
+                await session.initialize()
+                out: dict[str, Any] = {"tools": (await session.list_tools()).tools}
+                for key, (tool, arguments) in CALLS.items():
+                    out[key] = await session.call_tool(tool, arguments)
+                return out
+
+    return anyio.run(talk)
+
+
+def _data(result: Any) -> dict[str, Any]:
+    assert not result.is_error, result.content
+    data: dict[str, Any] = result.structured_content
+    # The text content says the same, for clients that read only text.
+    assert json.loads(result.content[0].text) == data
+    return data
+
+
+def _error(result: Any) -> str:
+    assert result.is_error
+    text: str = result.content[0].text
+    return text
+
+
+@pytest.mark.slow
+@needs_sdk
+def test_the_tools_and_their_schemas(conversation: dict[str, Any]) -> None:
+    tools = {tool.name: tool for tool in conversation["tools"]}
+    assert set(tools) == {"judge", "decide", "list_profiles"}
+    assert all(tool.description for tool in tools.values())
+    judge_schema = tools["judge"].input_schema
+    assert set(judge_schema["required"]) == {"prompt", "choices"}
+    assert judge_schema["properties"]["choices"]["minItems"] == 2
+    assert {"profile", "system", "threshold"} <= set(judge_schema["properties"])
+    decide_schema = tools["decide"].input_schema
+    assert set(decide_schema["required"]) == {"state", "questions"}
+    question = decide_schema["properties"]["questions"]["additionalProperties"]
+    # The engine's own question schema: a union tagged by "type".
+    assert {ref["$ref"].rsplit("/", 1)[1] for ref in question["anyOf"]} == {
+        "NoulQuestion",
+        "ChoiceQuestion",
+        "ScoreQuestion",
+    }
+    assert "NoulQuestion" in decide_schema["$defs"]
+    assert tools["list_profiles"].input_schema.get("required", []) == []
+
+
+@pytest.mark.slow
+@needs_sdk
+def test_judge_is_the_engine_s_judgment(conversation: dict[str, Any], judge: Judge) -> None:
+    out = _data(conversation["judge"])
+    expected = judge.judge(PROMPT, ["spam", "ham"])
+    assert out["choice"] == expected.choice and out["profile"] is None
+    for choice in ("spam", "ham"):
+        assert out["raw_probabilities"][choice] == pytest.approx(
+            expected.probabilities[choice], abs=1e-4
+        )
+    assert sum(out["probabilities"].values()) == pytest.approx(1.0)
+    assert out["decision"] == ("accept" if out["confidence"] >= 0.9 else "escalate")
+
+
+@pytest.mark.slow
+@needs_sdk
+def test_judge_with_a_profile_is_the_policy_s_decision(
+    conversation: dict[str, Any], judge: Judge, profiles: dict[str, CalibrationProfile]
+) -> None:
+    out = _data(conversation["judge_profile"])
+    profile = profiles["sms"]
+    reference = make_policy(profile).decide(judge.judge(PROMPT, ["ham", "spam"]))
+    assert out["profile"] == "sms" and out["certified"] == reference.certified
+    assert out["decision"] == reference.decision and out["choice"] == reference.choice
+    assert out["threshold"] == pytest.approx(profile.threshold.threshold)
+    assert list(out["probabilities"]) == ["ham", "spam"]  # the call's order
+    for choice in ("spam", "ham"):
+        assert out["probabilities"][choice] == pytest.approx(
+            reference.probabilities[choice], abs=1e-4
+        )
+
+
+@pytest.mark.slow
+@needs_sdk
+def test_decide_gives_typed_answers_gated_by_profile(
+    conversation: dict[str, Any], judge: Judge, profiles: dict[str, CalibrationProfile]
+) -> None:
+    out = _data(conversation["decide"])
+    reference = decide(judge, STATE, QUESTIONS)
+    billing, team = out["billing"], out["team"]
+    assert billing["type"] == "noul" and "choice" not in billing
+    assert billing["raw_probabilities"]["yes"] == pytest.approx(
+        reference["billing"].probabilities["yes"], abs=1e-4
+    )
+    decision = make_policy(profiles["yn"]).decide(reference["billing"].judgment)
+    assert billing["profile"] == "yn" and billing["decision"] == decision.decision
+    assert team["type"] == "choice" and team["orderings"] == 3
+    assert team["choice"] == max(team["probabilities"], key=team["probabilities"].get)
+    for name, p in reference["team"].probabilities.items():
+        assert team["probabilities"][name] == pytest.approx(p, abs=1e-4)
+    assert team["profile"] is None and team["certified"] is False  # the default policy
+
+
+@pytest.mark.slow
+@needs_sdk
+def test_list_profiles(
+    conversation: dict[str, Any], profiles: dict[str, CalibrationProfile]
+) -> None:
+    rows = {row["name"]: row for row in _data(conversation["list_profiles"])["profiles"]}
+    assert set(rows) == {"sms", "yn"}
+    profile = profiles["sms"]
+    assert rows["sms"]["choices"] == ["spam", "ham"]
+    assert rows["sms"]["method"] == profile.calibration_map.method
+    assert rows["sms"]["threshold"] == pytest.approx(profile.threshold.threshold)
+
+
+@pytest.mark.slow
+@needs_sdk
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        ("one_choice", "choices"),
+        ("unknown_profile", "profile:"),
+        ("bad_question", "questions.q1.criteria"),
+        ("mismatched_profile", "profiles.team"),
+    ],
+)
+def test_a_bad_call_is_a_tool_error_naming_the_field(
+    conversation: dict[str, Any], call: str, field: str
+) -> None:
+    assert field in _error(conversation[call])
+
+
+def test_without_the_sdk_judge_mcp_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from importlib import util
+
+    find_spec = util.find_spec
+    monkeypatch.setattr(
+        util, "find_spec", lambda name, *a: None if name == "mcp" else find_spec(name, *a)
+    )
+
+    def fail(*_: object, **__: object) -> Judge:
+        pytest.fail("the model was loaded without the SDK")
+
+    monkeypatch.setattr(Judge, "load", staticmethod(fail))
+    assert main(["mcp"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'judge[mcp]'" in lines[0]
+
+
+def test_the_readme_s_client_configuration_starts_judge_mcp() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### MCP server: `judge mcp`") :]
+    block = re.search(r"```json\n(.*?)```", section, re.S)
+    assert block, "the section shows a client configuration"
+    server = json.loads(block.group(1))["mcpServers"]["judge"]
+    assert server["command"] == "judge"
+    args = parser().parse_args(server["args"])
+    assert args.command == "mcp" and args.profiles_dir == Path("profiles")
