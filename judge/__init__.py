@@ -16,14 +16,7 @@ from typing import TYPE_CHECKING
 from judge.lazy import exports
 
 if TYPE_CHECKING:
-    from judge.decisions import (
-        ChoiceAnswer,
-        ChoiceQuestion,
-        NoulAnswer,
-        NoulQuestion,
-        ScoreAnswer,
-        ScoreQuestion,
-    )
+    from judge.decisions import ChoiceAnswer, NoulAnswer, ScoreAnswer
     from judge.engine import (
         DEFAULT_PREFIX_CACHE_MB,
         DEFAULT_RESPONSE_PREFIX,
@@ -53,6 +46,7 @@ if TYPE_CHECKING:
     from judge.limits import MAX_CHOICES
     from judge.prefix_cache import PrefixCache, PrefixCacheStats
     from judge.protocol import Engine
+    from judge.questions import ChoiceQuestion, NoulQuestion, ScoreQuestion
     from judge.scores import Score, ValuesError, default_values, score_of
 
 __version__ = "0.1.0"
@@ -60,11 +54,11 @@ __version__ = "0.1.0"
 # name -> the module that defines it
 _EXPORTS = {
     "ChoiceAnswer": "judge.decisions",
-    "ChoiceQuestion": "judge.decisions",
+    "ChoiceQuestion": "judge.questions",
     "NoulAnswer": "judge.decisions",
-    "NoulQuestion": "judge.decisions",
+    "NoulQuestion": "judge.questions",
     "ScoreAnswer": "judge.decisions",
-    "ScoreQuestion": "judge.decisions",
+    "ScoreQuestion": "judge.questions",
     "AmbiguousChoicesError": "judge.errors",
     "ChoiceTypeError": "judge.errors",
     "ChoicesError": "judge.errors",

@@ -34,13 +34,21 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from msgspec import Meta
 
 from judge.engine import Judgment, Query, shared_query
 from judge.errors import InvalidQueryError, JudgeError
+from judge.questions import (
+    MAX_LEVELS,
+    MAX_OPTIONS,
+    ChoiceQuestion,
+    NoulQuestion,
+    Question,
+    ScoreQuestion,
+    describe,
+)
 
 if TYPE_CHECKING:
     from judge.protocol import Engine
@@ -64,40 +72,7 @@ __all__ = [
     "render_state",
 ]
 
-MAX_OPTIONS = 255  # a choice question's options (the System One limit)
-MAX_LEVELS = 10  # a score's levels; "0".."9" are one token each in common tokenizers
 MAX_ORDERINGS = 5  # listings of a choice question's options under order="invariant"
-
-Order = Literal["given", "invariant"]
-# A criterion: free text, or an object whose values describe the option ({"what": ...}).
-Criterion = str | dict[str, Any] | None
-
-
-class NoulQuestion(msgspec.Struct, frozen=True, kw_only=True, tag="noul", tag_field="type"):
-    """Yes or no; the answer is the probability of yes."""
-
-    instructions: Annotated[str, Meta(min_length=1)]
-    criteria: Criterion = None
-    order: Order = "given"
-
-
-class ChoiceQuestion(msgspec.Struct, frozen=True, kw_only=True, tag="choice", tag_field="type"):
-    """One of 2-255 named options, each with an optional description."""
-
-    instructions: Annotated[str, Meta(min_length=1)]
-    criteria: Annotated[dict[str, Criterion], Meta(min_length=2, max_length=MAX_OPTIONS)]
-    order: Order = "given"
-
-
-class ScoreQuestion(msgspec.Struct, frozen=True, kw_only=True, tag="score", tag_field="type"):
-    """A level on an ordered scale of 2-10 levels; the answer is the expected level index."""
-
-    instructions: Annotated[str, Meta(min_length=1)]
-    criteria: Annotated[list[Criterion], Meta(min_length=2, max_length=MAX_LEVELS)]
-    order: Order = "given"
-
-
-Question = NoulQuestion | ChoiceQuestion | ScoreQuestion
 
 
 class _Answered(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,19 +115,6 @@ def render_state(state: object) -> str:
         return json.dumps(state, indent=2, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidQueryError(f"state is not JSON: {exc}", field="state") from None
-
-
-def describe(criterion: Criterion) -> str:
-    """A criterion as one line: text as it is; an object's values joined, keys naming them."""
-    if criterion is None:
-        return ""
-    if isinstance(criterion, str):
-        return criterion.strip()
-    parts = []
-    for key, value in criterion.items():
-        text = "; ".join(map(str, value)) if isinstance(value, list) else str(value)
-        parts.append(text if key == "what" else f"{key.replace('_', ' ')}: {text}")
-    return " | ".join(parts)
 
 
 class _Asked(msgspec.Struct, frozen=True):

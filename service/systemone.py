@@ -39,7 +39,7 @@ import msgspec
 from msgspec import Meta
 
 from calibration.policy import ReasonCode
-from judge.decisions import (
+from judge.questions import (
     MAX_LEVELS,
     MAX_OPTIONS,
     ChoiceQuestion,
@@ -51,7 +51,8 @@ from service.schemas import ProfileName
 
 if TYPE_CHECKING:
     from calibration.policy import Decision
-    from judge.decisions import Answer, Question
+    from judge.decisions import Answer
+    from judge.questions import Question
 
 __all__ = [
     "SystemOneAnswer",
