@@ -49,6 +49,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_label_free.py
 	$(BIN)/python benchmarks/bench_reliability.py
 	$(BIN)/python benchmarks/bench_ray.py
+	$(BIN)/python benchmarks/bench_systemone.py
 
 # The contract test with a larger budget: schemathesis, every check, against a live server.
 fuzz: install
