@@ -51,6 +51,7 @@ from judge.questions import (
 )
 
 if TYPE_CHECKING:
+    from judge.engine import Prepared
     from judge.protocol import Engine
 
 __all__ = [
@@ -138,6 +139,23 @@ class DecisionPlan(msgspec.Struct, frozen=True):
         """The id of the question whose listing is ``queries[index]``."""
         return next(a.id for a in self.asked if a.start <= index < a.start + a.count)
 
+    def field_of(self, index: int, field: str | None) -> str:
+        """A field the engine named for ``queries[index]``, as the question's own: its
+        choices are the question's criteria (``questions.<id>.criteria``)."""
+        own = "criteria" if field in (None, "choices") else field
+        return f"questions.{self.question_of(index)}.{own}"
+
+    def prepare(self, engine: Engine) -> list[Prepared]:
+        """Every query prepared by ``engine``; a refusal names the question (``field_of``)."""
+        prepared = []
+        for i, query in enumerate(self.queries):
+            try:
+                prepared.append(engine.prepare(query))
+            except JudgeError as exc:
+                exc.field = self.field_of(i, exc.field)
+                raise
+        return prepared
+
     def answers(self, judgments: Sequence[Judgment]) -> dict[str, Answer]:
         """Each question's typed answer, from the judgments of ``queries`` in order."""
         if len(judgments) != len(self.queries):
@@ -193,17 +211,7 @@ def decide(
 ) -> dict[str, Answer]:
     """Answer typed ``questions`` about ``state`` with ``engine``, the state computed once."""
     plan = plan_decisions(state, questions, max_orderings=max_orderings)
-    prepared = []
-    for i, query in enumerate(plan.queries):
-        try:
-            prepared.append(engine.prepare(query))
-        except JudgeError as exc:
-            # The engine names a query's field; the caller wrote a question: name it and its
-            # field (the choices are the question's criteria).
-            own = "criteria" if exc.field in (None, "choices") else exc.field
-            exc.field = f"questions.{plan.question_of(i)}.{own}"
-            raise
-    return plan.answers(engine.run_shared(prepared))
+    return plan.answers(engine.run_shared(plan.prepare(engine)))
 
 
 def _as_question(qid: object, raw: Question | Mapping[str, Any]) -> Question:

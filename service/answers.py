@@ -27,7 +27,7 @@ from calibration import (
     ProfileMismatchError,
     make_policy,
 )
-from judge import Engine, InvalidQueryError, JudgeError
+from judge import Engine, InvalidQueryError
 from judge.decisions import (
     MAX_ORDERINGS,
     ChoiceQuestion,
@@ -93,15 +93,7 @@ def answer_questions(
             profile.check(fingerprint, choices=asked.choices)
         except ProfileMismatchError as exc:
             raise ProfileMismatchError(f"profiles.{asked.id}", str(exc)) from None
-    prepared = []
-    for i, query in enumerate(plan.queries):
-        try:
-            prepared.append(engine.prepare(query))
-        except JudgeError as exc:  # named as judge.decisions.decide names it
-            own = "criteria" if exc.field in (None, "choices") else exc.field
-            exc.field = f"questions.{plan.question_of(i)}.{own}"
-            raise
-    answers = plan.answers(engine.run_shared(prepared))
+    answers = plan.answers(engine.run_shared(plan.prepare(engine)))
     return {
         qid: wire_answer(
             answer, policies[qid].decide(answer.judgment, order_spread=answer.order_spread)

@@ -470,14 +470,14 @@ class Service:
         owners = [plan.question_of(i) for i in range(len(plan.queries))]
         fields = [_systemone_field(plan.context, q, request.questions[q]) for q in owners]
         ready: list[Prepared] = []
-        for qid, field_name, prepared in zip(
-            owners, fields, await self._prepare(engine, plan.queries, fields), strict=True
+        for i, (field_name, prepared) in enumerate(
+            zip(fields, await self._prepare(engine, plan.queries, fields), strict=True)
         ):
             if not isinstance(prepared, Prepared):
                 # The engine names the query's fields: its choices are the question's criteria,
                 # its prompt the state and the question.
                 if prepared.field in (None, "choices"):
-                    prepared.field = f"questions.{qid}.criteria"
+                    prepared.field = plan.field_of(i, prepared.field)
                 elif not prepared.field.startswith(("questions.", "state")):
                     prepared.field = field_name
                 raise prepared

@@ -30,6 +30,7 @@ from judge import (
     DEFAULT_RESPONSE_SUFFIX,
     JudgeError,
 )
+from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
 
 __all__ = ["SERVER_MODULES", "main", "parser"]
 
@@ -184,14 +185,19 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    # The engine's own defaults (judge.packing): the server packs to the numbers it passes on.
     serve.add_argument(
-        "--max-batch-size", type=positive_int, default=16, help="judgments per forward pass"
+        "--max-batch-size",
+        type=positive_int,
+        default=DEFAULT_MAX_BATCH_SIZE,
+        help=f"judgments per forward pass (default: {DEFAULT_MAX_BATCH_SIZE})",
     )
     serve.add_argument(
         "--max-batch-tokens",
         type=positive_int,
-        default=4096,
-        help="tokens per forward pass, so no pass holds the model for long (default: 4096)",
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help="tokens per forward pass, so no pass holds the model for long "
+        f"(default: {DEFAULT_MAX_BATCH_TOKENS})",
     )
     serve.add_argument(
         "--max-request-tokens",
