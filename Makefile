@@ -50,6 +50,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_reliability.py
 	$(BIN)/python benchmarks/bench_ray.py
 	$(BIN)/python benchmarks/bench_systemone.py
+	$(BIN)/python benchmarks/bench_invariance.py --service
 
 # The contract test with a larger budget: schemathesis, every check, against a live server.
 fuzz: install

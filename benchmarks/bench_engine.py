@@ -19,7 +19,7 @@ the tables and writes ``benchmarks/results/bench_engine.json``. ``--features-onl
 the features' cost and writes ``bench_engine_features_<dtype>.json`` instead; the features'
 cost is left out of ``--quick`` unless it is asked for that way.
 
-    python benchmarks/bench_engine.py [--dtype auto|float32|bfloat16] [--reps 21] [--quick]
+    python benchmarks/bench_engine.py [--dtype auto|float32|bfloat16] [--reps 21] [--quick] [--batch-variant]
                                       [--features-only] [--feature-items 32] [--feature-reps 11]
 """
 
@@ -233,6 +233,11 @@ def main() -> None:
     )
     parser.add_argument("--feature-items", type=int, default=32, help="the features' batch")
     parser.add_argument("--feature-reps", type=int, default=11)
+    parser.add_argument(
+        "--batch-variant",
+        action="store_true",
+        help="the faster arithmetic without batch invariance (bench_invariance.py compares both)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     counts = [2, 16] if args.quick else [2, 4, 16, 64, 255]
@@ -240,7 +245,7 @@ def main() -> None:
 
     # The cache off: these rows measure one pass against a bare pass over the same tokens
     # (bench_prefix_cache.py measures what the cache saves).
-    judge = Judge.load(dtype=args.dtype, prefix_cache_mb=0)
+    judge = Judge.load(dtype=args.dtype, prefix_cache_mb=0, batch_invariant=not args.batch_variant)
     machine = {
         "cpu": cpu_model(),
         "torch_threads": torch.get_num_threads(),
@@ -248,6 +253,7 @@ def main() -> None:
         "python": platform.python_version(),
         "dtype": judge.dtype,
         "model": judge.model_id,
+        "batch_invariant": judge.batch_invariant,
     }
     print(f"# {machine}")
     feature_items, feature_reps = (8, 2) if args.quick else (args.feature_items, args.feature_reps)

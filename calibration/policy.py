@@ -34,6 +34,7 @@ the engine.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, get_args
@@ -133,6 +134,15 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     # the bound in force. None when not given.
     order_spread: float | None = None
     max_order_spread: float | None = None
+    # What pins this decision: the judgment's id and the sha256 of its tokens and of the
+    # weights (``judge.Judgment``; None for a judgment that does not carry them), the sha256
+    # of the policy in force (``Policy.sha256``) and the profile's version, its ETag (None
+    # without a profile).
+    judgment_id: str | None = None
+    tokens_sha256: str | None = None
+    model_sha256: str | None = None
+    policy_sha256: str | None = None
+    profile_etag: str | None = None
 
     @property
     def accepted(self) -> bool:
@@ -176,6 +186,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     """A resolved rule: a calibration map and the gates. Build it with ``make_policy``."""
 
     profile: str | None
+    # The profile's version: its ETag where it is stored (``CalibrationProfile.etag``).
+    profile_etag: str | None = None
     choices: list[str] | None  # the profile's choices; None: any choices
     calibration_map: CalibrationMap
     threshold: float | None
@@ -191,6 +203,21 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     max_std_source: ThresholdSource = "default"
     # Escalate a judgment whose order_spread (given to decide) is above this; None: no bound.
     max_order_spread: float | None = None
+
+    @property
+    def sha256(self) -> str:
+        """The sha256 (hex) of this policy: the JSON of its fields, with the calibration map
+        stood for by the profile's ETag where the policy has one (the map is the profile's,
+        and a probe's map runs to megabytes of JSON), else by the map's own JSON. Computed on
+        each read (a frozen Struct keeps no cache); ``decide_many`` and ``decide_arrays``
+        read it once per call."""
+        pinned = (
+            self.profile_etag
+            if self.profile_etag is not None
+            else hashlib.sha256(msgspec.json.encode(self.calibration_map)).hexdigest()
+        )
+        fields = {f: getattr(self, f) for f in self.__struct_fields__ if f != "calibration_map"}
+        return hashlib.sha256(msgspec.json.encode([pinned, fields])).hexdigest()
 
     def decide(self, judgment: ScoredJudgment, *, order_spread: float | None = None) -> Decision:
         """The decision for one judgment; ``order_spread``: how far its listings disagreed."""
@@ -209,6 +236,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         """
         if order_spreads is not None and len(order_spreads) != len(judgments):
             raise ValueError(f"{len(order_spreads)} order spreads for {len(judgments)} judgments")
+        sha256 = self.sha256
         groups: dict[tuple[str, ...], list[int]] = {}
         for i, j in enumerate(judgments):
             groups.setdefault(tuple(j.choices), []).append(i)
@@ -219,7 +247,15 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             mass = np.array([judgments[i].choice_mass for i in rows], dtype=np.float64)
             features = self._features([judgments[i] for i in rows])
             spread = None if order_spreads is None else [order_spreads[i] for i in rows]
-            decisions = self.decide_arrays(choices, z[:, columns], mass, features, spread)
+            decisions = self._decide(
+                choices,
+                z[:, columns],
+                mass,
+                features,
+                spread,
+                sha256=sha256,
+                judgments=[judgments[i] for i in rows],
+            )
             for i, d in zip(rows, decisions, strict=True):
                 out[i] = d
         return [d for d in out if d is not None]
@@ -264,6 +300,24 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         ``features`` is (n, m * H), the hidden states of ``feature_layers`` (a probe's).
         ``order_spread`` is (n,), each judgment's spread across listings; None: not known.
         """
+        return self._decide(
+            choices, log_probabilities, choice_mass, features, order_spread, sha256=self.sha256
+        )
+
+    def _decide(
+        self,
+        choices: Sequence[str],
+        log_probabilities: npt.ArrayLike,
+        choice_mass: npt.ArrayLike | None,
+        features: npt.ArrayLike | None,
+        order_spread: npt.ArrayLike | None,
+        *,
+        sha256: str,
+        judgments: Sequence[ScoredJudgment] | None = None,
+    ) -> list[Decision]:
+        """``decide_arrays`` with this policy's ``sha256`` read once by the caller, and the
+        judgments the rows come from (None: not known), whose ids and hashes the decisions
+        carry."""
         g = self.gates(choices, log_probabilities, choice_mass, features, order_spread)
         spreads = None if order_spread is None else np.asarray(order_spread, dtype=np.float64)
         decisions = []
@@ -310,6 +364,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     f"the maximum order spread {self.max_order_spread:.4f}"
                 )
             scored = g.expected_value is not None and g.std is not None
+            judgment = None if judgments is None else judgments[i]
             decisions.append(
                 Decision(
                     decision="escalate" if codes else "accept",
@@ -331,6 +386,11 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     max_std=self.max_std if scored else None,
                     order_spread=None if spreads is None else float(spreads[i]),
                     max_order_spread=None if spreads is None else self.max_order_spread,
+                    judgment_id=_carried(judgment, "judgment_id"),
+                    tokens_sha256=_carried(judgment, "tokens_sha256"),
+                    model_sha256=_carried(judgment, "model_sha256"),
+                    policy_sha256=sha256,
+                    profile_etag=self.profile_etag,
                 )
             )
         return decisions
@@ -437,6 +497,13 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         return list(self.choices), [index[c] for c in self.choices]
 
 
+def _carried(judgment: object, field: str) -> str | None:
+    """The judgment's ``field`` (an id or a hash), where it carries one: not every
+    ``ScoredJudgment`` does, and a Judgment built by hand has it empty."""
+    value = getattr(judgment, field, None)
+    return value if isinstance(value, str) and value else None
+
+
 def make_policy(
     profile: CalibrationProfile | None,
     *,
@@ -446,6 +513,7 @@ def make_policy(
     values: Mapping[str, float] | None = None,
     defaults: PolicyDefaults | None = None,
     max_order_spread: float | None = None,
+    profile_etag: str | None = None,
 ) -> Policy:
     """The policy in force: the request's settings over the profile's over the defaults.
 
@@ -454,7 +522,9 @@ def make_policy(
     ``values`` (a number per choice) and ``max_std`` (>= 0) are a score's; see
     ``Policy.values_for``. ``max_order_spread`` (in [0, 1]) bounds a judgment's spread across
     listings of its options (``Policy.decide(..., order_spread=...)``); it is the caller's own
-    bound, so it does not change ``certified``.
+    bound, so it does not change ``certified``. ``profile_etag`` is the profile's version
+    where the caller read it from a store (its ETag); None: ``profile.etag``, the same for a
+    profile stored as ``save_profile`` or a store's ``put`` writes it.
     """
     if max_order_spread is not None:
         max_order_spread = check_probability(max_order_spread, "max_order_spread")
@@ -501,6 +571,7 @@ def make_policy(
     chosen_mass = profile.min_choice_mass if min_choice_mass is None else min_choice_mass
     return Policy(
         profile=profile.name,
+        profile_etag=profile.etag if profile_etag is None else profile_etag,
         choices=list(profile.choices),
         calibration_map=profile.calibration_map,
         threshold=chosen_threshold,

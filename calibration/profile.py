@@ -16,6 +16,7 @@ level; ``decode_profile`` reads a format-2 file into the format-3 shape.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -59,7 +60,9 @@ __all__ = [
     "CalibrationProfile",
     "DataSplit",
     "decode_profile",
+    "etag_of",
     "load_profile",
+    "profile_bytes",
     "save_profile",
 ]
 
@@ -233,6 +236,21 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         return problems
 
     @property
+    def etag(self) -> str:
+        """This profile's version: the ETag of the bytes it is stored as (``profile_bytes``),
+        which a profile store (``service.profiles``) serves with it. Kept for the last few
+        profiles read: a probe's profile encodes to megabytes, and a pipeline decides with
+        one profile object many times."""
+        hit = _ETAGS.get(id(self))
+        if hit is not None and hit[0] is self:
+            return hit[1]
+        tag = etag_of(profile_bytes(self))
+        _ETAGS[id(self)] = (self, tag)  # the profile is held, so its id is not reused
+        while len(_ETAGS) > _ETAGS_KEPT:
+            _ETAGS.pop(next(iter(_ETAGS)), None)
+        return tag
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         """The hidden-state layers a judgment needs for this profile (a probe's), else ()."""
         return self.calibration_map.feature_layers
@@ -393,9 +411,25 @@ def _threshold_problems(t: ThresholdResult) -> list[str]:
     return problems
 
 
+_ETAGS_KEPT = 8
+_ETAGS: dict[int, tuple[CalibrationProfile, str]] = {}  # id -> (profile, its ETag), oldest first
+
+
+def profile_bytes(profile: CalibrationProfile) -> bytes:
+    """The bytes a profile is stored as, indented JSON: ``save_profile`` and a profile store
+    write these, so its ETag (``CalibrationProfile.etag``) is the same wherever it is kept."""
+    return msgspec.json.format(msgspec.json.encode(profile), indent=2)
+
+
+def etag_of(data: bytes) -> str:
+    """A strong ETag for these bytes, their quoted sha256: the same on every replica and host
+    that stores them."""
+    return f'"{hashlib.sha256(data).hexdigest()}"'
+
+
 def save_profile(profile: CalibrationProfile, path: str | os.PathLike[str]) -> Path:
-    """Write ``profile`` as JSON at ``path`` atomically."""
-    return atomicio.write_bytes(path, msgspec.json.format(msgspec.json.encode(profile), indent=2))
+    """Write ``profile`` as JSON at ``path`` atomically (``profile_bytes``)."""
+    return atomicio.write_bytes(path, profile_bytes(profile))
 
 
 def load_profile(path: str | os.PathLike[str]) -> CalibrationProfile:

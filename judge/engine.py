@@ -14,6 +14,8 @@ query before the model sees it, without preparing it twice.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import numbers
@@ -32,12 +34,14 @@ from judge.errors import (
     EmptyChoiceError,
     InvalidQueryError,
     JudgeError,
+    ModelLoadError,
     PromptTooLongError,
     TokenizerRoundTripError,
     TooFewChoicesError,
     TooManyChoicesError,
 )
 from judge.fingerprint import Fingerprint, sha256_text
+from judge.identity import new_judgment_id, tokens_sha256
 from judge.limits import MAX_CHOICES
 from judge.packing import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -66,6 +70,7 @@ __all__ = [
     "Judgment",
     "Prepared",
     "Query",
+    "parameters_sha256",
     "shared_query",
     "validate_choices",
 ]
@@ -114,6 +119,13 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     # values) at the decision point, the position whose next-token logits the root reads.
     # None when the query asked for none. A learned head (``calibration.Probe``) reads these.
     features: dict[int, list[float]] | None = None
+    # What pins this judgment (``judge.identity``): a fresh UUID version 7, unique and
+    # time-ordered; the sha256 of the token ids fed for it (``identity.tokens_sha256``); the
+    # sha256 of the weights (``Judge.model_sha256``). An engine always fills them; the empty
+    # defaults are only for Judgments built by hand.
+    judgment_id: str = ""
+    tokens_sha256: str = ""
+    model_sha256: str = ""
 
     @property
     def probabilities(self) -> dict[str, float]:
@@ -215,6 +227,7 @@ class Prepared(msgspec.Struct, frozen=True):
     prompt: str  # the exact text fed to the model, ending with the response prefix
     prompt_tokens: int  # tokens of ``prompt``
     trie: ChoiceTrie  # the choices' token paths, packed: what the pass feeds the model
+    tokens_sha256: str  # of the prompt's ids and each choice's path (``identity.tokens_sha256``)
     feature_layers: tuple[int, ...] = ()  # checked against the model's depth, sorted
 
     @property
@@ -246,6 +259,7 @@ class Judge:
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         prefix_cache_block: int = 32,
+        batch_invariant: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -256,6 +270,11 @@ class Judge:
         self.response_suffix = response_suffix
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        # True: a judgment's numbers do not depend on its batch or on the prefix cache
+        # (judge.batch_invariant); False: the faster arithmetic, without that guarantee.
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            _use_sdpa(model)
         if not (isinstance(prefix_cache_mb, int | float) and prefix_cache_mb >= 0):
             raise ValueError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
         # None: off (a budget of 0, or a model whose layers keep only a sliding window).
@@ -302,6 +321,13 @@ class Judge:
     @property
     def dtype(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")
+
+    @functools.cached_property
+    def model_sha256(self) -> str:
+        """The sha256 of the weights every judgment carries: the GGUF file's, where the model
+        came from one (``weights_sha256``), else the loaded parameters' (``parameters_sha256``),
+        hashed on first use and kept (the model is not expected to change under a judge)."""
+        return self.weights_sha256 or parameters_sha256(self.model)
 
     def fingerprint(
         self,
@@ -467,7 +493,8 @@ class Judge:
             )
         trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
         layers = self._feature_layers(query.feature_layers)
-        return Prepared(choices, prompt, len(encoded.prompt_ids), trie, layers)
+        tokens = tokens_sha256(encoded.prompt_ids, encoded.paths)
+        return Prepared(choices, prompt, len(encoded.prompt_ids), trie, tokens, layers)
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         """Judge prepared queries, each in a row of its own, in passes within the budget.
@@ -505,10 +532,12 @@ class Judge:
                 # compute the head once, in a pass of its own, so that every row reads it.
                 head = batch[0][0].context
                 shared = min(common_prefix_length(head, t.context) for r in batch for t in r)
-                if prefill(self.model, head[:shared], self.prefix_cache):
+                if prefill(self.model, head[:shared], self.prefix_cache, self.batch_invariant):
                     for i in chunk:
                         n_passes[i] = 2
-            scored = score_rows(self.model, batch, self._pad_id, self.prefix_cache, layers)
+            scored = score_rows(
+                self.model, batch, self._pad_id, self.prefix_cache, layers, self.batch_invariant
+            )
             for i, s in zip(chunk, scored, strict=True):
                 scores[i] = s
         latency_ms = (time.perf_counter() - start) * 1000
@@ -600,7 +629,29 @@ class Judge:
             features={n: scores.features[n].tolist() for n in prepared.feature_layers}
             if prepared.feature_layers
             else None,
+            judgment_id=new_judgment_id(),
+            tokens_sha256=prepared.tokens_sha256,
+            model_sha256=self.model_sha256,
         )
+
+
+def parameters_sha256(model: PreTrainedModel) -> str:
+    """The sha256 (hex) of a model's parameters and buffers, in ``state_dict`` order.
+
+    For each entry: ``f"{name}|{dtype}|{tuple(shape)}|"`` as UTF-8 (dtype as torch writes it,
+    ``torch.float32``), then the tensor's raw bytes, contiguous, in the machine's byte order.
+    Another dtype or value changes it, the device does not; a tensor that tied weights share
+    is hashed under each of its names.
+    """
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        # As bytes: numpy has no bfloat16 (nor float8), and bytes are all a hash needs.
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _text_fields(query: Query, suffix: str) -> dict[str, str]:
@@ -637,6 +688,22 @@ def _full_attention(model: PreTrainedModel) -> bool:
     return getattr(config, "sliding_window", None) is None and all(
         t == "full_attention" for t in types
     )
+
+
+def _use_sdpa(model: PreTrainedModel) -> None:
+    """Route the model's attention through scaled_dot_product_attention, which the
+    batch-invariant arithmetic replaces; a model that cannot must opt out of it."""
+    if getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
+        return
+    try:
+        model.set_attn_implementation("sdpa")
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ModelLoadError(
+            f"{type(model).__name__} cannot run its attention through "
+            "scaled_dot_product_attention, which batch-invariant judgments need; "
+            "load it with batch_invariant=False (judge serve --batch-variant) to judge "
+            f"without that guarantee ({e})"
+        ) from e
 
 
 def _context_window(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | None:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from judge.batch_invariant import ROOT_ROWS, invariant_ops
 from judge.prefix_cache import Block, PrefixCache
 from judge.trie import ChoiceTrie, common_prefix_length
 
@@ -180,6 +181,7 @@ def score_rows(
     pad_id: int,
     cache: PrefixCache | None = None,
     layers: Sequence[int] = (),
+    batch_invariant: bool = True,
 ) -> list[list[TrieScores]]:
     """One forward pass; each batch row packs the tries of one inner list, sharing their
     common context. Returns the logits each trie needs, in the same nesting, and each trie's
@@ -203,7 +205,8 @@ def score_rows(
 
     decoder = model.get_decoder()
     inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
-    with _gather_rows(decoder, _num_layers(model), inner, root_rows) as gathered:
+    exact = invariant_ops() if batch_invariant else contextlib.nullcontext()
+    with exact, _gather_rows(decoder, _num_layers(model), inner, root_rows) as gathered:
         out = decoder(
             input_ids=packed.input_ids,
             attention_mask=packed.attention_mask,
@@ -222,15 +225,19 @@ def score_rows(
     children = [c for t in tries for c in t.node_children]
     counts = torch.tensor([len(c) for c in children], device=h.device)
     child_ids = torch.tensor([tok for c in children for tok in c], device=h.device)
-    # Children's rows only, in float32 whatever the model dtype: these logits are the result.
-    h_rep = h.float().repeat_interleave(counts, dim=0)  # (C, H)
-    child_logits = (h_rep * W[child_ids].float()).sum(-1)  # (C,)
+    # Children's rows only, in float64 whatever the model dtype: these logits are the result,
+    # and a float64 sum rounds the same whatever order the kernel takes.
+    h_rep = h.double().repeat_interleave(counts, dim=0)  # (C, H)
+    child_logits = (h_rep * W[child_ids].double()).sum(-1)  # (C,)
     if bias is not None:
-        child_logits = child_logits + bias[child_ids].float()
+        child_logits = child_logits + bias[child_ids].double()
     child_logits = _finish_logits(model, child_logits)
 
     # The full vocabulary only at each root, for choice_mass.
-    root_logits = _finish_logits(model, head(h[first_node])).float()  # (N, V)
+    # A pass has one root per row, not one per token: a small chunk for the vocabulary-wide
+    # product keeps a lone root from paying for ROWS of them.
+    with invariant_ops(ROOT_ROWS) if batch_invariant else contextlib.nullcontext():
+        root_logits = _finish_logits(model, head(h[first_node])).float()  # (N, V)
     root_logprobs = torch.log_softmax(root_logits, dim=-1)  # (N, V)
 
     flat = child_logits.double().cpu().numpy()
@@ -309,7 +316,9 @@ def _gather_rows(
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, tokens: Sequence[int], cache: PrefixCache) -> bool:
+def prefill(
+    model: PreTrainedModel, tokens: Sequence[int], cache: PrefixCache, batch_invariant: bool = True
+) -> bool:
     """Compute and cache the whole blocks of ``tokens`` (a plain prompt prefix) not cached
     yet, keeping at least one token back (it is where a root may be read). Returns whether a
     pass ran; nothing runs when less than one block would be added."""
@@ -320,12 +329,13 @@ def prefill(model: PreTrainedModel, tokens: Sequence[int], cache: PrefixCache) -
     if end - start < b:
         return False
     decoder = model.get_decoder()
-    out = decoder(
-        input_ids=torch.tensor([list(tokens[start:end])], device=model.device),
-        position_ids=torch.arange(start, end, device=model.device)[None],
-        use_cache=True,
-        **_past(decoder, cache, [chain], model.device),
-    )
+    with invariant_ops() if batch_invariant else contextlib.nullcontext():
+        out = decoder(
+            input_ids=torch.tensor([list(tokens[start:end])], device=model.device),
+            position_ids=torch.arange(start, end, device=model.device)[None],
+            use_cache=True,
+            **_past(decoder, cache, [chain], model.device),
+        )
     layers = _returned_layers(out)
     if layers is None:
         return False

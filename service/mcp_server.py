@@ -64,9 +64,10 @@ def create_server(
     defaults = defaults or PolicyDefaults()
     model_lock = threading.Lock()
 
-    def profile_of(name: str, field: str) -> CalibrationProfile:
+    def profile_of(name: str, field: str) -> tuple[CalibrationProfile, str]:
+        """The profile and its ETag (the version a decision carries)."""
         try:
-            return store.get(name)
+            return store.get_tagged(name)
         except ProfileError as exc:
             names = ", ".join(store.names()) or "none"
             raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
@@ -100,9 +101,9 @@ def create_server(
             ),
         ] = None,
     ) -> dict[str, Any]:
-        fitted = profile_of(profile, "profile") if profile is not None else None
+        fitted, etag = profile_of(profile, "profile") if profile is not None else (None, None)
         with _tool_errors():
-            policy = make_policy(fitted, threshold=threshold, defaults=defaults)
+            policy = make_policy(fitted, threshold=threshold, defaults=defaults, profile_etag=etag)
             with model_lock:
                 if fitted is not None:
                     fitted.check(engine.fingerprint(system=system), choices=choices)
@@ -153,7 +154,7 @@ def create_server(
         ] = MAX_ORDERINGS,
     ) -> dict[str, Any]:
         fitted = {
-            qid: profile_of(name, f"profiles.{qid}") for qid, name in (profiles or {}).items()
+            qid: profile_of(name, f"profiles.{qid}")[0] for qid, name in (profiles or {}).items()
         }
         asked: dict[str, Any] = dict(questions)
         if order is not None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import re
 import threading
@@ -47,10 +46,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
 
-import msgspec
-
 from calibration.errors import ProfileNotFoundError
-from calibration.profile import NAME_PATTERN, CalibrationProfile, decode_profile
+from calibration.profile import (
+    NAME_PATTERN,
+    CalibrationProfile,
+    decode_profile,
+    etag_of,  # in calibration, so that a decision can carry its profile's ETag
+    profile_bytes,
+)
 from judge import atomicio
 
 __all__ = [
@@ -84,11 +87,6 @@ class Stored(NamedTuple):
     data: bytes
     etag: str  # quoted sha256 of ``data``
     version: str  # changes whenever the stored bytes do; cheap to read again (see version())
-
-
-def etag_of(data: bytes) -> str:
-    """A strong ETag for these bytes: the same on every replica that stores them."""
-    return f'"{hashlib.sha256(data).hexdigest()}"'
 
 
 def parse_etags(header: str | None) -> list[str] | None:
@@ -339,7 +337,7 @@ class ProfileStore:
     ) -> str:
         """Store ``profile`` under its name if the preconditions hold; return the new ETag."""
         name = self._check_name(profile.name)
-        data = msgspec.json.format(msgspec.json.encode(profile), indent=2)
+        data = profile_bytes(profile)  # CalibrationProfile.etag is the ETag of these bytes
         return self.backend.write(name, data, if_match=if_match, if_none_match=if_none_match)
 
     def delete(self, name: str, *, if_match: Sequence[str] | None = None) -> None:

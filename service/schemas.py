@@ -112,6 +112,15 @@ class JudgeResponse(
     profile: str | None
     model: str
     latency_ms: float
+    # What pins this decision (calibration.Decision): a fresh UUID version 7 for the judgment,
+    # the sha256 of the token ids it fed (judge.identity.tokens_sha256), of the weights
+    # (Judge.model_sha256) and of the policy in force (calibration.Policy.sha256).
+    judgment_id: str
+    tokens_sha256: str
+    model_sha256: str
+    policy_sha256: str
+    # The profile's version: the ETag GET /profiles/{name} answers; None without a profile.
+    profile_etag: str | None
     prompt: str | None = None  # only with return_prompt
     # A score's (with values, numeral choices under max_std, or a profile with values):
     # sum of p * value and its standard deviation, over the calibrated probabilities.
@@ -161,6 +170,11 @@ class JudgeResponse(
             profile=decision.profile,
             model=judgment.model,
             latency_ms=judgment.latency_ms,
+            judgment_id=judgment.judgment_id,
+            tokens_sha256=judgment.tokens_sha256,
+            model_sha256=judgment.model_sha256,
+            policy_sha256=decision.policy_sha256 or "",
+            profile_etag=decision.profile_etag,
             prompt=judgment.prompt if return_prompt else None,
             expected_value=decision.expected_value,
             std=decision.std,

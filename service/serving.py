@@ -288,9 +288,10 @@ class Service:
         query: Query,
     ) -> _Plan:
         """Check the request's profile and build its policy: no model work, no tokenizing."""
-        profile = None
+        profile = etag = None
         if request.profile is not None:
-            profile = self.store.get(request.profile)
+            # The ETag of the very bytes decoded: what GET /profiles/{name} answers.
+            profile, etag = self.store.get_tagged(request.profile)
             fingerprint = engine.fingerprint(
                 system=query.system,
                 response_prefix=query.response_prefix,
@@ -308,6 +309,7 @@ class Service:
             max_std=max_std,
             values=values,
             defaults=self.config.policy_defaults,
+            profile_etag=etag,
         )
         if policy.feature_layers:  # a probe reads the pass's hidden state: ask for it
             query = msgspec.structs.replace(query, feature_layers=policy.feature_layers)
@@ -500,10 +502,10 @@ class Service:
     ) -> Policy:
         """The question's Policy: its profile (checked against the engine and the question's
         choices) under its overrides, as ``_plan`` builds one for ``POST /judge``."""
-        profile = None
+        profile = etag = None
         if question.profile is not None:
             try:
-                profile = self.store.get(question.profile)
+                profile, etag = self.store.get_tagged(question.profile)
                 profile.check(engine.fingerprint(), choices=choices)
             except ProfileMismatchError as exc:
                 exc.field = f"questions.{qid}.profile"
@@ -517,6 +519,7 @@ class Service:
             min_choice_mass=question.min_choice_mass,
             max_order_spread=question.max_order_spread,
             defaults=self.config.policy_defaults,
+            profile_etag=etag,
         )
 
     # --- profiles -----------------------------------------------------------------------------

@@ -6,9 +6,12 @@ here once. The real model stays the proof of behaviour; a fake only drives the m
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import msgspec
 
 from judge import (
     DEFAULT_RESPONSE_PREFIX,
@@ -22,6 +25,7 @@ from judge import (
 )
 from judge.engine import shared_query, validate_choices
 from judge.fingerprint import sha256_text
+from judge.identity import new_judgment_id, tokens_sha256
 from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
 from judge.trie import build_trie
 
@@ -57,6 +61,7 @@ class FakeEngine:
 
     model_id = "fake"
     dtype = "float32"
+    model_sha256 = hashlib.sha256(b"fake weights").hexdigest()
     max_batch_size = DEFAULT_MAX_BATCH_SIZE
     max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
 
@@ -116,25 +121,41 @@ class FakeEngine:
         choices = validate_choices(q.choices)
         head = [0, *map(ord, (q.system or "") + q.prompt + (q.response_prefix or ""))]
         suffix = DEFAULT_RESPONSE_SUFFIX if q.response_suffix is None else q.response_suffix
-        trie = build_trie([[*head, *map(ord, c + suffix)] for c in choices], head, choices)
-        return Prepared(choices, q.prompt, len(head), trie, tuple(q.feature_layers))
+        paths = [[*head, *map(ord, c + suffix)] for c in choices]
+        trie = build_trie(paths, head, choices)
+        tokens = tokens_sha256(head, paths)
+        return Prepared(choices, q.prompt, len(head), trie, tokens, tuple(q.feature_layers))
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         return [
-            self.judgment(
-                Query(prompt=p.prompt, choices=p.choices, feature_layers=p.feature_layers)
+            self.identified(
+                self.judgment(
+                    Query(prompt=p.prompt, choices=p.choices, feature_layers=p.feature_layers)
+                ),
+                p,
             )
             for p in prepared
         ]
+
+    def identified(self, judgment: Judgment, prepared: Prepared) -> Judgment:
+        """``judgment`` stamped as the engine stamps one: a fresh id, its tokens, the weights."""
+        return msgspec.structs.replace(
+            judgment,
+            judgment_id=new_judgment_id(),
+            tokens_sha256=prepared.tokens_sha256,
+            model_sha256=self.model_sha256,
+        )
 
     def run_shared(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         return self.run(prepared)
 
     def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
         checked = [as_query(q) for q in queries]
-        for q in checked:
-            self.prepare(q)  # refuses what the real engine would, before any judgment
-        return [self.judgment(q) for q in checked]
+        # Refuses what the real engine would, before any judgment.
+        prepared = [self.prepare(q) for q in checked]
+        return [
+            self.identified(self.judgment(q), p) for q, p in zip(checked, prepared, strict=True)
+        ]
 
     def judge_each(
         self, queries: Sequence[Query | Mapping[str, Any]]

@@ -249,6 +249,22 @@ def test_bench_order_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_invariance_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_invariance.json"
+    _run("bench_invariance.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result) == {"machine", "items", "quick", "dtypes"}
+    entry = result["dtypes"]["float32"]
+    hows = {f"batch of {n}" for n in (2, 4, 16)} | {"cold cache", "warm cache", "shared context"}
+    for mode in ("invariant", "variant"):
+        assert set(entry["reproducibility"][mode]) == hows
+    for row in entry["reproducibility"]["invariant"].values():
+        assert row["max_diff"] <= 1e-6 and row["flips"] == 0
+    assert all(row["ratio"] > 0 for row in entry["cost"].values())
+
+
+@pytest.mark.slow
 def test_bench_reliability_quick(tmp_path: Path) -> None:
     # The scenarios one server start can hold (~30 s); soak, overload and kill -9 need more.
     out = tmp_path / "reliability.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from calibration import CalibrationProfile, PolicyDefaults, fit_profile, make_policy, save_profile
+from calibration.profile import etag_of
 from judge import Judge
 from service.cli.main import main
 
@@ -32,6 +34,11 @@ ANSWER_KEYS = {
     "profile",
     "model",
     "latency_ms",
+    "judgment_id",
+    "tokens_sha256",
+    "model_sha256",
+    "policy_sha256",
+    "profile_etag",
 }
 
 
@@ -140,6 +147,28 @@ def test_ask_with_a_profile_uses_its_choices_dtype_and_policy(
             judgment.probabilities[choice], abs=1e-6
         )
     assert loaded_once[0]["dtype"] == profile.fingerprint.dtype == "float32"
+
+
+def test_ask_prints_what_pins_the_decision(
+    loaded_once: list[dict[str, object]],
+    capsys: pytest.CaptureFixture[str],
+    judge: Judge,
+    profile: CalibrationProfile,
+    profile_file: Path,
+) -> None:
+    """The judgment's id, its tokens', weights' and policy's hashes, the profile's ETag."""
+    gated = _ask(capsys, PROMPT, "--profile", str(profile_file))
+    plain = _ask(capsys, PROMPT, "--choice", "spam", "--choice", "ham")
+    reference = judge.judge(PROMPT, profile.choices)
+    for out in (gated, plain):
+        assert uuid.UUID(out["judgment_id"]).version == 7
+        assert out["tokens_sha256"] == reference.tokens_sha256  # the same choices, in order
+        assert out["model_sha256"] == judge.weights_sha256 == reference.model_sha256
+    assert len({gated["judgment_id"], plain["judgment_id"], reference.judgment_id}) == 3
+    assert gated["profile_etag"] == profile.etag == etag_of(profile_file.read_bytes())
+    assert gated["policy_sha256"] == make_policy(profile).sha256
+    assert plain["profile_etag"] is None
+    assert plain["policy_sha256"] == make_policy(None).sha256 != gated["policy_sha256"]
 
 
 @pytest.mark.parametrize(("threshold", "codes"), [("0", []), ("1", ["below_threshold"])])

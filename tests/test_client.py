@@ -22,6 +22,7 @@ import pytest
 from server import Server, free_port
 from test_service import EXAMPLES
 
+from judge.identity import new_judgment_id
 from service.client import (
     AsyncJudgeClient,
     ClientError,
@@ -93,10 +94,12 @@ def raw_answer(url: str, path: str, body: Any) -> tuple[int, Any]:
 
 
 def same_judgment(a: JudgeResponse, b: JudgeResponse) -> None:
-    """Equal in every field but the latency; numbers to float noise (batching, the cache)."""
+    """Equal in every field but the latency and the judgment's own id (fresh per judgment);
+    numbers to float noise (batching, the cache)."""
+    assert a.judgment_id != b.judgment_id
     for name in a.__struct_fields__:
         x, y = getattr(a, name), getattr(b, name)
-        if name == "latency_ms":
+        if name in ("latency_ms", "judgment_id"):
             continue
         if name in ("probabilities", "raw_probabilities"):
             assert list(x) == list(y)
@@ -291,6 +294,11 @@ def judgment(choices: list[str], top: int = 0) -> JudgeResponse:
         profile=None,
         model="mock",
         latency_ms=1.0,
+        judgment_id=new_judgment_id(),
+        tokens_sha256="0" * 64,
+        model_sha256="1" * 64,
+        policy_sha256="2" * 64,
+        profile_etag=None,
     )
 
 

@@ -64,6 +64,8 @@ def test_the_client_imports_and_works_without_the_server_s_packages() -> None:
             "decision": "accept", "reasons": [], "reason_codes": [], "threshold": 0.5,
             "certified": False, "temperature": None, "choice_mass": 1.0,
             "prediction_set": None, "profile": None, "model": "m", "latency_ms": 1.0,
+            "judgment_id": "0190a0b4-6c2e-7b3a-9f1e-2d4c6b8a0e1f", "tokens_sha256": "0" * 64,
+            "model_sha256": "1" * 64, "policy_sha256": "2" * 64, "profile_etag": None,
         }
 
         def handler(request):

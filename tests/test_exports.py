@@ -32,12 +32,20 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("judge", "calibration", "service")
 # Each layer, and what it may import from the project besides itself. A module belongs to the
 # longest layer name that prefixes its own.
-_LEAVES = {"judge.atomicio", "judge.errors", "judge.scores", "judge.fingerprint", "judge.lazy"}
+_LEAVES = {
+    "judge.atomicio",
+    "judge.errors",
+    "judge.scores",
+    "judge.fingerprint",
+    "judge.identity",
+    "judge.lazy",
+}
 ALLOWED = {
     "judge.atomicio": set(),
     "judge.errors": set(),
     "judge.scores": {"judge.errors"},
     "judge.fingerprint": set(),
+    "judge.identity": set(),
     "judge.lazy": set(),
     "judge": _LEAVES,
     "calibration": {"judge.atomicio", "judge.scores", "judge.fingerprint", "judge.lazy"},

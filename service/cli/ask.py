@@ -67,6 +67,13 @@ class Answer(msgspec.Struct, frozen=True, kw_only=True):
     profile: str | None
     model: str
     latency_ms: float
+    # What pins the decision: the judgment's id, the sha256 of its tokens, of the weights and
+    # of the policy, and the profile's ETag (None without a profile); see ``JudgeResponse``.
+    judgment_id: str
+    tokens_sha256: str
+    model_sha256: str
+    policy_sha256: str
+    profile_etag: str | None
 
 
 class LineError(msgspec.Struct, frozen=True, kw_only=True):

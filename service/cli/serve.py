@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         prefix_cache_mb=args.prefix_cache_mb,
+        batch_invariant=not args.batch_variant,
         **config.engine_options,  # the engine packs passes to --max-batch-tokens too
     )
     if getattr(args, "ray", False):

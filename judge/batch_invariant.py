@@ -1,0 +1,133 @@
+"""Batch-invariant arithmetic for the one pass: a token's numbers do not depend on its batch.
+
+A judgment must be a function of its item, not of the traffic around it. In an ordinary pass
+a token's hidden state depends, in its last bits, on what else is in the pass: a matrix
+product's kernel (and so its order of summation) is picked by the product's shape, which is
+the number of tokens in the batch; attention sums over a row whose length and padding depend
+on the longest neighbour and on how much of the prompt came from the prefix cache. In
+bfloat16 a last-bit difference in one activation is a rounding flip of 2**-8, and thirty
+layers carry it to the probabilities (0.024 measured on the default model).
+
+Inside ``invariant_ops()`` two operations are replaced, on this thread only (a torch function
+mode is thread-local):
+
+* ``F.linear`` runs on chunks of exactly ``ROWS`` tokens, the last one padded with zeros. A
+  product of one fixed shape is one kernel with one order of summation, so each token's row
+  is the same whatever its neighbours and whichever slot of the chunk it lands in.
+* ``F.scaled_dot_product_attention`` is computed by its reference definition (softmax of
+  scaled scores plus mask, times values) in float64 and rounded once to the input's dtype.
+  Masked keys weigh exactly zero; the keys that count are summed in float64, whose rounding
+  (2**-53) sits far below the float32 or bfloat16 rounding of the result, so the rounded
+  result no longer depends on the row's length, padding or split between cache and pass.
+
+The price is time: float64 attention, the padding of the last chunk, and products of 32 rows
+that run a little slower per row than one large product (``benchmarks/bench_invariance.py``
+measures it against the ordinary arithmetic). Elementwise operations and per-token reductions
+(norms, activations, rotary embeddings) already give one result per token: not assumed but
+measured: ``tests/test_invariance.py`` compares lone, batched, cached and shared passes on
+the default model to 1e-6.
+
+This covers models whose attention goes through ``scaled_dot_product_attention`` (the
+default ``sdpa`` implementation of transformers); ``Judge`` refuses the mode for others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["ROOT_ROWS", "ROWS", "invariant_linear", "invariant_ops", "invariant_sdpa"]
+
+# Tokens per matrix product: every product has this shape, so one kernel and one order of
+# summation. 32 keeps the padding of a short pass small; on the machines measured, products of
+# 16 to 256 rows cost about the same per row (bench_invariance.py).
+ROWS = 32
+# Rows per product for the LM head over the whole vocabulary, read at one root per question.
+ROOT_ROWS = 8
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = ROWS
+) -> torch.Tensor:
+    """``F.linear`` on chunks of exactly ``rows`` rows: each row's result is independent of
+    how many rows came with it."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    pad = -n % rows
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(rows)])
+    return out[:n].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` by its definition, in float64 (no dropout)."""
+    if dropout_p:
+        raise ValueError("the batch-invariant attention runs in inference only (no dropout)")
+    q, k, v = query.double(), key.double(), value.double()
+    *batch, heads, L, D = q.shape
+    S = k.shape[-2]
+    # Grouped-query attention: each key head serves ``groups`` query heads. The query heads
+    # are folded onto their key head instead of copying the keys ``groups`` times.
+    groups = heads // k.shape[-3] if enable_gqa else 1
+    q = q.reshape(*batch, heads // groups, groups * L, D)
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    scores = ((q @ k.transpose(-2, -1)) * scale).reshape(*batch, heads, L, S)
+    if is_causal:  # top-left aligned, as scaled_dot_product_attention defines it
+        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        else:
+            scores = scores + attn_mask.double()
+    weights = scores.softmax(dim=-1).reshape(*batch, heads // groups, groups * L, S)
+    return (weights @ v).reshape(*batch, heads, L, D).to(query.dtype)
+
+
+class _InvariantMode(TorchFunctionMode):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        # Inside __torch_function__ the mode is off, so the replacements' own calls reach
+        # the kernels.
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            return invariant_linear(x, weight, bias, rows=self.rows)
+        if func is F.scaled_dot_product_attention:
+            return invariant_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def invariant_ops(rows: int = ROWS) -> Iterator[None]:
+    """Within the block, on this thread, ``F.linear`` (in chunks of ``rows`` tokens) and
+    scaled dot-product attention give each token a result that does not depend on the rest
+    of its batch."""
+    with _InvariantMode(rows):
+        yield

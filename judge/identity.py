@@ -1,0 +1,48 @@
+"""What pins a judgment: a unique, time-ordered id and the hash of the tokens it fed.
+
+Plain Python and no torch, so that ``calibration`` and a client can recompute and check them.
+The engine stamps every ``Judgment`` with ``new_judgment_id()`` and with ``tokens_sha256`` of
+its query's token ids; the weights' hash is ``Judge.model_sha256``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from collections.abc import Sequence
+
+import msgspec
+
+__all__ = ["new_judgment_id", "tokens_sha256"]
+
+
+def new_judgment_id() -> str:
+    """A fresh UUID version 7 (RFC 9562) as a string: unique, and sorted by creation time.
+
+    48 bits of Unix time in milliseconds, the version (7), 12 random bits, the variant (0b10)
+    and 62 random bits. Ids made in the same millisecond are unordered among themselves.
+    (Python 3.14 has ``uuid.uuid7``; 3.11 does not.)
+    """
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")  # 80 bits; 74 are used
+    rand_a = rand >> 68  # 12 bits
+    rand_b = rand & ((1 << 62) - 1)  # 62 bits
+    value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | rand_a << 64 | 0b10 << 62 | rand_b
+    return str(uuid.UUID(int=value))
+
+
+def tokens_sha256(prompt_ids: Sequence[int], choice_paths: Sequence[Sequence[int]]) -> str:
+    """The sha256 (hex) of the token ids a judgment feeds the model, to recompute by hand.
+
+    Hashed: the UTF-8 bytes of the compact JSON array ``[prompt_ids, [path_0, path_1, ...]]``
+    (no spaces, e.g. ``[[1,2],[[1,2,3],[1,2,4]]]``), where ``prompt_ids`` is the tokenization
+    of the rendered prompt (chat template, system, prompt and response prefix:
+    ``Judgment.prompt``) and ``path_i`` the tokenization of that text followed by choice i
+    (JSON-escaped) and the response suffix, in the order the choices were given; both without
+    added special tokens (``tokenizer(text, add_special_tokens=False).input_ids``). The
+    choices' order counts: the same choices listed otherwise hash differently.
+    """
+    # Lists or tuples of Python ints, as tokenizers give them; msgspec writes the compact form.
+    return hashlib.sha256(msgspec.json.encode([prompt_ids, choice_paths])).hexdigest()
