@@ -76,7 +76,8 @@ def reproducibility(plain: Judge, cached: Judge, queries: list[Query]) -> dict[s
     pairs: dict[str, list[tuple[Judgment, Judgment]]] = {}
     for size in BATCHES:
         for i, q in enumerate(queries):
-            others = rng.sample([p for k, p in enumerate(queries) if k != i], size - 1)
+            # Other items (with repeats when there are fewer than the batch needs).
+            others = rng.choices([p for k, p in enumerate(queries) if k != i], k=size - 1)
             slot = rng.randrange(size)
             got = plain.judge_batch([*others[:slot], q, *others[slot:]])[slot]
             pairs.setdefault(f"batch of {size}", []).append((got, lone[i]))

@@ -42,7 +42,7 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ROOT_ROWS", "ROWS", "invariant_linear", "invariant_ops", "invariant_sdpa"]
+__all__ = ["QUERY_ROWS", "ROOT_ROWS", "ROWS", "invariant_linear", "invariant_ops", "invariant_sdpa"]
 
 # Tokens per matrix product: every product has this shape, so one kernel and one order of
 # summation. 32 keeps the padding of a short pass small; on the machines measured, products of
@@ -50,6 +50,8 @@ __all__ = ["ROOT_ROWS", "ROWS", "invariant_linear", "invariant_ops", "invariant_
 ROWS = 32
 # Rows per product for the LM head over the whole vocabulary, read at one root per question.
 ROOT_ROWS = 8
+# Queries per block of float64 attention: (heads, 256, keys) scores at a time.
+QUERY_ROWS = 256
 
 
 def invariant_linear(
@@ -76,28 +78,49 @@ def invariant_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` by its definition, in float64 (no dropout)."""
+    """``F.scaled_dot_product_attention`` by its definition, in float64 (no dropout).
+
+    Queries go ``QUERY_ROWS`` at a time, so the float64 scores of a long prompt never exist
+    all at once, and each block reads keys only up to the last one any of its queries may
+    see: in a causal pass that skips the masked half of the work. A key left out weighs
+    exactly zero where it is kept, so neither changes a result.
+    """
     if dropout_p:
         raise ValueError("the batch-invariant attention runs in inference only (no dropout)")
-    q, k, v = query.double(), key.double(), value.double()
-    *batch, heads, L, D = q.shape
-    S = k.shape[-2]
+    *batch, heads, L, D = query.shape
+    S = key.shape[-2]
+    if is_causal:  # top-left aligned, as scaled_dot_product_attention defines it
+        attn_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+    k, v = key.double(), value.double()
     # Grouped-query attention: each key head serves ``groups`` query heads. The query heads
     # are folded onto their key head instead of copying the keys ``groups`` times.
     groups = heads // k.shape[-3] if enable_gqa else 1
-    q = q.reshape(*batch, heads // groups, groups * L, D)
     scale = 1 / math.sqrt(D) if scale is None else scale
-    scores = ((q @ k.transpose(-2, -1)) * scale).reshape(*batch, heads, L, S)
-    if is_causal:  # top-left aligned, as scaled_dot_product_attention defines it
-        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, -math.inf)
-        else:
-            scores = scores + attn_mask.double()
-    weights = scores.softmax(dim=-1).reshape(*batch, heads // groups, groups * L, S)
-    return (weights @ v).reshape(*batch, heads, L, D).to(query.dtype)
+    out = []
+    for a in range(0, L, QUERY_ROWS):
+        b = min(a + QUERY_ROWS, L)
+        mask = None if attn_mask is None else attn_mask[..., a:b, :]
+        n = S if mask is None else _keys_seen(mask)
+        q = query[..., a:b, :].double().reshape(*batch, heads // groups, groups * (b - a), D)
+        scores = (q @ k[..., :n, :].transpose(-2, -1)) * scale
+        scores = scores.reshape(*batch, heads, b - a, n)
+        if mask is not None:
+            mask = mask[..., :n]
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, -math.inf)
+            else:
+                scores = scores + mask.double()
+        weights = scores.softmax(dim=-1).reshape(*batch, heads // groups, groups * (b - a), n)
+        out.append((weights @ v[..., :n, :]).reshape(*batch, heads, b - a, D))
+    return torch.cat(out, dim=-2).to(query.dtype)
+
+
+def _keys_seen(mask: torch.Tensor) -> int:
+    """How many leading keys some query under ``mask`` may see: past the last such key, every
+    key is masked out (False, or an additive mask at the dtype's minimum or -inf)."""
+    seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    columns = seen.reshape(-1, seen.shape[-1]).any(dim=0).nonzero()
+    return int(columns[-1]) + 1 if len(columns) else mask.shape[-1]
 
 
 class _InvariantMode(TorchFunctionMode):

@@ -269,7 +269,8 @@ def test_bench_reliability_quick(tmp_path: Path) -> None:
     # The scenarios one server start can hold (~30 s); soak, overload and kill -9 need more.
     out = tmp_path / "reliability.json"
     cmd = [sys.executable, str(BENCHMARKS / "bench_reliability.py"), "--quick", "--out", str(out)]
-    cmd += ["--scenarios", "disconnect,deadline,sigterm"]
+    # A shorter long judgment than the full run's: it holds the model for seconds either way.
+    cmd += ["--scenarios", "disconnect,deadline,sigterm", "--busy-tokens", "1500"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())

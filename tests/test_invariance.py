@@ -26,7 +26,13 @@ from torch.nn import functional as F
 
 from calibration.tasks import load_split, load_task, task_prompt
 from judge import Judge, Judgment, Query
-from judge.batch_invariant import ROWS, invariant_linear, invariant_ops, invariant_sdpa
+from judge.batch_invariant import (
+    QUERY_ROWS,
+    ROWS,
+    invariant_linear,
+    invariant_ops,
+    invariant_sdpa,
+)
 from judge.engine import shared_query
 from judge.loading import resolve_dtype
 
@@ -213,3 +219,20 @@ def test_a_model_that_cannot_use_sdpa_must_opt_out(judge: Judge) -> None:
 
     with pytest.raises(ModelLoadError, match="batch_invariant=False"):
         Judge(NoSdpa(), judge.tokenizer)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("causal", ["flag", "float mask"])
+def test_float64_attention_in_blocks_of_queries_over_a_long_row(causal: str) -> None:
+    """Longer than one block of queries, with the keys no query of a block sees left out."""
+    torch.manual_seed(3)
+    L = QUERY_ROWS * 2 + 17
+    q, k, v = torch.randn(1, 4, L, 8), torch.randn(1, 2, L, 8), torch.randn(1, 2, L, 8)
+    if causal == "flag":
+        kwargs: dict[str, object] = {"is_causal": True}
+    else:
+        mask = torch.zeros(1, 1, L, L)
+        mask.masked_fill_(~torch.ones(L, L, dtype=torch.bool).tril(), torch.finfo(mask.dtype).min)
+        kwargs = {"attn_mask": mask}
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)  # type: ignore[arg-type]
+    got = invariant_sdpa(q, k, v, enable_gqa=True, **kwargs)  # type: ignore[arg-type]
+    assert torch.allclose(got, expected, atol=1e-5)
