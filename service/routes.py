@@ -88,10 +88,17 @@ async def health_head() -> None:
     return None
 
 
-async def ready(service: NamedDependency[Service]) -> Response[dict[str, str]]:
+async def ready(service: NamedDependency[Service]) -> Response[dict[str, object]]:
     if service.loaded is not None:
         engine = service.loaded
-        return Response({"status": "ready", "model": engine.model_id, "dtype": engine.dtype})
+        return Response(
+            {
+                "status": "ready",
+                "model": engine.model_id,
+                "dtype": engine.dtype,
+                "batch_invariant": bool(getattr(engine, "batch_invariant", False)),
+            }
+        )
     if service.failure:
         return Response({"status": "failed", "detail": service.failure}, status_code=503)
     return Response({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})

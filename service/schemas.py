@@ -308,4 +308,7 @@ class ReadyResponse(msgspec.Struct, frozen=True, kw_only=True):
     status: Literal["ready", "loading", "failed"]
     model: str | None = None  # when ready
     dtype: str | None = None  # when ready
+    # When ready: whether a judgment's probabilities are independent of its batch and of the
+    # prefix cache (judge.batch_invariant; off with judge serve --batch-variant).
+    batch_invariant: bool | None = None
     detail: str | None = None  # why loading failed

@@ -166,7 +166,12 @@ class Service:
         if isinstance(cache, PrefixCache):
             self.metrics.watch_prefix_cache(cache.stats)
         self.loaded = engine
-        log.info("ready: model %s, dtype %s", engine.model_id, engine.dtype)
+        log.info(
+            "ready: model %s, dtype %s, batch-invariant %s",
+            engine.model_id,
+            engine.dtype,
+            getattr(engine, "batch_invariant", False),
+        )
 
     def _check_budget(self, engine: Engine) -> None:
         """Refuse an engine that packs passes to another budget than this server's.

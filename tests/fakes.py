@@ -61,6 +61,7 @@ class FakeEngine:
 
     model_id = "fake"
     dtype = "float32"
+    batch_invariant = True  # its numbers depend on nothing but the item
     model_sha256 = hashlib.sha256(b"fake weights").hexdigest()
     max_batch_size = DEFAULT_MAX_BATCH_SIZE
     max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS

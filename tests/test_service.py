@@ -579,7 +579,12 @@ def test_a_fake_engine_serves_the_same_contract(tmp_path: Path) -> None:
         assert status == 200 and body["decision"] == "accept" and body["threshold"] == 0.4
         status, body = post(c, {"prompt": "x", "choices": ["a", "b", "c"]})
         assert body["decision"] == "escalate" and body["reason_codes"] == ["below_threshold"]
-        assert c.get("/ready").json() == {"status": "ready", "model": "fake", "dtype": "float32"}
+        assert c.get("/ready").json() == {
+            "status": "ready",
+            "model": "fake",
+            "dtype": "float32",
+            "batch_invariant": True,
+        }
 
 
 def test_metrics_export_the_prefix_cache(client: TestClient[Any], judge: Judge) -> None:
