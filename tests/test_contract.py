@@ -76,6 +76,10 @@ def run_contract(tmp_path: Path, max_examples: int, extra: list[str] | None = No
     port = free_port()
     command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
     command += ["--profiles-dir", str(tmp_path / "profiles"), "--log-level", "warning"]
+    # Generated prompts run to the request budget; batch-invariant attention is float64 and
+    # quadratic in the prompt (a 4000-token judgment takes half a minute), so the budget is
+    # kept small: longer prompts get the 413 the contract promises, at no model cost.
+    command += ["--max-request-tokens", "1024"]
     os.environ["JUDGE_API_KEY"] = KEY
     try:
         server = Server(command, port)
