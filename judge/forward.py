@@ -15,6 +15,10 @@ up first; the cached keys and values go in as the model's past, right-aligned pe
 the rest of the row is fed, at the same positions it would have had. Every fed token attends to
 its row's whole cached prefix (all of it is its ancestry) and to its ancestors among the fed
 tokens. The pass returns its own keys and values, and the row's plain prefix is stored back.
+
+With ``batch_invariant`` (the default), the decoder, the prefill and the root's vocabulary-wide
+product run under ``judge.batch_invariant.invariant_ops``: a token's numbers then do not depend
+on the other rows, the padding or the cache split, so an item's judgment is the same in any pass.
 """
 
 from __future__ import annotations
