@@ -28,7 +28,8 @@ measured: ``tests/test_invariance.py`` compares lone, batched, cached and shared
 the default model to 1e-6.
 
 This covers models whose attention goes through ``scaled_dot_product_attention`` (the
-default ``sdpa`` implementation of transformers); ``Judge`` refuses the mode for others.
+default ``sdpa`` implementation of transformers); for another, ``Judge`` raises a
+``ModelLoadError`` unless it is built with ``batch_invariant=False``.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["QUERY_ROWS", "ROOT_ROWS", "ROWS", "invariant_linear", "invariant_ops", "invariant_sdpa"]
 
 # Tokens per matrix product: every product has this shape, so one kernel and one order of
-# summation. 32 keeps the padding of a short pass small; on the machines measured, products of
-# 16 to 256 rows cost about the same per row (bench_invariance.py).
+# summation. 32 keeps the padding of a short pass small; on the machine measured (2 EPYC cores),
+# passes with chunks of 16 to 64 rows ran within noise of each other.
 ROWS = 32
 # Rows per product for the LM head over the whole vocabulary, read at one root per question.
 ROOT_ROWS = 8
