@@ -70,11 +70,13 @@ def flips(a: Judgment, b: Judgment) -> int:
     return sum((a.confidence >= t) != (b.confidence >= t) for t in THRESHOLDS)
 
 
-def reproducibility(plain: Judge, cached: Judge, queries: list[Query]) -> dict[str, Any]:
+def reproducibility(
+    plain: Judge, cached: Judge, queries: list[Query], batches: tuple[int, ...] = BATCHES
+) -> dict[str, Any]:
     rng = random.Random(0)
     lone = [plain.judge_batch([q])[0] for q in queries]
     pairs: dict[str, list[tuple[Judgment, Judgment]]] = {}
-    for size in BATCHES:
+    for size in batches:
         for i, q in enumerate(queries):
             # Other items (with repeats when there are fewer than the batch needs).
             others = rng.choices([p for k, p in enumerate(queries) if k != i], k=size - 1)
@@ -105,14 +107,18 @@ def reproducibility(plain: Judge, cached: Judge, queries: list[Query]) -> dict[s
     }
 
 
-def cost(judges: dict[str, Judge], queries: list[Query], reps: int) -> dict[str, Any]:
-    """Median ms per item, alone and in batches of 16, each rep timing both arithmetics."""
-    batch = [queries[i % len(queries)] for i in range(16)]
+def cost(
+    judges: dict[str, Judge], queries: list[Query], reps: int, size: int = 16
+) -> dict[str, Any]:
+    """Median ms per item, alone and in a batch of ``size``, each rep timing both
+    arithmetics."""
+    batch = [queries[i % len(queries)] for i in range(size)]
+    alone = queries[:8]
     work: dict[str, Callable[[Judge], object]] = {
-        "alone": lambda j: [j.judge_batch([q]) for q in queries[:8]],
-        "batch of 16": lambda j: j.judge_batch(batch),
+        "alone": lambda j: [j.judge_batch([q]) for q in alone],
+        f"batch of {size}": lambda j: j.judge_batch(batch),
     }
-    per_item = {"alone": 8, "batch of 16": 16}
+    per_item = {"alone": len(alone), f"batch of {size}": size}
     out: dict[str, Any] = {}
     for name, run in work.items():
         for j in judges.values():
@@ -156,13 +162,16 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--service", action="store_true", help="also judge serve's throughput")
     parser.add_argument("--requests", type=int, default=96, help="requests for --service")
-    parser.add_argument("--quick", action="store_true", help="4 items, 1 rep, float32 only")
+    parser.add_argument(
+        "--quick", action="store_true", help="4 items, batches of 2 and 4, 1 rep, float32 only"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_invariance.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     count, reps = (4, 1) if args.quick else (args.items, args.reps)
+    batches, cost_batch = ((2, 4), 4) if args.quick else (BATCHES, 16)
     dtypes = ["float32"] if args.quick else args.dtypes.split(",")
     queries = items(count)
     base = Judge.load(dtype="float32", prefix_cache_mb=0)
@@ -189,7 +198,7 @@ def main() -> None:
             cached = Judge(
                 model, base.tokenizer, prefix_cache_mb=64, batch_invariant=plain.batch_invariant
             )
-            table = reproducibility(plain, cached, queries)
+            table = reproducibility(plain, cached, queries, batches)
             entry["reproducibility"][mode] = table
             print(f"\n{dtype}, {mode} arithmetic: against the item judged alone")
             print(f"{'how':16} {'judgments':>9} {'max |dp|':>10} {'bitwise':>8} {'flips':>6}")
@@ -198,7 +207,7 @@ def main() -> None:
                     f"{how:16} {row['judgments']:9d} {row['max_diff']:10.2e} "
                     f"{row['bitwise']:8d} {row['flips']:6d}"
                 )
-        entry["cost"] = cost(judges, queries, reps)
+        entry["cost"] = cost(judges, queries, reps, cost_batch)
         print(f"\n{dtype}, cost (ms per item): invariant / variant")
         for name, row in entry["cost"].items():
             print(
