@@ -51,6 +51,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_ray.py
 	$(BIN)/python benchmarks/bench_systemone.py
 	$(BIN)/python benchmarks/bench_invariance.py --service
+	$(BIN)/python benchmarks/bench_monitoring.py
 
 # The contract test with a larger budget: schemathesis, every check, against a live server.
 fuzz: install

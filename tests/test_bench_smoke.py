@@ -291,3 +291,19 @@ def test_bench_reliability_quick(tmp_path: Path) -> None:
     stop = result["sigterm"]
     assert stop["exit_status"] == 0 and sum(stop["client_outcomes"].values()) == 16
     assert "| 32 hang up after 0.3 s |" in done.stdout
+
+
+def test_bench_monitoring_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_monitoring.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_monitoring.py"), "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tasks = json.loads(out.read_text())["tasks"]
+    assert [t["task"] for t in tasks] == ["binary", "3-choice"]
+    for task in tasks:
+        rows = {s["scenario"]: s["rows"][0] for s in task["scenarios"]}
+        assert set(rows) == {"none", "label prior", "input"}
+        # 20 runs of 500 items after each change: a shift is caught in most of them (the full
+        # run measures how often), a stationary stream almost never.
+        assert rows["label prior"]["either"] >= 0.8 and rows["input"]["either"] >= 0.8
+        assert rows["none"]["either"] <= 0.2
