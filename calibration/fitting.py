@@ -62,6 +62,7 @@ from calibration.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.limits import MIN_EXAMPLES
 from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.metrics import MetricReport, evaluate
+from calibration.monitoring import reference_of
 from calibration.policy import Policy, check_max_std
 from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
@@ -406,6 +407,13 @@ def fit_profile(
             seed=seed,
         ),
         baseline=baseline,
+        reference=reference_of(
+            rule.probabilities[held],
+            labels[held],
+            source=f"the {held.shape[0]} held-out examples (conformal and certify splits) of "
+            f"{dataset}",
+            seed=seed,
+        ),
     )
 
 
@@ -578,6 +586,11 @@ def fit_label_free_profile(
         metrics_after=None,
         label_free=LabelFree(method=method, n_inputs=n, source=source, prior=prior),  # type: ignore[arg-type]
         signal=None,
+        # The inputs the prior was estimated on: the map saw them, but only through their
+        # mean, so their calibrated confidence is close to that of new inputs.
+        reference=None
+        if method == "contextual"  # content-free inputs are nothing like live traffic
+        else reference_of(prior_correction(prior).apply(z), source=f"the {n} inputs: {source}"),
     )
 
 

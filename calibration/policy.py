@@ -35,6 +35,7 @@ the engine.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, get_args
@@ -60,6 +61,7 @@ __all__ = [
     "PolicyDefaults",
     "ReasonCode",
     "ScoredJudgment",
+    "is_audited",
     "make_policy",
 ]
 
@@ -134,6 +136,9 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     # the bound in force. None when not given.
     order_spread: float | None = None
     max_order_spread: float | None = None
+    # Chosen for the audit sample (``Policy.audit_rate``): a person should label it, whatever
+    # the decision. The decision itself is unchanged.
+    audit: bool = False
     # What pins this decision: the judgment's id and the sha256 of its tokens and of the
     # weights (``judge.Judgment``; None for a judgment that does not carry them), the sha256
     # of the policy in force (``Policy.sha256``) and the profile's version, its ETag (None
@@ -203,20 +208,29 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     max_std_source: ThresholdSource = "default"
     # Escalate a judgment whose order_spread (given to decide) is above this; None: no bound.
     max_order_spread: float | None = None
+    # The share of decisions marked ``audit`` (see ``is_audited``): a uniform random sample of
+    # all traffic, accepted and escalated alike, for people to label. Without it only
+    # escalated items ever get labels, and the precision of accepted items goes unobserved.
+    audit_rate: float = 0.0
 
     @property
     def sha256(self) -> str:
         """The sha256 (hex) of this policy: the JSON of its fields, with the calibration map
         stood for by the profile's ETag where the policy has one (the map is the profile's,
-        and a probe's map runs to megabytes of JSON), else by the map's own JSON. Computed on
-        each read (a frozen Struct keeps no cache); ``decide_many`` and ``decide_arrays``
-        read it once per call."""
+        and a probe's map runs to megabytes of JSON), else by the map's own JSON. The audit
+        rate is left out: it picks which decisions people label, not what is decided.
+        Computed on each read (a frozen Struct keeps no cache); ``decide_many`` and
+        ``decide_arrays`` read it once per call."""
         pinned = (
             self.profile_etag
             if self.profile_etag is not None
             else hashlib.sha256(msgspec.json.encode(self.calibration_map)).hexdigest()
         )
-        fields = {f: getattr(self, f) for f in self.__struct_fields__ if f != "calibration_map"}
+        fields = {
+            f: getattr(self, f)
+            for f in self.__struct_fields__
+            if f not in ("calibration_map", "audit_rate")
+        }
         return hashlib.sha256(msgspec.json.encode([pinned, fields])).hexdigest()
 
     def decide(self, judgment: ScoredJudgment, *, order_spread: float | None = None) -> Decision:
@@ -365,6 +379,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                 )
             scored = g.expected_value is not None and g.std is not None
             judgment = None if judgments is None else judgments[i]
+            judgment_id = _carried(judgment, "judgment_id")
             decisions.append(
                 Decision(
                     decision="escalate" if codes else "accept",
@@ -386,7 +401,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     max_std=self.max_std if scored else None,
                     order_spread=None if spreads is None else float(spreads[i]),
                     max_order_spread=None if spreads is None else self.max_order_spread,
-                    judgment_id=_carried(judgment, "judgment_id"),
+                    audit=is_audited(judgment_id, self.audit_rate),
+                    judgment_id=judgment_id,
                     tokens_sha256=_carried(judgment, "tokens_sha256"),
                     model_sha256=_carried(judgment, "model_sha256"),
                     policy_sha256=sha256,
@@ -497,6 +513,24 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         return list(self.choices), [index[c] for c in self.choices]
 
 
+def is_audited(judgment_id: str | None, rate: float) -> bool:
+    """Whether a decision belongs to the audit sample at ``rate``: a uniform draw per decision,
+    independent of its content and outcome, so the audited decisions are exchangeable with all
+    traffic.
+
+    The draw is the sha256 of the judgment's id (a UUID version 7, whose 74 random bits make
+    the hash uniform) read as a number in [0, 1): the same decision is in the sample on every
+    replay, and every replica draws alike. A judgment without an id draws from the system's
+    random source.
+    """
+    if rate <= 0:
+        return False
+    if judgment_id is None:
+        return secrets.randbelow(2**53) / 2**53 < rate
+    draw = int.from_bytes(hashlib.sha256(judgment_id.encode()).digest()[:8], "big") / 2**64
+    return draw < rate
+
+
 def _carried(judgment: object, field: str) -> str | None:
     """The judgment's ``field`` (an id or a hash), where it carries one: not every
     ``ScoredJudgment`` does, and a Judgment built by hand has it empty."""
@@ -514,6 +548,7 @@ def make_policy(
     defaults: PolicyDefaults | None = None,
     max_order_spread: float | None = None,
     profile_etag: str | None = None,
+    audit_rate: float = 0.0,
 ) -> Policy:
     """The policy in force: the request's settings over the profile's over the defaults.
 
@@ -524,8 +559,10 @@ def make_policy(
     listings of its options (``Policy.decide(..., order_spread=...)``); it is the caller's own
     bound, so it does not change ``certified``. ``profile_etag`` is the profile's version
     where the caller read it from a store (its ETag); None: ``profile.etag``, the same for a
-    profile stored as ``save_profile`` or a store's ``put`` writes it.
+    profile stored as ``save_profile`` or a store's ``put`` writes it. ``audit_rate`` (in
+    [0, 1]) is the share of decisions marked ``audit`` (``is_audited``).
     """
+    audit_rate = check_probability(audit_rate, "audit_rate")
     if max_order_spread is not None:
         max_order_spread = check_probability(max_order_spread, "max_order_spread")
     if threshold is not None:
@@ -553,6 +590,7 @@ def make_policy(
             max_std=defaults.max_std if max_std is None else max_std,
             max_std_source="default" if max_std is None else "request",
             max_order_spread=max_order_spread,
+            audit_rate=audit_rate,
         )
     if checked_values is not None:
         checked_values = check_values(checked_values, profile.choices)
@@ -590,4 +628,5 @@ def make_policy(
         max_std=chosen_std,
         max_std_source=std_source,
         max_order_spread=max_order_spread,
+        audit_rate=audit_rate,
     )

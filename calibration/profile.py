@@ -37,6 +37,7 @@ from calibration.errors import (
 from calibration.label_free import LabelFree
 from calibration.maps import BiasTemperature, CalibrationMap, Identity, Probe, Temperature
 from calibration.metrics import MetricReport
+from calibration.monitoring import Reference
 from calibration.policy import (
     Decision,
     Policy,
@@ -155,6 +156,10 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     signal: SignalReport | None = None
     # For a probe: the scalar maps fitted on the same split, for comparison; None otherwise.
     baseline: Baseline | None = None
+    # What live traffic is compared with to detect drift (``calibration.monitoring``): the
+    # calibrated confidence and top choice of items the map was not fitted on. None for
+    # profiles written before it existed.
+    reference: Reference | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -206,6 +211,11 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         if self.label_free is not None and len(self.label_free.prior) != len(self.choices):
             problems.append(
                 f"label_free.prior has {len(self.label_free.prior)} entries for "
+                f"{len(self.choices)} choices"
+            )
+        if self.reference is not None and len(self.reference.choice_counts) != len(self.choices):
+            problems.append(
+                f"reference.choice_counts has {len(self.reference.choice_counts)} entries for "
                 f"{len(self.choices)} choices"
             )
         if self.signal is not None and len(self.signal.prior) != len(self.choices):

@@ -66,6 +66,8 @@ def create_app(
         finally:
             loading.cancel()
             await service.batcher.stop()
+            if service.decision_log is not None:
+                service.decision_log.close()  # every decision in it was committed when made
 
     def provide_service() -> Service:
         return service

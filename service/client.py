@@ -65,6 +65,8 @@ import httpx
 import msgspec
 
 from calibration.profile import CalibrationProfile
+from service.decision_log import LoggedDecision
+from service.health import ProfileHealth
 from service.operations import BY_NAME, Operation
 from service.schemas import (
     MAX_BATCH_ITEMS,
@@ -76,6 +78,11 @@ from service.schemas import (
     JudgeRequest,
     JudgeResponse,
     LabeledExample,
+    LabelItem,
+    LabelRequest,
+    LabelResult,
+    LabelsRequest,
+    LabelsResponse,
     ProfileSummary,
     SharedBatch,
     SharedQuestion,
@@ -96,7 +103,11 @@ __all__ = [
     "JudgeOptions",
     "JudgeRequest",
     "JudgeResponse",
+    "LabelResult",
     "LabeledExample",
+    "LabelsResponse",
+    "LoggedDecision",
+    "ProfileHealth",
     "ProfileSummary",
     "RetryPolicy",
     "SharedQuestion",
@@ -503,6 +514,20 @@ class _Core:
         profile: CalibrationProfile = _decode(response, CalibrationProfile)
         return profile
 
+    def _judgment(self, judgment_id: str) -> Steps[LoggedDecision]:
+        return self._call("judgment", LoggedDecision, judgment_id=judgment_id)
+
+    def _label(self, judgment_id: str, label: str, replace: bool) -> Steps[LabelResult]:
+        body = LabelRequest(label=label, replace=replace)
+        return self._call("label", LabelResult, body, judgment_id=judgment_id)
+
+    def _labels(self, labels: Iterable[tuple[str, str]], replace: bool) -> Steps[LabelsResponse]:
+        items = [LabelItem(judgment_id=i, label=label) for i, label in labels]
+        return self._call("labels", LabelsResponse, LabelsRequest(labels=items, replace=replace))
+
+    def _profile_health(self, name: str) -> Steps[ProfileHealth]:
+        return self._call("profile_health", ProfileHealth, name=name)
+
     def _ready(self) -> Steps[bool]:
         ready = BY_NAME["ready"]
         return _ready((yield _Send(ready.method, ready.path)))
@@ -680,6 +705,27 @@ class JudgeClient(_Core):
         """
         return self._run(self._fit(name, choices, examples, options))
 
+    def judgment(self, judgment_id: str) -> LoggedDecision:
+        """``GET /judgments/{judgment_id}``: a logged decision, with its label if it has one
+        (the server keeps a decision log: ``judge serve --decision-log``)."""
+        return self._run(self._judgment(judgment_id))
+
+    def label(self, judgment_id: str, label: str, *, replace: bool = False) -> LabelResult:
+        """``POST /judgments/{judgment_id}/label``: the true label of a logged decision.
+
+        Another label than one given before raises ClientError (409) unless ``replace``.
+        """
+        return self._run(self._label(judgment_id, label, replace))
+
+    def labels(self, labels: Iterable[tuple[str, str]], *, replace: bool = False) -> LabelsResponse:
+        """``POST /labels``: (judgment_id, label) pairs, each stored or refused in its place."""
+        return self._run(self._labels(labels, replace))
+
+    def profile_health(self, name: str) -> ProfileHealth:
+        """``GET /profiles/{name}/health``: audited precision, drift and the model, from the
+        server's decision log."""
+        return self._run(self._profile_health(name))
+
     def ready(self) -> bool:
         """``GET /ready``: True once the model is loaded, False while it loads.
 
@@ -832,6 +878,24 @@ class AsyncJudgeClient(_Core):
     ) -> CalibrationProfile:
         """``JudgeClient.fit``, awaited."""
         return await self._run(self._fit(name, choices, examples, options))
+
+    async def judgment(self, judgment_id: str) -> LoggedDecision:
+        """``JudgeClient.judgment``, awaited."""
+        return await self._run(self._judgment(judgment_id))
+
+    async def label(self, judgment_id: str, label: str, *, replace: bool = False) -> LabelResult:
+        """``JudgeClient.label``, awaited."""
+        return await self._run(self._label(judgment_id, label, replace))
+
+    async def labels(
+        self, labels: Iterable[tuple[str, str]], *, replace: bool = False
+    ) -> LabelsResponse:
+        """``JudgeClient.labels``, awaited."""
+        return await self._run(self._labels(labels, replace))
+
+    async def profile_health(self, name: str) -> ProfileHealth:
+        """``JudgeClient.profile_health``, awaited."""
+        return await self._run(self._profile_health(name))
 
     async def ready(self) -> bool:
         """``JudgeClient.ready``, awaited."""

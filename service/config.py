@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,12 +48,43 @@ class ServiceConfig:
     max_profile_bytes: int = 16 * 2**20
     default_threshold: float = 0.9  # used when neither the request nor a profile sets one
     min_choice_mass: float = 0.0  # escalate below this; 0 disables the check
+    # Where every decision is appended (service.decision_log): a SQLite file (a path or
+    # sqlite:///path) or a postgresql:// URL; None: no log, and no feedback or health.
+    decision_log: str | None = None
+    # Keep each decision's request (its prompt text) in the log, for ``judge replay`` and
+    # ``judge calibrate --from-log``. Off by default: prompts may hold what must not be kept.
+    log_requests: bool = False
+    # Retention of the log: decisions older than this many days, and beyond this many rows
+    # the oldest, are deleted (service.decision_log.Retention). None: no bound of that kind.
+    log_max_age_days: float | None = 90.0
+    log_max_rows: int | None = 1_000_000
+    # The share of decisions marked for audit (calibration.Policy.audit_rate), for the server
+    # and per profile name (which wins).
+    audit_rate: float = 0.0
+    audit_rates: Mapping[str, float] = field(default_factory=dict)
     # The two defaults above, as the policy takes them; built once, here.
     policy_defaults: PolicyDefaults = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("default_threshold", "min_choice_mass"):
+        for name in ("default_threshold", "min_choice_mass", "audit_rate"):
             check_probability(getattr(self, name), name)  # named as the server's settings
+        for profile, rate in self.audit_rates.items():
+            check_probability(rate, f"audit_rates[{profile!r}]")
+        if self.log_max_age_days is not None and not (
+            isinstance(self.log_max_age_days, int | float)
+            and math.isfinite(self.log_max_age_days)
+            and self.log_max_age_days > 0
+        ):
+            raise ValueError(
+                f"log_max_age_days must be a number of days > 0 or None, "
+                f"got {self.log_max_age_days!r}"
+            )
+        if self.log_max_rows is not None and (
+            not isinstance(self.log_max_rows, int) or self.log_max_rows < 1
+        ):
+            raise ValueError(
+                f"log_max_rows must be a whole number >= 1 or None, got {self.log_max_rows!r}"
+            )
         for name in (
             "max_batch_size",
             "max_batch_tokens",
@@ -85,6 +117,12 @@ class ServiceConfig:
             threshold=self.default_threshold, min_choice_mass=self.min_choice_mass
         )
         object.__setattr__(self, "policy_defaults", defaults)  # frozen: set once, here
+
+    def audit_rate_for(self, profile: str | None) -> float:
+        """The audit rate of decisions made with ``profile`` (None: without one)."""
+        if profile is not None and profile in self.audit_rates:
+            return self.audit_rates[profile]
+        return self.audit_rate
 
     @property
     def engine_options(self) -> dict[str, int]:

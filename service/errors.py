@@ -12,10 +12,18 @@ The service's own errors:
     UnprocessableError 422: the request fits the schema, but a rule across fields refuses it
     TooLargeError    413: a judgment is over the server's token budget
     NotReadyError    503: the model is still loading or warming up
+    LogUnavailableError 503: the decision log could not be written, so nothing was decided
+    NoLogError       404: the server keeps no decision log (no --decision-log)
 
 and from ``service.profiles``:
 
     PreconditionFailedError 412: If-Match / If-None-Match found another stored version
+
+and from ``service.decision_log``:
+
+    UnknownJudgmentError 404: no logged decision has that id
+    LabelNotAChoiceError 422: the label is not one of the decision's choices
+    RelabelError         409: the decision has another label already (replace to change it)
 
 Only a 500 is logged with its traceback: a 503 (busy, timed out) is the service working as
 designed, and logging each would flood the log exactly when the server is under load.
@@ -42,12 +50,15 @@ from calibration import (
 from judge import AmbiguousChoicesError, ChoicesError, InvalidQueryError, JudgeError
 from service.batcher import DeadlineError, QueueFullError
 from service.bodies import BodyError
+from service.decision_log import LabelNotAChoiceError, RelabelError, UnknownJudgmentError
 from service.profiles import PreconditionFailedError
 from service.schemas import ErrorBody
 
 __all__ = [
     "STATUS",
     "BadFieldError",
+    "LogUnavailableError",
+    "NoLogError",
     "NotReadyError",
     "TooLargeError",
     "UnprocessableError",
@@ -78,6 +89,16 @@ class NotReadyError(Exception):
     """The model is still loading or warming up."""
 
 
+class LogUnavailableError(Exception):
+    """The decision log could not be written: the decision is not served unlogged."""
+
+
+class NoLogError(LookupError):
+    """An endpoint that reads the decision log, on a server that keeps none."""
+
+    field = "judgment_id"
+
+
 # Domain error -> (status, field). The first matching class wins, so subclasses come first;
 # an error with its own ``field`` attribute (BadFieldError, ProfileMismatchError) names that.
 STATUS: list[tuple[type[Exception], int, str | None]] = [
@@ -95,11 +116,16 @@ STATUS: list[tuple[type[Exception], int, str | None]] = [
     (ValuesError, 422, "values"),  # a score's values or max_std that do not fit the choices
     (PreconditionFailedError, 412, None),  # names the header: If-Match or If-None-Match
     (ProfileNotFoundError, 404, "profile"),
+    (UnknownJudgmentError, 404, "judgment_id"),
+    (NoLogError, 404, None),
+    (LabelNotAChoiceError, 422, "label"),
+    (RelabelError, 409, "label"),
     (ProfileMismatchError, 422, None),
     (ProfileError, 400, "profile"),
     (QueueFullError, 503, None),
     (TimeoutError, 503, None),
     (NotReadyError, 503, None),
+    (LogUnavailableError, 503, None),
 ]
 
 

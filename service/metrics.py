@@ -10,13 +10,17 @@ profile names do not become label values; a path that is no operation's is "othe
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from judge import PrefixCacheStats
 from service.operations import route_of
+
+if TYPE_CHECKING:
+    from service.health import ProfileHealth
 
 __all__ = ["ServiceMetrics", "route_label"]
 
@@ -51,6 +55,22 @@ class ServiceMetrics:
         self.decisions = Counter(
             "judge_decisions", "Routing decisions by outcome.", ["decision"], registry=self.registry
         )
+        self.decisions_logged = Counter(
+            "judge_decisions_logged",
+            "Decisions appended to the decision log.",
+            registry=self.registry,
+        )
+        self.decision_log_errors = Counter(
+            "judge_decision_log_errors",
+            "Requests refused (503) because the decision log could not be written.",
+            registry=self.registry,
+        )
+        self.labels = Counter(
+            "judge_labels",
+            "Labels given for logged decisions, by outcome: labeled, relabeled, unchanged, error.",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "judge_queue_depth", "Jobs waiting for the model.", registry=self.registry
         )
@@ -69,6 +89,10 @@ class ServiceMetrics:
     def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:
         """Export the engine's prefix-cache counters, read at every scrape."""
         self.registry.register(_PrefixCacheCollector(stats))
+
+    def watch_health(self, health: Callable[[], Sequence[ProfileHealth]]) -> None:
+        """Export each profile's health (``service.health``), read at every scrape."""
+        self.registry.register(_HealthCollector(health))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -105,3 +129,54 @@ class _PrefixCacheCollector:
         yield GaugeMetricFamily(
             "judge_prefix_cache_budget_bytes", "The cache's budget.", value=s.budget_bytes
         )
+
+
+class _HealthCollector:
+    """Each profile's health checks as gauges, labeled by profile (its current version)."""
+
+    def __init__(self, health: Callable[[], Sequence[ProfileHealth]]) -> None:
+        self._health = health
+
+    def collect(self) -> Iterator[Metric]:
+        checks = self._health()
+
+        def family(name: str, doc: str, labels: Sequence[str] = ("profile",)) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"judge_profile_{name}", doc, labels=list(labels))
+
+        healthy = family("healthy", "1 when no check of the profile's health fired, else 0.")
+        alarm = family(
+            "alarm", "1 when the check fired: precision, drift or model.", ("profile", "check")
+        )
+        decisions = family("decisions", "Logged decisions of the profile's current version.")
+        labeled = family("audited_labeled", "Audited decisions of it that carry a label.")
+        precision = family(
+            "audited_precision",
+            "Precision of audited accepted decisions, and its Clopper-Pearson bounds.",
+            ("profile", "bound"),
+        )
+        drift = family(
+            "drift_p_value",
+            "p-value of the drift test of live traffic against the profile's reference.",
+            ("profile", "test"),
+        )
+        for h in checks:
+            healthy.add_metric([h.profile], float(h.healthy))
+            for check in ("precision", "drift", "model"):
+                alarm.add_metric([h.profile, check], float(check in h.alarms))
+            decisions.add_metric([h.profile], h.n_decisions)
+            labeled.add_metric([h.profile], h.n_audited_labeled)
+            p = h.precision
+            if p is not None and p.precision is not None:
+                for bound, value in (
+                    ("estimate", p.precision),
+                    ("lower", p.lower),
+                    ("upper", p.upper),
+                ):
+                    if value is not None:
+                        precision.add_metric([h.profile, bound], value)
+            d = h.drift
+            if d is not None:
+                for test, value in (("confidence", d.confidence_p), ("choice", d.choice_p)):
+                    if value is not None:
+                        drift.add_metric([h.profile, test], value)
+        yield from (healthy, alarm, decisions, labeled, precision, drift)

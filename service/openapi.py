@@ -33,18 +33,21 @@ _REF = "#/components/schemas/{name}"
 _ERRORS = {
     400: "The body (or a header) is malformed or breaks the schema; `field` names it",
     401: "Missing or wrong API key",
-    404: "No such profile",
+    404: "No such profile, or no logged decision with that id (or the server keeps no "
+    "decision log: --decision-log)",
     408: "The body did not arrive in time",
     412: "If-Match or If-None-Match does not hold for the stored version; `field` names the header",
     413: "The body is too large (`--max-body-bytes`; a profile PUT has its own, larger limit, "
     "room for a probe's weights), a judgment is over the server's token budget, or a System One "
     "request asks more questions than the server's limit (`--max-questions`)",
+    409: "The decision has another label already; send `replace: true` to change it",
     415: "The body is not JSON",
     422: "The request is well-formed but cannot be served (the profile does not match, the "
     "prompt is too long for the model, the tokenizer cannot round-trip it, a profile breaks a "
-    "rule across fields, a fit's method cannot be used); `field` names the part at fault",
-    503: "The model is loading, the server is at capacity, or the deadline passed; retry "
-    "after Retry-After seconds",
+    "rule across fields, a fit's method cannot be used, a label is not one of the decision's "
+    "choices); `field` names the part at fault",
+    503: "The model is loading, the server is at capacity, the deadline passed, or the "
+    "decision log could not be written; retry after Retry-After seconds",
 }
 
 # Profiles carry versions (service.profiles): an ETag on what GET and PUT answer, and

@@ -19,12 +19,18 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 from calibration.profile import CalibrationProfile
+from service.decision_log import LoggedDecision
+from service.health import ProfileHealth
 from service.schemas import (
     BatchRequest,
     BatchResponse,
     FitRequest,
     JudgeRequest,
     JudgeResponse,
+    LabelRequest,
+    LabelResult,
+    LabelsRequest,
+    LabelsResponse,
     ProfileSummary,
     ReadyResponse,
     StatusResponse,
@@ -113,6 +119,19 @@ OPERATIONS: tuple[Operation, ...] = (
               "Fit a profile on labeled examples and store it", body=FitRequest,
               ok=(200, CalibrationProfile), errors=(*_BODY_ERRORS, 422, 503), model=True,
               idempotent=False),
+    Operation("profile_health", "GET", "/profiles/{name}/health",
+              "A profile's health from the decision log: audited precision against its "
+              "certificate, drift from its calibration data, the model",
+              ok=(200, ProfileHealth), errors=(404,)),
+    Operation("judgment", "GET", "/judgments/{judgment_id}",
+              "A logged decision, with its label if it has one", ok=(200, LoggedDecision),
+              errors=(404,)),
+    Operation("label", "POST", "/judgments/{judgment_id}/label",
+              "The true label of a logged decision (feedback)", body=LabelRequest,
+              ok=(200, LabelResult), errors=(*_BODY_ERRORS, 404, 409, 422)),
+    Operation("labels", "POST", "/labels",
+              "True labels of many logged decisions, each stored or refused in its place",
+              body=LabelsRequest, ok=(200, LabelsResponse), errors=(*_BODY_ERRORS, 404)),
     Operation("schema", "GET", "/schema/openapi.json", "This document", ok=(200, "object")),
     Operation("schema_index", "GET", "/schema", "A redirect to the OpenAPI document",
               ok=(307, None), documented=False),

@@ -30,8 +30,10 @@ from litestar.types import ControllerRouterHandler
 from calibration import CalibrationProfile
 from calibration.profile import current_format
 from service.bodies import decode_body
+from service.decision_log import LoggedDecision
 from service.errors import BadFieldError, TooLargeError
 from service.frontdoor import MODEL, PUBLIC
+from service.health import ProfileHealth
 from service.openapi import openapi_document
 from service.operations import OPERATIONS, TIMEOUT_HEADER, Operation, allowed, paths
 from service.playground import PLAYGROUND_ROUTES
@@ -42,6 +44,10 @@ from service.schemas import (
     FitRequest,
     JudgeRequest,
     JudgeResponse,
+    LabelRequest,
+    LabelResult,
+    LabelsRequest,
+    LabelsResponse,
     ProfileSummary,
 )
 from service.serving import Service, Ticket
@@ -193,6 +199,24 @@ async def delete_profile(
     await anyio.to_thread.run_sync(remove)
 
 
+async def profile_health(name: FromPath[str], service: NamedDependency[Service]) -> ProfileHealth:
+    return await service.health(name)
+
+
+async def judgment(judgment_id: FromPath[str], service: NamedDependency[Service]) -> LoggedDecision:
+    return await service.judgment(judgment_id)
+
+
+async def label(
+    judgment_id: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
+) -> LabelResult:
+    return await service.label(judgment_id, await _body(request, LabelRequest))
+
+
+async def labels(request: AnyRequest, service: NamedDependency[Service]) -> LabelsResponse:
+    return await service.labels(await _body(request, LabelsRequest))
+
+
 async def schema(service: NamedDependency[Service]) -> dict[str, Any]:
     return openapi_document(secured=service.config.api_key is not None)
 
@@ -214,6 +238,10 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "put_profile": put_profile,
     "delete_profile": delete_profile,
     "fit": fit,
+    "profile_health": profile_health,
+    "judgment": judgment,
+    "label": label,
+    "labels": labels,
     "schema": schema,
     "schema_index": schema_index,
 }

@@ -39,7 +39,12 @@ __all__ = [
     "ItemsBatch",
     "JudgeRequest",
     "JudgeResponse",
+    "LabelItem",
+    "LabelRequest",
+    "LabelResult",
     "LabeledExample",
+    "LabelsRequest",
+    "LabelsResponse",
     "ProfileName",
     "ProfileSummary",
     "ReadyResponse",
@@ -121,6 +126,9 @@ class JudgeResponse(
     policy_sha256: str
     # The profile's version: the ETag GET /profiles/{name} answers; None without a profile.
     profile_etag: str | None
+    # In the audit sample (the server's --audit-rate): a person should label this decision
+    # (POST /judgments/{judgment_id}/label), whatever it was. Omitted when false.
+    audit: bool = False
     prompt: str | None = None  # only with return_prompt
     # A score's (with values, numeral choices under max_std, or a profile with values):
     # sum of p * value and its standard deviation, over the calibrated probabilities.
@@ -175,6 +183,7 @@ class JudgeResponse(
             model_sha256=judgment.model_sha256,
             policy_sha256=decision.policy_sha256 or "",
             profile_etag=decision.profile_etag,
+            audit=decision.audit,
             prompt=judgment.prompt if return_prompt else None,
             expected_value=decision.expected_value,
             std=decision.std,
@@ -240,6 +249,48 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag
     status_code: int
     detail: str
     field: str | None = None
+
+
+# --- feedback: the true label of a logged decision (service.decision_log) ---------------------
+
+MAX_LABELS = 10_000  # labels one POST /judgments/labels may carry
+JudgmentId = Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class LabelRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The true label of one decision: one of its choices. ``replace`` changes a label given
+    before; without it, another label than the stored one is a 409."""
+
+    label: Choice
+    replace: bool = False
+
+
+class LabelItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    judgment_id: JudgmentId
+    label: Choice
+
+
+class LabelsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Labels of many decisions; each is stored or refused on its own."""
+
+    labels: Annotated[list[LabelItem], Meta(min_length=1, max_length=MAX_LABELS)]
+    replace: bool = False
+
+
+class LabelResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What became of one label: stored ("labeled", "relabeled"), already so ("unchanged"),
+    or refused ("error", with the status a single label would have got and why)."""
+
+    judgment_id: str
+    label: str
+    status: Literal["labeled", "relabeled", "unchanged", "error"]
+    previous: str | None = None  # the label it replaced, or the one that stands
+    status_code: int | None = None  # for an error: 404, 409 or 422
+    detail: str | None = None
+
+
+class LabelsResponse(msgspec.Struct, frozen=True, kw_only=True):
+    results: list[LabelResult]  # one per label, in order
 
 
 class LabeledExample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -46,6 +46,7 @@ import numpy as np
 from calibration import (
     CalibrationError,
     CalibrationProfile,
+    Decision,
     FitError,
     Policy,
     ProfileError,
@@ -73,14 +74,26 @@ from judge.packing import pack_rows
 from judge.scores import check_values
 from service.batcher import Batcher, DeadlineError, QueueFullError
 from service.config import ServiceConfig
+from service.decision_log import (
+    DecisionLog,
+    DecisionLogError,
+    LabelFailure,
+    LoggedDecision,
+    Retention,
+    UnknownJudgmentError,
+    open_log,
+)
 from service.errors import (
     BadFieldError,
+    LogUnavailableError,
+    NoLogError,
     NotReadyError,
     TooLargeError,
     UnprocessableError,
     error_of,
 )
 from service.frontdoor import Admission
+from service.health import ProfileHealth, profile_health
 from service.metrics import ServiceMetrics
 from service.profiles import ProfileStore
 from service.schemas import (
@@ -92,6 +105,10 @@ from service.schemas import (
     ItemsBatch,
     JudgeRequest,
     JudgeResponse,
+    LabelRequest,
+    LabelResult,
+    LabelsRequest,
+    LabelsResponse,
     ProfileSummary,
     SharedQuestion,
 )
@@ -109,6 +126,9 @@ __all__ = ["Service"]
 log = logging.getLogger("judge.service")
 
 WARM_UP = ("Warm-up: is this a test?", ["yes", "no"])
+HEALTH_TTL_S = 30.0  # /metrics reads the profiles' health at most this often
+# A refused label in a batch: the status the same label alone would have got.
+_LABEL_FAILURES = {"unknown_judgment": 404, "not_a_choice": 422, "relabel": 409}
 
 
 @dataclass(frozen=True)
@@ -138,6 +158,19 @@ class Service:
         self.loaded: Engine | None = None  # set once the engine has loaded and judged once
         self.failure: str | None = None  # why loading failed
         self.admission = Admission(config.max_queue, config.admission_wait_s)
+        # Opened (and written to once) here, so that a log that cannot be written stops the
+        # server at start, not at its first decision.
+        self.decision_log: DecisionLog | None = None
+        if config.decision_log is not None:
+            self.decision_log = open_log(
+                config.decision_log,
+                retention=Retention(
+                    max_age_days=config.log_max_age_days, max_rows=config.log_max_rows
+                ),
+            )
+        self._health: tuple[float, list[ProfileHealth]] | None = None
+        if self.decision_log is not None:
+            self.metrics.watch_health(self.health_all)
         self.batcher = Batcher(
             lambda prepared: self.engine().run(prepared),
             max_batch_size=config.max_batch_size,
@@ -210,15 +243,40 @@ class Service:
         if not isinstance(prepared, Prepared):
             raise prepared
         result = await self.batcher.judge(prepared, owner=ticket.owner, deadline=ticket.deadline)
-        return self._respond(engine, result, request, plan)
+        records: list[LoggedDecision] = []
+        response = self._respond(engine, result, request, plan, records)
+        await self._log(records)
+        return response
 
     async def judge_batch(self, request: BatchRequest, ticket: Ticket) -> BatchResponse:
         engine = self.engine()
+        records: list[LoggedDecision] = []
         if isinstance(request, ItemsBatch):
-            items = await self._items(engine, request.items, ticket)
+            items = await self._items(engine, request.items, ticket, records)
+            await self._log(records)
             return BatchResponse(results=list(items))
-        results = await self._shared(engine, request.context, request.questions, ticket)
+        results = await self._shared(engine, request.context, request.questions, ticket, records)
+        await self._log(records)
         return BatchResponse(results=list(results))
+
+    async def _log(self, records: Sequence[LoggedDecision]) -> None:
+        """Append a request's decisions to the log, in one transaction, before its response
+        is sent: a decision the client has seen is one the log kept (a kill -9 after this
+        loses none). A log that cannot be written fails the request with a 503 that says so,
+        counted in ``judge_decision_log_errors_total``: a decision is never served unlogged.
+        """
+        if self.decision_log is None or not records:
+            return
+        try:
+            await anyio.to_thread.run_sync(self.decision_log.append, records)
+        except DecisionLogError as exc:
+            self.metrics.decision_log_errors.inc()
+            log.error("the decision log could not be written: %s", exc)
+            raise LogUnavailableError(
+                f"the decision could not be written to the decision log ({exc}); nothing "
+                "was decided: retry later"
+            ) from exc
+        self.metrics.decisions_logged.inc(len(records))
 
     async def _prepare(
         self, engine: Engine, queries: Sequence[Query], fields: Sequence[str | None] = ()
@@ -315,6 +373,7 @@ class Service:
             values=values,
             defaults=self.config.policy_defaults,
             profile_etag=etag,
+            audit_rate=self.config.audit_rate_for(request.profile),
         )
         if policy.feature_layers:  # a probe reads the pass's hidden state: ask for it
             query = msgspec.structs.replace(query, feature_layers=policy.feature_layers)
@@ -326,9 +385,13 @@ class Service:
         result: Judgment,
         request: JudgeRequest | SharedQuestion,
         plan: _Plan,
+        records: list[LoggedDecision],
     ) -> JudgeResponse:
+        """The response to one judgment; its decision's log record joins ``records``."""
         decision = plan.policy.decide(result)
         self.metrics.decisions.labels(decision.decision).inc()
+        if self.decision_log is not None:
+            records.append(self._record(engine, result, decision, request, plan))
         return JudgeResponse.of(
             result,
             decision,
@@ -338,8 +401,56 @@ class Service:
             return_prompt=request.return_prompt,
         )
 
+    def _record(
+        self,
+        engine: Engine,
+        judgment: Judgment,
+        decision: Decision,
+        request: JudgeRequest | SharedQuestion,
+        plan: _Plan,
+    ) -> LoggedDecision:
+        """What the log keeps of one decision; the request only with ``log_requests``."""
+        kept = None
+        if self.config.log_requests:
+            query = msgspec.structs.replace(plan.query, feature_layers=())
+            overrides = {
+                name: getattr(request, name, None)
+                for name in ("threshold", "min_choice_mass", "max_std", "values")
+            }
+            kept = {
+                "query": msgspec.to_builtins(query),
+                "profile": request.profile,
+                **{k: v for k, v in overrides.items() if v is not None},
+            }
+        return LoggedDecision(
+            judgment_id=judgment.judgment_id,
+            created_at=time.time(),
+            model=engine.model_id,
+            model_sha256=judgment.model_sha256,
+            tokens_sha256=judgment.tokens_sha256,
+            policy_sha256=decision.policy_sha256 or "",
+            profile=decision.profile,
+            profile_etag=decision.profile_etag,
+            choices=list(judgment.choices),
+            log_probs=list(judgment.log_probs),
+            choice_mass=judgment.choice_mass,
+            probabilities=decision.probabilities,
+            choice=decision.choice,
+            confidence=decision.confidence,
+            decision=decision.decision,
+            reason_codes=list(decision.reason_codes),
+            threshold=decision.threshold,
+            certified=decision.certified,
+            audit=decision.audit,
+            request=kept,
+        )
+
     async def _items(
-        self, engine: Engine, items: Sequence[JudgeRequest], ticket: Ticket
+        self,
+        engine: Engine,
+        items: Sequence[JudgeRequest],
+        ticket: Ticket,
+        records: list[LoggedDecision],
     ) -> list[JudgeResponse | ErrorBody]:
         """A batch's items: each planned, all prepared in one trip to a worker thread, then
         each judged; an item refused on the way gets its error in its place."""
@@ -355,7 +466,7 @@ class Service:
         return list(
             await asyncio.gather(
                 *(
-                    self._item(engine, item, s, ticket)
+                    self._item(engine, item, s, ticket, records)
                     for item, s in zip(items, staged, strict=True)
                 )
             )
@@ -367,6 +478,7 @@ class Service:
         item: JudgeRequest,
         staged: tuple[_Plan, Prepared | JudgeError | TooLargeError] | Exception,
         ticket: Ticket,
+        records: list[LoggedDecision],
     ) -> JudgeResponse | ErrorBody:
         """One item of a batch: its 4xx, or a 503 when out of time, in its place.
 
@@ -381,7 +493,7 @@ class Service:
             result = await self.batcher.judge(
                 prepared, owner=ticket.owner, deadline=ticket.deadline
             )
-            return self._respond(engine, result, item, plan)
+            return self._respond(engine, result, item, plan, records)
         except Exception as exc:
             error = error_of(exc)
             if error.status_code >= 500 and not isinstance(exc, DeadlineError | QueueFullError):
@@ -394,6 +506,7 @@ class Service:
         context: str,
         questions: Sequence[SharedQuestion],
         ticket: Ticket,
+        records: list[LoggedDecision],
     ) -> list[JudgeResponse]:
         """Questions about one context: each prepared once, then judged row by row.
 
@@ -419,7 +532,7 @@ class Service:
             ready.append(prepared)
         results = await self._run_rows(engine, ready, ticket)
         return [
-            self._respond(engine, r, q, p)
+            self._respond(engine, r, q, p, records)
             for r, q, p in zip(results, questions, plans, strict=True)
         ]
 
@@ -616,6 +729,102 @@ class Service:
             ) from exc
         self.store.put(profile)
         return profile
+
+    # --- the decision log: feedback and health ----------------------------------------------
+
+    def _log_or_404(self) -> DecisionLog:
+        if self.decision_log is None:
+            raise NoLogError(
+                "this server keeps no decision log: start it with --decision-log to keep "
+                "decisions, take their labels and check profiles' health"
+            )
+        return self.decision_log
+
+    async def judgment(self, judgment_id: str) -> LoggedDecision:
+        """The logged decision ``judgment_id``, with its label if it has one."""
+        found = await anyio.to_thread.run_sync(self._log_or_404().get, judgment_id)
+        if found is None:
+            raise UnknownJudgmentError(judgment_id)
+        return found
+
+    async def label(self, judgment_id: str, request: LabelRequest) -> LabelResult:
+        """Store the true label of one logged decision (4xx: unknown, not a choice, relabel)."""
+        label = functools.partial(
+            self._log_or_404().label, judgment_id, request.label, replace=request.replace
+        )
+        outcome = await anyio.to_thread.run_sync(label)
+        self.metrics.labels.labels(outcome.status).inc()
+        return LabelResult(
+            judgment_id=outcome.judgment_id,
+            label=outcome.label,
+            status=outcome.status,
+            previous=outcome.previous,
+        )
+
+    async def labels(self, request: LabelsRequest) -> LabelsResponse:
+        """Labels of many decisions, each stored or refused in its place."""
+        label_many = functools.partial(
+            self._log_or_404().label_many,
+            [(item.judgment_id, item.label) for item in request.labels],
+            replace=request.replace,
+        )
+        results = []
+        for outcome in await anyio.to_thread.run_sync(label_many):
+            if isinstance(outcome, LabelFailure):
+                status = _LABEL_FAILURES[outcome.error]
+                results.append(
+                    LabelResult(
+                        judgment_id=outcome.judgment_id,
+                        label=outcome.label,
+                        status="error",
+                        status_code=status,
+                        detail=outcome.detail,
+                    )
+                )
+                self.metrics.labels.labels("error").inc()
+            else:
+                results.append(
+                    LabelResult(
+                        judgment_id=outcome.judgment_id,
+                        label=outcome.label,
+                        status=outcome.status,
+                        previous=outcome.previous,
+                    )
+                )
+                self.metrics.labels.labels(outcome.status).inc()
+        return LabelsResponse(results=results)
+
+    async def health(self, name: str) -> ProfileHealth:
+        """The health of the stored profile ``name`` (its current version) from the log."""
+        decision_log = self._log_or_404()
+        profile, etag = self.store.get_tagged(name)
+        current = getattr(self.loaded, "model_sha256", None)
+        check = functools.partial(
+            profile_health, decision_log, profile, etag, current_model_sha256=current or None
+        )
+        return await anyio.to_thread.run_sync(check)
+
+    def health_all(self) -> list[ProfileHealth]:
+        """The health of every stored profile that has logged decisions; for /metrics, read
+        at most every ``HEALTH_TTL_S`` seconds (each read scans the log's recent decisions)."""
+        now = time.monotonic()
+        if self._health is not None and now - self._health[0] < HEALTH_TTL_S:
+            return self._health[1]
+        out = []
+        if self.decision_log is not None:
+            current = getattr(self.loaded, "model_sha256", None)
+            for name in self.store.names():
+                try:
+                    profile, etag = self.store.get_tagged(name)
+                    health = profile_health(
+                        self.decision_log, profile, etag, current_model_sha256=current or None
+                    )
+                except (ProfileError, DecisionLogError):
+                    continue  # unreadable: its own GET says why
+                if health.n_decisions:
+                    out.append(health)
+        self._health = (now, out)
+        return out
 
     def profile_summaries(self) -> list[ProfileSummary]:
         summaries = []

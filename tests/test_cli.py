@@ -42,26 +42,6 @@ ANSWER_KEYS = {
 }
 
 
-@pytest.fixture
-def loaded_once(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> list[dict[str, object]]:
-    """Judge.load hands out the session model (with the asked-for template) and logs its calls."""
-    calls: list[dict[str, object]] = []
-
-    def fake_load(model: object = None, **options: Any) -> Judge:
-        calls.append({"model": model, **options})
-        return Judge(
-            judge.model,
-            judge.tokenizer,
-            model_id=judge.model_id,
-            weights_sha256=judge.weights_sha256,
-            response_prefix=options["response_prefix"],
-            response_suffix=options["response_suffix"],
-        )
-
-    monkeypatch.setattr(Judge, "load", staticmethod(fake_load))
-    return calls
-
-
 @pytest.fixture(scope="module")
 def profile(judge: Judge) -> CalibrationProfile:
     """A profile for the session model, fitted cheaply on synthetic log-probabilities."""

@@ -63,6 +63,22 @@ def open_probability(text: str) -> float:
     return value
 
 
+def positive_number(text: str) -> float:
+    """An argparse type for a finite number > 0 (days, a rate's horizon)."""
+    value = _number(text, "a number > 0")
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def audit_rate(text: str) -> tuple[str | None, float]:
+    """An argparse type for ``--audit-rate``: ``RATE`` (every decision) or ``PROFILE=RATE``."""
+    name, sep, rate = text.rpartition("=")
+    if sep and not name:
+        raise argparse.ArgumentTypeError(f"give PROFILE=RATE or RATE, got {text!r}")
+    return (name or None), probability(rate)
+
+
 def megabytes(text: str) -> float:
     """An argparse type for a memory budget in MB, 0 or more."""
     value = _number(text, "a number of MB")

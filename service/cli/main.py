@@ -8,6 +8,10 @@ judge evaluate --task DIR --profile FILE      measure the served policy on a hel
 judge serve                                   run the HTTP service
 judge decide --state FILE --question ID=JSON  typed questions about a state; print the answers
 judge mcp                                     a Model Context Protocol server over stdio
+judge label --log L --input labels.jsonl      store the true labels of logged decisions
+judge check --profile P --log L               a profile's health from the log (exit 1: alarm)
+judge replay ID --log L                       re-run a logged decision on today's model
+judge calibrate --from-log L --profile P      refit a profile on its audited decisions
 
 Every command runs the model, so each needs the server's dependencies: without them (the
 client's install, ``pip install judge``) it stops with one line that says to install them.
@@ -31,6 +35,7 @@ from judge import (
     JudgeError,
 )
 from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
+from service.decision_log import DecisionLogError
 
 __all__ = ["SERVER_MODULES", "main", "parser"]
 
@@ -42,9 +47,11 @@ def parser() -> argparse.ArgumentParser:
     """The ``judge`` argument parser, with one subcommand per command."""
     from service.cli.common import (  # here: it loads the engine's modules (torch)
         DTYPES,
+        audit_rate,
         megabytes,
         open_probability,
         positive_int,
+        positive_number,
         probability,
         seconds,
     )
@@ -102,11 +109,21 @@ def parser() -> argparse.ArgumentParser:
     )
 
     _decide_arguments(commands)
+    _log_arguments(commands)
 
     fit = commands.add_parser(
         "calibrate", help="fit a calibration profile on a task's labeled data"
     )
-    _task_arguments(fit, split="calibration")
+    _task_arguments(fit, split="calibration", required=False)
+    fit.add_argument(
+        "--from-log",
+        metavar="LOG",
+        help="instead of --task: refit --profile on the audited, labeled decisions of this "
+        "decision log (a SQLite file or a postgresql:// URL), from their logged scores",
+    )
+    fit.add_argument(
+        "--profile", help="with --from-log: the profile to refit (a name in --profiles-dir)"
+    )
     fit.add_argument("--name", help="profile name (default: the task's name)")
     fit.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
     fit.add_argument(
@@ -272,6 +289,43 @@ def parser() -> argparse.ArgumentParser:
         "taken on the command line, where any user can read it in `ps`.",
     )
     serve.add_argument("--log-level", default="info")
+    logged = serve.add_argument_group(
+        "the decision log (feedback, audit, health)",
+        "Every decision appended to a database before its response is sent; labels taken at "
+        "POST /judgments/{id}/label and POST /labels; each profile's health at "
+        "GET /profiles/{name}/health and /metrics.",
+    )
+    logged.add_argument(
+        "--decision-log",
+        metavar="TARGET",
+        help="a SQLite file (created if missing) or a postgresql:// URL (pip install "
+        "'judge[postgres]'), shared by every replica",
+    )
+    logged.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="keep each decision's request (its prompt text) too, for judge replay",
+    )
+    logged.add_argument(
+        "--log-max-age-days",
+        type=positive_number,
+        default=90.0,
+        help="delete logged decisions older than this (default: 90)",
+    )
+    logged.add_argument(
+        "--log-max-rows",
+        type=positive_int,
+        default=1_000_000,
+        help="keep at most this many logged decisions, the newest (default: 1,000,000)",
+    )
+    logged.add_argument(
+        "--audit-rate",
+        action="append",
+        metavar="[PROFILE=]RATE",
+        type=audit_rate,
+        help="mark this share of decisions (of PROFILE's, or of all) audit: true, a uniform "
+        "sample for people to label; repeat for each profile (default: 0)",
+    )
     scale = serve.add_argument_group(
         "scaling out on Ray Serve (pip install -e '.[ray]')",
         "Replicas of the service behind one endpoint, each with its own model; profiles are "
@@ -364,6 +418,69 @@ def _decide_arguments(commands: argparse._SubParsersAction[argparse.ArgumentPars
     _model_arguments(decide, dtype_help="(default: the first profile's, else auto)")
 
 
+def _log_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from service.cli.common import open_probability, positive_int, positive_number
+
+    log_help = "the decision log: a SQLite file or a postgresql:// URL"
+    label = commands.add_parser(
+        "label",
+        help="store the true labels of logged decisions from a JSONL file",
+        description='Each line: {"judgment_id": "...", "label": "..."}. Every line is read '
+        "before any is stored; exit 1 if any label was refused (unknown id, not a choice, "
+        "another label already and no --replace).",
+    )
+    label.add_argument("--log", required=True, help=log_help)
+    label.add_argument("--input", required=True, help="the JSONL file ('-' for stdin)")
+    label.add_argument(
+        "--replace", action="store_true", help="change labels given before (else refused)"
+    )
+    check = commands.add_parser(
+        "check",
+        help="a profile's health from the decision log; exit 1 on an alarm (for cron or CI)",
+        description="Audited precision against the certificate, drift of live traffic from "
+        "the calibration data, and the weights, for the profile's current version. Prints "
+        "the health as JSON; exits 0 when healthy, 1 when a check fires.",
+    )
+    check.add_argument(
+        "--profile", required=True, help="a profile file, or a name in --profiles-dir"
+    )
+    check.add_argument("--log", required=True, help=log_help)
+    check.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    check.add_argument(
+        "--window", type=positive_int, default=1000, help="newest decisions the drift test reads"
+    )
+    check.add_argument(
+        "--alpha-drift",
+        type=open_probability,
+        default=0.01,
+        help="false-alarm rate of the drift test, per check (default: 0.01)",
+    )
+    check.add_argument(
+        "--alpha-precision",
+        type=open_probability,
+        default=0.05,
+        help="false-alarm rate of the precision check while the certificate holds (0.05)",
+    )
+    check.add_argument(
+        "--since-days", type=positive_number, help="read only the last N days of the log"
+    )
+    _model_arguments(check, dtype_help="(default: the profile's)")
+    check.set_defaults(model=None)
+    check.add_argument(
+        "--check-model",
+        action="store_true",
+        help="also load the model (--model, default the embedded one) and compare its weights",
+    )
+    replay = commands.add_parser(
+        "replay",
+        help="re-run a logged decision on today's model and profile and show what changed",
+    )
+    replay.add_argument("judgment_id")
+    replay.add_argument("--log", required=True, help=log_help)
+    replay.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    _model_arguments(replay, dtype_help="(default: the profile's, else auto)")
+
+
 def _model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") -> None:
     from service.cli.common import DTYPES
 
@@ -376,10 +493,14 @@ def _model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") -
     parser.add_argument("--device", default="cpu")
 
 
-def _task_arguments(parser: argparse.ArgumentParser, *, split: str, dtype: bool = True) -> None:
+def _task_arguments(
+    parser: argparse.ArgumentParser, *, split: str, dtype: bool = True, required: bool = True
+) -> None:
     from service.cli.common import DTYPES, positive_int
 
-    parser.add_argument("--task", type=Path, required=True, help="task directory with task.json")
+    parser.add_argument(
+        "--task", type=Path, required=required, help="task directory with task.json"
+    )
     parser.add_argument("--split", default=split, help=f"which <split>.jsonl (default: {split})")
     parser.add_argument("--limit", type=positive_int, help="use only the first N items")
     parser.add_argument("--model", default=None, help="model id, directory or .gguf")
@@ -424,9 +545,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return ask.run(args)
         if args.command == "calibrate":
+            if (args.task is None) == (args.from_log is None):
+                root.error("calibrate: give --task DIR or --from-log LOG (not both)")
+            if args.from_log is not None:
+                from service.cli import log
+
+                return log.run_from_log(args)
             from service.cli import calibrate
 
             return calibrate.run_calibrate(args)
+        if args.command in ("label", "check", "replay"):
+            from service.cli import log
+
+            run = {"label": log.run_label, "check": log.run_check, "replay": log.run_replay}
+            return run[args.command](args)
         if args.command == "evaluate":
             from service.cli import calibrate
 
@@ -442,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from service.cli import serve
 
         return serve.run(args)
-    except (JudgeError, CalibrationError, TaskError, UsageError) as exc:
+    except (JudgeError, CalibrationError, TaskError, UsageError, DecisionLogError) as exc:
         field = getattr(exc, "field", None)
         where = f" ({field})" if isinstance(field, str) else ""
         print(f"judge: error{where}: {exc}", file=sys.stderr)

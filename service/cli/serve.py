@@ -19,7 +19,7 @@ import re
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from service.cli.common import UsageError
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from service import ServiceConfig
     from service.ray_serve import Scaling
 
-__all__ = ["api_key", "run", "run_ray", "scaling"]
+__all__ = ["api_key", "audit_rates", "run", "run_ray", "scaling"]
 
 log = logging.getLogger("judge.service")
 
@@ -45,6 +45,18 @@ def api_key(path: Path | None) -> str | None:
     if not key:
         raise UsageError(f"--api-key-file: {path} is empty; its first line is the key")
     return key
+
+
+def audit_rates(given: list[tuple[str | None, float]]) -> dict[str, Any]:
+    """``--audit-rate`` as ServiceConfig's ``audit_rate`` and ``audit_rates``."""
+    rates: dict[str, float] = {}
+    server = 0.0
+    for name, rate in given:
+        if name is None:
+            server = rate
+        else:
+            rates[name] = rate
+    return {"audit_rate": server, "audit_rates": rates}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         default_threshold=args.default_threshold,
         min_choice_mass=args.min_choice_mass,
+        decision_log=args.decision_log,
+        log_requests=args.log_requests,
+        log_max_age_days=args.log_max_age_days,
+        log_max_rows=args.log_max_rows,
+        **audit_rates(args.audit_rate or []),
     )
     loader = functools.partial(
         Judge.load,

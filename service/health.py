@@ -1,0 +1,220 @@
+"""Is a profile still keeping its promise? Its health, from the decision log.
+
+A profile certifies that the decisions it accepts are right at least ``target_precision`` of
+the time, on traffic like its calibration data. Three things can break that in production, and
+each is one check here (the statistics are ``calibration.monitoring``'s):
+
+* **precision**: the audited decisions it accepted under its certified rule (``audit``:
+  a uniform random share of all traffic, see ``calibration.Policy.audit_rate``), labeled by
+  people (``POST /judgments/{id}/label``): the labels contradict the certificate when the
+  one-sided Clopper-Pearson upper bound of their precision is below the target (a false
+  alarm at most ``alpha_precision`` of the time while the certificate holds);
+* **drift**: the newest ``window`` decisions of the profile's current version against its
+  reference (``CalibrationProfile.reference``, held-out calibration items): their calibrated
+  confidence (Kolmogorov-Smirnov) and top choice (chi-square), no labels needed, a false
+  alarm at most ``alpha_drift`` of the time per check when nothing changed;
+* **model**: the weights that made the logged decisions, and the server's (or ``judge
+  check --model``'s), against the profile's fingerprint.
+
+Decisions count for the profile's current version only (its ETag): a refit starts afresh.
+``assess`` is the one place the three are put together; ``GET /profiles/{name}/health``,
+``/metrics`` and ``judge check`` all call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from calibration.monitoring import (
+    DriftTest,
+    PrecisionCheck,
+    ShareEstimate,
+    audited_precision,
+    drift_test,
+    prediction_powered_shares,
+)
+from calibration.profile import CalibrationProfile
+from service.decision_log import DecisionLog, LoggedDecision
+
+__all__ = ["DEFAULT_WINDOW", "ModelCheck", "ProfileHealth", "assess", "profile_health"]
+
+DEFAULT_WINDOW = 1000  # the newest decisions the drift test reads
+Alarm = Literal["precision", "drift", "model"]
+
+
+class ModelCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """The weights behind the decisions against the profile's fingerprint."""
+
+    profile_model_sha256: str | None  # the fingerprint's; None: the loader could not hash them
+    logged_model_sha256: list[str]  # the distinct weights of the logged decisions
+    current_model_sha256: str | None  # the server's (or --model's); None: not known here
+    matches: bool
+    reason: str
+
+
+class ProfileHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """One profile version's health: each check, and the alarms that fired."""
+
+    profile: str
+    profile_etag: str
+    checked_at: str  # ISO 8601, UTC
+    n_decisions: int  # logged decisions of this version (within the log's retention)
+    n_window: int  # of them, the newest the drift test read (at most ``window``)
+    n_audited: int  # decisions marked audit
+    n_audited_labeled: int  # of them, labeled
+    precision: PrecisionCheck | None  # None: the profile certifies no threshold
+    drift: DriftTest | None  # None: the profile keeps no reference (fitted before it did)
+    shares: ShareEstimate | None  # each choice's share of the traffic; None: too few labels
+    model: ModelCheck
+    alarms: list[Alarm]
+    healthy: bool
+    notes: list[str]
+
+
+def profile_health(
+    log: DecisionLog,
+    profile: CalibrationProfile,
+    etag: str,
+    *,
+    window: int = DEFAULT_WINDOW,
+    alpha_drift: float = 0.01,
+    alpha_precision: float = 0.05,
+    current_model_sha256: str | None = None,
+    since: float | None = None,
+) -> ProfileHealth:
+    """``assess`` on the log's decisions of ``profile`` at version ``etag``."""
+    records = log.decisions(profile=profile.name, profile_etag=etag, since=since)
+    return assess(
+        profile,
+        etag,
+        records,
+        window=window,
+        alpha_drift=alpha_drift,
+        alpha_precision=alpha_precision,
+        current_model_sha256=current_model_sha256,
+    )
+
+
+def assess(
+    profile: CalibrationProfile,
+    etag: str,
+    records: Sequence[LoggedDecision],
+    *,
+    window: int = DEFAULT_WINDOW,
+    alpha_drift: float = 0.01,
+    alpha_precision: float = 0.05,
+    current_model_sha256: str | None = None,
+) -> ProfileHealth:
+    """The health of ``profile`` (version ``etag``) from its logged decisions, oldest first."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    records = [r for r in records if r.profile == profile.name and r.profile_etag == etag]
+    notes: list[str] = []
+    index = {c: j for j, c in enumerate(profile.choices)}
+    audited = [r for r in records if r.audit]
+    labeled = [r for r in audited if r.label is not None]
+
+    precision = None
+    target = profile.threshold.target_precision
+    if profile.threshold.threshold is None:
+        notes.append("the profile certifies no threshold: there is no precision to check")
+    else:
+        # The certificate is about the certified rule: decisions made under an override
+        # (a request's own threshold) carry no guarantee and are left out.
+        graded = [r for r in labeled if r.decision == "accept" and r.certified]
+        correct = np.array([r.label == r.choice for r in graded], dtype=bool)
+        precision = audited_precision(correct, target=target, alpha=alpha_precision)
+
+    newest = records[-window:]
+    drift = None
+    if profile.reference is None:
+        notes.append(
+            "the profile keeps no reference sample (fitted before profiles kept one): refit "
+            "it to test for drift"
+        )
+    else:
+        confidence = np.array([r.confidence for r in newest], dtype=np.float64)
+        choice = np.array([index[r.choice] for r in newest], dtype=np.int64)
+        drift = drift_test(profile.reference, confidence, choice, alpha=alpha_drift)
+
+    shares = None
+    if len(labeled) >= 2:
+        unlabeled = [r for r in newest if r.label is None or not r.audit]
+        shares = prediction_powered_shares(
+            profile.choices,
+            _probabilities(unlabeled, profile.choices),
+            _probabilities(labeled, profile.choices),
+            np.array([index[r.label] for r in labeled if r.label is not None], dtype=np.int64),
+            alpha=alpha_precision,
+        )
+    else:
+        notes.append("fewer than 2 audited decisions are labeled: no estimate of the shares")
+
+    model = _model_check(profile, records, current_model_sha256)
+    alarms: list[Alarm] = []
+    if precision is not None and precision.contradicts:
+        alarms.append("precision")
+    if drift is not None and drift.drifted:
+        alarms.append("drift")
+    if not model.matches:
+        alarms.append("model")
+    return ProfileHealth(
+        profile=profile.name,
+        profile_etag=etag,
+        checked_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        n_decisions=len(records),
+        n_window=len(newest),
+        n_audited=len(audited),
+        n_audited_labeled=len(labeled),
+        precision=precision,
+        drift=drift,
+        shares=shares,
+        model=model,
+        alarms=alarms,
+        healthy=not alarms,
+        notes=notes,
+    )
+
+
+def _probabilities(records: Sequence[LoggedDecision], choices: Sequence[str]) -> np.ndarray:
+    """(n, k) calibrated probabilities of ``records``, columns in ``choices`` order."""
+    return np.array(
+        [[r.probabilities[c] for c in choices] for r in records], dtype=np.float64
+    ).reshape(len(records), len(choices))
+
+
+def _model_check(
+    profile: CalibrationProfile,
+    records: Sequence[LoggedDecision],
+    current: str | None,
+) -> ModelCheck:
+    expected = profile.fingerprint.model_sha256
+    logged = sorted({r.model_sha256 for r in records if r.model_sha256})
+    problems = []
+    if expected is None:
+        reason = "the profile's fingerprint holds no hash of the weights: nothing to compare"
+    else:
+        other = [sha for sha in logged if sha != expected]
+        if other:
+            problems.append(
+                f"{len(other)} other weights made logged decisions ({', '.join(s[:12] for s in other)})"
+            )
+        if current is not None and current != expected:
+            problems.append(f"the model now loaded has weights {current[:12]}")
+        reason = (
+            f"the profile was fitted on weights {expected[:12]}; " + "; ".join(problems)
+            if problems
+            else f"every decision and the model now loaded match the weights {expected[:12]}"
+        )
+    return ModelCheck(
+        profile_model_sha256=expected,
+        logged_model_sha256=logged,
+        current_model_sha256=current,
+        matches=not problems,
+        reason=reason,
+    )
