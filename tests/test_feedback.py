@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
+from postgres import postgres_database, postgres_url  # noqa: F401
 
 from calibration import CalibrationProfile, fit_profile
 from judge import Fingerprint, Judgment, Query
@@ -494,3 +496,49 @@ def test_the_client_labels_and_reads_health(tmp_path: Path, profile: Calibration
             assert health.n_audited_labeled == len(audited) and health.healthy
 
     asyncio.run(calls())
+
+
+# --- two replicas, one PostgreSQL log ---------------------------------------------------------
+
+
+def test_two_replicas_share_one_postgresql_log(
+    tmp_path: Path,
+    profile: CalibrationProfile,
+    postgres_database: str,  # noqa: F811
+) -> None:
+    """Two servers (each its own Service, connection and batcher) write one log at once; a
+    decision made on one is labeled through the other, and either reports the health of all."""
+    ProfileStore(tmp_path / "profiles").put(profile)
+    config = ServiceConfig(
+        profiles_dir=tmp_path / "profiles", decision_log=postgres_database, audit_rate=0.5
+    )
+    p, labels = stream(np.random.default_rng(8), 400)
+    halves = [(p[:200], labels[:200]), (p[200:], labels[200:])]
+    responses: list[list[Any]] = [[], []]
+    with (
+        TestClient(app=create_app(ScoreEngine(), config=config)) as a,
+        TestClient(app=create_app(ScoreEngine(), config=config)) as b,
+    ):
+        wait_ready(a)
+        wait_ready(b)
+        replicas = [a, b]
+
+        def serve(i: int) -> None:
+            responses[i] = judge_all(replicas[i], halves[i][0])
+
+        threads = [threading.Thread(target=serve, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # Each replica labels the other's audited decisions.
+        label_audited(a, responses[1], halves[1][1])
+        label_audited(b, responses[0], halves[0][1])
+        health = [c.get("/profiles/gate/health").json() for c in replicas]
+    audited = sum(1 for half in responses for r in half if r.get("audit"))
+    assert health[0]["n_decisions"] == health[1]["n_decisions"] == 400
+    assert health[0]["n_audited_labeled"] == health[1]["n_audited_labeled"] == audited
+    with open_log(postgres_database) as log:
+        assert log.count() == 400
+        ids = {r["judgment_id"] for half in responses for r in half}
+        assert {d.judgment_id for d in log.decisions()} == ids
