@@ -273,8 +273,8 @@ class Service:
             self.metrics.decision_log_errors.inc()
             log.error("the decision log could not be written: %s", exc)
             raise LogUnavailableError(
-                f"the decision could not be written to the decision log ({exc}); nothing "
-                "was decided: retry later"
+                f"the decision could not be written to the decision log ({exc}), so it is "
+                "not served: retry later"
             ) from exc
         self.metrics.decisions_logged.inc(len(records))
 
