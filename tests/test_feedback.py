@@ -479,7 +479,8 @@ def test_the_client_labels_and_reads_health(tmp_path: Path, profile: Calibration
     config = ServiceConfig(
         profiles_dir=tmp_path / "profiles", decision_log=str(tmp_path / "decisions.db")
     )
-    transport = httpx.ASGITransport(app=create_app(ScoreEngine(), config=config))
+    app: Any = create_app(ScoreEngine(), config=config)  # httpx types ASGI apps more loosely
+    transport = httpx.ASGITransport(app=app)
 
     async def calls() -> None:
         async with AsyncJudgeClient("http://judge.test", transport=transport) as client:
