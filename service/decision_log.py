@@ -936,6 +936,11 @@ class PostgresLog(DecisionLog):
             options["application_name"] = "judge-decision-log"
         try:
             self._connection = self._psycopg.connect(self._url, autocommit=False, **options)
+            # No server-side prepared statements: psycopg prepares a query after five runs,
+            # and PostgreSQL then keeps the plan it made for the table as it was (a new log:
+            # empty, so a sequential scan) until the next ANALYZE. Measured: appends fell from
+            # 5,529 to 655 decisions/s by 24,000 rows with it, flat at about 6,000 without.
+            self._connection.prepare_threshold = None
         except self._psycopg.Error as exc:
             raise DecisionLogError(
                 f"cannot connect to the decision log {self._target}: "
