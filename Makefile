@@ -52,6 +52,8 @@ bench: install
 	$(BIN)/python benchmarks/bench_systemone.py
 	$(BIN)/python benchmarks/bench_invariance.py --service
 	$(BIN)/python benchmarks/bench_monitoring.py
+	$(BIN)/python benchmarks/bench_decision_log.py
+	$(BIN)/python benchmarks/bench_health.py
 
 # The contract test with a larger budget: schemathesis, every check, against a live server.
 fuzz: install
