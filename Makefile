@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve run test bench fuzz
+.PHONY: install serve run test bench bench-smoke fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,11 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not bench"
+
+# Every benchmark that runs the model, in its --quick form: the scripts keep working.
+bench-smoke: install
+	$(BIN)/pytest -m bench tests/test_bench_smoke.py
 
 bench: install
 	$(BIN)/python benchmarks/bench_engine.py

@@ -105,6 +105,7 @@ def _run(script: str, *args: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_bench_latency_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_latency.json"
@@ -117,6 +118,7 @@ def test_bench_latency_quick(tmp_path: Path) -> None:
         assert set(row["contenders"]) == {"judge", "bare", "generate", "per_choice", "constrained"}
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
 def test_bench_quality_quick(tmp_path: Path) -> None:
@@ -141,6 +143,7 @@ def test_bench_quality_quick(tmp_path: Path) -> None:
         assert sample["failure"] in result["failure_types"]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_bench_engine_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_engine.json"
@@ -157,6 +160,7 @@ def test_bench_engine_quick(tmp_path: Path) -> None:
     assert all(r["ratio_to_bare"] > 0 and r["ratio_to_floor"] > 0 for r in result["rows"])
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_bench_service_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_service.json"
@@ -172,6 +176,7 @@ def test_bench_service_quick(tmp_path: Path) -> None:
     assert all(r["errors"] == {} for r in result["rows"])
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
 def test_bench_calibration_quick(tmp_path: Path) -> None:
@@ -207,6 +212,7 @@ def test_bench_gating_quick(tmp_path: Path) -> None:
     assert "| 500 | fixed_sequence |" in done.stdout
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
 def test_bench_prefix_cache_quick(tmp_path: Path) -> None:
     out = tmp_path / "prefix.json"
@@ -225,6 +231,7 @@ def test_bench_prefix_cache_quick(tmp_path: Path) -> None:
         assert row["bytes"] > 0
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
 def test_bench_order_quick(tmp_path: Path) -> None:
@@ -248,6 +255,7 @@ def test_bench_order_quick(tmp_path: Path) -> None:
             assert 1 < row["tokens_ratio"] < 5 and row["spread_mean"] > 0
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
 def test_bench_invariance_quick(tmp_path: Path) -> None:
@@ -264,6 +272,7 @@ def test_bench_invariance_quick(tmp_path: Path) -> None:
     assert all(row["ratio"] > 0 for row in entry["cost"].values())
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_bench_reliability_quick(tmp_path: Path) -> None:
     # The scenarios one server start can hold (~30 s); soak, overload and kill -9 need more.

@@ -28,6 +28,15 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert quickstart_commands()[1] in ci.splitlines()
 
 
+def test_ci_also_runs_the_benchmark_smoke_runs() -> None:
+    """``make test`` leaves out the benchmarks' --quick runs (marked ``bench``); CI runs them."""
+    assert "make bench-smoke" in (ROOT / ".ci" / "run").read_text().splitlines()
+    plan = subprocess.run(
+        ["make", "-n", "bench-smoke"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert "pytest -m bench" in plan
+
+
 def test_test_command_runs_lint_types_and_tests() -> None:
     plan = subprocess.run(
         ["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, check=True
