@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import numbers
 import os
@@ -74,6 +75,8 @@ __all__ = [
     "shared_query",
     "validate_choices",
 ]
+
+log = logging.getLogger("judge")
 
 DEFAULT_RESPONSE_PREFIX = '{"answer": "'
 DEFAULT_RESPONSE_SUFFIX = '"}'
@@ -260,7 +263,10 @@ class Judge:
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         prefix_cache_block: int = 32,
         batch_invariant: bool = True,
+        lean: bool = True,
     ) -> None:
+        from judge.decoder import full_attention, lean_decoder, lean_unsupported
+
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id or str(getattr(model.config, "name_or_path", "") or "custom")
@@ -273,14 +279,20 @@ class Judge:
         # True: a judgment's numbers do not depend on its batch or on the prefix cache
         # (judge.batch_invariant); False: the faster arithmetic, without that guarantee.
         self.batch_invariant = batch_invariant
-        if batch_invariant:
-            _use_sdpa(model)
+        # The lean pass (judge.decoder) where the architecture has one, else the model's own
+        # decoder (``lean=False`` asks for that generic pass; both are exact).
+        reason = lean_unsupported(model) if lean else "lean=False"
+        self._lean = lean_decoder(model, batch_invariant) if reason is None else None
+        if self._lean is None:
+            log.info("%s takes the generic pass: %s", type(model).__name__, reason)
+            if batch_invariant:
+                _use_sdpa(model)
         if not (isinstance(prefix_cache_mb, int | float) and prefix_cache_mb >= 0):
             raise ValueError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
         # None: off (a budget of 0, or a model whose layers keep only a sliding window).
         self.prefix_cache = (
             PrefixCache(int(prefix_cache_mb * 2**20), prefix_cache_block)
-            if prefix_cache_mb > 0 and _full_attention(model)
+            if prefix_cache_mb > 0 and full_attention(model)
             else None
         )
         self.context_window = _context_window(model, tokenizer)
@@ -532,11 +544,19 @@ class Judge:
                 # compute the head once, in a pass of its own, so that every row reads it.
                 head = batch[0][0].context
                 shared = min(common_prefix_length(head, t.context) for r in batch for t in r)
-                if prefill(self.model, head[:shared], self.prefix_cache, self.batch_invariant):
+                if prefill(
+                    self.model, head[:shared], self.prefix_cache, self.batch_invariant, self._lean
+                ):
                     for i in chunk:
                         n_passes[i] = 2
             scored = score_rows(
-                self.model, batch, self._pad_id, self.prefix_cache, layers, self.batch_invariant
+                self.model,
+                batch,
+                self._pad_id,
+                self.prefix_cache,
+                layers,
+                self.batch_invariant,
+                self._lean,
             )
             for i, s in zip(chunk, scored, strict=True):
                 scores[i] = s
@@ -679,15 +699,6 @@ def _as_query(item: Query | Mapping[str, Any]) -> Query:
 def _logsumexp(x: np.ndarray) -> float:
     m = float(np.max(x))
     return m + math.log(float(np.sum(np.exp(x - m))))
-
-
-def _full_attention(model: PreTrainedModel) -> bool:
-    """Whether every layer attends to the whole past, so a cached prefix can be reused."""
-    config = model.config
-    types = getattr(config, "layer_types", None) or []
-    return getattr(config, "sliding_window", None) is None and all(
-        t == "full_attention" for t in types
-    )
 
 
 def _use_sdpa(model: PreTrainedModel) -> None:

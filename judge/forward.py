@@ -24,6 +24,7 @@ on the other rows, the padding or the cache split, so an item's judgment is the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 from collections.abc import Iterator, Sequence
@@ -34,12 +35,15 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from judge.attention import Lanes
 from judge.batch_invariant import ROOT_ROWS, invariant_ops
 from judge.prefix_cache import Block, PrefixCache
 from judge.trie import ChoiceTrie, common_prefix_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from judge.decoder import LeanDecoder
 
 __all__ = ["TrieScores", "prefill", "score_rows"]
 
@@ -64,6 +68,8 @@ class _Row:
     positions: list[int]  # position id: the token's depth in its path
     chain: int  # tokens[:chain] form a plain causal chain
     query_rows: list[list[int]]  # per trie, per scored node: where its logits are read
+    # Per trie, the (start, end) of its branch: its own context after the chain, then its tree.
+    branches: list[tuple[int, int]]
 
 
 def _row(tries: Sequence[ChoiceTrie]) -> _Row:
@@ -75,7 +81,9 @@ def _row(tries: Sequence[ChoiceTrie]) -> _Row:
     parents = list(range(-1, shared - 1))
     positions = list(range(shared))
     query_rows = []
+    branches = []
     for t in tries:
+        start = len(tokens)
         last = shared - 1  # the trie's last context token, where its root is read
         for token in t.context[shared:]:
             tokens.append(token)
@@ -89,7 +97,8 @@ def _row(tries: Sequence[ChoiceTrie]) -> _Row:
             parents.append(at)
             positions.append(positions[at] + 1)
         query_rows.append([last if p < 0 else base + p for p in t.node_positions])
-    return _Row(tokens, parents, positions, shared, query_rows)
+        branches.append((start, len(tokens)))
+    return _Row(tokens, parents, positions, shared, query_rows, branches)
 
 
 def _cut(row: _Row, cached: int) -> _Row:
@@ -106,6 +115,7 @@ def _cut(row: _Row, cached: int) -> _Row:
         positions=row.positions[cached:],
         chain=row.chain - cached,
         query_rows=[[q - cached for q in qs] for qs in row.query_rows],
+        branches=[(a - cached, b - cached) for a, b in row.branches],
     )
 
 
@@ -113,7 +123,8 @@ def _cut(row: _Row, cached: int) -> _Row:
 class _Packed:
     input_ids: torch.Tensor  # (B, T)
     position_ids: torch.Tensor | None  # (B, T)
-    attention_mask: torch.Tensor | None  # (B, 1, T, P + T) additive
+    # (B, 1, T, P + T) additive; per layer type where some layers see a sliding window only
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None
     query_rows: list[list[list[int]]]  # per row, per trie, per scored node: flat index b*T+t
 
 
@@ -123,9 +134,13 @@ def _pack(
     dtype: torch.dtype,
     device: torch.device,
     past: Sequence[int] = (),
+    window: int | None = None,
+    layer_types: Sequence[str] = (),
 ) -> _Packed:
     """Left-pad rows into one batch; ``past[b]`` cached tokens precede row b (right-aligned
-    in P = max(past) slots of the model's past)."""
+    in P = max(past) slots of the model's past). With a sliding ``window``, the mask of a
+    sliding-attention layer (all layers, without ``layer_types``) also hides every key
+    ``window`` or more positions back: transformers takes a 4-D mask as it is given."""
     T = max(len(r.tokens) for r in rows)
     B = len(rows)
     past = list(past) or [0] * B
@@ -158,9 +173,26 @@ def _pack(
             allowed[b, o + i, c + i] = True
         pad = torch.arange(o)
         allowed[b, pad, P + pad] = True  # padding sees itself only, so no softmax row is empty
-    mask = torch.zeros((B, 1, T, P + T), dtype=dtype)
-    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    return _Packed(ids.to(device), positions.to(device), mask.to(device), query_rows)
+    mask = _additive(allowed, dtype).to(device)
+    if window is None:
+        return _Packed(ids.to(device), positions.to(device), mask, query_rows)
+    key_positions = torch.zeros((B, P + T), dtype=torch.long)
+    for b in range(B):
+        key_positions[b, P - past[b] : P] = torch.arange(past[b])
+    key_positions[:, P:] = positions
+    # (B, T, P + T); padding sits at position 0 and its own key too, so it still sees itself.
+    near = positions[:, :, None] - key_positions[:, None, :] < window
+    windowed = _additive(allowed & near, dtype).to(device)
+    masks: torch.Tensor | dict[str, torch.Tensor] = windowed
+    if layer_types:
+        masks = {t: windowed if t == "sliding_attention" else mask for t in set(layer_types)}
+    return _Packed(ids.to(device), positions.to(device), masks, query_rows)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, T, K) bool -> (B, 1, T, K): 0 where allowed, the dtype's minimum where not."""
+    mask = torch.zeros((allowed.shape[0], 1, *allowed.shape[1:]), dtype=dtype)
+    return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
 
 def _finish_logits(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor:
@@ -186,10 +218,12 @@ def score_rows(
     cache: PrefixCache | None = None,
     layers: Sequence[int] = (),
     batch_invariant: bool = True,
+    lean: LeanDecoder | None = None,
 ) -> list[list[TrieScores]]:
     """One forward pass; each batch row packs the tries of one inner list, sharing their
     common context. Returns the logits each trie needs, in the same nesting, and each trie's
-    hidden state at its root for every one of ``layers`` (1..num_hidden_layers)."""
+    hidden state at its root for every one of ``layers`` (1..num_hidden_layers). ``lean``: the
+    model's ``judge.decoder`` pass, else the model's own decoder runs it."""
     head = model.get_output_embeddings()
     W = head.weight  # (V, H)
     bias = getattr(head, "bias", None)
@@ -199,32 +233,15 @@ def score_rows(
     block = cache.block_tokens if cache else 0
     past = [len(c) * block for c in chains]
     fed = [_cut(r, p) for r, p in zip(full, past, strict=True)]
-    packed = _pack(fed, pad_id, W.dtype, W.device, past)
 
     tries = [t for r in rows for t in r]
-    flat_rows = [q for per_row in packed.query_rows for per_trie in per_row for q in per_trie]
     # Each trie's root, the first of its scored nodes: the decision point.
     first_node = np.cumsum([0] + [len(t.node_positions) for t in tries[:-1]]).tolist()
-    root_rows = torch.tensor([flat_rows[i] for i in first_node], device=W.device)  # (N,)
-
-    decoder = model.get_decoder()
-    inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
-    exact = invariant_ops() if batch_invariant else contextlib.nullcontext()
-    with exact, _gather_rows(decoder, _num_layers(model), inner, root_rows) as gathered:
-        out = decoder(
-            input_ids=packed.input_ids,
-            attention_mask=packed.attention_mask,
-            position_ids=packed.position_ids,
-            use_cache=cache is not None,
-            **_past(decoder, cache, chains, W.device),
-        )
-    if cache is not None:
-        _store(cache, out, full, fed, chains, past, packed.input_ids.shape[1])
-    hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
-    if len(inner) < len(layers):
-        gathered[_num_layers(model)] = hidden[root_rows].float()  # (N, H)
+    run = _generic_pass if lean is None else functools.partial(_lean_pass, lean)
+    h, gathered = run(
+        model, fed, full, chains, past, cache, pad_id, layers, batch_invariant, first_node
+    )
     features = {n: g.cpu().numpy() for n, g in gathered.items()}  # each (N, H) float32
-    h = hidden[flat_rows]  # (S, H) one row per scored node
 
     children = [c for t in tries for c in t.node_children]
     counts = torch.tensor([len(c) for c in children], device=h.device)
@@ -269,6 +286,122 @@ def score_rows(
         nested.append(scores[k : k + len(r)])
         k += len(r)
     return nested
+
+
+def _generic_pass(
+    model: PreTrainedModel,
+    fed: Sequence[_Row],
+    full: Sequence[_Row],
+    chains: Sequence[Sequence[Block]],
+    past: Sequence[int],
+    cache: PrefixCache | None,
+    pad_id: int,
+    layers: Sequence[int],
+    batch_invariant: bool,
+    first_node: Sequence[int],
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The model's own decoder over left-padded rows with a 4-D mask: any causal LM. Returns
+    the final hidden state at each scored node (S, H) and each requested layer's at the roots."""
+    W = model.get_output_embeddings().weight
+    window = getattr(model.config, "sliding_window", None)
+    types = getattr(model.config, "layer_types", None) or ()
+    packed = _pack(fed, pad_id, W.dtype, W.device, past, window, types)
+    flat_rows = [q for per_row in packed.query_rows for per_trie in per_row for q in per_trie]
+    root_rows = torch.tensor([flat_rows[i] for i in first_node], device=W.device)  # (N,)
+    decoder = model.get_decoder()
+    inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
+    exact = invariant_ops() if batch_invariant else contextlib.nullcontext()
+    with exact, _gather_rows(decoder, _num_layers(model), inner, root_rows) as gathered:
+        out = decoder(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+            use_cache=cache is not None,
+            **_past(decoder, cache, chains, W.device),
+        )
+    if cache is not None:
+        _store(cache, out, full, fed, chains, past, packed.input_ids.shape[1])
+    hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
+    if len(inner) < len(layers):
+        gathered[_num_layers(model)] = hidden[root_rows].float()  # (N, H)
+    return hidden[flat_rows], gathered
+
+
+def _lean_pass(
+    lean: LeanDecoder,
+    model: PreTrainedModel,
+    fed: Sequence[_Row],
+    full: Sequence[_Row],
+    chains: Sequence[Sequence[Block]],
+    past: Sequence[int],
+    cache: PrefixCache | None,
+    pad_id: int,
+    layers: Sequence[int],
+    batch_invariant: bool,
+    first_node: Sequence[int],
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """``judge.decoder``'s pass over the rows laid end to end, each query reading its lane.
+    Returns what ``_generic_pass`` does."""
+    device = model.get_output_embeddings().weight.device
+    offsets = np.cumsum([0] + [len(r.tokens) for r in fed]).tolist()
+    flat_rows = [
+        offsets[b] + q for b, r in enumerate(fed) for per_trie in r.query_rows for q in per_trie
+    ]
+    read = torch.tensor(flat_rows, device=device)  # (S,)
+    roots = read[torch.tensor(first_node, device=device)]  # (N,)
+    ids = torch.tensor([t for r in fed for t in r.tokens], device=device)
+    positions = torch.tensor([p for r in fed for p in r.positions], device=device)
+    lanes = _lanes(fed, past, offsets).to(device)
+    kv = cache.concatenated(chains) if cache is not None and any(chains) else None
+    inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
+    out = lean.run(ids, positions, lanes, kv, read, roots, inner, keep_kv=cache is not None)
+    if cache is not None and out.kv is not None:
+        for b, row in enumerate(full):
+            new = row.chain - past[b]  # its plain-prefix tokens computed in this pass
+            start = offsets[b]
+            layer_kv = [(k[:, start : start + new], v[:, start : start + new]) for k, v in out.kv]
+            cache.store(row.tokens[: row.chain], chains[b], layer_kv)
+    gathered = dict(out.features)
+    if len(inner) < len(layers):
+        gathered[_num_layers(model)] = out.hidden[list(first_node)].float()  # (N, H)
+    return out.hidden, gathered
+
+
+def _lanes(fed: Sequence[_Row], past: Sequence[int], offsets: Sequence[int]) -> Lanes:
+    """Each row's lanes (``judge.attention``): per trie, the row's past and chain, then the
+    trie's branch. The chain's queries read the first lane, each branch's its own. Keys index
+    the bank of every row's past (in row order), then every fed token, then a zero key."""
+    total_past = sum(past)
+    past_start = np.cumsum([0, *past]).tolist()
+    lanes = []
+    for b, row in enumerate(fed):
+        seen = _ancestry(row, past[b])  # (n, P + n)
+        fed_key = total_past + offsets[b]  # the bank index of the row's first fed token
+        chain_keys = list(range(past_start[b], past_start[b] + past[b]))
+        chain_keys += range(fed_key, fed_key + row.chain)
+        chain_cols = list(range(past[b] + row.chain))
+        for j, (start, end) in enumerate(row.branches):
+            queries = list(range(start, end)) if j else [*range(row.chain), *range(start, end)]
+            cols = chain_cols + list(range(past[b] + start, past[b] + end))
+            keys = chain_keys + list(range(fed_key + start, fed_key + end))
+            visible = seen[queries][:, cols]
+            lanes.append((keys, [offsets[b] + q for q in queries], visible))
+    return Lanes.build(lanes, n_fed=offsets[-1], pad_key=total_past + offsets[-1])
+
+
+def _ancestry(row: _Row, past: int) -> torch.Tensor:
+    """(n, past + n) bool: which of the row's cached and fed tokens each fed token attends to
+    (its ancestors and itself)."""
+    n, c = len(row.tokens), row.chain
+    seen = torch.zeros((n, past + n), dtype=torch.bool)
+    seen[:, :past] = True  # every fed token descends from the whole cached prefix
+    seen[:c, past : past + c] = torch.ones(c, c, dtype=torch.bool).tril()
+    for i in range(c, n):
+        # A token sees what its parent sees, plus itself.
+        if row.parents[i] >= 0:
+            seen[i] = seen[row.parents[i]]
+        seen[i, past + i] = True
+    return seen
 
 
 def _num_layers(model: PreTrainedModel) -> int:
@@ -321,7 +454,11 @@ def _gather_rows(
 
 @torch.inference_mode()
 def prefill(
-    model: PreTrainedModel, tokens: Sequence[int], cache: PrefixCache, batch_invariant: bool = True
+    model: PreTrainedModel,
+    tokens: Sequence[int],
+    cache: PrefixCache,
+    batch_invariant: bool = True,
+    lean: LeanDecoder | None = None,
 ) -> bool:
     """Compute and cache the whole blocks of ``tokens`` (a plain prompt prefix) not cached
     yet, keeping at least one token back (it is where a root may be read). Returns whether a
@@ -332,6 +469,23 @@ def prefill(
     start = len(chain) * b
     if end - start < b:
         return False
+    if lean is not None:
+        n = end - start
+        device = model.get_output_embeddings().weight.device
+        causal = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+        lanes = Lanes.build([(range(start + n), range(n), causal)], n, pad_key=start + n)
+        done = lean.run(
+            ids=torch.tensor(list(tokens[start:end]), device=device),
+            positions=torch.arange(start, end, device=device),
+            lanes=lanes.to(device),
+            past=cache.concatenated([chain]) if chain else None,
+            read=torch.tensor([n - 1], device=device),
+            roots=torch.tensor([n - 1], device=device),
+            keep_kv=True,
+        )
+        assert done.kv is not None
+        cache.store(tokens[:end], chain, done.kv)
+        return True
     decoder = model.get_decoder()
     with invariant_ops() if batch_invariant else contextlib.nullcontext():
         out = decoder(

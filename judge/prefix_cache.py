@@ -211,6 +211,23 @@ class PrefixCache:
             out.append((keys, values))
         return out, P
 
+    def concatenated(self, chains: Sequence[Sequence[Block]]) -> KV:
+        """Per layer, keys and values (heads, P, head_dim) of every chain one after the other,
+        P the sum of their lengths (one row's: the assembly that ``assemble`` keeps)."""
+        import torch
+
+        used = [c for c in chains if c]
+        if len(used) == 1:
+            return [(k[0], v[0]) for k, v in self.assemble(used)[0]]
+        blocks = [blk for chain in used for blk in chain]
+        return [
+            (
+                torch.cat([blk.kv[i][0] for blk in blocks], dim=1),
+                torch.cat([blk.kv[i][1] for blk in blocks], dim=1),
+            )
+            for i in range(len(blocks[0].kv))
+        ]
+
     def _drop_memo(self) -> None:
         if self._memo is not None:
             self._bytes -= self._memo_bytes

@@ -17,6 +17,7 @@ import pytest
 import torch
 from reference import shared_length
 
+import judge.forward as forward
 from judge import InvalidQueryError, Judge, Judgment, Query
 from judge.engine import json_escape
 
@@ -81,12 +82,24 @@ def assert_same_features(got: Judgment, want: dict[int, np.ndarray] | Judgment) 
 
 
 @pytest.fixture
-def forward_calls(uncached: Judge) -> Iterator[list[int]]:
-    """Counts the decoder's forward passes while the test runs (every judge shares it)."""
+def forward_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts the forward passes while the test runs: every pass is a ``score_rows`` or a
+    ``prefill`` that ran, whichever decoder (lean or the model's own) computes it."""
     calls: list[int] = []
-    handle = uncached.model.get_decoder().register_forward_pre_hook(lambda *_: calls.append(1))
+    score_rows, prefill = forward.score_rows, forward.prefill
+
+    def counted_rows(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return score_rows(*args, **kwargs)
+
+    def counted_prefill(*args: Any, **kwargs: Any) -> bool:
+        ran = prefill(*args, **kwargs)
+        calls.extend([1] * ran)
+        return ran
+
+    monkeypatch.setattr(forward, "score_rows", counted_rows)
+    monkeypatch.setattr(forward, "prefill", counted_prefill)
     yield calls
-    handle.remove()
 
 
 @pytest.mark.parametrize(

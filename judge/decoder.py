@@ -1,0 +1,309 @@
+"""A lean decoder pass for Llama-family models, on the model's own modules and weights.
+
+A judgment is one pass, and most of a short pass is not arithmetic: transformers' decoder
+builds a 4-D mask and a cache object, repeats keys for grouped-query attention and runs seven
+matrix products a layer, each of which re-lays its weight out for the kernel on every call. This
+pass does what a judgment needs and nothing else:
+
+* tokens are flat, one after the other, with no padding between rows; attention reads each
+  lane's keys (``judge.attention``), so nothing is masked that was not fed;
+* the query, key and value products are one product, and so are the gate and up products
+  (the modules' weights become views of the fused weight: no second copy);
+* in the batch-invariant arithmetic, every product runs on chunks of exactly ``rows`` tokens,
+  on a weight packed once for the kernel where this build of torch can (oneDNN for bfloat16,
+  MKL for float32), and attention is ``attention.blocked_attention``;
+* only the rows that are read leave the pass: the final norm runs on the scored rows, the
+  requested layers keep their roots, and keys and values come back only for the prefix cache.
+
+It covers the architectures whose blocks are Llama's (``LEAN_MODEL_TYPES``) with every layer
+attending to the whole past; ``lean_unsupported`` says why another model takes the generic path
+(``judge.forward``), which is exact too, only slower. The norms, the activation and the rotary
+embedding are the model's own modules, so their variants (rope scaling, norm epsilon) come along.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn import functional as F
+
+from judge import attention
+from judge.attention import Lanes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = [
+    "LEAN_MODEL_TYPES",
+    "LeanDecoder",
+    "LeanOutput",
+    "full_attention",
+    "lean_decoder",
+    "lean_unsupported",
+    "product_rows",
+]
+
+# model_type values whose decoder block is Llama's: pre-norm attention and SwiGLU MLP with
+# residuals, rotary positions, q/k/v/o and gate/up/down linears (Qwen2 adds q/k/v biases,
+# Qwen3 a norm on each query and key head).
+LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+# Tokens per matrix product in the batch-invariant arithmetic, by dtype. One shape per product
+# is what makes a token's numbers independent of its batch; the size trades the padding of a
+# short pass against the per-row speed of a long one (benchmarks/bench_pass.py measures it).
+_ROWS = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+
+
+def product_rows(dtype: torch.dtype) -> int:
+    """Tokens per matrix product of the batch-invariant lean pass in ``dtype``."""
+    return _ROWS.get(dtype, 32)
+
+
+def full_attention(model: PreTrainedModel) -> bool:
+    """Whether every layer attends to the whole past (no sliding window)."""
+    config = model.config
+    types = getattr(config, "layer_types", None) or []
+    return getattr(config, "sliding_window", None) is None and all(
+        t == "full_attention" for t in types
+    )
+
+
+def lean_unsupported(model: PreTrainedModel) -> str | None:
+    """Why ``model`` cannot take the lean pass, or None where it can."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {sorted(LEAN_MODEL_TYPES)}"
+    if not full_attention(model):
+        return "some layers attend to a sliding window only"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not 'silu'"
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if decoder is None:
+        return f"{type(model).__name__} has no decoder to run"
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(decoder, name):
+            return f"{type(decoder).__name__} has no {name}"
+    for layer in decoder.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(p, torch.nn.Linear) for p in parts):
+            return f"{type(layer).__name__} lacks a q/k/v/o or gate/up/down linear"
+        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm")):
+            return f"{type(layer).__name__} lacks its norms"
+    return None
+
+
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable | None:
+    """``F.linear`` with ``weight`` laid out once for this kernel, for inputs of exactly
+    ``rows`` rows; None where this build of torch has no packed product for the dtype. The
+    packed copy's results are checked against ``F.linear`` before it is used."""
+    try:
+        if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            w = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+            def op(x: torch.Tensor) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+        elif weight.dtype == torch.float32 and torch.backends.mkl.is_available():
+            w = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+
+            def op(x: torch.Tensor) -> torch.Tensor:
+                out = torch.ops.mkl._mkl_linear(x, w, weight, None, rows)
+                return out if bias is None else out + bias
+
+        else:
+            return None
+        probe = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        if not torch.allclose(op(probe).float(), F.linear(probe, weight, bias).float(), atol=0.1):
+            return None
+        return op
+    except (RuntimeError, AttributeError):  # no such op in this build, or not for this device
+        return None
+
+
+class _Product:
+    """``x @ weight.T + bias`` over the rows of x: in chunks of exactly ``rows`` rows (the
+    batch-invariant arithmetic), or in one product (``rows`` None)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None) -> None:
+        self.weight, self.bias, self.rows = weight, bias, rows
+        self.op = (
+            _packed(weight, bias, rows) if rows and weight.device.type == "cpu" else None
+        ) or (lambda x: F.linear(x, weight, bias))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
+        if self.rows is None:
+            return self.op(x)
+        return torch.cat([self.op(chunk) for chunk in x.split(self.rows)])
+
+
+def _fused(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linears that read the same input. The modules keep
+    views of it, so the model holds one copy and still runs as before."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = weight[start : start + n]
+        start += n
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    biases = [
+        lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.weight.shape[0])
+        for lin in linears
+    ]
+    return weight, torch.cat(biases)
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """One layer's fused weights, shared by every LeanDecoder of a model."""
+
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None]
+
+
+_FUSED: weakref.WeakKeyDictionary[torch.nn.Module, list[_Weights]] = weakref.WeakKeyDictionary()
+_DECODERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int | None, LeanDecoder]] = (
+    weakref.WeakKeyDictionary()
+)
+_LOCK = threading.Lock()
+
+
+def lean_decoder(model: PreTrainedModel, batch_invariant: bool) -> LeanDecoder:
+    """The model's lean pass (one per model and arithmetic: the packed weights are not made
+    twice)."""
+    rows = product_rows(model.dtype) if batch_invariant else None
+    with _LOCK:
+        made = _DECODERS.setdefault(model, {})
+        if rows not in made:
+            made[rows] = LeanDecoder(model, rows)
+        return made[rows]
+
+
+@dataclass(frozen=True)
+class LeanOutput:
+    hidden: torch.Tensor  # (R, H) after the final norm, at the read rows
+    features: dict[int, torch.Tensor]  # per inner layer: (n_roots, H) float32
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer: fed (Hkv, N, D) keys, values
+
+
+class _Layer:
+    def __init__(self, block: Any, weights: _Weights, rows: int | None) -> None:
+        attn, mlp = block.self_attn, block.mlp
+        self.ln1, self.ln2 = block.input_layernorm, block.post_attention_layernorm
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.qkv = _Product(*weights.qkv, rows)
+        self.o = _Product(attn.o_proj.weight.detach(), _detached(attn.o_proj.bias), rows)
+        self.gate_up = _Product(*weights.gate_up, rows)
+        self.down = _Product(mlp.down_proj.weight.detach(), _detached(mlp.down_proj.bias), rows)
+        self.act = mlp.act_fn
+        self.scale = float(attn.scaling)
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, ``x * cos + rotate_half(x) * sin`` with the sign of rotate_half's
+    negated half folded into ``signed_sin`` (negation is exact, so nothing rounds otherwise)."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+class LeanDecoder:
+    """The pass of one Llama-family model, in one arithmetic (``rows``: tokens per product,
+    None for the ordinary arithmetic)."""
+
+    def __init__(self, model: PreTrainedModel, rows: int | None) -> None:
+        reason = lean_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"no lean pass for {type(model).__name__}: {reason}")
+        decoder: Any = model.get_decoder()
+        config = model.config
+        self.rows = rows
+        self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(decoder.layers[0].self_attn.head_dim)
+        with torch.no_grad():
+            if decoder not in _FUSED:
+                _FUSED[decoder] = [
+                    _Weights(
+                        qkv=_fused([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj]),
+                        gate_up=_fused([b.mlp.gate_proj, b.mlp.up_proj]),
+                    )
+                    for b in decoder.layers
+                ]
+            self.layers = [
+                _Layer(b, w, rows) for b, w in zip(decoder.layers, _FUSED[decoder], strict=True)
+            ]
+
+    @torch.inference_mode()
+    def run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        lanes: Lanes,
+        past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+        read: torch.Tensor,
+        roots: torch.Tensor,
+        layers: Sequence[int] = (),
+        keep_kv: bool = False,
+    ) -> LeanOutput:
+        """One pass over the fed tokens ``ids`` (N,) at ``positions`` (N,), each query reading
+        its lane of keys: ``past`` (per layer, cached (Hkv, P, D) keys and values, the first
+        part of the key bank) then the fed tokens' own. Returns the final hidden state at the
+        ``read`` rows, the ``layers``' (1-based, below the last) residual stream at ``roots``,
+        and with ``keep_kv`` every layer's fed keys and values."""
+        N = ids.shape[0]
+        Hq, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        n = -(-N // self.rows) * self.rows if self.rows else N  # padded to whole products
+        pad = n - N
+        ids = F.pad(ids, (0, pad))
+        x = self.embed(ids)  # (n, H)
+        cos, sin = self.rotary(x, F.pad(positions, (0, pad))[None])  # (1, n, D) each
+        half = D // 2
+        cos = cos[0, :, None]  # (n, 1, D)
+        sin = torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
+        plan = attention.plan(lanes, Hq // Hkv) if self.rows else None
+        zero = x.new_zeros(Hkv, 1, D)
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        features: dict[int, torch.Tensor] = {}
+        wanted = set(layers)
+        for i, layer in enumerate(self.layers):
+            h = layer.ln1(x)
+            qkv = layer.qkv(h).view(n, Hq + 2 * Hkv, D)
+            qk, v = qkv[:, : Hq + Hkv], qkv[:, Hq + Hkv :]
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qk = torch.cat([layer.q_norm(qk[:, :Hq]), layer.k_norm(qk[:, Hq:])], dim=1)
+            qk = _rotary(qk, cos, sin)  # queries and keys rotated together
+            q, k = qk[:, :Hq], qk[:, Hq:]
+            fed_k, fed_v = k[:N].transpose(0, 1), v[:N].transpose(0, 1)  # (Hkv, N, D)
+            if keep_kv:
+                kept.append((fed_k, fed_v))
+            before = [past[i][0]] if past else []
+            bank_k = torch.cat([*before, fed_k, zero], dim=1)  # (Hkv, P + N + 1, D)
+            before = [past[i][1]] if past else []
+            bank_v = torch.cat([*before, fed_v, zero], dim=1)
+            if plan is not None:
+                a = attention.blocked_attention(q[:N], bank_k, bank_v, plan, layer.scale)
+            else:
+                a = attention.lane_sdpa(q[:N], bank_k, bank_v, lanes, layer.scale)
+            x = x + layer.o(F.pad(a, (0, 0, 0, pad)))  # (n, H)
+            gate, up = layer.gate_up(layer.ln2(x)).chunk(2, dim=-1)
+            x = x + layer.down(layer.act(gate) * up)
+            if i + 1 in wanted:
+                features[i + 1] = x[roots].float()
+        return LeanOutput(self.norm(x[read]), features, kept if keep_kv else None)

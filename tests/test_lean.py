@@ -1,0 +1,299 @@
+"""The lean pass (judge.decoder) against transformers' own, and the lane attention it reads.
+
+Tiny random models of each covered architecture (Llama, Mistral, Qwen2 with its q/k/v biases,
+Qwen3 with its per-head norms) are judged by the lean pass and by the model's own decoder, and
+checked against the brute-force reference; a model the lean pass does not cover (GPT-2, a
+Mistral with a sliding window) takes the generic pass and is just as exact. The attention
+over lanes is checked against attention by its definition, and its invariance on its own:
+a query's result does not change with the lanes, padding and bank around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+from reference import reference_probabilities
+from torch.nn import functional as F
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from judge import Judge, Query
+from judge.attention import (
+    KEY_BLOCK,
+    QUERY_BLOCK,
+    QUERY_GROUP,
+    Lanes,
+    blocked_attention,
+    lane_sdpa,
+    plan,
+)
+from judge.decoder import _Product, lean_unsupported
+from judge.engine import shared_query
+
+VOCAB = 49152  # the default tokenizer's ids
+SHAPE: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+def tiny(kind: str, seed: int = 0) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    model: PreTrainedModel
+    if kind == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+        rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        rope |= {"original_max_position_embeddings": 64}
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters=rope))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=None))
+    elif kind == "mistral, sliding window":
+        model = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=16))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE))
+    elif kind == "qwen2, one sliding layer":  # layer 1 full, layer 2 a window
+        window: dict[str, Any] = {"use_sliding_window": True, "sliding_window": 16}
+        window["max_window_layers"] = 1
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, **window))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16))
+    else:
+        config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512)
+        model = GPT2LMHeadModel(config)
+    # Random weights give near-uniform choices; larger ones give probabilities worth comparing.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    return model.eval()
+
+
+PROMPT = "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082."
+CASES = [
+    (PROMPT, ["spam", "ham"]),  # single tokens
+    ("Pick a number.", ["1", "10", "100", "2"]),  # a tree below the root
+    ("Sentiment?", ["positive", "negative", "neutral", "mixed"]),
+]
+COVERED = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=COVERED)
+def pair(request: pytest.FixtureRequest, judge: Judge) -> tuple[Judge, Judge]:
+    """A tiny model of one covered architecture, judged by the lean pass and the generic one."""
+    model = tiny(request.param)
+    lean = Judge(model, judge.tokenizer, prefix_cache_mb=0)
+    generic = Judge(model, judge.tokenizer, prefix_cache_mb=0, lean=False)
+    assert lean._lean is not None and generic._lean is None
+    return lean, generic
+
+
+def test_the_default_model_takes_the_lean_pass(judge: Judge) -> None:
+    assert lean_unsupported(judge.model) is None
+    assert judge._lean is not None
+
+
+@pytest.mark.parametrize(("prompt", "choices"), CASES)
+def test_lean_judgments_match_the_models_own_pass_and_the_reference(
+    pair: tuple[Judge, Judge], prompt: str, choices: list[str]
+) -> None:
+    lean, generic = pair
+    got, want = lean.judge(prompt, choices), generic.judge(prompt, choices)
+    reference = reference_probabilities(lean, prompt, choices)
+    for c in choices:
+        assert got.probabilities[c] == pytest.approx(want.probabilities[c], abs=1e-5)
+        assert got.probabilities[c] == pytest.approx(reference[c], abs=1e-5)
+    assert got.choice_mass == pytest.approx(want.choice_mass, rel=1e-4)
+    assert got.computed_tokens == want.computed_tokens
+
+
+def test_lean_features_are_the_models_hidden_states(pair: tuple[Judge, Judge]) -> None:
+    lean, generic = pair
+    query = Query(prompt=PROMPT, choices=["spam", "ham"], feature_layers=(1, 2))
+    got, want = lean.judge_batch([query])[0], generic.judge_batch([query])[0]
+    assert got.features is not None and want.features is not None
+    for layer in (1, 2):
+        assert torch.allclose(
+            torch.tensor(got.features[layer]), torch.tensor(want.features[layer]), atol=1e-5
+        )
+
+
+def test_lean_judgments_do_not_depend_on_their_batch(pair: tuple[Judge, Judge]) -> None:
+    lean, _ = pair
+    alone = [lean.judge(p, c).probs for p, c in CASES]
+    queries = [Query(prompt=p, choices=c) for p, c in CASES]
+    batched = lean.judge_batch([queries[2], queries[0], queries[1]])
+    assert [batched[1].probs, batched[2].probs, batched[0].probs] == alone  # bit for bit
+    shared = lean.judge_shared("Context: a long day.", queries)
+    for query, result in zip(queries, shared, strict=True):
+        alone_query = shared_query("Context: a long day.", query)
+        assert result.probs == lean.judge_batch([alone_query])[0].probs
+
+
+def test_the_modules_keep_views_of_the_fused_weights(judge: Judge) -> None:
+    model = tiny("qwen2")
+    ids = torch.tensor([[5, 17, 230, 41]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    Judge(model, judge.tokenizer, prefix_cache_mb=0)
+    attn = model.model.layers[0].self_attn
+    storage = attn.q_proj.weight.untyped_storage().data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == storage  # one copy, not two
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == storage
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, before)  # the model's own pass is unchanged
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "mistral, sliding window", "qwen2, one sliding layer"])
+def test_a_model_the_lean_pass_does_not_cover_takes_the_generic_one(
+    judge: Judge, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny(kind)
+    if "window" in kind or "sliding" in kind:
+        assert len(judge.tokenizer(judge.render(PROMPT)).input_ids) > 16  # past the window
+    reason = lean_unsupported(model)
+    assert reason is not None and ("model_type" in reason or "sliding window" in reason)
+    with caplog.at_level(logging.INFO, logger="judge"):
+        fallback = Judge(model, judge.tokenizer, prefix_cache_mb=0)
+    assert fallback._lean is None
+    assert any("generic pass" in r.getMessage() for r in caplog.records)
+    for prompt, choices in CASES:
+        got = fallback.judge(prompt, choices)
+        reference = reference_probabilities(fallback, prompt, choices)
+        for c in choices:
+            assert got.probabilities[c] == pytest.approx(reference[c], abs=1e-5)
+
+
+# The lane attention on random tensors.
+
+
+def _by_definition(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q (n, Hq, D) over keys, values (Hkv, S, D) with seen (n, S): softmax in float64."""
+    groups = q.shape[1] // keys.shape[0]
+    k = keys.double().repeat_interleave(groups, dim=0)  # (Hq, S, D)
+    v = values.double().repeat_interleave(groups, dim=0)
+    scores = torch.einsum("nhd,hsd->hns", q.double(), k) * scale
+    scores = scores.masked_fill(~seen[None], -math.inf)
+    return torch.einsum("hns,hsd->nhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+def _tree_lane(n: int, generator: torch.Generator) -> torch.Tensor:
+    """(n, n) ancestry of a random tree over n tokens, parents before children."""
+    seen = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        parent = int(torch.randint(0, i, (1,), generator=generator)) if i else -1
+        if parent >= 0:
+            seen[i] = seen[parent]
+        seen[i, i] = True
+    return seen
+
+
+@pytest.mark.parametrize("length", [1, 5, QUERY_BLOCK + 3, QUERY_BLOCK * QUERY_GROUP + 40])
+def test_blocked_attention_is_attention(length: int) -> None:
+    g = torch.Generator().manual_seed(length)
+    Hq, Hkv, D = 6, 2, 8
+    seen = _tree_lane(length, g)
+    q = torch.randn(length, Hq, D, generator=g)
+    bank_k = torch.randn(Hkv, length + 1, D, generator=g)
+    bank_v = torch.randn(Hkv, length + 1, D, generator=g)
+    lanes = Lanes.build([(range(length), range(length), seen)], length, pad_key=length)
+    want = _by_definition(q, bank_k[:, :length], bank_v[:, :length], seen, 0.3)
+    got = blocked_attention(q, bank_k, bank_v, plan(lanes, Hq // Hkv), 0.3)
+    assert torch.allclose(got, want.float(), atol=1e-5)
+    assert torch.allclose(lane_sdpa(q, bank_k, bank_v, lanes, 0.3), want.float(), atol=1e-5)
+
+
+def test_a_querys_attention_does_not_depend_on_what_surrounds_its_lane() -> None:
+    """The same lane alone; beside longer and shorter lanes; behind a past of other rows in
+    the bank; with its first keys as the cached past and only the rest fed: the same bits."""
+    g = torch.Generator().manual_seed(7)
+    Hq, Hkv, D, n = 4, 2, 16, 90
+    seen = _tree_lane(n, g)
+    keys, values = torch.randn(Hkv, n, D, generator=g), torch.randn(Hkv, n, D, generator=g)
+    q = torch.randn(n, Hq, D, generator=g).bfloat16()
+    keys, values = keys.bfloat16(), values.bfloat16()
+    zero = keys.new_zeros(Hkv, 1, D)
+
+    def run(
+        lanes: list[Any], q_all: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor
+    ) -> torch.Tensor:
+        built = Lanes.build(lanes, q_all.shape[0], pad_key=bank_k.shape[1] - 1)
+        return blocked_attention(q_all, bank_k, bank_v, plan(built, Hq // Hkv), 0.25)
+
+    alone = run(
+        [(range(n), range(n), seen)], q, torch.cat([keys, zero], 1), torch.cat([values, zero], 1)
+    )
+
+    # Beside two other lanes (one longer, one shorter), fed after them, with their past first.
+    other = [(200, 30), (7, 3)]  # (keys, queries) of each neighbour
+    past = sum(k - qn for k, qn in other)
+    fed_other = sum(qn for _, qn in other)
+    bank_k = torch.cat([torch.randn(Hkv, past + fed_other, D).bfloat16(), keys, zero], 1)
+    bank_v = torch.cat([torch.randn(Hkv, past + fed_other, D).bfloat16(), values, zero], 1)
+    q_all = torch.cat([torch.randn(fed_other, Hq, D).bfloat16(), q])
+    lanes: list[Any] = []
+    p0, f0 = 0, past
+    for k_n, q_n in other:
+        lane_keys = [*range(p0, p0 + k_n - q_n), *range(f0, f0 + q_n)]
+        visible = torch.ones(q_n, k_n, dtype=torch.bool).tril(k_n - q_n)
+        lanes.append((lane_keys, range(f0 - past, f0 - past + q_n), visible))
+        p0, f0 = p0 + k_n - q_n, f0 + q_n
+    lanes.append((range(f0, f0 + n), range(fed_other, fed_other + n), seen))
+    beside = run(lanes, q_all, bank_k, bank_v)[fed_other:]
+    assert torch.equal(beside, alone)
+
+    # The lane's first 40 keys as a cached past, only the other queries fed.
+    cut = 40
+    bank_k = torch.cat([keys[:, :cut], keys[:, cut:], zero], 1)
+    bank_v = torch.cat([values[:, :cut], values[:, cut:], zero], 1)
+    cached = run([(range(n), range(n - cut), seen[cut:])], q[cut:], bank_k, bank_v)
+    assert torch.equal(cached, alone[cut:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_products_give_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 64, generator=g).to(dtype)
+    bias = torch.randn(96, generator=g).to(dtype)
+    product = _Product(weight, bias, rows=32)
+    x = torch.randn(96, 64, generator=g).to(dtype)
+    full = product(x)
+    assert torch.allclose(full.float(), F.linear(x, weight, bias).float(), atol=0.05, rtol=0.02)
+    for start in (0, 5, 33):
+        part = x[start : start + 32]  # the same rows at other slots of their chunk
+        placed = torch.cat(
+            [torch.zeros(7, 64, dtype=dtype), part, torch.zeros(25, 64, dtype=dtype)]
+        )
+        assert torch.equal(product(placed)[7:39], full[start : start + 32])
+    one = product(torch.cat([x[3:4], x.new_zeros(31, 64)]))[:1]
+    assert torch.equal(one, full[3:4])
+
+
+def test_lanes_reject_nothing_they_need() -> None:
+    """Every fed token is some lane's query, and ``back`` finds each one's output row."""
+    seen = torch.ones(3, 5, dtype=torch.bool).tril(2)
+    lanes = Lanes.build([([0, 1, 5, 6, 7], [0, 1, 2], seen)], n_fed=3, pad_key=8)
+    assert lanes.key_index.shape == (1, KEY_BLOCK)
+    assert lanes.query_index.shape == (1, QUERY_BLOCK)
+    assert lanes.back.tolist() == [0, 1, 2]
+    assert lanes.key_index[0, 5:].eq(8).all()  # padding reads the zero key
