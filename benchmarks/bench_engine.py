@@ -4,7 +4,8 @@ Measures, side by side in one run on the default model:
 
 * the median latency of ``Judge.judge`` against one bare forward pass of the same rendered
   prompt (``model(ids, logits_to_keep=1)``), for 2, 4, 16, 64 and 255 choices, with choices
-  whose first tokens all differ and with choices that share leading tokens;
+  whose first tokens all differ and with choices that share leading tokens; beside it the same
+  judgment on the model's own decoder (``Judge(lean=False)``, the generic pass);
 * where choices share leading tokens, exactness needs the trie's inner tokens too, so the
   floor is one bare forward pass over the prompt plus those tokens: the ratio to that floor
   is reported as well;
@@ -92,7 +93,7 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def bench_row(judge: Judge, choices: list[str], reps: int) -> dict[str, Any]:
+def bench_row(judge: Judge, generic: Judge, choices: list[str], reps: int) -> dict[str, Any]:
     prepared = judge.prepare(Query(prompt=PROMPT, choices=choices))
     trie = prepared.trie
     prompt_ids = torch.tensor(
@@ -110,6 +111,7 @@ def bench_row(judge: Judge, choices: list[str], reps: int) -> dict[str, Any]:
 
     contenders = {
         "judge": lambda: judge.judge(PROMPT, choices),
+        "generic": lambda: generic.judge(PROMPT, choices),
         "bare": bare(prompt_ids),
         "floor": bare(floor_ids),
     }
@@ -121,11 +123,9 @@ def bench_row(judge: Judge, choices: list[str], reps: int) -> dict[str, Any]:
             samples[name].append(timed(fn))
     judge_ms, bare_ms, floor_ms = (median_ms(samples[k]) for k in ("judge", "bare", "floor"))
 
-    def paired(base: str) -> float:
+    def paired(base: str, name: str = "judge") -> float:
         # The median of rep-by-rep ratios: a slow phase of the machine hits both sides of a pair.
-        return statistics.median(
-            j / b for j, b in zip(samples["judge"], samples[base], strict=True)
-        )
+        return statistics.median(j / b for j, b in zip(samples[name], samples[base], strict=True))
 
     return {
         "choices": len(choices),
@@ -136,6 +136,11 @@ def bench_row(judge: Judge, choices: list[str], reps: int) -> dict[str, Any]:
         "floor_ms": floor_ms,
         "ratio_to_bare": paired("bare"),
         "ratio_to_floor": paired("floor"),
+        # The same judgment on the model's own decoder (the generic pass, as before the lean
+        # one), side by side.
+        "generic_ms": median_ms(samples["generic"]),
+        "generic_ratio_to_floor": paired("floor", "generic"),
+        "ratio_to_generic": paired("generic"),
     }
 
 
@@ -147,20 +152,26 @@ def batch_queries(items: int) -> list[Query]:
     ]
 
 
-def bench_batch(judge: Judge, items: int, reps: int) -> dict[str, Any]:
+def bench_batch(judge: Judge, generic: Judge, items: int, reps: int) -> dict[str, Any]:
     queries = batch_queries(items)
     sequential = lambda: [judge.judge(q.prompt, q.choices) for q in queries]  # noqa: E731
     batched = lambda: judge.judge_batch(queries)  # noqa: E731
+    generic_batched = lambda: generic.judge_batch(queries)  # noqa: E731
     batched()
-    samples: dict[str, list[float]] = {"sequential": [], "batched": []}
+    generic_batched()
+    samples: dict[str, list[float]] = {"sequential": [], "batched": [], "generic": []}
     for _ in range(reps):
         samples["sequential"].append(timed(sequential))
         samples["batched"].append(timed(batched))
-    seq_s, bat_s = (statistics.median(samples[k]) for k in ("sequential", "batched"))
+        samples["generic"].append(timed(generic_batched))
+    seq_s, bat_s, gen_s = (
+        statistics.median(samples[k]) for k in ("sequential", "batched", "generic")
+    )
     return {
         "items": items,
         "sequential_items_per_s": items / seq_s,
         "batched_items_per_s": items / bat_s,
+        "generic_batched_items_per_s": items / gen_s,
         "speedup": seq_s / bat_s,
         "max_batch_size": judge.max_batch_size,
     }
@@ -246,6 +257,13 @@ def main() -> None:
     # The cache off: these rows measure one pass against a bare pass over the same tokens
     # (bench_prefix_cache.py measures what the cache saves).
     judge = Judge.load(dtype=args.dtype, prefix_cache_mb=0, batch_invariant=not args.batch_variant)
+    generic = Judge(
+        judge.model,
+        judge.tokenizer,
+        prefix_cache_mb=0,
+        batch_invariant=judge.batch_invariant,
+        lean=False,
+    )
     machine = {
         "cpu": cpu_model(),
         "torch_threads": torch.get_num_threads(),
@@ -254,6 +272,7 @@ def main() -> None:
         "dtype": judge.dtype,
         "model": judge.model_id,
         "batch_invariant": judge.batch_invariant,
+        "lean": judge._lean is not None,
     }
     print(f"# {machine}")
     feature_items, feature_reps = (8, 2) if args.quick else (args.feature_items, args.feature_reps)
@@ -270,13 +289,14 @@ def main() -> None:
         ("shared", shared_choices),
     ):
         for n in counts:
-            row = {"kind": kind, **bench_row(judge, make(n), reps)}
+            row = {"kind": kind, **bench_row(judge, generic, make(n), reps)}
             rows.append(row)
             print(_format_row(row), flush=True)
-    batch = bench_batch(judge, 8 if args.quick else 32, 1 if args.quick else 3)
+    batch = bench_batch(judge, generic, 8 if args.quick else 32, 1 if args.quick else 3)
     print(
         f"judge_batch {batch['items']} items: {batch['batched_items_per_s']:.1f} items/s batched, "
-        f"{batch['sequential_items_per_s']:.1f} items/s sequential, x{batch['speedup']:.2f}"
+        f"{batch['sequential_items_per_s']:.1f} items/s sequential, x{batch['speedup']:.2f}; "
+        f"generic pass batched {batch['generic_batched_items_per_s']:.1f} items/s"
     )
     result = {"machine": machine, "quick": args.quick, "reps": reps, "rows": rows, "batch": batch}
     if not args.quick:
@@ -289,7 +309,9 @@ def _format_row(row: Mapping[str, Any]) -> str:
     return (
         "{kind:9} {choices:4} choices  prompt {prompt_tokens:4} tok  inner {inner_tokens:3} tok  "
         "judge {judge_ms:7.1f} ms  bare {bare_ms:7.1f} ms  floor {floor_ms:7.1f} ms  "
-        "x bare {ratio_to_bare:5.2f}  x floor {ratio_to_floor:5.2f}"
+        "x bare {ratio_to_bare:5.2f}  x floor {ratio_to_floor:5.2f}  "
+        "generic {generic_ms:7.1f} ms (x floor {generic_ratio_to_floor:5.2f})  "
+        "x generic {ratio_to_generic:5.2f}"
     ).format(**row)
 
 

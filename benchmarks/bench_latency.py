@@ -64,7 +64,7 @@ from judge.atomicio import write_text
 from judge.engine import json_escape
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONTENDERS = ("judge", "bare", "generate", "per_choice", "constrained")
+CONTENDERS = ("judge", "judge_generic", "bare", "generate", "per_choice", "constrained")
 LENGTHS = (100, 500, 2000)
 CHOICE_COUNTS = (2, 4, 16, 64)
 REPS = {100: 15, 500: 7, 2000: 5}  # per target length: a full run fits in 60 minutes
@@ -172,6 +172,7 @@ class Contenders:
 
     def __init__(self, judge: Judge, prompt: str, choices: list[str], slack: int) -> None:
         self.judge = judge
+        self.generic = Judge(judge.model, judge.tokenizer, prefix_cache_mb=0, lean=False)
         self.model: Any = judge.model  # the transformers causal LM
         self.prompt = prompt
         self.choices = choices
@@ -188,6 +189,10 @@ class Contenders:
 
     def run_judge(self) -> str | None:
         return self.judge.judge(self.prompt, self.choices).choice
+
+    def run_judge_generic(self) -> str | None:
+        """The same judgment on the model's own decoder (the generic pass, as before)."""
+        return self.generic.judge(self.prompt, self.choices).choice
 
     def run_bare(self) -> str | None:
         with torch.inference_mode():
@@ -248,6 +253,7 @@ class Contenders:
     def functions(self) -> dict[str, Callable[[], str | None]]:
         return {
             "judge": self.run_judge,
+            "judge_generic": self.run_judge_generic,
             "bare": self.run_bare,
             "generate": self.run_generate,
             "per_choice": self.run_per_choice,

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 import torch
-from benchlib import cpu_model
+from benchlib import cpu_flags, cpu_model
 from transformers import DynamicCache
 
 from calibration.tasks import load_split, load_task
@@ -149,14 +149,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--http-requests", type=int, default=48, help="per concurrency level")
     parser.add_argument("--quick", action="store_true", help="4 items per choice set, no HTTP")
+    parser.add_argument(
+        "--generic",
+        action="store_true",
+        help="the model's own decoder instead of the lean pass (the engine before it)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_prefix_cache.json")
     args = parser.parse_args()
     n_items = 4 if args.quick else args.items
 
-    off = Judge.load(dtype=args.dtype, prefix_cache_mb=0, system=RUBRIC)
+    lean = not args.generic
+    off = Judge.load(dtype=args.dtype, prefix_cache_mb=0, system=RUBRIC, lean=lean)
 
     def cached_engine() -> Judge:
-        return Judge(off.model, off.tokenizer, model_id=off.model_id, system=RUBRIC)
+        return Judge(off.model, off.tokenizer, model_id=off.model_id, system=RUBRIC, lean=lean)
 
     cold, warm = cached_engine(), cached_engine()
     assert cold.prefix_cache is not None and warm.prefix_cache is not None
@@ -219,12 +225,16 @@ def main() -> None:
     result = {
         "machine": {
             "cpu": cpu_model(),
+            "flags": cpu_flags(),
             "torch_threads": torch.get_num_threads(),
             "dtype": off.dtype,
+            "lean": lean,
         },
         "head_tokens": head_tokens,
         "rows": rows,
-        "http": [] if args.quick else http_rows(items(off, 2 * args.http_requests), args.dtype),
+        "http": []
+        if args.quick
+        else http_rows(items(off, 2 * args.http_requests), args.dtype, lean),
         "quick": args.quick,
     }
     lines = [
@@ -256,7 +266,7 @@ def main() -> None:
     write_text(args.out, json.dumps(result, indent=2))
 
 
-def http_rows(texts: list[str], dtype: str) -> list[dict[str, Any]]:
+def http_rows(texts: list[str], dtype: str, lean: bool = True) -> list[dict[str, Any]]:
     """Half the texts at concurrency 1, the other half at 16, so that no level finds another's
     items cached."""
     from bench_service import free_port, load, start_server, stop_server
@@ -265,7 +275,8 @@ def http_rows(texts: list[str], dtype: str) -> list[dict[str, Any]]:
     out = []
     for mb in (0, 256):
         port = free_port()
-        server = start_server(port, 16, dtype, ["--prefix-cache-mb", str(mb)])
+        flags = ["--prefix-cache-mb", str(mb)] + ([] if lean else ["--generic-pass"])
+        server = start_server(port, 16, dtype, flags)
         try:
             url = f"http://127.0.0.1:{port}"
             prime = {"prompt": "Not an item.", "choices": ["pass", "fail"], "system": RUBRIC}

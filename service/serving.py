@@ -200,10 +200,11 @@ class Service:
             self.metrics.watch_prefix_cache(cache.stats)
         self.loaded = engine
         log.info(
-            "ready: model %s, dtype %s, batch-invariant %s",
+            "ready: model %s, dtype %s, batch-invariant %s, %s pass",
             engine.model_id,
             engine.dtype,
             getattr(engine, "batch_invariant", False),
+            "lean" if getattr(engine, "_lean", None) is not None else "generic",
         )
 
     def _check_budget(self, engine: Engine) -> None:

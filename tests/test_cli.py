@@ -396,11 +396,15 @@ def test_serve_passes_its_settings_to_the_app_and_the_loader(
     assert seen["loader"]() == "engine"  # the model loads in the server, with the cache budget
     assert seen["load"]["prefix_cache_mb"] == 12.5
     assert seen["load"]["batch_invariant"] is True  # the default; --batch-variant opts out
+    assert seen["load"]["lean"] is True  # the default; --generic-pass opts out
     # The engine packs its passes to the server's budget: one number everywhere.
     assert seen["load"]["max_batch_tokens"] == seen["config"].max_batch_tokens
     assert main(["serve", "--batch-variant", "--profiles-dir", str(tmp_path)]) == 0
     seen["loader"]()
     assert seen["load"]["batch_invariant"] is False
+    assert main(["serve", "--generic-pass", "--profiles-dir", str(tmp_path)]) == 0
+    seen["loader"]()
+    assert seen["load"]["lean"] is False
     with pytest.raises(SystemExit):
         main(["serve", "--prefix-cache-mb", "-1"])
     # The key: from a file (never the command line, where `ps` shows it), else the environment.

@@ -205,6 +205,12 @@ def parser() -> argparse.ArgumentParser:
         help="faster arithmetic, without the guarantee that a judgment's probabilities do "
         "not depend on its batch or the prefix cache (in bfloat16 they move by up to 0.02)",
     )
+    serve.add_argument(
+        "--generic-pass",
+        action="store_true",
+        help="run the model's own decoder instead of the lean pass that Llama-family models "
+        "take (slower; as exact; for comparison)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--profiles-dir", type=Path, default=Path("profiles"))

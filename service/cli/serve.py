@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         prefix_cache_mb=args.prefix_cache_mb,
         batch_invariant=not args.batch_variant,
+        lean=not args.generic_pass,
         **config.engine_options,  # the engine packs passes to --max-batch-tokens too
     )
     if getattr(args, "ray", False):

@@ -1,0 +1,303 @@
+"""The fixed cost of a pass: one-token passes and ~105-token judgments against their arithmetic.
+
+A judgment is one forward pass, so what a pass costs beyond its arithmetic is paid by every
+judgment. Measured in one process, side by side, the four ways of running a pass taking turns
+rep by rep: the lean pass (``judge.decoder``) or the model's own decoder (the generic pass, as
+before), each in the batch-invariant arithmetic (the default) and the ordinary one.
+
+- **Peak**: ``F.linear`` on the model's own MLP shapes (hidden -> intermediate and back) at 64
+  to 512 rows, in the engine's dtype; the best GFLOP/s is the in-process matmul peak.
+- **Weight floor**: a pass reads every decoder weight once; their bytes over the bandwidth of
+  reading a 1 GiB tensor in this process is what a one-token pass cannot beat.
+- **One-token pass**: the decoder over one token, as the last step of a warm call is.
+- **Judgment**: ``Judge.judge`` of a two-choice SMS prompt of about 105 tokens, the prefix
+  cache off, and the bare ``model(ids, logits_to_keep=1)`` over the same tokens.
+- **Start-up** (``--startup``): ``Judge.load()`` and a first judgment in a fresh process, with
+  an empty cache directory (a first start: the GGUF is de-quantized) and again (a later start).
+
+"x arithmetic" is a pass's time over its arithmetic at the peak (its linear layers' and
+attention's FLOPs); "share of peak" is the inverse for the judgment. Prints the tables and
+writes ``benchmarks/results/bench_pass.json``.
+
+    python benchmarks/bench_pass.py [--dtype auto|float32|bfloat16] [--reps 15] [--startup] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from benchlib import cpu_flags, cpu_model
+from torch.nn import functional as F
+
+from judge import Judge
+from judge.atomicio import write_text
+from judge.attention import Lanes
+from judge.batch_invariant import invariant_ops
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPT = (
+    "Is this SMS spam? WINNER!! As a valued network customer you have been selected to receive "
+    "a 900 prize reward! To claim call 09061701461. Claim code KL341. Valid 12 hours only. "
+    "Reply STOP to end, or text HELP for more. Standard rates apply, 18+ only."
+)
+CHOICES = ["spam", "ham"]
+ARMS = [("lean", True), ("generic", True), ("lean", False), ("generic", False)]
+
+
+def arm_name(path: str, invariant: bool) -> str:
+    return f"{path}, {'invariant' if invariant else 'variant'}"
+
+
+def timed(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Milliseconds of each function, taking turns rep by rep after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def matmul_peak(model: Any, reps: int) -> dict[str, Any]:
+    """The best GFLOP/s of F.linear on the model's MLP shapes, in its dtype."""
+    mlp: Any = model.get_decoder().layers[0].mlp
+    best: dict[str, Any] = {"gflops": 0.0}
+    for weight in (mlp.up_proj.weight, mlp.down_proj.weight):
+        w = weight.detach().clone()
+        for rows in (64, 128, 256, 512):
+            x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+            ms = min(timed({"mm": functools.partial(F.linear, x, w)}, reps)["mm"])
+            gflops = 2 * rows * w.shape[0] * w.shape[1] / ms / 1e6
+            if gflops > best["gflops"]:
+                best = {"gflops": gflops, "rows": rows, "shape": list(w.shape)}
+    return best
+
+
+def read_bandwidth() -> float:
+    """GB/s of summing a 1 GiB float32 tensor (far larger than the caches)."""
+    x = torch.ones(2**28)
+    ms = min(timed({"sum": lambda: x.sum()}, 5)["sum"])
+    return x.nbytes / ms / 1e6
+
+
+def linear_params(model: Any) -> tuple[int, int]:
+    """(elements, bytes) of the decoder blocks' linear weights."""
+    elements = nbytes = 0
+    for module in model.get_decoder().layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            elements += module.weight.numel()
+            nbytes += module.weight.numel() * module.weight.element_size()
+    return elements, nbytes
+
+
+def pass_flops(model: Any, tokens: int, params: int, roots: int = 0) -> float:
+    """Linear layers, causal attention (scores and weighted values) and the roots' LM head."""
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    attention = 4 * config.num_attention_heads * head_dim * tokens * (tokens + 1) / 2
+    head = 2 * roots * config.vocab_size * config.hidden_size
+    return 2 * tokens * params + config.num_hidden_layers * attention + head
+
+
+def one_token(judge: Judge, invariant: bool) -> Callable[[], object]:
+    ids = torch.tensor([judge.tokenizer("Hello").input_ids[-1]])
+    if judge._lean is not None:
+        lean = judge._lean
+        lanes = Lanes.build([([0], [0], torch.ones(1, 1, dtype=torch.bool))], 1, pad_key=1)
+        at = torch.tensor([0])
+        return lambda: lean.run(ids, torch.tensor([0]), lanes, None, at, at)
+    decoder = judge.model.get_decoder()
+
+    def generic() -> object:
+        with torch.inference_mode(), invariant_ops() if invariant else _nothing():
+            return decoder(input_ids=ids[None], use_cache=False)
+
+    return generic
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def bench_passes(base: Judge, reps: int) -> dict[str, Any]:
+    model, tokenizer = base.model, base.tokenizer
+    judges = {
+        arm_name(path, inv): Judge(
+            model, tokenizer, prefix_cache_mb=0, lean=path == "lean", batch_invariant=inv
+        )
+        for path, inv in ARMS
+    }
+    prepared = base.prepare({"prompt": PROMPT, "choices": CHOICES})
+    ids = torch.tensor([prepared.trie.context])
+
+    def bare() -> object:
+        with torch.inference_mode():
+            return model(ids, logits_to_keep=1)
+
+    one = timed(
+        {name: one_token(j, name.endswith("invariant")) for name, j in judges.items()}, reps
+    )
+    fns: dict[str, Callable[[], object]] = {
+        name: functools.partial(j.judge, PROMPT, CHOICES) for name, j in judges.items()
+    }
+    fns["bare pass"] = bare
+    judged = timed(fns, reps)
+    return {
+        "prompt_tokens": prepared.prompt_tokens,
+        "computed_tokens": prepared.tokens,
+        "one_token_ms": one,
+        "judgment_ms": judged,
+    }
+
+
+def startup(dtype: str, reps: int) -> dict[str, Any]:
+    """Seconds from a fresh process to its first judgment, with an empty cache directory and
+    again with the one it left, for the lean and the generic pass."""
+    code = (
+        "import sys, time; t = time.perf_counter(); from judge import Judge; "
+        f"j = Judge.load(dtype={dtype!r}, lean=sys.argv[1] == 'lean'); "
+        "j.judge('Is this spam? Win a prize now!', ['spam', 'ham']); "
+        "print(time.perf_counter() - t)"
+    )
+    out: dict[str, Any] = {}
+    for path in ("lean", "generic"):
+        for _ in range(reps):
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "JUDGE_CACHE_DIR": cache}
+                for start in ("first", "later"):
+                    run = subprocess.run(
+                        [sys.executable, "-c", code, path],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
+                    seconds = float(run.stdout.strip().splitlines()[-1])
+                    out.setdefault(f"{path}, {start} start", []).append(seconds)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--startup", action="store_true", help="also time fresh processes")
+    parser.add_argument("--quick", action="store_true", help="3 reps, no start-up")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    reps = 3 if args.quick else args.reps
+
+    base = Judge.load(dtype=args.dtype, prefix_cache_mb=0)
+    dtype = base.dtype
+    elements, nbytes = linear_params(base.model)
+    peak = matmul_peak(base.model, reps)
+    bandwidth = read_bandwidth()
+    passes = bench_passes(base, reps)
+
+    floor_ms = nbytes / bandwidth / 1e6
+    one_flops = pass_flops(base.model, 1, elements)
+    judgment_flops = pass_flops(base.model, passes["computed_tokens"], elements, roots=1)
+    peak_ms = lambda flops: flops / peak["gflops"] / 1e6  # noqa: E731
+
+    print(f"{cpu_model()} ({', '.join(cpu_flags())}); torch {torch.__version__}, ", end="")
+    print(f"{torch.get_num_threads()} threads; {dtype}; {reps} reps")
+    print(
+        f"matmul peak {peak['gflops']:.0f} GFLOP/s (F.linear {peak['shape']}, {peak['rows']} rows)"
+    )
+    print(f"decoder linear weights {nbytes / 2**20:.0f} MiB, read at {bandwidth:.1f} GB/s: ")
+    print(f"  a pass reads them in {floor_ms:.2f} ms at least")
+    print()
+    print("| pass | 1-token ms (min) | x arithmetic | x weight floor |")
+    print("|---|---|---|---|")
+    rows = []
+    for name, times in passes["one_token_ms"].items():
+        med = statistics.median(times)
+        arithmetic = med / peak_ms(one_flops)
+        row = {"arm": name, "one_token_ms": med, "one_token_min_ms": min(times)}
+        row |= {"one_token_x_arithmetic": arithmetic, "one_token_x_floor": med / floor_ms}
+        rows.append(row)
+        print(
+            f"| {name} | {med:.2f} ({min(times):.2f}) | {arithmetic:.1f} | {med / floor_ms:.2f} |"
+        )
+    print()
+    tokens = passes["computed_tokens"]
+    print(f"Judgment: {passes['prompt_tokens']} prompt tokens, {tokens} computed")
+    print("| pass | ms (min) | share of peak | x bare pass | x generic, invariant |")
+    print("|---|---|---|---|---|")
+    judged = passes["judgment_ms"]
+    bare = judged["bare pass"]
+    before = judged[arm_name("generic", True)]
+    for name, times in judged.items():
+        med = statistics.median(times)
+        share = peak_ms(judgment_flops) / med
+        x_bare = statistics.median(t / b for t, b in zip(times, bare, strict=True))
+        x_before = statistics.median(t / b for t, b in zip(times, before, strict=True))
+        print(
+            f"| {name} | {med:.1f} ({min(times):.1f}) | {share:.0%} | {x_bare:.2f} | {x_before:.2f} |"
+        )
+        match = next((r for r in rows if r["arm"] == name), None)
+        values = {"judgment_ms": med, "judgment_min_ms": min(times), "share_of_peak": share}
+        values |= {"x_bare": x_bare, "x_generic_invariant": x_before}
+        if match is None:
+            rows.append({"arm": name, **values})
+        else:
+            match.update(values)
+
+    result: dict[str, Any] = {
+        "machine": {
+            "cpu": cpu_model(),
+            "flags": cpu_flags(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "dtype": dtype,
+        "reps": reps,
+        "peak": peak,
+        "read_gb_s": bandwidth,
+        "linear_weights_bytes": nbytes,
+        "weight_floor_ms": floor_ms,
+        "one_token_flops": one_flops,
+        "judgment_flops": judgment_flops,
+        "prompt_tokens": passes["prompt_tokens"],
+        "computed_tokens": tokens,
+        "rows": rows,
+        "raw": passes,
+    }
+    if args.startup and not args.quick:
+        seconds = startup(args.dtype, 2)
+        result["startup_s"] = seconds
+        print()
+        print("| start | seconds to the first judgment (each run) |")
+        print("|---|---|")
+        for name, values in seconds.items():
+            print(f"| {name} | {', '.join(f'{v:.1f}' for v in values)} |")
+    out = args.out or RESULTS / f"bench_pass_{dtype}.json"
+    write_text(out, json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
