@@ -1,10 +1,13 @@
 """HTTP load against a running server on loopback, with micro-batching on and off.
 
-Starts ``judge serve`` on a free loopback port (once with ``--max-batch-size 16``, once with
-``--max-batch-size 1``), waits for ``/ready``, then at concurrency 1, 4, 16 and 64 sends a
-fixed number of ``POST /judge`` requests (distinct SMS-style prompts, two choices) and
-reports throughput and p50/p95/p99 latency. Zero errors are expected; any are counted and
-reported. Prints the table and writes ``benchmarks/results/bench_service.json``.
+Starts ``judge serve`` on a free loopback port (with ``--max-batch-size 16`` and the default
+``--max-wait-ms 5``, which waits only after a pass of several; with ``--max-wait-ms 0``, never
+waiting; and with ``--max-batch-size 1``), waits for
+``/ready``, then at concurrency 1, 4, 16 and 64 sends a fixed number of ``POST /judge``
+requests (distinct SMS-style prompts, two choices) and reports throughput, p50/p95/p99
+latency and, per request, what HTTP adds to the engine: the client's latency less the
+``latency_ms`` the engine measured for the same judgment. Zero errors are expected; any are
+counted and reported. Prints the table and writes ``benchmarks/results/bench_service.json``.
 
     python benchmarks/bench_service.py [--requests 128] [--quick]
 """
@@ -106,6 +109,7 @@ async def load(
     """Send ``requests`` requests (the i-th is ``body(i)``) with at most ``concurrency`` in
     flight."""
     latencies: list[float] = []
+    over_engine: list[float] = []  # ms the request took beyond its engine's own latency_ms
     errors: dict[str, int] = {}
     replicas: dict[str, int] = {}  # which replica answered (X-Judge-Replica), for bench_ray
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -123,11 +127,15 @@ async def load(
                 r = await client.post(f"{url}/judge", json=body(i))
                 replica = r.headers.get("x-judge-replica", "?")
                 replicas[replica] = replicas.get(replica, 0) + 1
+                took = time.perf_counter() - start
                 if r.status_code != 200:
                     errors[str(r.status_code)] = errors.get(str(r.status_code), 0) + 1
+                elif isinstance(engine_ms := r.json().get("latency_ms"), int | float):
+                    over_engine.append(took * 1000 - engine_ms)
             except httpx.HTTPError as exc:
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-            latencies.append(time.perf_counter() - start)
+                took = time.perf_counter() - start
+            latencies.append(took)
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
@@ -143,6 +151,7 @@ async def load(
         "p50_ms": float(np.percentile(ms, 50)),
         "p95_ms": float(np.percentile(ms, 95)),
         "p99_ms": float(np.percentile(ms, 99)),
+        "over_engine_p50_ms": float(np.median(over_engine)) if over_engine else None,
         "errors": errors,
         "per_replica": replicas,
     }
@@ -159,9 +168,11 @@ def main() -> None:
     requests = 12 if args.quick else args.requests
 
     rows = []
-    for batching, batch_size in (("on", 16), ("off", 1)):
+    # The default waits up to 5 ms for company after a shared pass; "no wait" never waits.
+    configs = (("on", 16, "5"), ("on, no wait", 16, "0"), ("off", 1, "0"))
+    for batching, batch_size, wait in configs:
         port = free_port()
-        server = start_server(port, batch_size, args.dtype)
+        server = start_server(port, batch_size, args.dtype, ["--max-wait-ms", wait])
         try:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(load(url, 2, 4))  # warm-up
@@ -171,23 +182,26 @@ def main() -> None:
                 print(
                     f"batching {batching:3}  concurrency {concurrency:3}  {row['throughput_rps']:6.2f} req/s  "
                     f"p50 {row['p50_ms']:7.1f} ms  p95 {row['p95_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms  "
-                    f"errors {row['errors'] or 0}",
+                    f"over engine p50 {row['over_engine_p50_ms'] or 0:5.2f} ms  errors {row['errors'] or 0}",
                     flush=True,
                 )
         finally:
             stop_server(server)
-    speedups = {
-        c: next(
-            r["throughput_rps"] for r in rows if r["batching"] == "on" and r["concurrency"] == c
+
+    def rps(batching: str, c: int) -> float:
+        return next(
+            r["throughput_rps"] for r in rows if r["batching"] == batching and r["concurrency"] == c
         )
-        / next(
-            r["throughput_rps"] for r in rows if r["batching"] == "off" and r["concurrency"] == c
-        )
-        for c in levels
-    }
+
+    speedups = {c: rps("on", c) / rps("off", c) for c in levels}
+    waiting = {c: rps("on", c) / rps("on, no wait", c) for c in levels}
     print(
         "throughput, batching on / off: "
         + ", ".join(f"c={c}: x{s:.2f}" for c, s in speedups.items())
+    )
+    print(
+        "throughput, waiting after a shared pass / never: "
+        + ", ".join(f"c={c}: x{s:.2f}" for c, s in waiting.items())
     )
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()}
     result = {
@@ -196,6 +210,7 @@ def main() -> None:
         "dtype": args.dtype,
         "rows": rows,
         "speedup": speedups,
+        "waiting_over_never": waiting,
     }
     write_text(args.out, json.dumps(result, indent=2))
 

@@ -170,6 +170,37 @@ def test_a_pass_holds_at_most_max_batch_tokens() -> None:
     assert passes == [3, 3, 1]
 
 
+def test_a_lone_client_never_waits_but_a_pass_after_a_shared_one_waits_for_company() -> None:
+    passes: list[list[str]] = []
+
+    def run(queries: Sequence[Prepared]) -> list[Judgment]:
+        passes.append([q.prompt for q in queries])
+        return FAKE.run(queries)
+
+    async def main() -> float:
+        batcher = Batcher(run, max_batch_size=16, max_wait_ms=400)
+        batcher.start()
+        deadline = time.monotonic() + 10
+        start = time.monotonic()
+        await batcher.judge(prepared("alone"), owner="a", deadline=deadline)
+        alone_s = time.monotonic() - start
+        # Two at once share a pass; the next pass then waits for company.
+        await asyncio.gather(
+            batcher.judge(prepared("x"), owner="x", deadline=deadline),
+            batcher.judge(prepared("y"), owner="y", deadline=deadline),
+        )
+        first = asyncio.ensure_future(batcher.judge(prepared("p"), owner="p", deadline=deadline))
+        await asyncio.sleep(0.05)  # within the wait: it joins the pass "p" is waiting in
+        await batcher.judge(prepared("q"), owner="q", deadline=deadline)
+        await first
+        await batcher.stop()
+        return alone_s
+
+    alone_s = asyncio.run(main())
+    assert alone_s < 0.3  # it did not wait out the 400 ms
+    assert passes == [["alone"], ["x", "y"], ["p", "q"]]
+
+
 def test_jobs_whose_waiter_left_or_whose_deadline_passed_are_dropped_unrun() -> None:
     judged: list[str] = []
 
