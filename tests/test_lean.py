@@ -162,6 +162,34 @@ def test_the_modules_keep_views_of_the_fused_weights(judge: Judge) -> None:
         assert torch.equal(model(ids).logits, before)  # the model's own pass is unchanged
 
 
+@pytest.mark.parametrize("change", ["in place", "load_state_dict", "a new parameter"])
+def test_weights_changed_after_the_judge_was_built_are_the_ones_judged(
+    judge: Judge, change: str
+) -> None:
+    """The packed weights are copies: a model changed afterwards is packed again."""
+    model = tiny("llama")
+    lean = Judge(model, judge.tokenizer, prefix_cache_mb=0)
+    before = lean.judge(PROMPT, ["spam", "ham"]).probs
+    other = tiny("llama", seed=5)
+    with torch.no_grad():
+        if change == "in place":
+            for p, q in zip(model.parameters(), other.parameters(), strict=True):
+                p.copy_(q)
+        elif change == "load_state_dict":
+            model.load_state_dict(other.state_dict())
+        else:  # a module given another tensor: only a new Judge looks for that
+            for name in ("q_proj", "o_proj"):
+                old = getattr(other.model.layers[0].self_attn, name).weight
+                setattr(model.model.layers[0].self_attn, name, torch.nn.Linear(32, 32, bias=False))
+                getattr(model.model.layers[0].self_attn, name).weight.data = old.clone()
+            lean = Judge(model, judge.tokenizer, prefix_cache_mb=0)
+    after = lean.judge(PROMPT, ["spam", "ham"])
+    generic = Judge(model, judge.tokenizer, prefix_cache_mb=0, lean=False)
+    want = generic.judge(PROMPT, ["spam", "ham"])
+    assert after.probs != before
+    assert after.probs == pytest.approx(want.probs, abs=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "mistral, sliding window", "qwen2, one sliding layer"])
 def test_a_model_the_lean_pass_does_not_cover_takes_the_generic_one(
     judge: Judge, kind: str, caplog: pytest.LogCaptureFixture
