@@ -8,20 +8,21 @@ its trie were judged alone, its prefix read from the cache or not: a chain key a
 position, a branch key right after the chain, in order. Only keys a query may not see differ
 between those cases, and they weigh exactly zero.
 
-``blocked_attention`` (the batch-invariant arithmetic) computes every lane the same way: in
-float32, queries in blocks of ``QUERY_BLOCK`` and keys in blocks of ``KEY_BLOCK``, so every
-matrix product has one fixed shape; a block's scores, its exponentials and its weighted values
-then do not depend on the other blocks in the product (measured: a batched float32 product
-gives each block the same bits whatever the batch count or the block's place in it). The
-softmax takes the exact maximum over all of a query's keys, and the blocks' sums are added in
-key order, one block after the other; a block of keys a query cannot see adds an exact zero.
-So a query's result depends on its own keys only, not on its neighbours, the padding, the
-number of lanes or how much of its prefix came from the cache. A group of query blocks stops
-at the last key block any of its queries sees, which skips the masked half of a long causal
-pass without changing a sum.
+``blocked_attention`` (the batch-invariant arithmetic) gives every query the same work
+whatever surrounds it: PyTorch's fused attention (``scaled_dot_product_attention``) on blocks
+of exactly ``QUERY_BLOCK`` queries of one lane, over that lane's keys from the first, padded
+with hidden keys to a multiple of ``KEY_BLOCK``. On the CPU the fused kernel splits a call of
+32 queries and 512·k keys into one block of queries and blocks of 512 keys, and folds the key
+blocks in order into a running softmax, so a query's numbers depend on its own keys, in their
+own places, and on nothing else: not on the other queries of its block, the other blocks or
+lanes in the call, or how many blocks of keys it cannot see follow (they add exact zeros).
+This is measured, not promised by PyTorch: ``tests/test_lean.py`` checks each of those cases
+bit for bit, and ``tests/test_invariance.py`` whole judgments on the default model. A lane's
+blocks of queries are grouped by the keys they need, so a long causal lane does not pay for the
+masked half of its keys beyond one block of 512.
 
-``lane_sdpa`` is the ordinary arithmetic over the same lanes: PyTorch's fused attention in the
-model's dtype, faster and not invariant.
+``lane_sdpa`` is the ordinary arithmetic over the same lanes: one fused call for all lanes,
+keys padded only to a multiple of 64; faster for a batch, and not invariant.
 """
 
 from __future__ import annotations
@@ -32,18 +33,31 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-__all__ = ["KEY_BLOCK", "QUERY_BLOCK", "QUERY_GROUP", "Lanes", "blocked_attention", "lane_sdpa"]
+__all__ = ["KEY_BLOCK", "QUERY_BLOCK", "Lanes", "blocked_attention", "lane_sdpa"]
 
-# Queries and keys per block of the invariant attention: every product is (G*32, D) x (D, 64)
-# or (G*32, 64) x (64, D) for G query heads per key head.
+# Queries per call block, and the multiple the invariant arithmetic pads keys to: the fused
+# kernel's own block sizes for calls of this shape, so that every call splits the same way.
 QUERY_BLOCK = 32
-KEY_BLOCK = 64
-# Query blocks whose scores exist at once: (heads, lanes, 256 queries, keys) floats.
-QUERY_GROUP = 8
+KEY_BLOCK = 512
+# Keys are padded to a multiple of this in the ordinary arithmetic.
+ORDINARY_KEY_BLOCK = 64
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One fused call of the invariant arithmetic: query blocks [first, end) of one lane,
+    over the lane's first ``keys`` keys."""
+
+    lane: int
+    first: int
+    end: int
+    queries: torch.Tensor  # ((end - first) * QUERY_BLOCK,) long: fed indices (padding: 0)
+    visible: torch.Tensor  # (end - first, 1, QUERY_BLOCK, keys) bool
+    keys: int
 
 
 @dataclass(frozen=True)
@@ -55,13 +69,14 @@ class Lanes:
     into the fed tokens (a padding slot reads query 0, and its result is never read).
     """
 
-    key_index: torch.Tensor  # (L, S) long, S a multiple of KEY_BLOCK
+    key_index: torch.Tensor  # (L, S) long
     query_index: torch.Tensor  # (L, Q) long, Q a multiple of QUERY_BLOCK
     visible: torch.Tensor  # (L, Q, S) bool: the query may see the key
-    back: torch.Tensor  # (n_fed,) long: each fed token's row in the (L * Q) lane outputs
     n_fed: int
-    # Per group of query blocks: (first block, end block, key blocks any of its queries sees).
-    groups: tuple[tuple[int, int, int], ...]
+    # The invariant arithmetic's calls, and each fed token's row in their outputs, one call
+    # after the other; without ``blocked``, each fed token's row in the (L * Q) lane outputs.
+    calls: tuple[_Call, ...]
+    back: torch.Tensor  # (n_fed,) long
 
     @classmethod
     def build(
@@ -69,158 +84,125 @@ class Lanes:
         lanes: Sequence[tuple[Sequence[int], Sequence[int], torch.Tensor]],
         n_fed: int,
         pad_key: int,
+        blocked: bool = True,
     ) -> Lanes:
         """``lanes``: per lane, its keys (bank indices), its queries (fed indices) and which
         keys each query sees, (queries, keys) bool. Every fed token is the query of exactly
-        one lane, and every query sees at least one key."""
-        S = _round_up(max(len(k) for k, _, _ in lanes), KEY_BLOCK)
+        one lane, and every query sees at least one key. ``blocked``: laid out for
+        ``blocked_attention`` (keys padded to KEY_BLOCK), else for ``lane_sdpa``."""
+        S = _round_up(max(len(k) for k, _, _ in lanes), KEY_BLOCK if blocked else 64)
         Q = _round_up(max(len(q) for _, q, _ in lanes), QUERY_BLOCK)
         L = len(lanes)
         key_index = torch.full((L, S), pad_key, dtype=torch.long)
         query_index = torch.zeros((L, Q), dtype=torch.long)  # padding reads query 0
         visible = torch.zeros((L, Q, S), dtype=torch.bool)
         visible[:, :, 0] = True  # a padding query sees the lane's first key: no empty softmax
-        back = torch.empty(n_fed, dtype=torch.long)
+        slot = torch.full((L, Q), -1, dtype=torch.long)  # which fed token sits where
         for lane, (keys, queries, seen) in enumerate(lanes):
             fed = torch.tensor(list(queries), dtype=torch.long)
             key_index[lane, : len(keys)] = torch.tensor(list(keys), dtype=torch.long)
             query_index[lane, : len(queries)] = fed
             visible[lane, : len(queries), : len(keys)] = seen
-            back[fed] = lane * Q + torch.arange(len(queries))
-        # Per query block, the key blocks up to the last one any of its queries sees.
-        blocks = visible.view(L, Q // QUERY_BLOCK, QUERY_BLOCK, S // KEY_BLOCK, KEY_BLOCK)
-        seen_blocks = blocks.any(dim=(0, 2, 4))  # (query blocks, key blocks)
-        groups = []
-        for first in range(0, Q // QUERY_BLOCK, QUERY_GROUP):
-            end = min(first + QUERY_GROUP, Q // QUERY_BLOCK)
-            columns = seen_blocks[first:end].any(dim=0).nonzero()
-            groups.append((first, end, int(columns[-1]) + 1))
-        return cls(key_index, query_index, visible, back, n_fed, tuple(groups))
+            slot[lane, : len(queries)] = fed
+        calls: list[_Call] = []
+        rows: list[torch.Tensor] = []  # per call, the fed token of each of its output rows
+        if blocked:
+            for lane, (_, queries, _) in enumerate(lanes):
+                for call in _calls(lane, visible[lane], query_index[lane], len(queries)):
+                    calls.append(call)
+                    rows.append(slot[lane, call.first * QUERY_BLOCK : call.end * QUERY_BLOCK])
+        else:
+            rows = [slot.view(-1)]
+        order = torch.cat(rows)
+        back = torch.empty(n_fed, dtype=torch.long)
+        real = order >= 0
+        back[order[real]] = real.nonzero().view(-1)
+        return cls(key_index, query_index, visible, n_fed, tuple(calls), back)
 
     def to(self, device: torch.device) -> Lanes:
         if device.type == "cpu":
             return self
+        calls = tuple(
+            _Call(c.lane, c.first, c.end, c.queries.to(device), c.visible.to(device), c.keys)
+            for c in self.calls
+        )
         return Lanes(
             self.key_index.to(device),
             self.query_index.to(device),
             self.visible.to(device),
-            self.back.to(device),
             self.n_fed,
-            self.groups,
+            calls,
+            self.back.to(device),
         )
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """The lanes' masks in the blocked layout of one model's heads, made once per pass."""
-
-    lanes: Lanes
-    # Per group: (key blocks, 1, L * query blocks, QUERY_BLOCK * G, KEY_BLOCK) float32 (the 1
-    # spans key heads), query rows in (query, head in group) order: ``bias`` is 0 where a
-    # query sees a key and _HIDDEN where not, ``keep`` 1 and 0.
-    bias: tuple[torch.Tensor, ...]
-    keep: tuple[torch.Tensor, ...]
-
-
-# A finite stand-in for minus infinity: exp() of an infinite or underflowing argument takes a
-# slow path on x86 (12x and 180x measured), so masked scores are pushed far down, every
-# exponent is clamped at _FLOOR (exp(-80) = 2e-35, far below a float32 sum's resolution of a
-# softmax whose largest term is 1) and masked weights are then multiplied by exactly 0.
-_HIDDEN = -1e30
-_FLOOR = -80.0
-
-
-def plan(lanes: Lanes, groups_per_head: int) -> _Plan:
-    """Lay the masks out for ``blocked_attention`` with ``groups_per_head`` query heads per key
-    head (grouped-query attention)."""
-    L, Q, S = lanes.visible.shape
-    G = groups_per_head
-    seen = lanes.visible.view(L, Q // QUERY_BLOCK, QUERY_BLOCK, S // KEY_BLOCK, KEY_BLOCK)
-    seen = seen.permute(3, 0, 1, 2, 4)  # (nk, L, nq, Bq, Bk)
-    bias, keep = [], []
-    for first, end, n_keys in lanes.groups:
-        part = seen[:n_keys, :, first:end, :, None]  # (nkg, L, nqg, Bq, 1, Bk)
-        part = part.expand(-1, -1, -1, -1, G, -1).reshape(
-            n_keys, 1, L * (end - first), QUERY_BLOCK * G, KEY_BLOCK
-        )
-        keep.append(part.float())
-        bias.append(torch.zeros(part.shape, device=part.device).masked_fill_(~part, _HIDDEN))
-    return _Plan(lanes, tuple(bias), tuple(keep))
+def _calls(lane: int, seen: torch.Tensor, queries: torch.Tensor, n: int) -> list[_Call]:
+    """The calls for one lane's first ``n`` queries: runs of query blocks that need the same
+    number of keys, rounded up to KEY_BLOCK."""
+    blocks = _round_up(n, QUERY_BLOCK) // QUERY_BLOCK
+    S = seen.shape[1]
+    by_block = seen[: blocks * QUERY_BLOCK].view(blocks, QUERY_BLOCK, S).any(dim=1)
+    needed = [_round_up(int(b.nonzero()[-1]) + 1, KEY_BLOCK) for b in by_block]
+    out: list[_Call] = []
+    first = 0
+    for i in range(1, blocks + 1):
+        if i == blocks or needed[i] != needed[first]:
+            keys = needed[first]
+            window = seen[first * QUERY_BLOCK : i * QUERY_BLOCK, :keys]
+            out.append(
+                _Call(
+                    lane=lane,
+                    first=first,
+                    end=i,
+                    queries=queries[first * QUERY_BLOCK : i * QUERY_BLOCK].clone(),
+                    visible=window.reshape(i - first, 1, QUERY_BLOCK, keys).clone(),
+                    keys=keys,
+                )
+            )
+            first = i
+    return out
 
 
 def _lane_keys(bank: torch.Tensor, lanes: Lanes) -> torch.Tensor:
-    """(Hkv, K, D) bank -> (Hkv, L, S, D): each lane's keys in its own order."""
+    """(Hkv, K, D) bank -> (L, Hkv, S, D): each lane's keys in its own order."""
     L, S = lanes.key_index.shape
-    return bank.index_select(1, lanes.key_index.view(-1)).view(bank.shape[0], L, S, -1)
+    picked = bank.index_select(1, lanes.key_index.view(-1))
+    return picked.view(bank.shape[0], L, S, -1).transpose(0, 1)
 
 
 def blocked_attention(
-    q: torch.Tensor,
-    bank_k: torch.Tensor,
-    bank_v: torch.Tensor,
-    plan_: _Plan,
-    scale: float,
+    q: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor, lanes: Lanes, scale: float
 ) -> torch.Tensor:
     """Batch-invariant attention: q (N, Hq, D) over each lane's keys in the (Hkv, K, D) banks;
-    returns (N, Hq * D) in q's dtype, computed in float32."""
-    lanes = plan_.lanes
-    N, Hq, D = q.shape
-    Hkv = bank_k.shape[0]
-    G = Hq // Hkv
-    L, Q = lanes.query_index.shape
-    S = lanes.key_index.shape[1]
-    nq, rows = Q // QUERY_BLOCK, QUERY_BLOCK * G
-    # (L * Q, Hkv, G, D) -> (Hkv, L, nq, Bq * G, D): a block's rows are its queries' heads of
-    # one key head. A padding query reads query 0; its row is computed and never read.
-    ql = (q.float() * scale).view(N, Hkv, G, D).index_select(0, lanes.query_index.view(-1))
-    ql = ql.view(L, Q, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, L, nq, rows, D)
-    blocks = (Hkv, L, S // KEY_BLOCK, KEY_BLOCK, D)
-    keys_t = _lane_keys(bank_k.float(), lanes).view(blocks).transpose(-1, -2)  # (.., D, Bk)
-    values = _lane_keys(bank_v.float(), lanes).view(blocks)
+    returns (N, Hq * D) in q's dtype."""
+    Hq, D = q.shape[1:]
+    keys, values = _lane_keys(bank_k, lanes), _lane_keys(bank_v, lanes)  # (L, Hkv, S, D)
     outs = []
-    for (first, end, n_keys), bias, keep in zip(lanes.groups, plan_.bias, plan_.keep, strict=True):
-        n = end - first
-        batch = Hkv * L * n
-        qg = ql[:, :, first:end].reshape(batch, rows, D)
-        # Every product has one shape, (rows, D) x (D, Bk) and (rows, Bk) x (Bk, D): key block
-        # by key block, the block's keys shared (stride 0) by the group's query blocks.
-        scores = q.new_empty((n_keys, batch, rows, KEY_BLOCK), dtype=torch.float32)
-        for block in range(n_keys):
-            k = keys_t[:, :, block : block + 1].expand(Hkv, L, n, D, KEY_BLOCK)
-            torch.bmm(qg, k.reshape(batch, D, KEY_BLOCK), out=scores[block])
-        grid = scores.view(n_keys, Hkv, L * n, rows, KEY_BLOCK).add_(bias)
-        top = grid.amax(dim=(0, 4), keepdim=True)  # exact, whatever the order
-        grid.sub_(top).clamp_(min=_FLOOR).exp_().mul_(keep)
-        weights = scores  # now exp(score - top), exactly 0 where the key is hidden
-        sums = weights.sum(dim=-1)  # (nkg, batch, rows)
-        # One key block after the other, in key order: the same additions for every layout.
-        acc, total = None, sums[0]
-        for block in range(n_keys):
-            v = values[:, :, block : block + 1].expand(Hkv, L, n, KEY_BLOCK, D)
-            part = torch.bmm(weights[block], v.reshape(batch, KEY_BLOCK, D))  # (batch, rows, D)
-            acc = part if acc is None else acc.add_(part)
-            if block:
-                total = total + sums[block]
-        assert acc is not None
-        outs.append((acc / total[..., None]).view(Hkv, L, n, rows, D))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    out = out.view(Hkv, L * Q, G, D).transpose(0, 1).reshape(L * Q, Hq * D)
-    return out.index_select(0, lanes.back).to(q.dtype)
+    for call in lanes.calls:
+        blocks = call.visible.shape[0]
+        qc = q.index_select(0, call.queries).view(blocks, QUERY_BLOCK, Hq, D).transpose(1, 2)
+        # The lane's keys, shared (stride 0) by the call's query blocks.
+        kc = keys[call.lane : call.lane + 1, :, : call.keys].expand(blocks, -1, -1, -1)
+        vc = values[call.lane : call.lane + 1, :, : call.keys].expand(blocks, -1, -1, -1)
+        out = F.scaled_dot_product_attention(
+            qc, kc, vc, attn_mask=call.visible, scale=scale, enable_gqa=True
+        )  # (blocks, Hq, Bq, D)
+        outs.append(out.transpose(1, 2).reshape(blocks * QUERY_BLOCK, Hq * D))
+    return torch.cat(outs).index_select(0, lanes.back)
 
 
 def lane_sdpa(
-    q: torch.Tensor,
-    bank_k: torch.Tensor,
-    bank_v: torch.Tensor,
-    lanes: Lanes,
-    scale: float,
+    q: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor, lanes: Lanes, scale: float
 ) -> torch.Tensor:
-    """The ordinary arithmetic over the same lanes: fused attention in q's dtype."""
+    """The ordinary arithmetic over the same lanes: one fused call in q's dtype."""
     Hq, D = q.shape[1:]
     ql = q[lanes.query_index].transpose(1, 2)  # (L, Hq, Q, D)
-    kl = _lane_keys(bank_k, lanes).transpose(0, 1)  # (L, Hkv, S, D)
-    vl = _lane_keys(bank_v, lanes).transpose(0, 1)
     out = F.scaled_dot_product_attention(
-        ql, kl, vl, attn_mask=lanes.visible[:, None], scale=scale, enable_gqa=True
+        ql,
+        _lane_keys(bank_k, lanes),
+        _lane_keys(bank_v, lanes),
+        attn_mask=lanes.visible[:, None],
+        scale=scale,
+        enable_gqa=True,
     )  # (L, Hq, Q, D)
-    return out.transpose(1, 2).reshape(-1, Hq * D)[lanes.back]
+    return out.transpose(1, 2).reshape(-1, Hq * D).index_select(0, lanes.back)

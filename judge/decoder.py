@@ -324,7 +324,6 @@ class LeanDecoder:
         half = D // 2
         cos = cos[0, :, None]  # (n, 1, D)
         sin = torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
-        plan = attention.plan(lanes, Hq // Hkv) if self.rows else None
         zero = x.new_zeros(Hkv, 1, D)
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         features: dict[int, torch.Tensor] = {}
@@ -344,8 +343,8 @@ class LeanDecoder:
             bank_k = torch.cat([*before, fed_k, zero], dim=1)  # (Hkv, P + N + 1, D)
             before = [past[i][1]] if past else []
             bank_v = torch.cat([*before, fed_v, zero], dim=1)
-            if plan is not None:
-                a = attention.blocked_attention(q[:N], bank_k, bank_v, plan, layer.scale)
+            if self.rows:  # the batch-invariant arithmetic
+                a = attention.blocked_attention(q[:N], bank_k, bank_v, lanes, layer.scale)
             else:
                 a = attention.lane_sdpa(q[:N], bank_k, bank_v, lanes, layer.scale)
             x = x + layer.o(F.pad(a, (0, 0, 0, pad)))  # (n, H)

@@ -351,7 +351,7 @@ def _lean_pass(
     roots = read[torch.tensor(first_node, device=device)]  # (N,)
     ids = torch.tensor([t for r in fed for t in r.tokens], device=device)
     positions = torch.tensor([p for r in fed for p in r.positions], device=device)
-    lanes = _lanes(fed, past, offsets).to(device)
+    lanes = _lanes(fed, past, offsets, blocked=lean.rows is not None).to(device)
     kv = cache.concatenated(chains) if cache is not None and any(chains) else None
     inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
     out = lean.run(ids, positions, lanes, kv, read, roots, inner, keep_kv=cache is not None)
@@ -367,7 +367,9 @@ def _lean_pass(
     return out.hidden, gathered
 
 
-def _lanes(fed: Sequence[_Row], past: Sequence[int], offsets: Sequence[int]) -> Lanes:
+def _lanes(
+    fed: Sequence[_Row], past: Sequence[int], offsets: Sequence[int], blocked: bool
+) -> Lanes:
     """Each row's lanes (``judge.attention``): per trie, the row's past and chain, then the
     trie's branch. The chain's queries read the first lane, each branch's its own. Keys index
     the bank of every row's past (in row order), then every fed token, then a zero key."""
@@ -386,7 +388,7 @@ def _lanes(fed: Sequence[_Row], past: Sequence[int], offsets: Sequence[int]) -> 
             keys = chain_keys + list(range(fed_key + start, fed_key + end))
             visible = seen[queries][:, cols]
             lanes.append((keys, [offsets[b] + q for q in queries], visible))
-    return Lanes.build(lanes, n_fed=offsets[-1], pad_key=total_past + offsets[-1])
+    return Lanes.build(lanes, offsets[-1], pad_key=total_past + offsets[-1], blocked=blocked)
 
 
 def _ancestry(row: _Row, past: int) -> torch.Tensor:
@@ -473,7 +475,9 @@ def prefill(
         n = end - start
         device = model.get_output_embeddings().weight.device
         causal = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-        lanes = Lanes.build([(range(start + n), range(n), causal)], n, pad_key=start + n)
+        lanes = Lanes.build(
+            [(range(start + n), range(n), causal)], n, start + n, blocked=lean.rows is not None
+        )
         done = lean.run(
             ids=torch.tensor(list(tokens[start:end]), device=device),
             positions=torch.arange(start, end, device=device),

@@ -36,11 +36,9 @@ from judge import Judge, Query
 from judge.attention import (
     KEY_BLOCK,
     QUERY_BLOCK,
-    QUERY_GROUP,
     Lanes,
     blocked_attention,
     lane_sdpa,
-    plan,
 )
 from judge.decoder import _Product, lean_unsupported
 from judge.engine import shared_query
@@ -236,7 +234,7 @@ def _tree_lane(n: int, generator: torch.Generator) -> torch.Tensor:
     return seen
 
 
-@pytest.mark.parametrize("length", [1, 5, QUERY_BLOCK + 3, QUERY_BLOCK * QUERY_GROUP + 40])
+@pytest.mark.parametrize("length", [1, 5, QUERY_BLOCK + 3, KEY_BLOCK + 40])
 def test_blocked_attention_is_attention(length: int) -> None:
     g = torch.Generator().manual_seed(length)
     Hq, Hkv, D = 6, 2, 8
@@ -244,41 +242,44 @@ def test_blocked_attention_is_attention(length: int) -> None:
     q = torch.randn(length, Hq, D, generator=g)
     bank_k = torch.randn(Hkv, length + 1, D, generator=g)
     bank_v = torch.randn(Hkv, length + 1, D, generator=g)
-    lanes = Lanes.build([(range(length), range(length), seen)], length, pad_key=length)
-    want = _by_definition(q, bank_k[:, :length], bank_v[:, :length], seen, 0.3)
-    got = blocked_attention(q, bank_k, bank_v, plan(lanes, Hq // Hkv), 0.3)
-    assert torch.allclose(got, want.float(), atol=1e-5)
-    assert torch.allclose(lane_sdpa(q, bank_k, bank_v, lanes, 0.3), want.float(), atol=1e-5)
+    want = _by_definition(q, bank_k[:, :length], bank_v[:, :length], seen, 0.3).float()
+    for blocked, attend in ((True, blocked_attention), (False, lane_sdpa)):
+        lanes = Lanes.build([(range(length), range(length), seen)], length, length, blocked)
+        assert torch.allclose(attend(q, bank_k, bank_v, lanes, 0.3), want, atol=1e-5)
 
 
-def test_a_querys_attention_does_not_depend_on_what_surrounds_its_lane() -> None:
-    """The same lane alone; beside longer and shorter lanes; behind a past of other rows in
-    the bank; with its first keys as the cached past and only the rest fed: the same bits."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_querys_attention_does_not_depend_on_what_surrounds_its_lane(dtype: torch.dtype) -> None:
+    """The same lane alone; beside longer and shorter lanes (so padded to more key blocks,
+    in calls of their own); behind a past of other rows in the bank; with its first keys as
+    the cached past and only the rest fed: the same bits. The lane is long enough for two
+    calls (its late queries need a second block of keys)."""
     g = torch.Generator().manual_seed(7)
-    Hq, Hkv, D, n = 4, 2, 16, 90
+    Hq, Hkv, D, n = 6, 2, 16, KEY_BLOCK + 90
     seen = _tree_lane(n, g)
-    keys, values = torch.randn(Hkv, n, D, generator=g), torch.randn(Hkv, n, D, generator=g)
-    q = torch.randn(n, Hq, D, generator=g).bfloat16()
-    keys, values = keys.bfloat16(), values.bfloat16()
+    keys = torch.randn(Hkv, n, D, generator=g).to(dtype)
+    values = torch.randn(Hkv, n, D, generator=g).to(dtype)
+    q = torch.randn(n, Hq, D, generator=g).to(dtype)
     zero = keys.new_zeros(Hkv, 1, D)
 
     def run(
         lanes: list[Any], q_all: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor
     ) -> torch.Tensor:
         built = Lanes.build(lanes, q_all.shape[0], pad_key=bank_k.shape[1] - 1)
-        return blocked_attention(q_all, bank_k, bank_v, plan(built, Hq // Hkv), 0.25)
+        return blocked_attention(q_all, bank_k, bank_v, built, 0.25)
 
     alone = run(
         [(range(n), range(n), seen)], q, torch.cat([keys, zero], 1), torch.cat([values, zero], 1)
     )
+    assert len(Lanes.build([(range(n), range(n), seen)], n, n).calls) == 2
 
     # Beside two other lanes (one longer, one shorter), fed after them, with their past first.
-    other = [(200, 30), (7, 3)]  # (keys, queries) of each neighbour
+    other = [(3 * KEY_BLOCK, 30), (7, 3)]  # (keys, queries) of each neighbour
     past = sum(k - qn for k, qn in other)
     fed_other = sum(qn for _, qn in other)
-    bank_k = torch.cat([torch.randn(Hkv, past + fed_other, D).bfloat16(), keys, zero], 1)
-    bank_v = torch.cat([torch.randn(Hkv, past + fed_other, D).bfloat16(), values, zero], 1)
-    q_all = torch.cat([torch.randn(fed_other, Hq, D).bfloat16(), q])
+    bank_k = torch.cat([torch.randn(Hkv, past + fed_other, D).to(dtype), keys, zero], 1)
+    bank_v = torch.cat([torch.randn(Hkv, past + fed_other, D).to(dtype), values, zero], 1)
+    q_all = torch.cat([torch.randn(fed_other, Hq, D).to(dtype), q])
     lanes: list[Any] = []
     p0, f0 = 0, past
     for k_n, q_n in other:
@@ -290,11 +291,12 @@ def test_a_querys_attention_does_not_depend_on_what_surrounds_its_lane() -> None
     beside = run(lanes, q_all, bank_k, bank_v)[fed_other:]
     assert torch.equal(beside, alone)
 
-    # The lane's first 40 keys as a cached past, only the other queries fed.
+    # The lane's first 40 keys as a cached past, only the other queries fed (so every query
+    # sits at another slot of its block, beside other neighbours).
     cut = 40
-    bank_k = torch.cat([keys[:, :cut], keys[:, cut:], zero], 1)
-    bank_v = torch.cat([values[:, :cut], values[:, cut:], zero], 1)
-    cached = run([(range(n), range(n - cut), seen[cut:])], q[cut:], bank_k, bank_v)
+    cached = run(
+        [(range(n), range(n - cut), seen[cut:])], q[cut:], bank_k[:, -n - 1 :], bank_v[:, -n - 1 :]
+    )
     assert torch.equal(cached, alone[cut:])
 
 
@@ -317,11 +319,19 @@ def test_chunked_products_give_a_row_the_same_bits_in_any_batch(dtype: torch.dty
     assert torch.equal(one, full[3:4])
 
 
-def test_lanes_reject_nothing_they_need() -> None:
-    """Every fed token is some lane's query, and ``back`` finds each one's output row."""
+def test_lanes_lay_out_keys_queries_and_calls() -> None:
+    """Every fed token is some lane's query, ``back`` finds each one's output row, and a
+    lane's blocks of queries are grouped by the keys they need."""
     seen = torch.ones(3, 5, dtype=torch.bool).tril(2)
-    lanes = Lanes.build([([0, 1, 5, 6, 7], [0, 1, 2], seen)], n_fed=3, pad_key=8)
+    lanes = Lanes.build([([0, 1, 5, 6, 7], [2, 0, 1], seen)], n_fed=3, pad_key=8)
     assert lanes.key_index.shape == (1, KEY_BLOCK)
     assert lanes.query_index.shape == (1, QUERY_BLOCK)
-    assert lanes.back.tolist() == [0, 1, 2]
+    assert lanes.back.tolist() == [1, 2, 0]  # fed token 2 is the lane's first query
     assert lanes.key_index[0, 5:].eq(8).all()  # padding reads the zero key
+    n = 2 * KEY_BLOCK
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    long = Lanes.build([(range(n), range(n), causal)], n_fed=n, pad_key=n)
+    assert [(c.first, c.end, c.keys) for c in long.calls] == [
+        (0, KEY_BLOCK // QUERY_BLOCK, KEY_BLOCK),
+        (KEY_BLOCK // QUERY_BLOCK, n // QUERY_BLOCK, n),
+    ]
