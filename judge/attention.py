@@ -77,6 +77,11 @@ class Lanes:
     # after the other; without ``blocked``, each fed token's row in the (L * Q) lane outputs.
     calls: tuple[_Call, ...]
     back: torch.Tensor  # (n_fed,) long
+    # Zero keys the bank must end with. One lane whose keys are the bank's own, in order (a
+    # row alone, with or without its cached past), reads the bank as it is, padding and all,
+    # instead of gathering a copy of it: then the bank ends with the lane's padding.
+    pad_keys: int = 1
+    contiguous: bool = False
 
     @classmethod
     def build(
@@ -117,7 +122,9 @@ class Lanes:
         back = torch.empty(n_fed, dtype=torch.long)
         real = order >= 0
         back[order[real]] = real.nonzero().view(-1)
-        return cls(key_index, query_index, visible, n_fed, tuple(calls), back)
+        contiguous = L == 1 and list(lanes[0][0]) == list(range(pad_key))
+        pad = S - pad_key if contiguous else 1
+        return cls(key_index, query_index, visible, n_fed, tuple(calls), back, pad, contiguous)
 
     def to(self, device: torch.device) -> Lanes:
         if device.type == "cpu":
@@ -133,6 +140,8 @@ class Lanes:
             self.n_fed,
             calls,
             self.back.to(device),
+            self.pad_keys,
+            self.contiguous,
         )
 
 
@@ -166,6 +175,8 @@ def _calls(lane: int, seen: torch.Tensor, queries: torch.Tensor, n: int) -> list
 def _lane_keys(bank: torch.Tensor, lanes: Lanes) -> torch.Tensor:
     """(Hkv, K, D) bank -> (L, Hkv, S, D): each lane's keys in its own order."""
     L, S = lanes.key_index.shape
+    if lanes.contiguous:
+        return bank[None]  # the bank is the lane
     picked = bank.index_select(1, lanes.key_index.view(-1))
     return picked.view(bank.shape[0], L, S, -1).transpose(0, 1)
 

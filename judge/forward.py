@@ -257,8 +257,12 @@ def score_rows(
     # The full vocabulary only at each root, for choice_mass.
     # A pass has one root per row, not one per token: a small chunk for the vocabulary-wide
     # product keeps a lone root from paying for ROWS of them.
-    with invariant_ops(ROOT_ROWS) if batch_invariant else contextlib.nullcontext():
-        root_logits = _finish_logits(model, head(h[first_node])).float()  # (N, V)
+    if lean is not None:
+        vocabulary = lean.head(h[first_node])  # (N, V)
+    else:
+        with invariant_ops(ROOT_ROWS) if batch_invariant else contextlib.nullcontext():
+            vocabulary = head(h[first_node])
+    root_logits = _finish_logits(model, vocabulary).float()  # (N, V)
     root_logprobs = torch.log_softmax(root_logits, dim=-1)  # (N, V)
 
     flat = child_logits.double().cpu().numpy()

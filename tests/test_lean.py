@@ -240,12 +240,24 @@ def test_blocked_attention_is_attention(length: int) -> None:
     Hq, Hkv, D = 6, 2, 8
     seen = _tree_lane(length, g)
     q = torch.randn(length, Hq, D, generator=g)
-    bank_k = torch.randn(Hkv, length + 1, D, generator=g)
-    bank_v = torch.randn(Hkv, length + 1, D, generator=g)
-    want = _by_definition(q, bank_k[:, :length], bank_v[:, :length], seen, 0.3).float()
+    keys = torch.randn(Hkv, length, D, generator=g)
+    values = torch.randn(Hkv, length, D, generator=g)
+    want = _by_definition(q, keys, values, seen, 0.3).float()
+    junk = torch.randn(Hkv, 1, D, generator=g)
     for blocked, attend in ((True, blocked_attention), (False, lane_sdpa)):
-        lanes = Lanes.build([(range(length), range(length), seen)], length, length, blocked)
-        assert torch.allclose(attend(q, bank_k, bank_v, lanes, 0.3), want, atol=1e-5)
+        # The bank is the lane, or the lane's keys are gathered from behind another key.
+        for first in (0, 1):
+            lane_keys = range(first, first + length)
+            lanes = Lanes.build([(lane_keys, range(length), seen)], length, first + length, blocked)
+            assert lanes.contiguous == (first == 0)
+            bank_k = _padded(torch.cat([junk, keys], 1)[:, 1 - first :], lanes)
+            bank_v = _padded(torch.cat([junk, values], 1)[:, 1 - first :], lanes)
+            assert torch.allclose(attend(q, bank_k, bank_v, lanes, 0.3), want, atol=1e-5)
+
+
+def _padded(bank: torch.Tensor, lanes: Lanes) -> torch.Tensor:
+    """The (Hkv, K, D) bank with the zero keys the lanes pad it with."""
+    return torch.cat([bank, bank.new_zeros(bank.shape[0], lanes.pad_keys, bank.shape[2])], 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -260,25 +272,23 @@ def test_a_querys_attention_does_not_depend_on_what_surrounds_its_lane(dtype: to
     keys = torch.randn(Hkv, n, D, generator=g).to(dtype)
     values = torch.randn(Hkv, n, D, generator=g).to(dtype)
     q = torch.randn(n, Hq, D, generator=g).to(dtype)
-    zero = keys.new_zeros(Hkv, 1, D)
 
     def run(
         lanes: list[Any], q_all: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor
     ) -> torch.Tensor:
-        built = Lanes.build(lanes, q_all.shape[0], pad_key=bank_k.shape[1] - 1)
+        built = Lanes.build(lanes, q_all.shape[0], pad_key=bank_k.shape[1])
+        bank_k, bank_v = _padded(bank_k, built), _padded(bank_v, built)
         return blocked_attention(q_all, bank_k, bank_v, built, 0.25)
 
-    alone = run(
-        [(range(n), range(n), seen)], q, torch.cat([keys, zero], 1), torch.cat([values, zero], 1)
-    )
+    alone = run([(range(n), range(n), seen)], q, keys, values)  # the bank read as it is
     assert len(Lanes.build([(range(n), range(n), seen)], n, n).calls) == 2
 
     # Beside two other lanes (one longer, one shorter), fed after them, with their past first.
     other = [(3 * KEY_BLOCK, 30), (7, 3)]  # (keys, queries) of each neighbour
     past = sum(k - qn for k, qn in other)
     fed_other = sum(qn for _, qn in other)
-    bank_k = torch.cat([torch.randn(Hkv, past + fed_other, D).to(dtype), keys, zero], 1)
-    bank_v = torch.cat([torch.randn(Hkv, past + fed_other, D).to(dtype), values, zero], 1)
+    bank_k = torch.cat([torch.randn(Hkv, past + fed_other, D).to(dtype), keys], 1)
+    bank_v = torch.cat([torch.randn(Hkv, past + fed_other, D).to(dtype), values], 1)
     q_all = torch.cat([torch.randn(fed_other, Hq, D).to(dtype), q])
     lanes: list[Any] = []
     p0, f0 = 0, past
@@ -288,15 +298,13 @@ def test_a_querys_attention_does_not_depend_on_what_surrounds_its_lane(dtype: to
         lanes.append((lane_keys, range(f0 - past, f0 - past + q_n), visible))
         p0, f0 = p0 + k_n - q_n, f0 + q_n
     lanes.append((range(f0, f0 + n), range(fed_other, fed_other + n), seen))
-    beside = run(lanes, q_all, bank_k, bank_v)[fed_other:]
+    beside = run(lanes, q_all, bank_k, bank_v)[fed_other:]  # keys gathered from the bank
     assert torch.equal(beside, alone)
 
     # The lane's first 40 keys as a cached past, only the other queries fed (so every query
     # sits at another slot of its block, beside other neighbours).
     cut = 40
-    cached = run(
-        [(range(n), range(n - cut), seen[cut:])], q[cut:], bank_k[:, -n - 1 :], bank_v[:, -n - 1 :]
-    )
+    cached = run([(range(n), range(n - cut), seen[cut:])], q[cut:], keys, values)
     assert torch.equal(cached, alone[cut:])
 
 
@@ -328,6 +336,9 @@ def test_lanes_lay_out_keys_queries_and_calls() -> None:
     assert lanes.query_index.shape == (1, QUERY_BLOCK)
     assert lanes.back.tolist() == [1, 2, 0]  # fed token 2 is the lane's first query
     assert lanes.key_index[0, 5:].eq(8).all()  # padding reads the zero key
+    assert not lanes.contiguous and lanes.pad_keys == 1
+    whole = Lanes.build([(range(5), [0, 1, 2], seen)], n_fed=3, pad_key=5)
+    assert whole.contiguous and whole.pad_keys == KEY_BLOCK - 5  # the bank is the lane
     n = 2 * KEY_BLOCK
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     long = Lanes.build([(range(n), range(n), causal)], n_fed=n, pad_key=n)
