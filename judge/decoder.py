@@ -156,7 +156,10 @@ class _Product:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
         if self.rows is None or x.shape[0] == self.rows:
             return self.op(x)
-        return torch.cat([self.op(chunk) for chunk in x.split(self.rows)])
+        n = x.shape[0]
+        if n % self.rows:  # the last chunk padded with zero rows: every product one shape
+            x = F.pad(x, (0, 0, 0, self.rows - n % self.rows))
+        return torch.cat([self.op(chunk) for chunk in x.split(self.rows)])[:n]
 
 
 def _fused(

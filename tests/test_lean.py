@@ -325,6 +325,8 @@ def test_chunked_products_give_a_row_the_same_bits_in_any_batch(dtype: torch.dty
         assert torch.equal(product(placed)[7:39], full[start : start + 32])
     one = product(torch.cat([x[3:4], x.new_zeros(31, 64)]))[:1]
     assert torch.equal(one, full[3:4])
+    assert torch.equal(product(x[3:5]), full[3:5])  # a short input is padded to a chunk
+    assert torch.equal(product(x[:40])[32:], full[32:40])
 
 
 def test_lanes_lay_out_keys_queries_and_calls() -> None:
