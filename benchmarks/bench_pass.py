@@ -204,9 +204,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--startup", action="store_true", help="also time fresh processes")
     parser.add_argument("--quick", action="store_true", help="3 reps, no start-up")
+    parser.add_argument("--threads", type=int, help="torch threads (default: one per core)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     reps = 3 if args.quick else args.reps
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     base = Judge.load(dtype=args.dtype, prefix_cache_mb=0)
     dtype = base.dtype

@@ -115,7 +115,14 @@ def test_bench_latency_quick(tmp_path: Path) -> None:
     assert result["quick"] is True
     assert [r["choices"] for r in result["rows"]] == [2, 4]
     for row in result["rows"]:
-        assert set(row["contenders"]) == {"judge", "bare", "generate", "per_choice", "constrained"}
+        assert set(row["contenders"]) == {
+            "judge",
+            "judge_generic",
+            "bare",
+            "generate",
+            "per_choice",
+            "constrained",
+        }
 
 
 @pytest.mark.bench
@@ -162,6 +169,22 @@ def test_bench_engine_quick(tmp_path: Path) -> None:
 
 @pytest.mark.bench
 @pytest.mark.slow
+def test_bench_pass_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_pass.json"
+    _run("bench_pass.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    arms = {r["arm"] for r in result["rows"]}
+    paths = ("lean", "generic")
+    assert arms == {f"{p}, {a}" for p in paths for a in ("invariant", "variant")} | {"bare pass"}
+    assert result["peak"]["gflops"] > 0 and result["weight_floor_ms"] > 0
+    for row in result["rows"]:
+        assert row["judgment_ms"] > 0 and 0 < row["share_of_peak"] <= 1
+        if row["arm"] != "bare pass":
+            assert row["one_token_x_arithmetic"] > 1  # no pass beats its arithmetic
+
+
+@pytest.mark.bench
+@pytest.mark.slow
 def test_bench_service_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_service.json"
     done = subprocess.run(
@@ -171,9 +194,12 @@ def test_bench_service_quick(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert {(r["batching"], r["concurrency"]) for r in result["rows"]} == {
-        (b, c) for b in ("on", "off") for c in (1, 4)
+        (b, c) for b in ("on", "on, no wait", "off") for c in (1, 4)
     }
     assert all(r["errors"] == {} for r in result["rows"])
+    # What HTTP adds to the engine, per request: positive, and far below a pass.
+    alone = [r["over_engine_p50_ms"] for r in result["rows"] if r["concurrency"] == 1]
+    assert all(0 < ms < 1000 for ms in alone)
 
 
 @pytest.mark.bench
