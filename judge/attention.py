@@ -65,8 +65,8 @@ class Lanes:
     """Which keys each lane holds and which queries read it, for one pass.
 
     Keys are indices into the pass's key bank, per layer the concatenation of every row's
-    cached past, the fed tokens' own keys and one zero key (the padding); queries are indices
-    into the fed tokens (a padding slot reads query 0, and its result is never read).
+    cached past, the fed tokens' own keys and ``pad_keys`` zero keys (the padding); queries are
+    indices into the fed tokens (a padding slot reads query 0, and its result is never read).
     """
 
     key_index: torch.Tensor  # (L, S) long
@@ -95,7 +95,9 @@ class Lanes:
         keys each query sees, (queries, keys) bool. Every fed token is the query of exactly
         one lane, and every query sees at least one key. ``blocked``: laid out for
         ``blocked_attention`` (keys padded to KEY_BLOCK), else for ``lane_sdpa``."""
-        S = _round_up(max(len(k) for k, _, _ in lanes), KEY_BLOCK if blocked else 64)
+        S = _round_up(
+            max(len(k) for k, _, _ in lanes), KEY_BLOCK if blocked else ORDINARY_KEY_BLOCK
+        )
         Q = _round_up(max(len(q) for _, q, _ in lanes), QUERY_BLOCK)
         L = len(lanes)
         key_index = torch.full((L, S), pad_key, dtype=torch.long)

@@ -15,6 +15,8 @@ with torch's, and the mode stays on the thread that entered it.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,6 +140,31 @@ def test_features_match_across_batches(judges: tuple[Judge, Judge]) -> None:
     assert lone.features is not None and batched.features is not None
     for n in layers:
         assert lone.features[n] == batched.features[n], f"layer {n} moved with the batch"
+
+
+FIRST_PASS = """
+import sys
+from judge import Judge
+judge = Judge.load(dtype="float32", prefix_cache_mb=0)
+prompt = "Review: " + "the film is a slow, patient and often beautiful study of grief, " * 4
+prompt += "Is the sentiment positive or negative?"
+first = judge.judge(prompt, ["positive", "negative"]).probs
+second = judge.judge(prompt, ["positive", "negative"]).probs
+print(first == second, first, second)
+"""
+
+
+@pytest.mark.slow
+def test_a_fresh_process_judges_its_first_item_as_it_does_later() -> None:
+    """The first pass of a process is the pass ``judge replay`` and a restarted server make.
+    torch's float32 cos went through MKL's threaded VML, whose first calls gave some rotary
+    angles other bits: 3 fresh processes in 4 judged this item differently the second time."""
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", FIRST_PASS], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.startswith("True"), done.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -130,7 +130,7 @@ def test_lean_features_are_the_models_hidden_states(pair: tuple[Judge, Judge]) -
     assert got.features is not None and want.features is not None
     for layer in (1, 2):
         assert torch.allclose(
-            torch.tensor(got.features[layer]), torch.tensor(want.features[layer]), atol=1e-5
+            torch.tensor(got.features[layer]), torch.tensor(want.features[layer]), atol=1e-4
         )
 
 
