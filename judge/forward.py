@@ -16,9 +16,15 @@ the rest of the row is fed, at the same positions it would have had. Every fed t
 its row's whole cached prefix (all of it is its ancestry) and to its ancestors among the fed
 tokens. The pass returns its own keys and values, and the row's plain prefix is stored back.
 
-With ``batch_invariant`` (the default), the decoder, the prefill and the root's vocabulary-wide
-product run under ``judge.batch_invariant.invariant_ops``: a token's numbers then do not depend
-on the other rows, the padding or the cache split, so an item's judgment is the same in any pass.
+Two decoders run the pass. For Llama-family models, ``judge.decoder``'s lean pass: the rows'
+fed tokens laid end to end, each query reading its lane of keys (``judge.attention``): its row's
+cached past, its chain and its own trie's branch. For any other causal LM, the model's own
+decoder over left-padded rows with a 4-D mask (sliding windows included). Both are exact.
+
+With ``batch_invariant`` (the default) a token's numbers do not depend on the other rows, the
+padding or the cache split, so an item's judgment is the same in any pass: the lean pass runs
+fixed-shape products and blocked attention, the generic one runs the decoder, the prefill and
+the root's vocabulary-wide product under ``judge.batch_invariant.invariant_ops``.
 """
 
 from __future__ import annotations
