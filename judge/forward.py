@@ -30,7 +30,6 @@ the root's vocabulary-wide product under ``judge.batch_invariant.invariant_ops``
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import threading
 from collections.abc import Iterator, Sequence
@@ -243,10 +242,12 @@ def score_rows(
     tries = [t for r in rows for t in r]
     # Each trie's root, the first of its scored nodes: the decision point.
     first_node = np.cumsum([0] + [len(t.node_positions) for t in tries[:-1]]).tolist()
-    run = _generic_pass if lean is None else functools.partial(_lean_pass, lean)
-    h, gathered = run(
-        model, fed, full, chains, past, cache, pad_id, layers, batch_invariant, first_node
-    )
+    if lean is None:
+        h, gathered = _generic_pass(
+            model, fed, full, chains, past, cache, pad_id, layers, batch_invariant, first_node
+        )
+    else:  # its arithmetic is the LeanDecoder's own, and it pads nothing
+        h, gathered = _lean_pass(lean, model, fed, full, chains, past, cache, layers, first_node)
     features = {n: g.cpu().numpy() for n, g in gathered.items()}  # each (N, H) float32
 
     children = [c for t in tries for c in t.node_children]
@@ -345,9 +346,7 @@ def _lean_pass(
     chains: Sequence[Sequence[Block]],
     past: Sequence[int],
     cache: PrefixCache | None,
-    pad_id: int,
     layers: Sequence[int],
-    batch_invariant: bool,
     first_node: Sequence[int],
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """``judge.decoder``'s pass over the rows laid end to end, each query reading its lane.
