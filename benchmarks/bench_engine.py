@@ -272,7 +272,7 @@ def main() -> None:
         "dtype": judge.dtype,
         "model": judge.model_id,
         "batch_invariant": judge.batch_invariant,
-        "lean": judge._lean is not None,
+        "lean": judge.decoder_pass == "lean",
     }
     print(f"# {machine}")
     feature_items, feature_reps = (8, 2) if args.quick else (args.feature_items, args.feature_reps)

@@ -334,6 +334,12 @@ class Judge:
     def dtype(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")
 
+    @property
+    def decoder_pass(self) -> str:
+        """Which decoder runs the passes: "lean" (``judge.decoder``) or "generic" (the
+        model's own)."""
+        return "generic" if self._lean is None else "lean"
+
     @functools.cached_property
     def model_sha256(self) -> str:
         """The sha256 of the weights every judgment carries: the GGUF file's, where the model

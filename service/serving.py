@@ -219,7 +219,7 @@ class Service:
             engine.model_id,
             engine.dtype,
             getattr(engine, "batch_invariant", False),
-            "lean" if getattr(engine, "_lean", None) is not None else "generic",
+            getattr(engine, "decoder_pass", "generic"),
         )
 
     def _check_budget(self, engine: Engine) -> None:

@@ -100,13 +100,13 @@ def pair(request: pytest.FixtureRequest, judge: Judge) -> tuple[Judge, Judge]:
     model = tiny(request.param)
     lean = Judge(model, judge.tokenizer, prefix_cache_mb=0)
     generic = Judge(model, judge.tokenizer, prefix_cache_mb=0, lean=False)
-    assert lean._lean is not None and generic._lean is None
+    assert (lean.decoder_pass, generic.decoder_pass) == ("lean", "generic")
     return lean, generic
 
 
 def test_the_default_model_takes_the_lean_pass(judge: Judge) -> None:
     assert lean_unsupported(judge.model) is None
-    assert judge._lean is not None
+    assert judge.decoder_pass == "lean"
 
 
 @pytest.mark.parametrize(("prompt", "choices"), CASES)
@@ -199,7 +199,7 @@ def test_a_model_the_lean_pass_does_not_cover_takes_the_generic_one(
     assert reason is not None and ("model_type" in reason or "sliding window" in reason)
     with caplog.at_level(logging.INFO, logger="judge"):
         fallback = Judge(model, judge.tokenizer, prefix_cache_mb=0)
-    assert fallback._lean is None
+    assert fallback.decoder_pass == "generic"
     assert any("generic pass" in r.getMessage() for r in caplog.records)
     for prompt, choices in CASES:
         got = fallback.judge(prompt, choices)

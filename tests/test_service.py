@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -543,6 +544,18 @@ def test_unexpected_errors_are_a_bare_500(tmp_path: Path) -> None:
         assert c.get("/health").status_code == 200
 
 
+class _Lines(logging.Handler):
+    """The messages of one logger, kept (the app's logging set-up may replace the root's
+    handlers, pytest's included)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def test_not_ready_until_loaded(tmp_path: Path, judge: Judge) -> None:
     gate = threading.Event()
 
@@ -557,9 +570,19 @@ def test_not_ready_until_loaded(tmp_path: Path, judge: Judge) -> None:
         r = c.post("/judge", json={"prompt": "x", "choices": ["a", "b"]})
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         assert c.get("/health").status_code == 200
-        gate.set()
-        wait_ready(c)
+        logger, lines = logging.getLogger("judge.service"), _Lines()
+        level, logger.level = logger.level, logging.INFO
+        logger.addHandler(lines)
+        try:
+            gate.set()
+            wait_ready(c)
+        finally:
+            logger.removeHandler(lines)
+            logger.setLevel(level)
         assert json.loads(c.get("/ready").text)["model"] == judge.model_id
+    # The ready line names the decoder: the default model takes the lean pass.
+    ready = [line for line in lines.lines if line.startswith("ready:")]
+    assert len(ready) == 1 and ready[0].endswith("batch-invariant True, lean pass"), ready
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
