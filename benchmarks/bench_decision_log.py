@@ -62,7 +62,7 @@ from typing import Any
 
 import httpx
 from bench_service import free_port, load, start_server, stop_server
-from benchlib import cpu_model
+from benchlib import cpu_flags, cpu_model
 
 from judge.atomicio import write_text
 from judge.identity import new_judgment_id
@@ -74,7 +74,6 @@ sys.path.insert(0, str(TESTS))
 from postgres import PostgresServer, binaries  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SIMD = ("sse4_2", "fma", "f16c", "avx", "avx2", "avx512", "amx")
 
 FAKE_SERVER = """
 import json, sys
@@ -93,17 +92,6 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=Fa
 
 
 # --- the machine ------------------------------------------------------------------------------
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's vector-instruction flags, from /proc/cpuinfo (as bench_order.py records)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return [f for f in line.split(":", 1)[1].split() if f.startswith(SIMD)]
-    except OSError:
-        pass
-    return []
 
 
 def file_system(path: Path) -> str:

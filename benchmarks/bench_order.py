@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from benchlib import cpu_model
+from benchlib import cpu_flags, cpu_model
 
 from judge.atomicio import write_text
 
@@ -48,20 +48,6 @@ INSTRUCTIONS = "Which option answers the question best?"
 NAMINGS = ("letters", "texts")
 Order = Literal["given", "invariant"]
 ORDERS: tuple[Order, ...] = ("given", "invariant")
-SIMD = ("sse4_2", "fma", "f16c", "avx", "avx2", "avx512", "amx")
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's vector-instruction flags (lscpu's Flags, from /proc/cpuinfo): what the
-    matrix kernels can use, bfloat16 included (avx512_bf16, amx_bf16)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                return [f for f in flags if f.startswith(SIMD)]
-    except OSError:
-        pass
-    return []
 
 
 def load_items(path: Path, limit: int) -> tuple[list[dict[str, Any]], int]:
