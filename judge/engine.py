@@ -429,7 +429,7 @@ class Judge:
         return self.judge_batch([query])[0]
 
     def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:
-        """Judge many items; items are left-padded and run together in batched passes.
+        """Judge many items; items run together in batched passes within the budget.
 
         Every item is prepared before any forward pass runs, so one bad item fails the call
         without wasting work.
@@ -517,8 +517,9 @@ class Judge:
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         """Judge prepared queries, each in a row of its own, in passes within the budget.
 
-        Passes hold at most ``max_batch_size`` rows and ``max_batch_tokens`` tokens, padding
-        included (``judge.packing.passes``); queries that fit in one pass together run as one.
+        Passes hold at most ``max_batch_size`` rows and ``max_batch_tokens`` tokens, counted as
+        this engine's pass feeds them (``judge.packing.passes``: the rows' sum in the lean pass,
+        padding included in the generic one); queries that fit in one pass together run as one.
         """
         return self._score([[p] for p in prepared], time.perf_counter())
 
@@ -542,7 +543,8 @@ class Judge:
         scores: list[list[Any]] = [[] for _ in rows]
         n_passes = [1] * len(rows)
         lengths = [row_length([p.trie for p in row]) for row in rows]
-        for chunk in passes(lengths, self.max_batch_size, self.max_batch_tokens):
+        padded = self._lean is None  # the generic pass left-pads; the lean one lays rows flat
+        for chunk in passes(lengths, self.max_batch_size, self.max_batch_tokens, padded=padded):
             batch = [[p.trie for p in rows[i]] for i in chunk]
             layers = sorted({n for i in chunk for p in rows[i] for n in p.feature_layers})
             if self.prefix_cache is not None and len(batch) > 1:

@@ -1,16 +1,20 @@
 """Packing work under one token budget: which tries share a row, which rows share a pass.
 
 A *row* is one sequence of the batch: a context fed once, then the choice tries of every
-judgment packed after it (``judge.forward``). A *pass* is a batch of rows, left-padded to the
-longest, so it feeds the model ``len(rows) * longest row`` tokens. Both are bounded by the
-same budget, ``max_tokens`` (``Judge.max_batch_tokens``, the server's ``--max-batch-tokens``),
-and a pass by ``max_size`` rows as well.
+judgment packed after it (``judge.forward``). A *pass* is a batch of rows, and what it feeds
+the model depends on the decoder that runs it (``pass_tokens``): the lean pass
+(``judge.decoder``) lays the rows end to end with no padding, so it feeds the sum of their
+lengths; the generic pass left-pads them to the longest, so it feeds ``len(rows) * longest
+row`` tokens (``padded``). Both are bounded by the same budget, ``max_tokens``
+(``Judge.max_batch_tokens``, the server's ``--max-batch-tokens``), and a pass by ``max_size``
+rows as well.
 
 The engine packs with these functions (``Judge.run``, ``Judge.run_shared``), and the service
 plans its model jobs with the same ones and the same number (``service.batcher`` coalesces
 single judgments while ``pass_fits``; ``service.serving`` splits shared-context questions into
-``pack_rows``'s rows), so a job the service hands the engine is exactly one pass. Pure
-functions of token counts and token ids: no torch here.
+``pack_rows``'s rows), so a job the service hands the engine is exactly one pass; both say
+whether the pass pads (``Judge.decoder_pass``). Pure functions of token counts and token ids:
+no torch here.
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ __all__ = [
     "DEFAULT_MAX_BATCH_TOKENS",
     "pack_rows",
     "pass_fits",
+    "pass_tokens",
     "passes",
     "row_length",
 ]
 
 DEFAULT_MAX_BATCH_SIZE = 16  # rows per pass
-# Tokens one pass may feed the model, padding included. About 4,000 tokens take 3-4 s on 2
-# CPU cores (SmolLM2-135M, bfloat16), so no pass holds the model for long.
+# Tokens one pass may feed the model (``pass_tokens``: padding included where it pads). About
+# 4,000 tokens take 3-4 s on 2 CPU cores (SmolLM2-135M, bfloat16), so no pass holds the model
+# for long.
 DEFAULT_MAX_BATCH_TOKENS = 4096
 
 
@@ -69,29 +75,41 @@ def pack_rows(tries: Sequence[ChoiceTrie], max_tokens: int) -> list[list[int]]:
     return rows
 
 
-def pass_fits(lengths: Sequence[int], max_size: int, max_tokens: int) -> bool:
+def pass_tokens(lengths: Sequence[int], padded: bool = True) -> int:
+    """Tokens a pass of rows of these lengths feeds the model: their sum where the rows are
+    laid end to end (the lean pass), ``len(lengths) * max(lengths)`` where they are
+    left-padded to the longest (``padded``, the generic pass)."""
+    if not lengths:
+        return 0
+    return len(lengths) * max(lengths) if padded else sum(lengths)
+
+
+def pass_fits(
+    lengths: Sequence[int], max_size: int, max_tokens: int, *, padded: bool = True
+) -> bool:
     """Whether rows of these lengths fit in one pass: at most ``max_size`` rows, and the
-    padded batch (``len(lengths) * max(lengths)``) within ``max_tokens``. A single row always
-    fits, however long: it cannot be split."""
+    pass's tokens (``pass_tokens``, padded or not) within ``max_tokens``. A single row always
+    fits, however long: it cannot be split. ``padded`` defaults to the larger count, which
+    never overfills either pass."""
     if len(lengths) <= 1:
         return True
-    return len(lengths) <= max_size and len(lengths) * max(lengths) <= max_tokens
+    return len(lengths) <= max_size and pass_tokens(lengths, padded) <= max_tokens
 
 
-def passes(lengths: Sequence[int], max_size: int, max_tokens: int) -> list[list[int]]:
+def passes(
+    lengths: Sequence[int], max_size: int, max_tokens: int, *, padded: bool = True
+) -> list[list[int]]:
     """Rows grouped into passes that each ``pass_fits``; returns the row indices of each pass.
 
-    Rows are taken shortest first, so rows of similar length share a pass and padding wastes
-    little. Rows that fit in one pass all together come back as that one pass.
+    Rows are taken shortest first and each joins the last pass while it still fits: padded,
+    rows of similar length share a pass and padding wastes little; unpadded, the order costs
+    nothing and keeps the grouping deterministic. Either way, rows that fit in one pass all
+    together come back as that one pass.
     """
     groups: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-        # Shortest first: the newcomer is the longest, so the padded size is it times the count.
-        if (
-            groups
-            and len(groups[-1]) < max_size
-            and lengths[i] * (len(groups[-1]) + 1) <= max_tokens
-        ):
+        last = [lengths[j] for j in groups[-1]] if groups else []
+        if last and pass_fits([*last, lengths[i]], max_size, max_tokens, padded=padded):
             groups[-1].append(i)
         else:
             groups.append([i])

@@ -42,7 +42,8 @@ class Engine(Protocol):
 
     @property
     def max_batch_tokens(self) -> int:
-        """Tokens one forward pass may hold, padding included: the budget ``run`` packs to."""
+        """Tokens one forward pass may feed the model (``judge.packing.pass_tokens``: any
+        padding included): the budget ``run`` packs to."""
         ...
 
     def fingerprint(

@@ -7,8 +7,9 @@ over the same cores).
 - **Bounded passes.** A job is a prepared judgment (``judge.Prepared``) or a call. Prepared
   judgments waiting in the queue are coalesced into one pass while it fits the engine's own
   rule (``judge.packing.pass_fits``: at most ``max_batch_size`` rows and ``max_batch_tokens``
-  tokens, padding included); the engine, packing to the same budget, runs them as that one
-  pass. When the last pass held more than one judgment, the worker also waits up to
+  tokens, counted as the engine's pass feeds them: summed for the lean pass, padding included
+  for the generic one, ``padded``); the engine, packing to the same budget, runs them as that
+  one pass. When the last pass held more than one judgment, the worker also waits up to
   ``max_wait_ms`` for more to arrive after the first: clients that each wait for their answer
   send their next requests just after a pass, and waiting lets them share the next one (1.2x
   the throughput at concurrency 16, measured). A lone client never waits: its last pass was
@@ -85,6 +86,9 @@ class Batcher:
     """Serializes model work, coalesces prepared judgments and takes requests in turn.
 
     ``run`` judges prepared queries in order (``Engine.run``); it runs on a worker thread.
+    ``padded``: whether the engine's pass left-pads its rows (``Judge.decoder_pass`` "generic")
+    rather than laying them end to end ("lean"); the service sets it once the engine has
+    loaded. True, the larger count, never overfills a pass.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class Batcher:
         max_wait_ms: float = 5.0,
         max_jobs: int = 4096,
         on_batch: Callable[[int], None] | None = None,
+        padded: bool = True,
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_jobs < 1 or max_wait_ms < 0:
             raise ValueError(
@@ -104,6 +109,7 @@ class Batcher:
         self._run_pass = run
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.padded = padded
         self.max_wait = max_wait_ms / 1000
         self.max_jobs = max_jobs
         self._on_batch = on_batch
@@ -211,7 +217,7 @@ class Batcher:
 
         def fits(job: _Judging) -> bool:
             grown = [*lengths, job.prepared.tokens]
-            return pass_fits(grown, self.max_batch_size, self.max_batch_tokens)
+            return pass_fits(grown, self.max_batch_size, self.max_batch_tokens, padded=self.padded)
 
         until = time.monotonic() + (self.max_wait if self._last_batch > 1 else 0.0)
         while len(batch) < self.max_batch_size:

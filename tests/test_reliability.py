@@ -2,7 +2,12 @@
 door, slow bodies, the key before routing, and a clean stop.
 
 A real uvicorn server (in a thread, on loopback) around a fake engine whose passes take a set
-time and record what they judged, so each test can count the work done and the work dropped.
+time, or wait until the test opens a gate, and record what they judged, so each test can count
+the work done and the work dropped.
+
+No test depends on how fast this machine is: what must happen while the model is busy happens
+while a gate holds it, and a test waits for an event (a metric, a queue depth) rather than a
+set time. ``HANG_S`` bounds those waits; only a hang reaches it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,8 +31,13 @@ from server import free_port
 from judge import Judgment, Prepared, Query
 from service import ServiceConfig, create_app
 from service.batcher import Batcher, DeadlineError
+from service.serving import Service
 
 BODY = {"prompt": "Is this spam?", "choices": ["spam", "ham"]}
+HANG_S = 120.0  # a watchdog for every wait below: each ends in milliseconds when all is well
+DEPTH = "judge_queue_depth"
+RUN = 'judge_model_jobs{outcome="run"}'
+DROPPED = 'judge_model_jobs{outcome="dropped"}'
 
 
 class TimedEngine(FakeEngine):
@@ -48,6 +58,43 @@ class TimedEngine(FakeEngine):
 
     def judgment(self, query: Query) -> Judgment:
         return msgspec_replace(super().judgment(query), prompt=query.prompt)
+
+
+class GatedEngine(TimedEngine):
+    """After ``free_passes`` passes, a pass waits until the test opens ``gate``: the model is
+    busy for exactly as long as the test needs, however slow the machine. ``started`` is set
+    when the first pass begins. Open the gate before the server stops: a stop waits for the
+    pass running."""
+
+    def __init__(self, free_passes: int = 0) -> None:
+        super().__init__(delay=0.0)
+        self.free_passes = free_passes
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
+        self.started.set()
+        if len(self.passes) >= self.free_passes and not self.gate.wait(HANG_S):
+            raise AssertionError("the test never opened the gate")
+        return super().run(prepared)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` until it holds (``HANG_S`` at most: a hang)."""
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {HANG_S:.0f} s: {what}")
+        time.sleep(0.02)
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """``wait_until`` inside the event loop."""
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {HANG_S:.0f} s: {what}")
+        await asyncio.sleep(0.001)
 
 
 def msgspec_replace(j: Judgment, **changes: Any) -> Judgment:
@@ -73,13 +120,13 @@ def live(
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     try:
-        deadline = time.monotonic() + 60  # generous: a busy machine starts slowly
+        deadline = time.monotonic() + HANG_S  # a busy machine starts slowly
         while True:
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{url}/ready", headers=headers).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise AssertionError("the server did not become ready within 60 s")
+                raise AssertionError(f"the server did not become ready within {HANG_S:.0f} s")
             time.sleep(0.05)
         yield url
     finally:
@@ -94,16 +141,25 @@ def metric(url: str, name: str, headers: Mapping[str, str] | None = None) -> flo
     raise AssertionError(f"no metric {name}")
 
 
-def hang_up(url: str, body: bytes, after: float) -> None:
-    """Send a complete request, then close the connection before the answer comes."""
+def count(url: str, name: str) -> float:
+    """``metric``, 0 for a series not recorded yet."""
+    try:
+        return metric(url, name)
+    except AssertionError:
+        return 0.0
+
+
+def unread(url: str, body: bytes) -> socket.socket:
+    """A connection that has sent a complete ``POST /judge`` and reads nothing: closing it is
+    the client hanging up before the answer comes."""
     host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as s:
-        head = (
-            f"POST /judge HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        )
-        s.sendall(head.encode() + body)
-        time.sleep(after)
+    s = socket.create_connection((host, int(port)))
+    head = (
+        f"POST /judge HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    s.sendall(head.encode() + body)
+    return s
 
 
 # --- the scheduler on its own ----------------------------------------------------------------
@@ -118,24 +174,31 @@ def prepared(prompt: str) -> Prepared:
 
 def test_requests_take_turns_so_a_big_batch_does_not_starve_a_small_one() -> None:
     order: list[str] = []
+    started, queued = threading.Event(), threading.Event()
 
     def run(queries: Sequence[Prepared]) -> list[Judgment]:
-        time.sleep(0.01)
+        started.set()
+        queued.wait(HANG_S)  # the first pass holds the model until the small request waits
         order.extend(q.prompt for q in queries)
         return FAKE.run(queries)
 
     async def main() -> None:
         batcher = Batcher(run, max_batch_size=2, max_wait_ms=0)
         batcher.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         big = [
             batcher.judge(prepared(f"big{i}"), owner="big", deadline=deadline)
             for i in range(20)
         ]  # fmt: skip
         big_task = asyncio.gather(*big)
-        await asyncio.sleep(0.015)  # the big request's first pass is running
-        small = await batcher.judge(prepared("small"), owner="small", deadline=deadline)
-        assert small.prompt == "small"
+        await until(started.is_set, "the big request's first pass runs")
+        waiting = batcher.depth
+        small = asyncio.ensure_future(
+            batcher.judge(prepared("small"), owner="small", deadline=deadline)
+        )
+        await until(lambda: batcher.depth == waiting + 1, "the small request is queued")
+        queued.set()
+        assert (await small).prompt == "small"
         await big_task
         await batcher.stop()
 
@@ -170,6 +233,56 @@ def test_a_pass_holds_at_most_max_batch_tokens() -> None:
     assert passes == [3, 3, 1]
 
 
+@pytest.mark.parametrize(("padded", "expected"), [(False, [9]), (True, [1, 8])])
+def test_the_batcher_coalesces_by_the_rule_of_the_engines_pass(
+    padded: bool, expected: list[int]
+) -> None:
+    # A 900-token judgment and eight of 20: 1,060 tokens laid end to end (the lean pass) fit a
+    # budget of 1,200; left-padded (the generic pass) they would be 9 x 900.
+    passes: list[int] = []
+
+    def run(queries: Sequence[Prepared]) -> list[Judgment]:
+        passes.append(len(queries))
+        return FAKE.run(queries)
+
+    long, short = prepared("x" * 899), prepared("x" * 19)
+    assert (long.tokens, short.tokens) == (900, 20)
+
+    async def main() -> None:
+        batcher = Batcher(
+            run, max_batch_size=16, max_batch_tokens=1200, max_wait_ms=0, padded=padded
+        )
+        batcher.start()
+        deadline = time.monotonic() + 10
+        jobs = [long, *[short] * 8]
+        await asyncio.gather(
+            *(batcher.judge(p, owner=i, deadline=deadline) for i, p in enumerate(jobs))
+        )
+        await batcher.stop()
+
+    asyncio.run(main())
+    assert passes == expected
+
+
+class LeanEngine(FakeEngine):
+    decoder_pass = "lean"
+
+
+@pytest.mark.parametrize(("engine", "padded"), [(FakeEngine(), True), (LeanEngine(), False)])
+def test_the_service_tells_the_batcher_whether_the_engines_pass_pads(
+    tmp_path: Path, engine: FakeEngine, padded: bool
+) -> None:
+    service = Service(ServiceConfig(profiles_dir=tmp_path))
+    assert service.batcher.padded  # until the engine has loaded: the larger count
+
+    async def main() -> None:
+        await service.warm_up(lambda: engine)
+        await service.batcher.stop()
+
+    asyncio.run(main())
+    assert service.loaded is engine and service.batcher.padded is padded
+
+
 def test_a_lone_client_never_waits_but_a_pass_after_a_shared_one_waits_for_company() -> None:
     passes: list[list[str]] = []
 
@@ -178,9 +291,11 @@ def test_a_lone_client_never_waits_but_a_pass_after_a_shared_one_waits_for_compa
         return FAKE.run(queries)
 
     async def main() -> float:
-        batcher = Batcher(run, max_batch_size=16, max_wait_ms=400)
+        # A wait that only a hang outlasts: the pass of two that waits for company runs when
+        # the second arrives (it is full then), however long that takes on this machine.
+        batcher = Batcher(run, max_batch_size=2, max_wait_ms=HANG_S * 1000)
         batcher.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 2 * HANG_S
         start = time.monotonic()
         await batcher.judge(prepared("alone"), owner="a", deadline=deadline)
         alone_s = time.monotonic() - start
@@ -197,34 +312,38 @@ def test_a_lone_client_never_waits_but_a_pass_after_a_shared_one_waits_for_compa
         return alone_s
 
     alone_s = asyncio.run(main())
-    assert alone_s < 0.3  # it did not wait out the 400 ms
+    assert alone_s < HANG_S / 2  # it did not wait out max_wait_ms
     assert passes == [["alone"], ["x", "y"], ["p", "q"]]
 
 
 def test_jobs_whose_waiter_left_or_whose_deadline_passed_are_dropped_unrun() -> None:
     judged: list[str] = []
+    started, gate = threading.Event(), threading.Event()
 
     def run(queries: Sequence[Prepared]) -> list[Judgment]:
-        time.sleep(0.2)
+        started.set()
+        gate.wait(HANG_S)  # "first" holds the model until the test lets it go
         judged.extend(q.prompt for q in queries)
         return FAKE.run(queries)
 
     async def main() -> Batcher:
         batcher = Batcher(run, max_batch_size=1, max_wait_ms=0)
         batcher.start()
-        far, near = time.monotonic() + 10, time.monotonic() + 0.1
+        far = time.monotonic() + HANG_S
 
         def job(prompt: str, deadline: float) -> Any:
             return batcher.judge(prepared(prompt), owner=prompt, deadline=deadline)
 
         first = asyncio.ensure_future(job("first", far))
-        await asyncio.sleep(0.02)  # "first" is running now
+        await until(started.is_set, '"first" is running')
         gone = asyncio.ensure_future(job("gone", far))
-        late = asyncio.ensure_future(job("late", near))
-        await asyncio.sleep(0.02)
+        # Long enough to be queued before it passes, on any machine: the model is held anyway.
+        late = asyncio.ensure_future(job("late", time.monotonic() + 1.0))
+        await until(lambda: batcher.depth == 2, "both wait for the model")
         gone.cancel()  # its client disconnected
         with pytest.raises(DeadlineError):
             await late
+        gate.set()
         assert (await first).prompt == "first"
         assert (await job("after", far)).prompt == "after"
         await batcher.stop()
@@ -239,34 +358,47 @@ def test_jobs_whose_waiter_left_or_whose_deadline_passed_are_dropped_unrun() -> 
 
 
 def test_a_client_that_hangs_up_costs_no_model_work(tmp_path: Path) -> None:
-    engine = TimedEngine(delay=0.3)
+    engine = GatedEngine()
+    gone = 'judge_http_requests_total{method="POST",route="/judge",status="499"}'
     with live(engine, tmp_path, max_batch_size=1) as url:
-        with ThreadPoolExecutor(8) as pool:
-            for i in range(8):
-                body = f'{{"prompt": "left {i}", "choices": ["a", "b"]}}'.encode()
-                pool.submit(hang_up, url, body, 0.1)
-        time.sleep(1.0)  # the first pass, already running when its client left, ends
+        try:
+            clients = [
+                unread(url, f'{{"prompt": "left {i}", "choices": ["a", "b"]}}'.encode())
+                for i in range(8)
+            ]
+            # One judgment on the model, seven queued behind it; then all eight hang up.
+            wait_until(lambda: metric(url, RUN) + metric(url, DEPTH) == 8, "8 jobs in")
+            for client in clients:
+                client.close()
+            wait_until(lambda: count(url, gone) == 8, "8 responses recorded as 499")
+        finally:
+            engine.gate.set()  # the first pass, already running when its client left, ends
+        wait_until(lambda: metric(url, DEPTH) == 0, "the queue is empty")
         assert len(engine.judged) <= 1, engine.judged
-        assert metric(url, 'judge_model_jobs{outcome="dropped"}') >= 7
-        assert (
-            metric(url, 'judge_http_requests_total{method="POST",route="/judge",status="499"}') == 8
-        )
+        assert metric(url, DROPPED) >= 7
+        assert metric(url, gone) == 8
 
 
 def test_a_request_deadline_drops_its_work_and_answers_503(tmp_path: Path) -> None:
-    engine = TimedEngine(delay=0.5)
+    engine = GatedEngine()
     with live(engine, tmp_path, max_batch_size=1) as url:
         with ThreadPoolExecutor(2) as pool:
-            busy = pool.submit(httpx.post, f"{url}/judge", json=BODY, timeout=10)
-            time.sleep(0.1)
-            hurried = {**BODY, "prompt": "hurried"}
-            r = httpx.post(
-                f"{url}/judge", json=hurried, headers={"X-Request-Timeout": "0.2"}, timeout=10
-            )
+            busy = pool.submit(httpx.post, f"{url}/judge", json=BODY, timeout=HANG_S)
+            try:
+                wait_until(engine.started.is_set, "the busy request is on the model")
+                hurried = {**BODY, "prompt": "hurried"}
+                r = httpx.post(
+                    f"{url}/judge",
+                    json=hurried,
+                    headers={"X-Request-Timeout": "0.2"},
+                    timeout=HANG_S,
+                )
+            finally:
+                engine.gate.set()
             assert busy.result().status_code == 200
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         assert "deadline" in r.json()["detail"]
-        time.sleep(0.6)
+        wait_until(lambda: metric(url, DROPPED) == 1, "the worker reached the hurried job")
         assert "hurried" not in engine.judged
         for bad in ("0", "-1", "soon", "nan", "inf"):
             r = httpx.post(f"{url}/judge", json=BODY, headers={"X-Request-Timeout": bad})
@@ -274,15 +406,19 @@ def test_a_request_deadline_drops_its_work_and_answers_503(tmp_path: Path) -> No
 
 
 def test_a_batch_past_its_deadline_keeps_the_items_done(tmp_path: Path) -> None:
-    engine = TimedEngine(delay=0.3)
+    # The first item's pass runs at once; the next holds the model past the deadline.
+    engine = GatedEngine(free_passes=1)
     items = [{"prompt": f"item {i}", "choices": ["a", "b"]} for i in range(6)]
     with live(engine, tmp_path, max_batch_size=1) as url:
-        r = httpx.post(
-            f"{url}/judge/batch",
-            json={"items": items},
-            headers={"X-Request-Timeout": "1.0"},
-            timeout=10,
-        )
+        try:
+            r = httpx.post(
+                f"{url}/judge/batch",
+                json={"items": items},
+                headers={"X-Request-Timeout": "2.0"},
+                timeout=HANG_S,
+            )
+        finally:
+            engine.gate.set()
     results = r.json()["results"]
     assert r.status_code == 200 and len(results) == 6
     done = [x for x in results if x["type"] == "judgment"]
@@ -293,20 +429,27 @@ def test_a_batch_past_its_deadline_keeps_the_items_done(tmp_path: Path) -> None:
 def test_admission_waits_at_the_door_then_refuses_without_reading_the_body(
     tmp_path: Path,
 ) -> None:
-    # The first request holds the only place for 3 s; the second must give up at the door long
-    # before that. Checked by order (the first is still running), not by a tight time bound.
-    engine = TimedEngine(delay=3.0)
+    # The first request holds the only place until the test lets it go; the second must give
+    # up at the door before that. Checked by order (the first is still running), not by a
+    # time bound.
+    engine = GatedEngine()
     with live(engine, tmp_path, max_queue=1, admission_wait_s=0.3, max_batch_size=1) as url:
         with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(httpx.post, f"{url}/judge", json=BODY, timeout=10)
-            time.sleep(0.1)
-            start = time.perf_counter()
-            # A broken body: were it read, this would be a 400, not a 503.
-            r = httpx.post(
-                f"{url}/judge", content=b'{"broken', headers={"content-type": "application/json"}
-            )
-            waited = time.perf_counter() - start
-            first_still_running = not first.done()
+            first = pool.submit(httpx.post, f"{url}/judge", json=BODY, timeout=HANG_S)
+            try:
+                wait_until(engine.started.is_set, "the first request is on the model")
+                start = time.perf_counter()
+                # A broken body: were it read, this would be a 400, not a 503.
+                r = httpx.post(
+                    f"{url}/judge",
+                    content=b'{"broken',
+                    headers={"content-type": "application/json"},
+                    timeout=HANG_S,
+                )
+                waited = time.perf_counter() - start
+                first_still_running = not first.done()
+            finally:
+                engine.gate.set()
             assert first.result().status_code == 200
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         assert waited >= 0.25  # it waited its turn at the door (admission_wait_s) ...
@@ -322,7 +465,7 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(tmp_path: Path) -> None:
                 b"POST /judge HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b"Content-Length: 100\r\n\r\n{"
             )
-            s.settimeout(5)
+            s.settimeout(HANG_S)
             answer = s.recv(4096).decode()
         assert answer.startswith("HTTP/1.1 408") and '"field":"body"' in answer
 
@@ -347,12 +490,22 @@ def test_a_fit_whose_client_leaves_writes_nothing(tmp_path: Path) -> None:
     engine = TimedEngine(delay=0.05)
     examples = [{"prompt": f"message {i}", "label": "spam" if i % 2 else "ham"} for i in range(200)]
     body = {"choices": ["spam", "ham"], "examples": examples}
+    left = 'judge_http_requests_total{method="POST",route="/profiles/{name}/fit",status="499"}'
     with live(engine, tmp_path, max_batch_size=4) as url:
         with contextlib.suppress(httpx.TimeoutException):
             httpx.post(f"{url}/profiles/left/fit", json=body, timeout=0.5)
-        time.sleep(1.0)
+        # Once the fit is recorded as left and nothing waits for the model, every job it
+        # started has ended (run counts a pass's jobs as it starts; judged, as it ends).
+        wait_until(
+            lambda: (
+                count(url, left) == 1
+                and metric(url, DEPTH) == 0
+                and metric(url, RUN) == len(engine.judged)
+            ),
+            "the fit is cancelled and its last pass has ended",
+        )
         judged = len(engine.judged)
-        time.sleep(1.0)
+        time.sleep(0.5)
         assert len(engine.judged) == judged < 200  # it stopped when the client left
         assert httpx.get(f"{url}/profiles/left").status_code == 404
         assert not list((tmp_path / "profiles").glob("*left*"))
@@ -364,11 +517,12 @@ def test_requests_cut_off_by_shutdown_get_503_not_500(tmp_path: Path) -> None:
         with live(engine, tmp_path, grace_s=1, max_batch_size=1) as url:
             answers = [
                 pool.submit(
-                    httpx.post, f"{url}/judge", json={**BODY, "prompt": f"p{i}"}, timeout=30
+                    httpx.post, f"{url}/judge", json={**BODY, "prompt": f"p{i}"}, timeout=HANG_S
                 )
                 for i in range(3)
             ]
-            time.sleep(0.5)  # the first pass is running, two requests wait
+            # The first pass is running, two requests wait (or, on a slow machine, later).
+            wait_until(lambda: metric(url, RUN) + metric(url, DEPTH) == 3, "3 jobs in")
         # Leaving the block stops the server: 1 s of grace, then the rest are cut off.
         statuses = sorted(a.result().status_code for a in answers)
     assert statuses[-1] == 503 and set(statuses) <= {200, 503}, statuses
