@@ -285,27 +285,37 @@ def test_invalid_layers_in_a_mapping_name_the_field(uncached: Judge, bad: object
     assert info.value.field == "feature_layers"
 
 
-def test_another_threads_pass_does_not_write_into_the_features(uncached: Judge) -> None:
-    # The hooks sit on the shared model during a call; a pass another thread runs meanwhile
-    # (a different prompt, no features asked) must not overwrite this call's rows.
+def test_another_threads_pass_does_not_write_into_the_features(judge: Judge) -> None:
+    """The generic pass gathers features with hooks that sit on the shared model during a call
+    (the lean pass needs none): a pass another thread runs meanwhile (a different prompt, no
+    features asked) fires them too, and must not overwrite this call's rows. The other pass
+    is made to run inside this call, after its layer MIDDLE and before its hooks come off."""
     import threading
 
-    want = uncached.judge(PROMPT, ["spam", "ham"], feature_layers=[MIDDLE])
-    stop = threading.Event()
+    generic = Judge(
+        judge.model, judge.tokenizer, model_id=judge.model_id, prefix_cache_mb=0, lean=False
+    )
+    assert generic.decoder_pass == "generic"
+    want = generic.judge(PROMPT, ["spam", "ham"], feature_layers=[MIDDLE])
+    this_thread = threading.get_ident()
+    others: list[Judgment] = []
 
     def other() -> None:
-        i = 0
-        while not stop.is_set():
-            other_prompt = RUBRIC * 4 + str(i)
-            uncached.judge_batch([{"prompt": other_prompt, "choices": ["yes", "no"]}] * 3)
-            i += 1
+        others.extend(
+            generic.judge_batch([{"prompt": RUBRIC + "Is it?", "choices": ["yes", "no"]}])
+        )
 
-    thread = threading.Thread(target=other)
-    thread.start()
+    def meanwhile(module: torch.nn.Module, args: object, output: object) -> None:
+        if threading.get_ident() == this_thread and not others:
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+
+    last_block = judge.model.get_decoder().layers[LAST - 1]
+    handle = last_block.register_forward_hook(meanwhile)
     try:
-        for _ in range(8):
-            got = uncached.judge(PROMPT, ["spam", "ham"], feature_layers=[MIDDLE])
-            assert_same_features(got, want)
+        got = generic.judge(PROMPT, ["spam", "ham"], feature_layers=[MIDDLE])
     finally:
-        stop.set()
-        thread.join()
+        handle.remove()
+    assert len(others) == 1 and others[0].features is None  # it ran, with the hooks on
+    assert_same_features(got, want)
