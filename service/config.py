@@ -1,67 +1,240 @@
-"""The server's settings, checked once when the server is built."""
+"""The server's settings, checked once when the server is built.
+
+Each setting that ``judge serve`` takes carries its flag in its annotation
+(``Annotated[int, Flag("--max-queue", "count", "...")] = 64``); ``service.cli.serve`` makes
+the flags from them, with the settings' defaults, so a setting and its flag are one edit.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Annotated, Literal, get_type_hints
 
 from calibration import PolicyDefaults
 from calibration.validation import check_probability
 from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
 from service.profiles import ProfileBackend
 
-__all__ = ["ServiceConfig"]
+__all__ = ["Flag", "FlagKind", "ServiceConfig", "flags"]
+
+# What a flag's value is on the command line, and how it is checked there:
+#   count        a whole number >= 1              duration   a finite number >= 0
+#   probability  a number in [0, 1]               positive   a finite number > 0
+#   path, text   a path, any string               switch     on when given, else off
+#   key_file     a file whose first line is the value (else $JUDGE_API_KEY; neither: None)
+#   rates        [PROFILE=]RATE, repeated: sets audit_rate (no PROFILE) and audit_rates
+FlagKind = Literal[
+    "count", "duration", "probability", "positive", "path", "text", "switch", "key_file", "rates"
+]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How ``judge serve`` takes a setting: its flag, its kind of value, and its help.
+
+    The flag's default is the setting's; the help says it. Settings that share a flag
+    (``--audit-rate``: ``audit_rate`` and ``audit_rates``) carry the same Flag.
+    """
+
+    name: str  # "--max-queue"
+    kind: FlagKind
+    help: str
+    metavar: str | None = None
+    group: Literal["log"] | None = None  # shown under the decision log's heading
+
+    @property
+    def dest(self) -> str:
+        """The flag's attribute on the parsed arguments: ``--max-queue`` -> ``max_queue``."""
+        return self.name.removeprefix("--").replace("-", "_")
+
+
+_AUDIT_RATE = Flag(
+    "--audit-rate",
+    "rates",
+    "mark this share of decisions (of PROFILE's, or of all) audit: true, a uniform sample for "
+    "people to label; repeat for each profile",
+    metavar="[PROFILE=]RATE",
+    group="log",
+)
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
     # A directory on this machine, or any service.profiles.ProfileBackend: with replicas,
     # a SharedDirectory that every replica mounts, so that they all serve the same profiles.
-    profiles_dir: Path | ProfileBackend = Path("profiles")
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # judgments coalesced into one pass
-    # Tokens one pass may hold, padding included. A judgment of about 4,000 tokens takes about
-    # 3-4 s on 2 cores of this CPU (SmolLM2-135M, bfloat16), so this keeps any one pass to a
-    # few seconds. The one budget: the batcher coalesces to it, and the engine packs to it
-    # (built with ``engine_options``; the service refuses an engine built with another).
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    max_wait_ms: float = 5.0
+    profiles_dir: Annotated[
+        Path | ProfileBackend,
+        Flag("--profiles-dir", "path", "the directory of calibration profiles (/profiles)"),
+    ] = Path("profiles")
+    max_batch_size: Annotated[
+        int, Flag("--max-batch-size", "count", "judgments per forward pass")
+    ] = DEFAULT_MAX_BATCH_SIZE
+    # Tokens one pass may hold (``judge.packing.pass_tokens``). A judgment of about 4,000
+    # tokens takes about 3-4 s on 2 cores of this CPU (SmolLM2-135M, bfloat16), so this keeps
+    # any one pass to a few seconds. The one budget: the batcher coalesces to it, and the
+    # engine packs to it (built with ``engine_options``; the service refuses an engine built
+    # with another).
+    max_batch_tokens: Annotated[
+        int,
+        Flag(
+            "--max-batch-tokens",
+            "count",
+            "tokens per forward pass, so no pass holds the model for long",
+        ),
+    ] = DEFAULT_MAX_BATCH_TOKENS
+    max_wait_ms: Annotated[
+        float, Flag("--max-wait-ms", "duration", "milliseconds to wait for a batch to fill")
+    ] = 5.0
     # Requests that need the model (judge, batch, fit) admitted at once; more wait at the door
     # for up to ``admission_wait_s``, unread, then get a 503.
-    max_queue: int = 64
-    admission_wait_s: float = 2.0
-    max_jobs: int = 16_384  # model jobs queued at once, over all admitted requests
-    request_timeout_s: float = 60.0  # the longest deadline; a request may ask for a shorter one
-    fit_timeout_s: float = 1800.0  # the same for POST /profiles/{name}/fit
+    max_queue: Annotated[
+        int,
+        Flag(
+            "--max-queue",
+            "count",
+            "requests needing the model admitted at once; the rest wait at the door",
+        ),
+    ] = 64
+    admission_wait_s: Annotated[
+        float,
+        Flag(
+            "--admission-wait",
+            "duration",
+            "seconds a request waits at the door for a slot before its 503",
+        ),
+    ] = 2.0
+    max_jobs: Annotated[
+        int,
+        Flag("--max-jobs", "count", "model jobs queued at once, over all admitted requests"),
+    ] = 16_384
+    request_timeout_s: Annotated[
+        float,
+        Flag(
+            "--request-timeout",
+            "duration",
+            "seconds a judgment request may take; clients may ask for less with the "
+            "X-Request-Timeout header",
+        ),
+    ] = 60.0
+    fit_timeout_s: Annotated[
+        float, Flag("--fit-timeout", "duration", "the same for a fit (POST /profiles/{name}/fit)")
+    ] = 1800.0
     # Tokens one judgment (or a batch item, or a shared question with its context) may feed the
     # model; larger ones are refused with a 413 before any work. See max_batch_tokens.
-    max_request_tokens: int = 4096
+    max_request_tokens: Annotated[
+        int,
+        Flag(
+            "--max-request-tokens",
+            "count",
+            "tokens one judgment (a request, a batch item, a shared question with its context) "
+            "may feed the model; larger ones get a 413 before any work (4,000 tokens take about "
+            "3-4 s on 2 CPU cores)",
+        ),
+    ] = 4096
     # Questions one POST /v1/systemone may ask about its state; more are refused with a 413.
-    max_questions: int = 64
-    read_timeout_s: float = 30.0  # the longest a client may take to send its body
-    api_key: str | None = None
-    max_body_bytes: int = 1_000_000
+    max_questions: Annotated[
+        int,
+        Flag(
+            "--max-questions", "count", "questions one POST /v1/systemone may ask; more get a 413"
+        ),
+    ] = 64
+    read_timeout_s: Annotated[
+        float,
+        Flag("--read-timeout", "duration", "seconds a client may take to send its body, else 408"),
+    ] = 30.0
+    api_key: Annotated[
+        str | None,
+        Flag(
+            "--api-key-file",
+            "key_file",
+            "require 'Authorization: Bearer KEY' on every endpoint but /health, KEY being this "
+            "file's first line (default: $JUDGE_API_KEY; neither: no auth). A key is not taken "
+            "on the command line, where any user can read it in `ps`.",
+        ),
+    ] = None
+    max_body_bytes: Annotated[
+        int, Flag("--max-body-bytes", "count", "the largest request body; larger get a 413")
+    ] = 1_000_000
     # PUT /profiles/{name} only: a probe profile may hold MAX_PROBE_WEIGHTS (2**18) weights,
     # about 6 MB of compact JSON (8 MB pretty-printed), far over max_body_bytes. Larger
     # bodies get a 413 that names this limit.
-    max_profile_bytes: int = 16 * 2**20
-    default_threshold: float = 0.9  # used when neither the request nor a profile sets one
-    min_choice_mass: float = 0.0  # escalate below this; 0 disables the check
+    max_profile_bytes: Annotated[
+        int,
+        Flag(
+            "--max-profile-bytes",
+            "count",
+            "the largest body PUT /profiles/{name} takes (a probe's profile: about 6 MB)",
+        ),
+    ] = 16 * 2**20
+    default_threshold: Annotated[
+        float,
+        Flag(
+            "--default-threshold",
+            "probability",
+            "accept at this calibrated confidence or above where neither the request nor its "
+            "profile sets a threshold",
+        ),
+    ] = 0.9
+    min_choice_mass: Annotated[
+        float,
+        Flag(
+            "--min-choice-mass",
+            "probability",
+            "escalate when the choices' share of the next-token distribution is below this, "
+            "where neither the request nor its profile sets one (0: no check)",
+        ),
+    ] = 0.0
     # Where every decision is appended (service.decision_log): a SQLite file (a path or
     # sqlite:///path) or a postgresql:// URL; None: no log, and no feedback or health.
-    decision_log: str | None = None
+    decision_log: Annotated[
+        str | None,
+        Flag(
+            "--decision-log",
+            "text",
+            "a SQLite file (created if missing) or a postgresql:// URL (pip install "
+            "'judge[postgres]'), shared by every replica",
+            metavar="TARGET",
+            group="log",
+        ),
+    ] = None
     # Keep each decision's request (its prompt text) in the log, for ``judge replay`` and
     # ``judge calibrate --from-log``. Off by default: prompts may hold what must not be kept.
-    log_requests: bool = False
+    log_requests: Annotated[
+        bool,
+        Flag(
+            "--log-requests",
+            "switch",
+            "keep each decision's request (its prompt text) too, for judge replay",
+            group="log",
+        ),
+    ] = False
     # Retention of the log: decisions older than this many days, and beyond this many rows
     # the oldest, are deleted (service.decision_log.Retention). None: no bound of that kind.
-    log_max_age_days: float | None = 90.0
-    log_max_rows: int | None = 1_000_000
+    log_max_age_days: Annotated[
+        float | None,
+        Flag(
+            "--log-max-age-days",
+            "positive",
+            "delete logged decisions older than this",
+            group="log",
+        ),
+    ] = 90.0
+    log_max_rows: Annotated[
+        int | None,
+        Flag(
+            "--log-max-rows",
+            "count",
+            "keep at most this many logged decisions, the newest",
+            group="log",
+        ),
+    ] = 1_000_000
     # The share of decisions marked for audit (calibration.Policy.audit_rate), for the server
     # and per profile name (which wins).
-    audit_rate: float = 0.0
-    audit_rates: Mapping[str, float] = field(default_factory=dict)
+    audit_rate: Annotated[float, _AUDIT_RATE] = 0.0
+    audit_rates: Annotated[Mapping[str, float], _AUDIT_RATE] = field(default_factory=dict)
     # The two defaults above, as the policy takes them; built once, here.
     policy_defaults: PolicyDefaults = field(init=False, repr=False, compare=False)
 
@@ -129,3 +302,14 @@ class ServiceConfig:
         """What the engine is built with (``Judge.load(..., **engine_options)``) so that it
         packs its passes to this server's bounds."""
         return {"max_batch_size": self.max_batch_size, "max_batch_tokens": self.max_batch_tokens}
+
+
+def flags() -> dict[str, Flag]:
+    """Each setting that ``judge serve`` takes, by name, and its flag (in declaration order)."""
+    hints = get_type_hints(ServiceConfig, include_extras=True)
+    found: dict[str, Flag] = {}
+    for setting in fields(ServiceConfig):
+        for meta in getattr(hints[setting.name], "__metadata__", ()):
+            if isinstance(meta, Flag):
+                found[setting.name] = meta
+    return found

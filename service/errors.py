@@ -34,10 +34,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from typing import Any
-
-from litestar import Request, Response
-from litestar.exceptions import HTTPException
+from typing import TYPE_CHECKING, Any
 
 from calibration import (
     CalibrationProfile,
@@ -53,6 +50,10 @@ from service.bodies import BodyError
 from service.decision_log import LabelNotAChoiceError, RelabelError, UnknownJudgmentError
 from service.profiles import PreconditionFailedError
 from service.schemas import ErrorBody
+
+if TYPE_CHECKING:  # Litestar loads with the handlers: `judge ask` imports error_of without it
+    from litestar import Request, Response
+    from litestar.exceptions import HTTPException
 
 __all__ = [
     "STATUS",
@@ -172,10 +173,12 @@ def _rule_field(exc: Exception) -> str | None:
     return match.group(1)
 
 
-Handler = Callable[[Request[Any, Any, Any], Any], Response[Any]]
+Handler = Callable[["Request[Any, Any, Any]", Any], "Response[Any]"]
 
 
 def _domain(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    from litestar import Response
+
     error = error_of(exc)
     status = error.status_code
     if status == 500:
@@ -185,6 +188,8 @@ def _domain(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
 
 
 def _http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    from litestar import Response
+
     body: dict[str, Any] = {"status_code": exc.status_code, "detail": exc.detail}
     if exc.status_code in (400, 413):  # the body as a whole: not JSON, or too large
         body["field"] = "body"
@@ -206,6 +211,8 @@ def _body_limit(request: Request[Any, Any, Any]) -> int | None:
 
 def exception_handlers() -> dict[int | type[Exception], Handler]:
     """The app's handler map; Litestar picks the closest class in the exception's MRO."""
+    from litestar.exceptions import HTTPException
+
     handlers: dict[int | type[Exception], Handler] = {cls: _domain for cls, _, _ in STATUS}
     handlers[BodyError] = _domain
     handlers[HTTPException] = _http

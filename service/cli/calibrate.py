@@ -18,19 +18,12 @@ import hashlib
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from calibration import MIN_EXAMPLES, evaluate_policy
+from calibration import MIN_EXAMPLES
 from calibration.maps import Probe
 from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
 from calibration.profile import NAME_PATTERN, save_profile
-from calibration.reliability import reliability_diagram
-from calibration.report import (
-    evaluation_markdown,
-    metrics_table,
-    profile_markdown,
-    signal_markdown,
-)
-from calibration.scaling import softmax
 from calibration.tasks import (
     LabeledItem,
     LabeledScores,
@@ -47,12 +40,125 @@ from calibration.tasks import (
 )
 from judge import Engine
 from judge.atomicio import write_text
-from service.cli.common import UsageError, load_engine, load_profile, to_json
+from service.cli.common import (
+    UsageError,
+    load_engine,
+    load_profile,
+    open_probability,
+    probability,
+    task_arguments,
+    to_json,
+)
 
-__all__ = ["run_calibrate", "run_evaluate"]
+__all__ = ["add_arguments", "run", "run_calibrate", "run_evaluate"]
+
+
+def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``judge calibrate``'s (``--task``, or ``--from-log``) and ``judge evaluate``'s."""
+    fit = commands.add_parser(
+        "calibrate", help="fit a calibration profile on a task's labeled data"
+    )
+    source = fit.add_mutually_exclusive_group(required=True)
+    task_arguments(fit, split="calibration", either=source)
+    source.add_argument(
+        "--from-log",
+        metavar="LOG",
+        help="instead of --task: refit --profile on the audited, labeled decisions of this "
+        "decision log (a SQLite file or a postgresql:// URL), from their logged scores",
+    )
+    fit.add_argument(
+        "--profile", help="with --from-log: the profile to refit (a name in --profiles-dir)"
+    )
+    fit.add_argument("--name", help="profile name (default: the task's name)")
+    fit.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    fit.add_argument(
+        "--target-precision",
+        type=open_probability,
+        default=0.9,
+        help="precision to certify on accepted items",
+    )
+    fit.add_argument(
+        "--delta", type=open_probability, default=0.1, help="allowed failure probability"
+    )
+    fit.add_argument(
+        "--alpha", type=open_probability, default=0.1, help="conformal miscoverage level"
+    )
+    fit.add_argument(
+        "--max-std",
+        type=_std_bound,
+        help="score tasks: escalate when the calibrated std of the value exceeds this",
+    )
+    fit.add_argument(
+        "--method",
+        choices=["auto", "temperature", "bias_temperature", "probe"],
+        help="the calibration map: auto (default) chooses between temperature, "
+        "bias_temperature and probe (a learned head on the model's hidden state) by "
+        f"cross-validated NLL; the probe is tried from {MIN_PROBE_EXAMPLES} labeled examples",
+    )
+    fit.add_argument(
+        "--methods",
+        nargs="+",
+        choices=["temperature", "batch_temperature", "bias_temperature", "probe"],
+        help="instead of --method: the labeled candidates chosen between by cross-validated NLL",
+    )
+    fit.add_argument(
+        "--unlabeled",
+        nargs="?",
+        const="batch",
+        choices=["contextual", "batch"],
+        help="fit a label-free prior correction instead: contextual (content-free inputs in "
+        "the task's prompt) or batch (default: the split's texts, labels ignored, or --input)",
+    )
+    fit.add_argument(
+        "--input",
+        type=Path,
+        help='with --unlabeled batch: a JSONL file of unlabeled prompts, {"prompt": ...} a line',
+    )
+    fit.set_defaults(run=run)
+
+    ev = commands.add_parser(
+        "evaluate", help="measure the served policy of a profile on a held-out split"
+    )
+    task_arguments(ev, split="test", dtype=False)
+    ev.add_argument("--profile", type=Path, required=True, help="a profile JSON file")
+    ev.add_argument("--threshold", type=probability, help="evaluate with this threshold instead")
+    ev.add_argument(
+        "--min-choice-mass", type=probability, help="evaluate with this minimum choice mass"
+    )
+    ev.add_argument(
+        "--max-std", type=_std_bound, help="evaluate with this bound on a score's std instead"
+    )
+    ev.add_argument("--report", type=Path, help="also write a markdown report here")
+    ev.add_argument("--json", type=Path, help="also write the evaluation as JSON here")
+    ev.set_defaults(run=run_evaluate)
+
+
+def _std_bound(text: str) -> float:
+    """An argparse type for a bound on a score's std: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """``judge calibrate``: on a task's labeled split, or (--from-log) on the decision log."""
+    if args.from_log is not None:
+        from service.cli import log
+
+        return log.run_from_log(args)
+    return run_calibrate(args)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    # Here, as each command's fitting and plotting: `judge --help` runs without scipy.
+    from calibration.reliability import reliability_diagram
+    from calibration.report import metrics_table, profile_markdown, signal_markdown
+    from calibration.scaling import softmax
+
     task = load_task(args.task)
     name = args.name or task.name
     if not re.fullmatch(NAME_PATTERN, name):
@@ -143,6 +249,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def _calibrate_unlabeled(args: argparse.Namespace, task: Task, name: str) -> int:
     """``calibrate --unlabeled``: a label-free profile; every input checked before the model."""
+    from calibration.report import profile_markdown, signal_markdown
+
     method = args.unlabeled or "batch"
     if args.input is not None and method != "batch":
         raise UsageError("--input gives unlabeled prompts for --unlabeled batch, not contextual")
@@ -201,6 +309,9 @@ def _calibrate_unlabeled(args: argparse.Namespace, task: Task, name: str) -> int
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
+    from calibration import evaluate_policy
+    from calibration.report import evaluation_markdown, profile_markdown
+
     profile = load_profile(args.profile)
     task = load_task(args.task)
     items, _ = load_split(task, args.split, args.limit)

@@ -1,16 +1,22 @@
-"""What the commands share: the usage error, engine loading, profile loading, JSON output."""
+"""What the commands share: the usage error, argument types and the model's and task's
+arguments, engine loading, profile loading, JSON output.
+
+No torch here, nor in any command module's imports: the parser (``judge --help``) is built
+from every command module, where only the client's packages may be installed.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, cast, get_args
 
 import msgspec
 
 from judge import DEFAULT_RESPONSE_PREFIX, DEFAULT_RESPONSE_SUFFIX, Judge
-from judge.loading import DType
+from judge.limits import DType
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
@@ -20,11 +26,13 @@ __all__ = [
     "UsageError",
     "load_engine",
     "load_profile",
+    "model_arguments",
     "open_probability",
     "positive_int",
     "probability",
     "profile_dtype",
     "seconds",
+    "task_arguments",
     "to_json",
 ]
 
@@ -104,6 +112,40 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") -> None:
+    """--model, --dtype (default None: the profile's, else auto) and --device."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model id, directory or .gguf (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--dtype", default=None, choices=DTYPES, help=dtype_help or None)
+    parser.add_argument("--device", default="cpu")
+
+
+def task_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    split: str,
+    dtype: bool = True,
+    either: argparse._MutuallyExclusiveGroup | None = None,
+) -> None:
+    """A task directory's split to judge, and the model that judges it. --task is required,
+    or one of ``either``'s arguments (a required group) when that is given."""
+    task_help = "task directory with task.json"
+    if either is None:
+        parser.add_argument("--task", type=Path, required=True, help=task_help)
+    else:
+        either.add_argument("--task", type=Path, help=task_help)
+    parser.add_argument("--split", default=split, help=f"which <split>.jsonl (default: {split})")
+    parser.add_argument("--limit", type=positive_int, help="use only the first N items")
+    parser.add_argument("--model", default=None, help="model id, directory or .gguf")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    if dtype:
+        parser.add_argument("--dtype", default="auto", choices=DTYPES)
 
 
 def load_profile(path: str | os.PathLike[str]) -> CalibrationProfile:

@@ -7,6 +7,10 @@ With ``--ray`` the same app runs as Ray Serve replicas behind one endpoint
 Stopping is bounded and clean: on SIGTERM or Ctrl-C the server stops accepting connections,
 gives the requests in flight ``--shutdown-timeout`` seconds to finish, cancels the rest (which
 drops their queued model work), and exits with status 0.
+
+The server's settings are ``service.config.ServiceConfig``'s: each carries its flag, and
+``add_arguments`` makes the flags from them (``service_config`` reads them back), so a new
+setting is one edit there. The flags declared here are the engine's, uvicorn's and Ray's.
 """
 
 from __future__ import annotations
@@ -18,19 +22,171 @@ import os
 import re
 import signal
 from collections.abc import Callable
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.cli.common import UsageError
+from judge import DEFAULT_PREFIX_CACHE_MB
+from service.cli.common import (
+    DTYPES,
+    UsageError,
+    audit_rate,
+    megabytes,
+    positive_int,
+    positive_number,
+    probability,
+    seconds,
+)
+from service.config import FlagKind, ServiceConfig, flags
 
 if TYPE_CHECKING:
     from judge import Engine
-    from service import ServiceConfig
     from service.ray_serve import Scaling
 
-__all__ = ["api_key", "audit_rates", "run", "run_ray", "scaling"]
+__all__ = [
+    "add_arguments",
+    "api_key",
+    "audit_rates",
+    "run",
+    "run_ray",
+    "scaling",
+    "service_config",
+]
 
 log = logging.getLogger("judge.service")
+
+# How each kind of setting (service.config.FlagKind) is read from the command line; a
+# switch takes no value.
+_TYPES: dict[FlagKind, Callable[[str], Any]] = {
+    "count": positive_int,
+    "duration": seconds,
+    "probability": probability,
+    "positive": positive_number,
+    "path": Path,
+    "text": str,
+    "key_file": Path,
+    "rates": audit_rate,
+}
+
+
+def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``judge serve``: the engine's and the server's flags, the settings' from ServiceConfig."""
+    # No abbreviations: `--api-key KEY` must not pass for `--api-key-file KEY`.
+    serve = commands.add_parser(
+        "serve", help="run the HTTP service (POST /judge)", allow_abbrev=False
+    )
+    serve.add_argument("--model", default=None, help="model id, directory or .gguf")
+    serve.add_argument("--dtype", default="auto", choices=DTYPES)
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument(
+        "--batch-variant",
+        action="store_true",
+        help="faster arithmetic, without the guarantee that a judgment's probabilities do "
+        "not depend on its batch or the prefix cache (in bfloat16 they move by up to 0.02)",
+    )
+    serve.add_argument(
+        "--generic-pass",
+        action="store_true",
+        help="run the model's own decoder instead of the lean pass that Llama-family models "
+        "take (slower; as exact; for comparison)",
+    )
+    serve.add_argument(
+        "--prefix-cache-mb",
+        type=megabytes,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="memory for cached prompt prefixes, reused across requests (0: off)",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=seconds,
+        default=20.0,
+        help="on SIGTERM or Ctrl-C, seconds to finish requests in flight before cancelling "
+        "them (default: 20, within the usual 30 s grace period)",
+    )
+    serve.add_argument("--log-level", default="info")
+    groups = {
+        None: serve,
+        "log": serve.add_argument_group(
+            "the decision log (feedback, audit, health)",
+            "Every decision appended to a database before its response is sent; labels taken "
+            "at POST /judgments/{id}/label and POST /labels; each profile's health at "
+            "GET /profiles/{name}/health and /metrics.",
+        ),
+    }
+    defaults = {f.name: f.default for f in fields(ServiceConfig)}
+    added: set[str] = set()
+    for name, flag in flags().items():
+        if flag.name in added:
+            continue  # a flag that sets two settings (--audit-rate) is added once
+        added.add(flag.name)
+        default = defaults[name]
+        if flag.kind == "switch":
+            groups[flag.group].add_argument(flag.name, action="store_true", help=flag.help)
+            continue
+        shown = _shown(default)
+        groups[flag.group].add_argument(
+            flag.name,
+            type=_TYPES[flag.kind],
+            # Parsed as given, else None: --api-key-file falls back to $JUDGE_API_KEY, and
+            # --audit-rate is repeated; service_config makes the settings of both.
+            default=None if flag.kind in ("key_file", "rates") else default,
+            action="append" if flag.kind == "rates" else "store",
+            metavar=flag.metavar,
+            help=flag.help if shown is None else f"{flag.help} (default: {shown})",
+        )
+    scale = serve.add_argument_group(
+        "scaling out on Ray Serve (pip install -e '.[ray]')",
+        "Replicas of the service behind one endpoint, each with its own model; profiles are "
+        "shared through --profiles-dir, which every replica must reach.",
+    )
+    scale.add_argument("--ray", action="store_true", help="serve with Ray Serve replicas")
+    scale.add_argument(
+        "--replicas", type=positive_int, help="a fixed number of replicas (default: 1)"
+    )
+    scale.add_argument(
+        "--min-replicas", type=int, help="autoscale: at least this many replicas (0 allowed)"
+    )
+    scale.add_argument("--max-replicas", type=positive_int, help="autoscale: at most this many")
+    scale.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        help="autoscale: requests in flight per replica that Ray aims for",
+    )
+    scale.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default: 1)"
+    )
+    scale.add_argument(
+        "--ray-address",
+        help="join this Ray cluster (e.g. ray://head:10001 or auto); default: start a local one",
+    )
+    serve.set_defaults(run=run)
+
+
+def _shown(default: object) -> str | None:
+    """A setting's default as its help states it; None where the help says it in words."""
+    if default is None or default is MISSING or isinstance(default, bool):
+        return None
+    if isinstance(default, int):
+        return f"{default:,}"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
+
+
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    """The settings ``judge serve``'s flags give (each setting's own default where not given)."""
+    settings: dict[str, Any] = {}
+    for name, flag in flags().items():
+        given = getattr(args, flag.dest)
+        if flag.kind == "key_file":
+            settings[name] = api_key(given)
+        elif flag.kind == "rates":
+            settings[name] = audit_rates(given or [])[name]
+        else:
+            settings[name] = given
+    return ServiceConfig(**settings)
 
 
 def api_key(path: Path | None) -> str | None:
@@ -64,33 +220,12 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from judge import Judge
-    from service import ServiceConfig, create_app
+    from service import create_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = ServiceConfig(
-        profiles_dir=args.profiles_dir,
-        max_batch_size=args.max_batch_size,
-        max_batch_tokens=args.max_batch_tokens,
-        max_request_tokens=args.max_request_tokens,
-        max_questions=args.max_questions,
-        max_wait_ms=args.max_wait_ms,
-        max_queue=args.max_queue,
-        admission_wait_s=args.admission_wait,
-        request_timeout_s=args.request_timeout,
-        fit_timeout_s=args.fit_timeout,
-        read_timeout_s=args.read_timeout,
-        api_key=api_key(args.api_key_file),
-        max_body_bytes=args.max_body_bytes,
-        default_threshold=args.default_threshold,
-        min_choice_mass=args.min_choice_mass,
-        decision_log=args.decision_log,
-        log_requests=args.log_requests,
-        log_max_age_days=args.log_max_age_days,
-        log_max_rows=args.log_max_rows,
-        **audit_rates(args.audit_rate or []),
-    )
+    config = service_config(args)
     loader = functools.partial(
         Judge.load,
         args.model,
@@ -140,12 +275,12 @@ def scaling(args: argparse.Namespace) -> Scaling:
             replica_cpus=args.replica_cpus,
         )
     except ValueError as exc:  # Scaling names its fields; the user knows them as flags
-        flags = re.sub(
+        message = re.sub(
             r"\b(replicas|min_replicas|max_replicas|target_ongoing_requests|replica_cpus)\b",
             lambda m: "--" + m.group(1).replace("_", "-"),
             str(exc),
         )
-        raise UsageError(f"serve --ray: {flags}") from None
+        raise UsageError(f"serve --ray: {message}") from None
 
 
 def run_ray(args: argparse.Namespace, loader: Callable[[], Engine], config: ServiceConfig) -> int:

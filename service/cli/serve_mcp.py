@@ -13,12 +13,36 @@ import contextlib
 import importlib.util
 import logging
 import sys
+from pathlib import Path
 
-from service.cli.common import UsageError
+from judge import DEFAULT_PREFIX_CACHE_MB
+from service.cli.common import DTYPES, UsageError, megabytes
 
-__all__ = ["run"]
+__all__ = ["add_arguments", "run"]
 
 INSTALL = "pip install 'judge[mcp]'"
+
+
+def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``judge mcp``'s arguments: the model's, and where the profiles are."""
+    mcp = commands.add_parser(
+        "mcp",
+        help=f"serve the judge to MCP clients over stdio ({INSTALL})",
+        description="A Model Context Protocol server on stdin/stdout with the tools judge "
+        "(one prompt), decide (typed questions about a state) and list_profiles. The model "
+        "loads once, at start. Register it with a client as the command `judge mcp`.",
+    )
+    mcp.add_argument("--model", default=None, help="model id, directory or .gguf")
+    mcp.add_argument("--dtype", default="auto", choices=DTYPES)
+    mcp.add_argument("--device", default="cpu")
+    mcp.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    mcp.add_argument(
+        "--prefix-cache-mb",
+        type=megabytes,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="memory for cached prompt prefixes, reused across calls (0: off)",
+    )
+    mcp.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
