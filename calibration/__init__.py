@@ -3,11 +3,9 @@
 Works on per-choice log-probabilities and labels; depends on neither the engine nor the
 service (no torch). A pipeline reads::
 
-    profile = load_profile("profiles/sms_spam.json")
-    profile.check(judge.fingerprint())        # once: model, weights, dtype, template, system
-    judgment = judge.judge(text, choices=profile.choices, feature_layers=profile.feature_layers)
-    decision = profile.decide(judgment)       # a probe reads the hidden state of its layers
-    if decision.accepted: ...                 # else decision.reasons says why it escalated
+    gate = Gate(load_profile("profiles/sms_spam.json"))
+    verdict = gate.judge(judge, text)   # checks the profile, reads a probe's layers, decides
+    if verdict.accepted: ...            # else verdict.reasons says why it escalated
 
 The names below load on first use (PEP 562), so that ``import calibration.profile`` (the wire
 types the client decodes) loads neither scipy nor scikit-learn: only fitting does.
@@ -36,6 +34,10 @@ if TYPE_CHECKING:
         fit_profile,
         fit_rule,
     )
+    from calibration.gate import (
+        Gate,
+        Overrides,
+    )
     from calibration.label_free import (
         CONTENT_FREE_INPUTS,
         LabelFree,
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
         PolicyDefaults,
         ReasonCode,
         ScoredJudgment,
+        Verdict,
         make_policy,
     )
     from calibration.probe import (
@@ -110,12 +113,14 @@ _EXPORTS = {
     "DataSplit": "calibration.profile",
     "Decision": "calibration.policy",
     "FitError": "calibration.errors",
+    "Gate": "calibration.gate",
     "Identity": "calibration.scaling",
     "Interval": "calibration.metrics",
     "LabelFree": "calibration.label_free",
     "MIN_EXAMPLES": "calibration.limits",
     "MIN_PROBE_EXAMPLES": "calibration.probe",
     "MetricReport": "calibration.metrics",
+    "Overrides": "calibration.gate",
     "Policy": "calibration.policy",
     "PolicyDefaults": "calibration.policy",
     "PolicyEvaluation": "calibration.fitting",
@@ -127,6 +132,7 @@ _EXPORTS = {
     "ReasonCode": "calibration.policy",
     "RuleError": "calibration.errors",
     "ScoredJudgment": "calibration.policy",
+    "Verdict": "calibration.policy",
     "SignalReport": "calibration.signal",
     "Temperature": "calibration.scaling",
     "TemperatureScaler": "calibration.scaling",
@@ -167,10 +173,12 @@ __all__ = [
     "DataSplit",
     "Decision",
     "FitError",
+    "Gate",
     "Identity",
     "Interval",
     "LabelFree",
     "MetricReport",
+    "Overrides",
     "Policy",
     "PolicyDefaults",
     "PolicyEvaluation",
@@ -186,6 +194,7 @@ __all__ = [
     "TemperatureScaler",
     "ThresholdResult",
     "ValuesError",
+    "Verdict",
     "candidate_layers",
     "decode_profile",
     "estimate_prior",

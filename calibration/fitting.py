@@ -58,16 +58,18 @@ from scipy import stats
 
 from calibration.conformal import conformal_quantile
 from calibration.errors import FitError
+from calibration.gate import Gate, Overrides
 from calibration.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.limits import MIN_EXAMPLES
 from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.metrics import MetricReport, evaluate
 from calibration.monitoring import reference_of
-from calibration.policy import Policy, check_max_std
+from calibration.policy import Policy
 from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
 from calibration.routing import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
 from calibration.scaling import CalibrationFit, Identity, Probe, fit_calibrator, softmax
+from calibration.scored import check_max_std
 from calibration.scores import check_values
 from calibration.signal import SignalReport, label_prior, signal_report
 from calibration.validation import (
@@ -656,7 +658,8 @@ def evaluate_policy(
         x = map_features(
             profile.calibration_map, check_features(features, len(labels), layers), layers
         )
-    policy = profile.policy(threshold=threshold, min_choice_mass=min_choice_mass, max_std=max_std)
+    overrides = Overrides(threshold=threshold, min_choice_mass=min_choice_mass, max_std=max_std)
+    policy = Gate(profile, overrides=overrides).policy
     g = policy.gates(profile.choices, z, mass, x)  # what decide() decides, as arrays
     accepted = g.accepted
     correct = g.best == labels

@@ -38,7 +38,7 @@ import hashlib
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -47,6 +47,7 @@ import numpy.typing as npt
 from calibration.conformal import set_membership
 from calibration.errors import ProfileMismatchError, ValuesError
 from calibration.maps import CalibrationMap, Identity
+from calibration.scored import ScoredJudgment, check_max_std, feature_row
 from calibration.scores import check_values, numeral_values, value_moments
 from calibration.validation import check_choice_mass, check_probability
 
@@ -61,6 +62,7 @@ __all__ = [
     "PolicyDefaults",
     "ReasonCode",
     "ScoredJudgment",
+    "Verdict",
     "is_audited",
     "make_policy",
 ]
@@ -77,48 +79,24 @@ REASON_CODES: tuple[str, ...] = get_args(ReasonCode)
 ThresholdSource = Literal["request", "profile", "default"]
 
 
-def check_max_std(value: object) -> float:
-    """A finite number >= 0, as a bound on a score's standard deviation must be."""
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise ValuesError(f"max_std must be a number >= 0, got {value!r}", field="max_std")
-    out = float(value)
-    if not (np.isfinite(out) and out >= 0):
-        raise ValuesError(f"max_std must be a finite number >= 0, got {value!r}", field="max_std")
-    return out
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    """Accept or escalate, and everything that went into it: the one record of a decision.
 
-
-def feature_row(
-    features: Mapping[int, Sequence[float]], layers: Sequence[int]
-) -> npt.NDArray[np.float64]:
-    """One judgment's hidden states of ``layers``, concatenated in that order: (m * H,), the
-    row a probe map reads."""
-    return np.concatenate([np.asarray(features[n], dtype=np.float64) for n in layers])
-
-
-class ScoredJudgment(Protocol):
-    """What a policy needs of a judgment.
-
-    A probe's policy also reads ``features`` (layer -> hidden state), where the judgment has
-    them; it is not part of the protocol so that judgments without features still qualify.
+    What ``Gate.decide`` gives in Python, and what every wire form is made from: the
+    ``/judge`` response (``service.schemas.JudgeResponse.of``), a System One answer's
+    extension fields (``service.systemone.wire_answer``), ``judge ask``'s JSONL lines and the
+    decision log's row (``service.decision_log.LoggedDecision.of``). Probabilities are arrays
+    in ``choices`` order; ``probabilities`` and ``raw_probabilities`` are their dict views.
+    Plain data.
     """
-
-    @property
-    def choices(self) -> Sequence[str]: ...
-
-    @property
-    def log_probs(self) -> Sequence[float]: ...  # in ``choices`` order
-
-    @property
-    def choice_mass(self) -> float: ...
-
-
-class Decision(msgspec.Struct, frozen=True, kw_only=True):
-    """Accept or escalate, and everything that went into it. Plain data."""
 
     decision: Literal["accept", "escalate"]
     choice: str  # the most probable choice after calibration
     confidence: float  # its calibrated probability
-    probabilities: dict[str, float]  # calibrated; the profile's choice order (else the judgment's)
+    choices: list[str]  # the profile's order (else the judgment's): the order of every array
+    probs: list[float]  # calibrated, in ``choices`` order
+    raw_probs: list[float]  # the model's own, before calibration, in ``choices`` order
+    raw_log_probs: list[float]  # their logarithms, as the engine computed them
     prediction_set: list[str] | None  # the conformal set; None without a profile
     reasons: list[str]  # why it escalated, in words; empty when accepted
     reason_codes: list[ReasonCode]  # one code per reason, for counting
@@ -152,6 +130,19 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def accepted(self) -> bool:
         return self.decision == "accept"
+
+    @property
+    def probabilities(self) -> dict[str, float]:
+        """Calibrated probabilities by choice, in ``choices`` order."""
+        return dict(zip(self.choices, self.probs, strict=True))
+
+    @property
+    def raw_probabilities(self) -> dict[str, float]:
+        """The model's own probabilities by choice, in ``choices`` order."""
+        return dict(zip(self.choices, self.raw_probs, strict=True))
+
+
+Decision = Verdict  # the name before the gate (0.x): the same record
 
 
 @dataclass(frozen=True)
@@ -233,7 +224,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         }
         return hashlib.sha256(msgspec.json.encode([pinned, fields])).hexdigest()
 
-    def decide(self, judgment: ScoredJudgment, *, order_spread: float | None = None) -> Decision:
+    def decide(self, judgment: ScoredJudgment, *, order_spread: float | None = None) -> Verdict:
         """The decision for one judgment; ``order_spread``: how far its listings disagreed."""
         spreads = None if order_spread is None else [order_spread]
         return self.decide_many([judgment], order_spreads=spreads)[0]
@@ -243,7 +234,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         judgments: Sequence[ScoredJudgment],
         *,
         order_spreads: Sequence[float] | None = None,
-    ) -> list[Decision]:
+    ) -> list[Verdict]:
         """Decisions for many judgments, in order, computed together per set of choices.
 
         ``order_spreads``: one per judgment (see ``order_sensitive`` in the module docstring).
@@ -269,6 +260,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                 spread,
                 sha256=sha256,
                 judgments=[judgments[i] for i in rows],
+                raw_probs=_raw_probs([judgments[i] for i in rows], columns),
             )
             for i, d in zip(rows, decisions, strict=True):
                 out[i] = d
@@ -307,7 +299,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         choice_mass: npt.ArrayLike | None = None,
         features: npt.ArrayLike | None = None,
         order_spread: npt.ArrayLike | None = None,
-    ) -> list[Decision]:
+    ) -> list[Verdict]:
         """Decisions for (n, k) log-probabilities whose columns follow ``choices``.
 
         ``choice_mass`` is (n,); None counts as 1 (nothing known against the choices).
@@ -328,11 +320,15 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         *,
         sha256: str,
         judgments: Sequence[ScoredJudgment] | None = None,
-    ) -> list[Decision]:
+        raw_probs: npt.NDArray[np.float64] | None = None,
+    ) -> list[Verdict]:
         """``decide_arrays`` with this policy's ``sha256`` read once by the caller, and the
         judgments the rows come from (None: not known), whose ids and hashes the decisions
-        carry."""
-        g = self.gates(choices, log_probabilities, choice_mass, features, order_spread)
+        carry. ``raw_probs`` (n, k): the model's probabilities as the judgments carry them
+        (None: the exponentials of ``log_probabilities``)."""
+        z = np.asarray(log_probabilities, dtype=np.float64)
+        g = self.gates(choices, z, choice_mass, features, order_spread)
+        raw = np.exp(z) if raw_probs is None else raw_probs
         spreads = None if order_spread is None else np.asarray(order_spread, dtype=np.float64)
         decisions = []
         for i in range(g.probabilities.shape[0]):
@@ -381,13 +377,14 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             judgment = None if judgments is None else judgments[i]
             judgment_id = _carried(judgment, "judgment_id")
             decisions.append(
-                Decision(
+                Verdict(
                     decision="escalate" if codes else "accept",
                     choice=choices[int(g.best[i])],
                     confidence=float(g.confidence[i]),
-                    probabilities={
-                        c: float(p) for c, p in zip(choices, g.probabilities[i], strict=True)
-                    },
+                    choices=list(choices),
+                    probs=[float(p) for p in g.probabilities[i]],
+                    raw_probs=[float(p) for p in raw[i]],
+                    raw_log_probs=[float(v) for v in z[i]],
                     prediction_set=members,
                     reasons=reasons,
                     reason_codes=codes,
@@ -529,6 +526,17 @@ def is_audited(judgment_id: str | None, rate: float) -> bool:
         return secrets.randbelow(2**53) / 2**53 < rate
     draw = int.from_bytes(hashlib.sha256(judgment_id.encode()).digest()[:8], "big") / 2**64
     return draw < rate
+
+
+def _raw_probs(
+    judgments: Sequence[ScoredJudgment], columns: Sequence[int]
+) -> npt.NDArray[np.float64] | None:
+    """(n, k) the judgments' own probabilities (``probs``, as the engine computed them) in
+    ``columns`` order; None when any judgment carries none (then they are exp(log_probs))."""
+    rows = [getattr(j, "probs", None) for j in judgments]
+    if any(r is None or len(r) != len(columns) for r in rows):
+        return None
+    return np.asarray(rows, dtype=np.float64)[:, columns]
 
 
 def _carried(judgment: object, field: str) -> str | None:

@@ -2,9 +2,10 @@
 
 A profile is only valid for the model, weights, dtype, response template, system prompt and
 choices it was fitted on; ``CalibrationProfile.check`` refuses anything else by name instead of
-returning a silently wrong probability. ``profile.decide(judgment)`` applies its map and gates
-(see ``calibration.policy``). Files are written atomically (temporary file, fsync, rename), so a
-reader never sees half a profile and a crash never leaves one.
+returning a silently wrong probability. A profile decides nothing itself: a
+``calibration.Gate`` opened on it does (its map and gates, under a request's overrides and a
+server's defaults). Files are written atomically (temporary file, fsync, rename), so a reader
+never sees half a profile and a crash never leaves one.
 
 Decoding validates everything a profile claims, so a file or an upload with a negative count,
 a non-finite number or an out-of-range threshold is refused with the field named, instead of
@@ -20,7 +21,7 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,16 +39,8 @@ from calibration.label_free import LabelFree
 from calibration.maps import BiasTemperature, CalibrationMap, Identity, Probe, Temperature
 from calibration.metrics import MetricReport
 from calibration.monitoring import Reference
-from calibration.policy import (
-    Decision,
-    Policy,
-    PolicyDefaults,
-    ScoredJudgment,
-    check_max_std,
-    feature_row,
-    make_policy,
-)
 from calibration.routing import ThresholdResult
+from calibration.scored import ScoredJudgment, check_max_std, feature_row
 from calibration.scores import check_values, numeral_values
 from calibration.signal import SignalReport
 from judge import atomicio
@@ -362,46 +355,6 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         probs = self.calibration_map.apply(row, x)  # (k,) in the profile's order
         calibrated = dict(zip(self.choices, probs.tolist(), strict=True))
         return {c: calibrated[c] for c in order}
-
-    def policy(
-        self,
-        *,
-        threshold: float | None = None,
-        min_choice_mass: float | None = None,
-        max_std: float | None = None,
-        values: Mapping[str, float] | None = None,
-        defaults: PolicyDefaults | None = None,
-    ) -> Policy:
-        """This profile's policy, with the caller's overrides (see ``make_policy``)."""
-        return make_policy(
-            self,
-            threshold=threshold,
-            min_choice_mass=min_choice_mass,
-            max_std=max_std,
-            values=values,
-            defaults=defaults,
-        )
-
-    def decide(
-        self,
-        judgment: ScoredJudgment,
-        *,
-        threshold: float | None = None,
-        min_choice_mass: float | None = None,
-    ) -> Decision:
-        """Accept or escalate one judgment made with this profile's choices."""
-        return self.policy(threshold=threshold, min_choice_mass=min_choice_mass).decide(judgment)
-
-    def decide_many(
-        self,
-        judgments: Sequence[ScoredJudgment],
-        *,
-        threshold: float | None = None,
-        min_choice_mass: float | None = None,
-    ) -> list[Decision]:
-        """``decide`` for many judgments at once."""
-        policy = self.policy(threshold=threshold, min_choice_mass=min_choice_mass)
-        return policy.decide_many(judgments)
 
 
 def _threshold_problems(t: ThresholdResult) -> list[str]:

@@ -3,7 +3,7 @@
 The System One wire format's model of a request (``POST /v1/systemone``): a *state* (a
 document, a ticket, any JSON) and several typed questions about it. Here each question becomes
 ordinary judge queries whose prompt is the rendered state, a blank line, then the question
-(``judge.engine.shared_query``), so the state's tokens are computed once for all questions
+(``judge.judgments.shared_query``), so the state's tokens are computed once for all questions
 (``Judge.run_shared`` packs them into shared rows, within the token budget).
 
     noul    "Is this about billing?"            choices yes / no;      answer: P(yes)
@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from judge.engine import Judgment, Query, shared_query
 from judge.errors import InvalidQueryError, JudgeError
+from judge.identity import listings_sha256
+from judge.judgments import Judgment, Query, shared_query
 from judge.questions import (
     MAX_LEVELS,
     MAX_OPTIONS,
@@ -51,7 +52,7 @@ from judge.questions import (
 )
 
 if TYPE_CHECKING:
-    from judge.engine import Prepared
+    from judge.judgments import Prepared
     from judge.protocol import Engine
 
 __all__ = [
@@ -82,7 +83,8 @@ class _Answered(msgspec.Struct, frozen=True, kw_only=True):
     # The choices the model read, and the mean probability of each over the listings.
     probabilities: dict[str, float]
     # The question's judgment: over its listings, the mean probabilities (log_probs their
-    # logarithms) and the mean choice mass; prompt, tokens and features of the first listing.
+    # logarithms) and the mean choice mass; prompt, id and features of the first listing;
+    # its tokens_sha256 pins every listing (``judge.identity.listings_sha256``).
     # What a calibration Policy decides on.
     judgment: Judgment
     orderings: int  # listings of the options judged (1 unless order="invariant")
@@ -309,6 +311,10 @@ def _answer(asked: _Asked, judgments: list[Judgment]) -> Answer:
         choice_mass=sum(j.choice_mass for j in judgments) / len(judgments),
         computed_tokens=sum(j.computed_tokens for j in judgments),
         cached_tokens=sum(j.cached_tokens for j in judgments),
+        # One listing: its own hash; several: the hash of theirs, so every listing is pinned.
+        tokens_sha256=first.tokens_sha256
+        if len(judgments) == 1
+        else listings_sha256([j.tokens_sha256 for j in judgments]),
     )
     probabilities = dict(zip(asked.choices, probs, strict=True))
     question = asked.question

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import math
-import numbers
 import os
 import re
 import time
@@ -30,19 +28,24 @@ import msgspec
 import numpy as np
 
 from judge.errors import (
-    ChoiceTypeError,
-    DuplicateChoiceError,
-    EmptyChoiceError,
     InvalidQueryError,
     JudgeError,
     ModelLoadError,
     PromptTooLongError,
     TokenizerRoundTripError,
-    TooFewChoicesError,
-    TooManyChoicesError,
 )
 from judge.fingerprint import Fingerprint, sha256_text
 from judge.identity import new_judgment_id, tokens_sha256
+from judge.judgments import (
+    Judgment,
+    Prepared,
+    Query,
+    TokenCount,
+    check_feature_layers,
+    json_escape,
+    shared_query,
+    validate_choices,
+)
 from judge.limits import MAX_CHOICES
 from judge.packing import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -52,9 +55,8 @@ from judge.packing import (
     row_length,
 )
 from judge.prefix_cache import PrefixCache
-from judge.scores import Score, score_of
 from judge.tokens import PathEncoder
-from judge.trie import ChoiceTrie, build_trie, common_prefix_length
+from judge.trie import build_trie, common_prefix_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -81,165 +83,6 @@ log = logging.getLogger("judge")
 DEFAULT_RESPONSE_PREFIX = '{"answer": "'
 DEFAULT_RESPONSE_SUFFIX = '"}'
 DEFAULT_PREFIX_CACHE_MB = 256
-
-
-class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One item for ``Judge.judge_batch``; None fields take the judge's defaults."""
-
-    prompt: str
-    choices: list[str]
-    system: str | None = None
-    response_prefix: str | None = None
-    response_suffix: str | None = None
-    # Layers whose hidden state at the decision point comes back in ``Judgment.features``:
-    # 1..num_layers, the residual stream after that many decoder blocks (num_layers: the last
-    # block's output after the final norm, as the LM head reads it). Empty: none, at no cost.
-    feature_layers: tuple[int, ...] = ()
-
-
-class Judgment(msgspec.Struct, frozen=True, kw_only=True):
-    """The result of one judgment: plain data, no tensors."""
-
-    choice: str  # the most probable choice
-    confidence: float  # its probability
-    choices: list[str]  # every choice, in the order given
-    probs: list[float]  # each choice's probability, in ``choices`` order; sums to 1
-    # log P(choice) under decoding constrained to the choices, in ``choices`` order; probs are
-    # their softmax
-    log_probs: list[float]
-    choice_mass: float  # full-vocabulary probability of the choices' first tokens
-    prompt: str  # the exact text fed to the model, ending with the response prefix
-    prompt_tokens: int  # tokens of ``prompt``
-    # Leading prompt tokens read from the prefix cache, and the tokens of this judgment's
-    # packed input (prompt and choice trie) computed in its pass; a context shared by several
-    # questions counts for each of them.
-    cached_tokens: int
-    computed_tokens: int
-    forward_passes: int
-    latency_ms: float  # wall time of the call that produced this judgment
-    model: str
-    # For each of the query's ``feature_layers``: the hidden state (float32, hidden_size
-    # values) at the decision point, the position whose next-token logits the root reads.
-    # None when the query asked for none. A learned head (``calibration.Probe``) reads these.
-    features: dict[int, list[float]] | None = None
-    # What pins this judgment (``judge.identity``): a fresh UUID version 7, unique and
-    # time-ordered; the sha256 of the token ids fed for it (``identity.tokens_sha256``); the
-    # sha256 of the weights (``Judge.model_sha256``). An engine always fills them; the empty
-    # defaults are only for Judgments built by hand.
-    judgment_id: str = ""
-    tokens_sha256: str = ""
-    model_sha256: str = ""
-
-    @property
-    def probabilities(self) -> dict[str, float]:
-        """Each choice's probability, keyed by choice in the order given (a view of ``probs``)."""
-        return dict(zip(self.choices, self.probs, strict=True))
-
-    @property
-    def log_probabilities(self) -> dict[str, float]:
-        """Each choice's log-probability, keyed by choice in the order given (of ``log_probs``)."""
-        return dict(zip(self.choices, self.log_probs, strict=True))
-
-    @property
-    def logits(self) -> dict[str, float]:
-        """The old name of ``log_probabilities`` (same values), kept so existing code runs.
-
-        They were never raw logits but normalized log-probabilities, hence the new name. Not
-        part of the JSON form, which carries ``choices`` and ``log_probs``.
-        """
-        return self.log_probabilities
-
-    def score(self, values: Mapping[str, float] | None = None) -> Score:
-        """This judgment as a score: expected value, std, most likely value, distribution.
-
-        ``values`` maps every choice to a number; None: the choices' own numerals ("0".."10").
-        A ValuesError (field ``values``) says what is missing. On the model's own
-        probabilities; a calibration profile's ``decide`` gives the calibrated ones.
-        """
-        return score_of(self.probabilities, values)
-
-
-class TokenCount(msgspec.Struct, frozen=True, kw_only=True):
-    """The size of a query in tokens, each field counted alone, without any model work.
-
-    ``parts`` names the field to blame when a query is too long; the exact size of what runs
-    is ``Prepared.tokens``, which a server checks against its budget.
-    """
-
-    total: int  # the rendered prompt (template, system, prompt, response prefix) + longest choice
-    # Each field's own tokens: prompt, system, response_prefix, response_suffix, and choices
-    # (the longest choice).
-    parts: dict[str, int]
-
-    @property
-    def largest(self) -> str:
-        """The field with the most tokens: the one to shorten."""
-        return max(self.parts, key=self.parts.__getitem__)
-
-
-def validate_choices(choices: object) -> list[str]:
-    """Return ``choices`` as a list, or raise the ChoicesError that says what is wrong."""
-    if isinstance(choices, str) or not isinstance(choices, Sequence):
-        raise ChoiceTypeError(f"choices must be a list of strings, got {type(choices).__name__}")
-    if len(choices) < 2:
-        raise TooFewChoicesError(f"need at least 2 choices to judge between, got {len(choices)}")
-    if len(choices) > MAX_CHOICES:
-        raise TooManyChoicesError(
-            f"got {len(choices)} choices, at most {MAX_CHOICES} are accepted; split the question"
-        )
-    seen: set[str] = set()
-    for i, choice in enumerate(choices):
-        if not isinstance(choice, str):
-            raise ChoiceTypeError(
-                f"choice {i} must be a string, got {type(choice).__name__}: {choice!r}"
-            )
-        if not choice:
-            raise EmptyChoiceError(f"choice {i} is the empty string; every choice needs text")
-        if choice in seen:
-            raise DuplicateChoiceError(
-                f"choice {choice!r} appears more than once; remove the repeat"
-            )
-        seen.add(choice)
-    return list(choices)
-
-
-def json_escape(text: str) -> str:
-    """``text`` as it appears inside a JSON string (non-ASCII kept as is)."""
-    return json.dumps(text, ensure_ascii=False)[1:-1]
-
-
-def shared_query(context: str, query: Query) -> Query:
-    """``query`` asked about ``context``: its prompt is the context, a blank line, then its own.
-
-    How ``Judge.judge_shared`` composes its questions; a server that prepares them itself uses
-    it too, so both feed the model the same text.
-    """
-    if not isinstance(context, str):
-        raise InvalidQueryError(f"context must be a string, got {type(context).__name__}")
-    return msgspec.structs.replace(query, prompt=f"{context}\n\n{query.prompt}")
-
-
-class Prepared(msgspec.Struct, frozen=True):
-    """A query ready for its forward pass: validated, rendered and tokenized, no model work.
-
-    ``Judge.prepare`` makes one and ``Judge.run`` (or ``run_shared``) scores it, so a server
-    can check its size against a budget and queue it without the model doing the work twice.
-    """
-
-    choices: list[str]  # validated, in the order given
-    prompt: str  # the exact text fed to the model, ending with the response prefix
-    prompt_tokens: int  # tokens of ``prompt``
-    trie: ChoiceTrie  # the choices' token paths, packed: what the pass feeds the model
-    tokens_sha256: str  # of the prompt's ids and each choice's path (``identity.tokens_sha256``)
-    feature_layers: tuple[int, ...] = ()  # checked against the model's depth, sorted
-
-    @property
-    def tokens(self) -> int:
-        """Tokens its pass computes for it alone on a cold cache: the prompt and choice trie.
-
-        Exact: a judgment made alone with nothing cached has this ``computed_tokens``.
-        """
-        return self.trie.packed_length
 
 
 class Judge:
@@ -510,7 +353,7 @@ class Judge:
                 field=self._round_trip_field(query, suffix, choices),
             )
         trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
-        layers = self._feature_layers(query.feature_layers)
+        layers = check_feature_layers(query.feature_layers, self.num_layers)
         tokens = tokens_sha256(encoded.prompt_ids, encoded.paths)
         return Prepared(choices, prompt, len(encoded.prompt_ids), trie, tokens, layers)
 
@@ -586,36 +429,6 @@ class Judge:
         )
         suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
         return choices, prompt, suffix, [json_escape(c) + suffix for c in choices]
-
-    def _feature_layers(self, layers: object) -> tuple[int, ...]:
-        """The query's feature layers, checked against the model's depth, without repeats."""
-        if not isinstance(layers, Sequence) or isinstance(layers, str):
-            raise InvalidQueryError(
-                f"feature_layers must be a list of layer numbers, got {type(layers).__name__}",
-                field="feature_layers",
-            )
-        if not layers:
-            return ()
-        if self.num_layers is None:
-            raise InvalidQueryError(
-                "this model does not say how many layers it has (no num_hidden_layers in its "
-                "config), so it cannot return hidden-state features; ask for none",
-                field="feature_layers",
-            )
-        for n in layers:
-            if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-                raise InvalidQueryError(
-                    f"feature layer {n!r} is not a layer number: give integers from 1 to "
-                    f"{self.num_layers}",
-                    field="feature_layers",
-                )
-            if not 1 <= int(n) <= self.num_layers:
-                raise InvalidQueryError(
-                    f"feature layer {n!r} is not a layer of this model: give numbers from 1 to "
-                    f"{self.num_layers} (the residual stream after that many blocks)",
-                    field="feature_layers",
-                )
-        return tuple(sorted({int(n) for n in layers}))
 
     def _round_trip_field(self, query: Query, suffix: str, choices: Sequence[str]) -> str | None:
         """The first field whose own text the tokenizer does not give back, if any does not."""

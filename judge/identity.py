@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["new_judgment_id", "tokens_sha256"]
+__all__ = ["listings_sha256", "new_judgment_id", "tokens_sha256"]
 
 
 def new_judgment_id() -> str:
@@ -46,3 +46,12 @@ def tokens_sha256(prompt_ids: Sequence[int], choice_paths: Sequence[Sequence[int
     """
     # Lists or tuples of Python ints, as tokenizers give them; msgspec writes the compact form.
     return hashlib.sha256(msgspec.json.encode([prompt_ids, choice_paths])).hexdigest()
+
+
+def listings_sha256(hashes: Sequence[str]) -> str:
+    """What pins an answer judged under several listings of its options (``judge.decisions``,
+    ``order="invariant"``): the sha256 (hex) of the JSON list of the listings' own
+    ``tokens_sha256``, in listing order. Every listing's tokens are pinned, and so is their
+    order; a single listing keeps its own hash (this is not applied to it).
+    """
+    return hashlib.sha256(msgspec.json.encode(list(hashes))).hexdigest()

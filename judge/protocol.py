@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from judge.engine import Judgment, Prepared, Query, TokenCount
 from judge.errors import JudgeError
 from judge.fingerprint import Fingerprint
+from judge.judgments import Judgment, Prepared, Query, TokenCount
 
 __all__ = ["Engine"]
 

@@ -1,13 +1,14 @@
-"""Typed answers about a state, each gated by its calibration profile where it has one.
+"""Typed answers about a state, each decided by its own gate.
 
 What ``judge decide`` prints and the MCP server's ``decide`` tool returns, in the same wire
 form as ``POST /v1/systemone`` (``service.systemone.wire_answer``: one owner): the engine's
-typed answers (``judge.decisions``) with the decision its Policy makes on the answer's
-judgment (its profile's, else the default policy's), as ``judge ask`` and ``POST /judge``
+typed answers (``judge.decisions``) with the verdict their gate gives on the answer's judgment
+(``calibration.Gate``: its profile's, else the defaults'), as ``judge ask`` and ``POST /judge``
 decide. With a profile, ``probabilities`` (and noul, choice, score, confidence) are the
 calibrated ones and ``raw_probabilities`` the model's.
 
-    answer_questions(engine, state, questions, profiles={id: profile})  ->  {id: SystemOneAnswer}
+    judge_questions(engine, state, questions, gates={id: gate})  ->  {id: (Answer, Verdict)}
+    answer_questions(...)                                         ->  {id: SystemOneAnswer}
 
 Errors name the field at fault: ``questions.<id>.<field>`` for a question (an
 ``InvalidQueryError``, from ``judge.decisions``), ``profiles.<id>`` for a profile that does
@@ -21,15 +22,11 @@ from typing import Any, Literal
 
 import msgspec
 
-from calibration import (
-    CalibrationProfile,
-    PolicyDefaults,
-    ProfileMismatchError,
-    make_policy,
-)
+from calibration import Gate, PolicyDefaults, Verdict
 from judge import Engine, InvalidQueryError
 from judge.decisions import (
     MAX_ORDERINGS,
+    Answer,
     ChoiceQuestion,
     NoulQuestion,
     Question,
@@ -38,7 +35,7 @@ from judge.decisions import (
 )
 from service.systemone import SystemOneAnswer, wire_answer
 
-__all__ = ["answer_questions", "with_order"]
+__all__ = ["answer_questions", "judge_questions", "with_order"]
 
 Order = Literal["given", "invariant"]
 
@@ -58,45 +55,57 @@ def with_order(
     return out
 
 
-def answer_questions(
+def judge_questions(
     engine: Engine,
     state: object,
     questions: Mapping[str, Question | Mapping[str, Any]],
     *,
-    profiles: Mapping[str, CalibrationProfile] | None = None,
+    gates: Mapping[str, Gate] | None = None,
+    defaults: PolicyDefaults | None = None,
     max_orderings: int = MAX_ORDERINGS,
-) -> dict[str, SystemOneAnswer]:
-    """Answer ``questions`` about ``state``; gate the answer of each id in ``profiles``.
+) -> dict[str, tuple[Answer, Verdict]]:
+    """Answer ``questions`` about ``state``, each decided by its gate in ``gates`` (by question
+    id), or else by a gate without a profile under ``defaults``.
 
-    Every profile is checked against the engine and its question's choices before any model
-    work. A probe profile's hidden-state layers are read for its question.
+    Every gate is checked against the engine and its question's choices before any model
+    work; a probe's hidden-state layers are read for its question.
     """
-    profiles = dict(profiles or {})
-    unknown = sorted(set(profiles) - set(questions))
+    gates = dict(gates or {})
+    unknown = sorted(set(gates) - set(questions))
     if unknown:
         raise InvalidQueryError(
             f"a profile is given for question {unknown[0]!r}, which is not asked; "
             f"the questions are {sorted(questions)}",
             field=f"profiles.{unknown[0]}",
         )
-    # Every question is gated, as POST /v1/systemone gates it: by its profile where it has one,
-    # else by the default policy (threshold 0.9, nothing certified).
-    policies = {qid: make_policy(profiles.get(qid), defaults=PolicyDefaults()) for qid in questions}
-    layers = {qid: p.feature_layers for qid, p in policies.items() if p.feature_layers}
+    for qid in questions:
+        gates.setdefault(qid, Gate(None, defaults=defaults))
+    layers = {qid: g.feature_layers for qid, g in gates.items() if g.feature_layers}
     plan = plan_decisions(state, questions, max_orderings=max_orderings, feature_layers=layers)
-    fingerprint = engine.fingerprint() if profiles else None
+    checked = [g for g in gates.values() if g.profile is not None]
+    fingerprint = engine.fingerprint() if checked else None
     for asked in plan.asked:
-        profile = profiles.get(asked.id)
-        if profile is None or fingerprint is None:
-            continue
-        try:
-            profile.check(fingerprint, choices=asked.choices)
-        except ProfileMismatchError as exc:
-            raise ProfileMismatchError(f"profiles.{asked.id}", str(exc)) from None
+        gate = gates[asked.id]
+        if fingerprint is not None:
+            gate.check(fingerprint, choices=asked.choices, field=f"profiles.{asked.id}")
     answers = plan.answers(engine.run_shared(plan.prepare(engine)))
     return {
-        qid: wire_answer(
-            answer, policies[qid].decide(answer.judgment, order_spread=answer.order_spread)
-        )
+        qid: (answer, gates[qid].decide(answer.judgment, order_spread=answer.order_spread))
         for qid, answer in answers.items()
     }
+
+
+def answer_questions(
+    engine: Engine,
+    state: object,
+    questions: Mapping[str, Question | Mapping[str, Any]],
+    *,
+    gates: Mapping[str, Gate] | None = None,
+    defaults: PolicyDefaults | None = None,
+    max_orderings: int = MAX_ORDERINGS,
+) -> dict[str, SystemOneAnswer]:
+    """``judge_questions`` in the wire form of ``POST /v1/systemone``'s answers."""
+    judged = judge_questions(
+        engine, state, questions, gates=gates, defaults=defaults, max_orderings=max_orderings
+    )
+    return {qid: wire_answer(answer, verdict) for qid, (answer, verdict) in judged.items()}

@@ -72,6 +72,8 @@ import msgspec
 if TYPE_CHECKING:
     import psycopg
 
+    from calibration.policy import Verdict
+
 __all__ = [
     "PRUNE_EVERY",
     "SCHEMA_VERSION",
@@ -171,6 +173,45 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
     request: dict[str, Any] | None = None
     label: str | None = None  # the true label, from feedback
     labeled_at: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        verdict: Verdict,
+        *,
+        model: str,
+        request: dict[str, Any] | None = None,
+        created_at: float | None = None,
+    ) -> LoggedDecision:
+        """The row of ``verdict``: the one place a decision becomes a log row, on every route.
+
+        ``choices`` and ``log_probs`` are the verdict's (the profile's order, else the
+        judgment's); ``request`` is what replays it (only with ``--log-requests``).
+        """
+        if verdict.judgment_id is None:
+            raise ValueError("a verdict without a judgment id cannot be logged")
+        return cls(
+            judgment_id=verdict.judgment_id,
+            created_at=time.time() if created_at is None else created_at,
+            model=model,
+            model_sha256=verdict.model_sha256 or "",
+            tokens_sha256=verdict.tokens_sha256 or "",
+            policy_sha256=verdict.policy_sha256 or "",
+            profile=verdict.profile,
+            profile_etag=verdict.profile_etag,
+            choices=list(verdict.choices),
+            log_probs=list(verdict.raw_log_probs),
+            choice_mass=verdict.choice_mass,
+            probabilities=verdict.probabilities,
+            choice=verdict.choice,
+            confidence=verdict.confidence,
+            decision=verdict.decision,
+            reason_codes=list(verdict.reason_codes),
+            threshold=verdict.threshold,
+            certified=verdict.certified,
+            audit=verdict.audit,
+            request=request,
+        )
 
 
 class LabelOutcome(msgspec.Struct, frozen=True, kw_only=True):

@@ -36,9 +36,10 @@ from pydantic import Field
 from calibration import (
     CalibrationError,
     CalibrationProfile,
+    Gate,
+    Overrides,
     PolicyDefaults,
     ProfileError,
-    make_policy,
 )
 from judge import Engine, JudgeError
 from judge.decisions import MAX_ORDERINGS, Question
@@ -103,19 +104,20 @@ def create_server(
     ) -> dict[str, Any]:
         fitted, etag = profile_of(profile, "profile") if profile is not None else (None, None)
         with _tool_errors():
-            policy = make_policy(fitted, threshold=threshold, defaults=defaults, profile_etag=etag)
+            gate = Gate(
+                fitted, etag=etag, overrides=Overrides(threshold=threshold), defaults=defaults
+            )
             with model_lock:
-                if fitted is not None:
-                    fitted.check(engine.fingerprint(system=system), choices=choices)
+                gate.check(engine.fingerprint(system=system), choices=choices)
                 judgment = engine.judge(
-                    prompt, choices, system=system, feature_layers=policy.feature_layers
+                    prompt, choices, system=system, feature_layers=gate.feature_layers
                 )
             response = JudgeResponse.of(
                 judgment,
-                policy.decide(judgment),
+                gate.decide(judgment),
                 choices=choices,
                 calibration_map=fitted.calibration_map if fitted is not None else None,
-                feature_layers=policy.feature_layers,
+                feature_layers=gate.feature_layers,
             )
         return _plain(response)
 
@@ -153,15 +155,21 @@ def create_server(
             int, Field(ge=1, description="listings of a choice's options under invariant")
         ] = MAX_ORDERINGS,
     ) -> dict[str, Any]:
-        fitted = {
-            qid: profile_of(name, f"profiles.{qid}")[0] for qid, name in (profiles or {}).items()
-        }
+        gates = {}
+        for qid, name in (profiles or {}).items():
+            fitted, etag = profile_of(name, f"profiles.{qid}")
+            gates[qid] = Gate(fitted, etag=etag, defaults=defaults)
         asked: dict[str, Any] = dict(questions)
         if order is not None:
             asked = with_order(asked, order)
         with _tool_errors(), model_lock:
             answers = answer_questions(
-                engine, state, asked, profiles=fitted, max_orderings=max_orderings
+                engine,
+                state,
+                asked,
+                gates=gates,
+                defaults=defaults,
+                max_orderings=max_orderings,
             )
         return _plain(answers)
 

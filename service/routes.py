@@ -116,22 +116,22 @@ async def metrics(service: NamedDependency[Service]) -> Response[bytes]:
 
 async def judge(request: AnyRequest, service: NamedDependency[Service]) -> JudgeResponse:
     ticket = _ticket(service, request)
-    return await service.judge(await _body(request, JudgeRequest), ticket)
+    return await service.judging.judge(await _body(request, JudgeRequest), ticket)
 
 
 async def judge_batch(request: AnyRequest, service: NamedDependency[Service]) -> BatchResponse:
     ticket = _ticket(service, request)
-    return await service.judge_batch(await _batch_body(request), ticket)
+    return await service.judging.judge_batch(await _batch_body(request), ticket)
 
 
 async def systemone(request: AnyRequest, service: NamedDependency[Service]) -> SystemOneResponse:
     ticket = _ticket(service, request)
     body = decode_request(await request.body(), request.headers.get("content-type"))
-    return await service.systemone(body, ticket)
+    return await service.systemone.answer(body, ticket)
 
 
 async def list_profiles(service: NamedDependency[Service]) -> list[ProfileSummary]:
-    return service.profile_summaries()
+    return service.profiles.summaries()
 
 
 async def profile(
@@ -173,7 +173,7 @@ async def put_profile(
     )
     profile = await anyio.to_thread.run_sync(decode)
     write = functools.partial(
-        service.put_profile,
+        service.profiles.put,
         name,
         profile,
         if_match=parse_etags(request.headers.get("if-match")),
@@ -187,7 +187,7 @@ async def fit(
     name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> CalibrationProfile:
     ticket = _ticket(service, request, service.config.fit_timeout_s)
-    return await service.fit(name, await _body(request, FitRequest), ticket)
+    return await service.profiles.fit(name, await _body(request, FitRequest), ticket)
 
 
 async def delete_profile(
@@ -200,21 +200,21 @@ async def delete_profile(
 
 
 async def profile_health(name: FromPath[str], service: NamedDependency[Service]) -> ProfileHealth:
-    return await service.health(name)
+    return await service.feedback.health(name)
 
 
 async def judgment(judgment_id: FromPath[str], service: NamedDependency[Service]) -> LoggedDecision:
-    return await service.judgment(judgment_id)
+    return await service.feedback.judgment(judgment_id)
 
 
 async def label(
     judgment_id: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> LabelResult:
-    return await service.label(judgment_id, await _body(request, LabelRequest))
+    return await service.feedback.label(judgment_id, await _body(request, LabelRequest))
 
 
 async def labels(request: AnyRequest, service: NamedDependency[Service]) -> LabelsResponse:
-    return await service.labels(await _body(request, LabelsRequest))
+    return await service.feedback.labels(await _body(request, LabelsRequest))
 
 
 async def schema(service: NamedDependency[Service]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from judge.limits import MAX_CHOICES
 
 if TYPE_CHECKING:
     from calibration.maps import CalibrationMap
-    from calibration.policy import Decision
+    from calibration.policy import Verdict
     from judge import Judgment, Query
 
 __all__ = [
@@ -96,7 +96,7 @@ class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class JudgeResponse(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type", tag="judgment"
 ):
-    """One judgment and the policy's decision on it (``calibration.Decision``, flattened)."""
+    """One judgment and the policy's decision on it (``calibration.Verdict``, flattened)."""
 
     choice: str  # the most probable choice, after calibration
     confidence: float  # its probability, calibrated when a profile applies
@@ -105,7 +105,7 @@ class JudgeResponse(
     decision: Literal["accept", "escalate"]
     reasons: list[str]  # why it escalated, one line each; empty when accepted
     # One per reason, for programs: below_threshold, no_certified_threshold, low_choice_mass,
-    # ambiguous_set, high_std (calibration.Decision.reason_codes).
+    # ambiguous_set, high_std (calibration.Verdict.reason_codes).
     reason_codes: list[ReasonCode]
     threshold: float | None  # the threshold in force; None when the profile has none
     certified: bool  # the threshold is the profile's certified one, with no override
@@ -117,7 +117,7 @@ class JudgeResponse(
     profile: str | None
     model: str
     latency_ms: float
-    # What pins this decision (calibration.Decision): a fresh UUID version 7 for the judgment,
+    # What pins this decision (calibration.Verdict): a fresh UUID version 7 for the judgment,
     # the sha256 of the token ids it fed (judge.identity.tokens_sha256), of the weights
     # (Judge.model_sha256) and of the policy in force (calibration.Policy.sha256).
     judgment_id: str
@@ -145,49 +145,52 @@ class JudgeResponse(
     def of(
         cls,
         judgment: Judgment,
-        decision: Decision,
+        verdict: Verdict,
         *,
         choices: Sequence[str] | None = None,
         calibration_map: CalibrationMap | None = None,
         feature_layers: Sequence[int] = (),
         return_prompt: bool = False,
     ) -> JudgeResponse:
-        """The wire form of ``decision`` on ``judgment``: the one place it is built.
+        """The wire form of ``verdict`` on ``judgment``: the one place it is built.
 
-        ``choices`` orders the probabilities (the request's order; default: the decision's,
-        which is the profile's); ``calibration_map`` is the profile's, if one applied.
+        Every decided field is the verdict's; ``judgment`` gives what only the judging knows
+        (model, latency, prompt). ``choices`` orders the probabilities (the request's order;
+        default: the verdict's, which is the profile's); ``calibration_map`` is the
+        profile's, if one applied.
         """
-        order = list(decision.probabilities) if choices is None else choices
+        order = list(verdict.choices) if choices is None else list(choices)
+        probs, raw = verdict.probabilities, verdict.raw_probabilities
         method = calibration_map.method if calibration_map is not None else None
         return cls(
-            choice=decision.choice,
-            confidence=decision.confidence,
-            probabilities={c: decision.probabilities[c] for c in order},
-            raw_probabilities=dict(judgment.probabilities),
-            decision=decision.decision,
-            reasons=list(decision.reasons),
-            reason_codes=list(decision.reason_codes),
-            threshold=decision.threshold,
-            certified=decision.certified,
+            choice=verdict.choice,
+            confidence=verdict.confidence,
+            probabilities={c: probs[c] for c in order},
+            raw_probabilities={c: raw[c] for c in order},
+            decision=verdict.decision,
+            reasons=list(verdict.reasons),
+            reason_codes=list(verdict.reason_codes),
+            threshold=verdict.threshold,
+            certified=verdict.certified,
             # A probe has no temperature: it reads hidden states rather than rescaling.
             temperature=None
             if calibration_map is None or method == "probe"
             else calibration_map.temperature,
-            choice_mass=decision.choice_mass,
-            prediction_set=decision.prediction_set,
-            profile=decision.profile,
+            choice_mass=verdict.choice_mass,
+            prediction_set=verdict.prediction_set,
+            profile=verdict.profile,
             model=judgment.model,
             latency_ms=judgment.latency_ms,
-            judgment_id=judgment.judgment_id,
-            tokens_sha256=judgment.tokens_sha256,
-            model_sha256=judgment.model_sha256,
-            policy_sha256=decision.policy_sha256 or "",
-            profile_etag=decision.profile_etag,
-            audit=decision.audit,
+            judgment_id=verdict.judgment_id or judgment.judgment_id,
+            tokens_sha256=verdict.tokens_sha256 or judgment.tokens_sha256,
+            model_sha256=verdict.model_sha256 or judgment.model_sha256,
+            policy_sha256=verdict.policy_sha256 or "",
+            profile_etag=verdict.profile_etag,
+            audit=verdict.audit,
             prompt=judgment.prompt if return_prompt else None,
-            expected_value=decision.expected_value,
-            std=decision.std,
-            max_std=decision.max_std,
+            expected_value=verdict.expected_value,
+            std=verdict.std,
+            max_std=verdict.max_std,
             calibration_method=method,
             feature_layers=list(feature_layers) or None,
         )

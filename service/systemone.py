@@ -50,7 +50,7 @@ from service.bodies import BodyError, _integral, _located, decode_body
 from service.schemas import ProfileName
 
 if TYPE_CHECKING:
-    from calibration.policy import Decision
+    from calibration.policy import Verdict
     from judge.decisions import Answer
     from judge.questions import Question
 
@@ -142,7 +142,7 @@ class SystemOneRequest(
 
 
 class _Answered(msgspec.Struct, frozen=True, kw_only=True):
-    """judge's fields on every answer: the Policy's decision and the listings."""
+    """judge's fields on every answer: its gate's verdict and the listings."""
 
     probabilities: dict[str, float]  # calibrated when a profile applies; the question's order
     raw_probabilities: dict[str, float]  # the model's own: the mean over the listings
@@ -157,6 +157,17 @@ class _Answered(msgspec.Struct, frozen=True, kw_only=True):
     orderings: int  # listings of the options judged (1 unless order="invariant")
     order_spread: float  # largest difference across listings in one choice's probability
     max_order_spread: float | None
+    # What pins the decision, as on a judgment (``JudgeResponse``): the id a label is given
+    # to (POST /judgments/{judgment_id}/label; the first listing's judgment), the sha256 of
+    # the tokens fed (one listing: its tokens' hash; several: the hash of the listings'
+    # hashes in listing order, ``judge.identity.listings_sha256``), of the weights and of the
+    # policy, the profile's ETag, and whether it is in the audit sample.
+    judgment_id: str | None = None
+    tokens_sha256: str | None = None
+    model_sha256: str | None = None
+    policy_sha256: str | None = None
+    profile_etag: str | None = None
+    audit: bool = False
 
 
 class SystemOneNoulAnswer(_Answered, frozen=True, kw_only=True, tag="noul", tag_field="type"):
@@ -240,30 +251,37 @@ def _question_error(body: bytes) -> BodyError | None:
     return None
 
 
-def wire_answer(answer: Answer, decision: Decision) -> SystemOneAnswer:
-    """The wire form of a question's ``answer`` as ``decision`` (its Policy's) gates it.
+def wire_answer(answer: Answer, verdict: Verdict) -> SystemOneAnswer:
+    """The wire form of a question's ``answer`` as ``verdict`` (its gate's) decides it.
 
-    The System One fields are computed from the decision's probabilities (calibrated when a
+    The System One fields are computed from the verdict's probabilities (calibrated when a
     profile applies; the answer's own otherwise), in the question's order of choices.
     """
     from judge.decisions import ChoiceAnswer, NoulAnswer
 
     order = list(answer.probabilities)
-    probs = {c: decision.probabilities[c] for c in order}
+    calibrated = verdict.probabilities
+    probs = {c: calibrated[c] for c in order}
     common: dict[str, Any] = {
         "probabilities": probs,
         "raw_probabilities": dict(answer.probabilities),
-        "decision": decision.decision,
-        "reasons": list(decision.reasons),
-        "reason_codes": list(decision.reason_codes),
-        "certified": decision.certified,
-        "threshold": decision.threshold,
-        "choice_mass": decision.choice_mass,
-        "prediction_set": decision.prediction_set,
-        "profile": decision.profile,
+        "decision": verdict.decision,
+        "reasons": list(verdict.reasons),
+        "reason_codes": list(verdict.reason_codes),
+        "certified": verdict.certified,
+        "threshold": verdict.threshold,
+        "choice_mass": verdict.choice_mass,
+        "prediction_set": verdict.prediction_set,
+        "profile": verdict.profile,
         "orderings": answer.orderings,
         "order_spread": answer.order_spread,
-        "max_order_spread": decision.max_order_spread,
+        "max_order_spread": verdict.max_order_spread,
+        "judgment_id": verdict.judgment_id,
+        "tokens_sha256": verdict.tokens_sha256,
+        "model_sha256": verdict.model_sha256,
+        "policy_sha256": verdict.policy_sha256,
+        "profile_etag": verdict.profile_etag,
+        "audit": verdict.audit,
     }
     best = max(order, key=probs.__getitem__)
     if isinstance(answer, NoulAnswer):

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from calibration import load_profile
+from calibration.gate import Gate
 from judge import Judge
 from service.cli.main import main
 
@@ -207,9 +208,7 @@ def test_ask_and_evaluate_decide_with_the_probe(
     profile = load_profile(probe_profile)
     task = load_task(SST2)
     prompt = task_prompt(task, "a gorgeous, witty and deeply moving film.")
-    expected = profile.decide(
-        judge.judge(prompt, profile.choices, feature_layers=profile.feature_layers)
-    )
+    expected = Gate(profile).judge(judge, prompt)
     assert main(["ask", prompt, "--profile", str(probe_profile)]) == 0
     answer = json.loads(capsys.readouterr().out)
     # The prefix cache may be warm for one and cold for the other: float rounding apart.

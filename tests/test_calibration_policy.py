@@ -17,6 +17,7 @@ from calibration import (
     fit_profile,
     make_policy,
 )
+from calibration.gate import Gate, Overrides
 from calibration.profile import CalibrationProfile
 from calibration.routing import ThresholdResult
 from calibration.scaling import Temperature
@@ -89,12 +90,12 @@ def test_a_profile_without_a_certified_threshold_escalates_everything(
     profile: CalibrationProfile,
 ) -> None:
     none = with_threshold(profile, None)
-    d = none.decide(scored(0.999))
+    d = Gate(none).decide(scored(0.999))
     assert not d.accepted and d.threshold is None and not d.certified
     assert d.reason_codes[0] == "no_certified_threshold"
     assert d.reasons[0] == "profile 'sms' certifies no threshold: test"
     # A caller may still choose a threshold of its own; the decision then says it is uncertified.
-    own = none.decide(scored(0.999), threshold=0.5)
+    own = Gate(none, overrides=Overrides(threshold=0.5)).decide(scored(0.999))
     assert "no_certified_threshold" not in own.reason_codes and not own.certified
 
 
@@ -103,14 +104,14 @@ def test_profile_decisions_calibrate_and_use_the_conformal_set(
 ) -> None:
     p = with_threshold(profile, 0.5)
     judgment = scored(0.9, order=("spam", "ham"))
-    d = p.decide(judgment)
+    d = Gate(p).decide(judgment)
     assert list(d.probabilities) == CHOICES  # the profile's order, whatever the judgment's
     expected = profile.calibration_map.apply(np.log([0.1, 0.9]))
     assert d.probabilities["spam"] == pytest.approx(expected[1])
     assert d.prediction_set is not None and d.choice in d.prediction_set
     # A set of two choices escalates even above the threshold.
     wide = msgspec.structs.replace(p, conformal_quantile=1.0)
-    w = wide.decide(judgment)
+    w = Gate(wide).decide(judgment)
     assert w.prediction_set == CHOICES and w.reason_codes == ["ambiguous_set"]
     assert "holds 2 choices (ham, spam), not one" in w.reasons[0]
 
@@ -124,8 +125,9 @@ def test_decide_many_equals_deciding_one_by_one(profile: CalibrationProfile) -> 
             zip(rng.uniform(0.01, 0.99, 50), rng.uniform(0, 1, 50), strict=True)
         )
     ]
-    many = p.decide_many(judgments, min_choice_mass=0.3)
-    assert many == [p.decide(j, min_choice_mass=0.3) for j in judgments]
+    gate = Gate(p, overrides=Overrides(min_choice_mass=0.3))
+    many = gate.decide_many(judgments)
+    assert many == [gate.decide(j) for j in judgments]
     assert {d.decision for d in many} == {"accept", "escalate"}
     # Without a profile, judgments with different choices are decided in one call too.
     mixed = [scored(0.95), Scored({"a": math.log(0.5), "b": math.log(0.3), "c": math.log(0.2)})]
@@ -136,7 +138,7 @@ def test_decide_many_equals_deciding_one_by_one(profile: CalibrationProfile) -> 
 def test_wrong_choices_are_refused(profile: CalibrationProfile) -> None:
     bad = Scored({"ham": -0.1, "eggs": -2.0})
     with pytest.raises(ProfileMismatchError) as info:
-        profile.decide(bad)
+        Gate(profile).decide(bad)
     assert info.value.field == "choices"
 
 
@@ -156,7 +158,7 @@ def test_overrides_and_defaults_are_validated(kwargs: dict[str, float], name: st
 
 
 def test_decisions_are_plain_data(profile: CalibrationProfile) -> None:
-    d = profile.decide(scored(0.9))
+    d = Gate(profile).decide(scored(0.9))
     assert msgspec.json.decode(msgspec.json.encode(d), type=Decision) == d
     assert b"accepted" not in msgspec.json.encode(d)  # a property, derived from decision
 
@@ -169,12 +171,8 @@ def test_evaluate_policy_counts_what_decide_decides(profile: CalibrationProfile)
     y = rng.integers(0, 2, 300)
     mass = rng.uniform(0, 1, 300)
     e = evaluate_policy(p, logp, y, mass, min_choice_mass=0.2)
-    decisions = p.decide_many(
-        [
-            Scored(dict(zip(CHOICES, row, strict=True)), m)
-            for row, m in zip(logp, mass, strict=True)
-        ],
-        min_choice_mass=0.2,
+    decisions = Gate(p, overrides=Overrides(min_choice_mass=0.2)).decide_many(
+        [Scored(dict(zip(CHOICES, row, strict=True)), m) for row, m in zip(logp, mass, strict=True)]
     )
     accepted = [d for d in decisions if d.accepted]
     assert e.n_accepted == len(accepted) and e.coverage == pytest.approx(len(accepted) / 300)

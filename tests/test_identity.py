@@ -29,6 +29,7 @@ from litestar.testing import TestClient
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from calibration import CalibrationProfile, PolicyDefaults, fit_profile, make_policy, save_profile
+from calibration.gate import Gate
 from calibration.maps import Temperature
 from calibration.profile import etag_of
 from judge import Judge, Query
@@ -275,11 +276,11 @@ def test_a_profile_s_etag_is_the_etag_of_its_saved_bytes(
     saved = save_profile(profile, tmp_path / "sms.json").read_bytes()
     assert profile.etag == etag_of(saved) == f'"{hashlib.sha256(saved).hexdigest()}"'
     judgment = FakeEngine().judge(SPAM, profile.choices)
-    assert profile.decide(judgment).profile_etag == profile.etag
-    assert profile.decide_many([judgment])[0].profile_etag == profile.etag
+    assert Gate(profile).decide(judgment).profile_etag == profile.etag
+    assert Gate(profile).decide_many([judgment])[0].profile_etag == profile.etag
     other = msgspec.structs.replace(profile, note=profile.note + " (edited)")
     assert other.etag != profile.etag
-    assert other.decide(judgment).profile_etag == other.etag
+    assert Gate(other).decide(judgment).profile_etag == other.etag
 
 
 @pytest.fixture

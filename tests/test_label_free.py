@@ -23,6 +23,7 @@ from calibration import (
     fit_profile,
     prior_correction,
 )
+from calibration.gate import Gate
 from calibration.report import profile_markdown
 from calibration.scaling import softmax
 from calibration.tasks import content_free_prompts, load_task
@@ -89,7 +90,7 @@ def test_batch_calibration_fixes_a_prior_without_labels() -> None:
     report = profile_markdown(profile)
     assert "signal: untested" in report and "batch" in report and "No metrics" in report
     # Served: every decision escalates for want of a threshold, with no conformal gate.
-    d = profile.policy().decide_arrays(CHOICES, z[:1])[0]
+    d = Gate(profile).policy.decide_arrays(CHOICES, z[:1])[0]
     assert d.reason_codes == ["no_certified_threshold"] and d.prediction_set is None
     evaluation = evaluate_policy(profile, z[1000:], y[1000:], threshold=0.5)
     assert evaluation.conformal_coverage is None and evaluation.after.accuracy.value > raw_acc

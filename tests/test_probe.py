@@ -25,6 +25,7 @@ from threadpoolctl import threadpool_limits
 
 from calibration import decode_profile, evaluate_policy, fit_calibrator, fit_profile
 from calibration.errors import FitError, ProfileError, ProfileMismatchError, RuleError
+from calibration.gate import Gate
 from calibration.maps import MAX_PROBE_WEIGHTS, Probe, Temperature, softmax
 from calibration.probe import MIN_PROBE_EXAMPLES, fit_probe, fit_probe_weights, map_features
 from calibration.profile import CalibrationProfile
@@ -377,7 +378,7 @@ def test_missing_features_are_a_mismatch_naming_features(profile: CalibrationPro
         judgment(z[0], {4: row}),  # features, but not of the probe's layer
     ):
         with pytest.raises(ProfileMismatchError) as info:
-            profile.decide(judged)
+            Gate(profile).decide(judged)
         assert info.value.field == "features"
     with pytest.raises(ProfileMismatchError) as info:
         profile.calibrate(Scored(dict(zip(CHOICES, z[0].tolist(), strict=True))))
@@ -398,7 +399,7 @@ def test_features_of_the_wrong_width_are_a_mismatch_naming_hidden_size(
             probe.apply(z, wrong)
         assert info.value.field == "hidden_size"
     with pytest.raises(ProfileMismatchError) as info:
-        profile.decide(judgment(z[0], {SIGNAL_LAYER: flat[0, :-1].tolist()}))
+        Gate(profile).decide(judgment(z[0], {SIGNAL_LAYER: flat[0, :-1].tolist()}))
     assert info.value.field == "hidden_size"
     # Features for another number of items are refused, not dealt out across the rows.
     with pytest.raises(ValueError, match="one row per row of the logits"):
@@ -461,7 +462,7 @@ def test_a_probe_profile_round_trips_and_decides_identically(profile: Calibratio
     judged = [
         judgment(z[i], {n: x[i, LAYERS.index(n)].tolist() for n in LAYERS}) for i in range(50)
     ]
-    assert decoded.decide_many(judged) == profile.decide_many(judged)
+    assert Gate(decoded).decide_many(judged) == Gate(profile).decide_many(judged)
 
 
 def test_a_probe_profile_of_the_default_model_is_small() -> None:
@@ -523,7 +524,7 @@ def test_decide_reads_the_judgments_features_as_apply_does(profile: CalibrationP
     for i in range(20):
         # The engine's judgment: every judged layer, as lists of floats.
         judged = judgment(z[i], {n: x[i, LAYERS.index(n)].tolist() for n in LAYERS})
-        decision = profile.decide(judged)
+        decision = Gate(profile).decide(judged)
         got = [decision.probabilities[c] for c in CHOICES]
         np.testing.assert_allclose(got, expected[i], rtol=1e-12)
         calibrated = profile.calibrate(judged)

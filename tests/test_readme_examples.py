@@ -79,18 +79,13 @@ def test_pipeline_example(
     assert len(lines) == 2
     assert all(re.match(r"(ham|spam): |to a person \(", line) for line in lines)
     prompt = namespace["task_prompt"]
+    gate = namespace["gate"]
+    assert gate.feature_layers == profile.feature_layers
     one_by_one = [
-        namespace["profile"].decide(
-            namespace["j"].judge(
-                prompt(namespace["task"], t),
-                choices=profile.choices,
-                feature_layers=profile.feature_layers,
-            )
-        )
-        for t in namespace["inbox"]
+        gate.judge(namespace["j"], prompt(namespace["task"], t)) for t in namespace["inbox"]
     ]
-    assert [d.decision for d in namespace["decisions"]] == [d.decision for d in one_by_one]
-    for batched, alone in zip(namespace["decisions"], one_by_one, strict=True):
+    assert [d.decision for d in namespace["verdicts"]] == [d.decision for d in one_by_one]
+    for batched, alone in zip(namespace["verdicts"], one_by_one, strict=True):
         assert batched.confidence == pytest.approx(alone.confidence, abs=1e-4)
 
 

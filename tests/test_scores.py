@@ -22,6 +22,7 @@ from calibration import (
 from calibration import (
     ValuesError as CalibrationValuesError,
 )
+from calibration.gate import Gate
 from calibration.profile import CalibrationProfile
 from judge import InvalidQueryError, Judge, Score, ValuesError, default_values, score_of
 
@@ -207,7 +208,7 @@ def test_a_score_profile_round_trips_and_certifies_the_gate_it_serves(
 ) -> None:
     assert score_profile.values == {c: float(c) for c in GRADES}
     assert decode_profile(msgspec.json.encode(score_profile)) == score_profile
-    d = score_profile.decide(scored(dict.fromkeys(GRADES, 1 / 6)))
+    d = Gate(score_profile).decide(scored(dict.fromkeys(GRADES, 1 / 6)))
     assert d.expected_value == pytest.approx(2.5)
     assert "high_std" in d.reason_codes  # uniform over 0..5: std 1.71 > 1.2
 

@@ -19,6 +19,7 @@ from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
 
 from calibration import CalibrationProfile, decode_profile, fit_profile
+from calibration.gate import Gate, Overrides
 from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.probe import candidate_layers
 from calibration.tasks import load_split, load_task, task_prompt
@@ -393,7 +394,7 @@ def test_profiles_fit_use_list_get_put_delete(
 def test_the_response_is_the_profiles_own_decision(
     client: TestClient[Any], judge: Judge, fitted: dict[str, Any]
 ) -> None:
-    """One object decides: the service answers what profile.decide says, in Python, directly."""
+    """One object decides: the service answers what a Gate says, in Python, directly."""
     profile = decode_profile(client.get("/profiles/sms").content)
     prompts = [SPAM, "Is this SMS spam? See you at 8 for dinner?"]
     overrides: list[dict[str, float]] = [{}, {"threshold": 0.5}, {"min_choice_mass": 0.5}]
@@ -402,7 +403,13 @@ def test_the_response_is_the_profiles_own_decision(
             request = {"prompt": prompt, "choices": ["ham", "spam"], "profile": "sms", **override}
             status, body = post(client, request)
             assert status == 200, body
-            expected = profile.decide(judge.judge(prompt, ["ham", "spam"]), **override)
+            expected = Gate(
+                profile,
+                overrides=Overrides(
+                    threshold=override.get("threshold"),
+                    min_choice_mass=override.get("min_choice_mass"),
+                ),
+            ).decide(judge.judge(prompt, ["ham", "spam"]))
             assert body["decision"] == expected.decision
             assert body["reasons"] == expected.reasons
             assert body["reason_codes"] == expected.reason_codes
@@ -509,10 +516,14 @@ class SlowEngine(FakeEngine):
 
 
 def test_queue_full_and_timeout_answer_503(tmp_path: Path) -> None:
+    # One place, passes of 1 s, 8 requests at once: those still at the door after its 2 s
+    # wait get a 503, and whatever else runs out of the 3 s deadline too. The first request
+    # has 2 s to spare on any machine (a 0.5 s deadline over 0.3 s passes left 0.2 s, which a
+    # busy machine could spend before the first pass ended, and then no request got a 200).
     config = ServiceConfig(
-        profiles_dir=tmp_path, max_queue=1, max_batch_size=1, request_timeout_s=0.5
+        profiles_dir=tmp_path, max_queue=1, max_batch_size=1, request_timeout_s=3.0
     )
-    app = create_app(SlowEngine(delay=0.3), config=config)
+    app = create_app(SlowEngine(delay=1.0), config=config)
     with TestClient(app=app) as c:
         wait_ready(c)
         statuses: list[int] = []
@@ -761,7 +772,7 @@ def test_a_probe_profile_is_served_with_the_hidden_states_it_reads(
 
     def expected(prompt: str) -> Any:
         query = Query(prompt=prompt, choices=choices, feature_layers=probe.feature_layers)
-        return probe.decide(engine.judgment(query))
+        return Gate(probe).decide(engine.judgment(query))
 
     with served(engine, tmp_path) as c:
         wait_ready(c)
@@ -954,7 +965,7 @@ def test_fit_a_probe_over_http(tmp_path: Path) -> None:
         assert status == 200, body
         query = Query(prompt="Is it?", choices=["yes", "no"], feature_layers=(2,))
         assert body["probabilities"] == pytest.approx(
-            profile.decide(engine.judgment(query)).probabilities, rel=1e-12
+            Gate(profile).decide(engine.judgment(query)).probabilities, rel=1e-12
         )
 
         engine.asked.clear()
@@ -1002,9 +1013,7 @@ def test_a_probe_fitted_over_http_decides_as_the_profile_does(judge: Judge, tmp_
             status, body = post(c, {"prompt": prompt, "choices": task.choices, "profile": "sst2"})
             assert status == 200, body
             judge.prefix_cache.clear()
-            expected = profile.decide(
-                judge.judge(prompt, task.choices, feature_layers=profile.feature_layers)
-            )
+            expected = Gate(profile).judge(judge, prompt, task.choices)
             assert body["probabilities"] == pytest.approx(expected.probabilities, abs=1e-6)
             assert (body["choice"], body["decision"]) == (expected.choice, expected.decision)
             assert body["calibration_method"] == "probe" and body["temperature"] is None

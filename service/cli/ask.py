@@ -5,8 +5,9 @@ judgment behind it. With ``--input`` every line of a JSONL file (or stdin) is ju
 way and answered by one JSON line, in input order; a line that cannot be judged gets its error
 in its place, so the output lines up with the input and nothing is silently dropped.
 
-The decision always comes from ``calibration.make_policy(...).decide``, the same rule the HTTP
-service applies and ``judge evaluate`` measures; nothing here decides on its own. Its wire form
+The decision always comes from a ``calibration.Gate``, the same object every route of the HTTP
+service decides through and whose policy ``judge evaluate`` measures; nothing here decides on
+its own. Its wire form
 is the HTTP service's (``JudgeResponse.of``), and an error's is too (``service.errors.error_of``).
 """
 
@@ -26,21 +27,36 @@ import msgspec
 from calibration import (
     CalibrationError,
     CalibrationProfile,
-    Decision,
-    Policy,
+    Gate,
+    Overrides,
     PolicyDefaults,
     ProfileMismatchError,
     ReasonCode,
-    make_policy,
+    Verdict,
 )
-from judge import Engine, JudgeError, Judgment, Query
+from judge import (
+    DEFAULT_RESPONSE_PREFIX,
+    DEFAULT_RESPONSE_SUFFIX,
+    Engine,
+    JudgeError,
+    Judgment,
+    Query,
+)
 from judge.atomicio import replacing
 from judge.engine import validate_choices
-from service.cli.common import UsageError, load_engine, load_profile, to_json
+from service.cli.common import (
+    UsageError,
+    load_engine,
+    load_profile,
+    model_arguments,
+    positive_int,
+    probability,
+    to_json,
+)
 from service.errors import BadFieldError, error_of
 from service.schemas import JudgeResponse
 
-__all__ = ["Answer", "Failure", "InputLineError", "LineError", "run"]
+__all__ = ["Answer", "Failure", "InputLineError", "LineError", "add_arguments", "run"]
 
 Scalar = str | int | float | bool
 
@@ -112,20 +128,19 @@ class _Item(msgspec.Struct, frozen=True):
 _ANSWERED = [name for name in Answer.__struct_fields__ if name != "id"]
 
 
-def _answer(judgment: Judgment, decision: Decision, item_id: Scalar | msgspec.UnsetType) -> Answer:
-    """The decision's wire form (the probabilities in the profile's order), with the line's id."""
-    response = JudgeResponse.of(judgment, decision)
+def _answer(judgment: Judgment, verdict: Verdict, item_id: Scalar | msgspec.UnsetType) -> Answer:
+    """The verdict's wire form (the probabilities in the profile's order), with the line's id."""
+    response = JudgeResponse.of(judgment, verdict)
     return Answer(id=item_id, **{name: getattr(response, name) for name in _ANSWERED})
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the profile and engine once, check them against each other, then judge."""
+    """Open the gate and load the engine once, check them against each other, then judge."""
     profile = load_profile(args.profile) if args.profile else None
     try:
-        policy = make_policy(
+        gate = Gate(
             profile,
-            threshold=args.threshold,
-            min_choice_mass=args.min_choice_mass,
+            overrides=Overrides(threshold=args.threshold, min_choice_mass=args.min_choice_mass),
             defaults=PolicyDefaults(),
         )
     except ValueError as exc:
@@ -137,27 +152,26 @@ def run(args: argparse.Namespace) -> int:
         response_prefix=args.response_prefix,
         response_suffix=args.response_suffix,
     )
-    if profile is not None:
-        # Once, before any item: every item shares the model, dtype, template and system.
-        profile.check(engine.fingerprint(system=args.system), choices=args.choice)
-    choices = args.choice or (list(profile.choices) if profile else None)
+    # Once, before any item: every item shares the model, dtype, template and system.
+    gate.check(engine.fingerprint(system=args.system), choices=args.choice)
+    choices = args.choice or gate.choices
     if args.input is None:
         if choices is None:
             raise UsageError("give the choices (--choice A --choice B) or a --profile")
         judgment = engine.judge(
-            args.prompt, choices, system=args.system, feature_layers=policy.feature_layers
+            args.prompt, choices, system=args.system, feature_layers=gate.feature_layers
         )
         sys.stdout.write(
-            to_json(_answer(judgment, policy.decide(judgment), msgspec.UNSET), indent=2) + "\n"
+            to_json(_answer(judgment, gate.decide(judgment), msgspec.UNSET), indent=2) + "\n"
         )
         return 0
-    return _run_batch(args, engine, policy, profile, choices)
+    return _run_batch(args, engine, gate, profile, choices)
 
 
 def _run_batch(
     args: argparse.Namespace,
     engine: Engine,
-    policy: Policy,
+    gate: Gate,
     profile: CalibrationProfile | None,
     choices: list[str] | None,
 ) -> int:
@@ -172,10 +186,10 @@ def _run_batch(
     ):
         for batch in _batches(lines, args.batch_size):
             parsed = [
-                _parse(raw, n, choices, profile, system=args.system, layers=policy.feature_layers)
+                _parse(raw, n, choices, profile, system=args.system, layers=gate.feature_layers)
                 for n, raw in batch
             ]
-            for row in _answer_batch(engine, policy, parsed):
+            for row in _answer_batch(engine, gate, parsed):
                 if isinstance(row, Failure):
                     counts["error"] += 1
                     failed.append(row.line)
@@ -190,7 +204,7 @@ def _run_batch(
 
 
 def _answer_batch(
-    engine: Engine, policy: Policy, parsed: Sequence[_Item | Failure]
+    engine: Engine, gate: Gate, parsed: Sequence[_Item | Failure]
 ) -> list[Answer | Failure]:
     """Each parsed line's output row, in order; the valid ones judged in one call.
 
@@ -202,7 +216,7 @@ def _answer_batch(
         zip((i.line for i in items), engine.judge_each([i.query for i in items]), strict=True)
     )
     judged = [r for r in results.values() if isinstance(r, Judgment)]
-    decisions = iter(policy.decide_many(judged))
+    decisions = iter(gate.decide_many(judged))
     rows: list[Answer | Failure] = []
     for p in parsed:
         if isinstance(p, Failure):
@@ -348,3 +362,54 @@ def _failure(item_id: Scalar, n: int, exc: Exception) -> Failure:
         line=n,
         error=LineError(type=type(exc).__name__, detail=str(exc), field=error.field),
     )
+
+
+def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``judge ask``'s arguments (main checks the combinations argparse cannot express)."""
+    ask = commands.add_parser(
+        "ask",
+        help="judge a prompt (or a JSONL file of them) and print the decisions as JSON",
+        description="Print the decision (accept or escalate, with reasons) and the judgment "
+        "behind it. Give one PROMPT, or --input with one JSON object per line: "
+        '{"prompt": "...", "choices": [...] (optional), "id": ... (optional)}.',
+    )
+    ask.add_argument("prompt", nargs="?", help="the question or item to judge")
+    ask.add_argument(
+        "--choice",
+        action="append",
+        help="a choice; repeat for each (default with --profile: the profile's choices)",
+    )
+    ask.add_argument("--profile", type=Path, help="a calibration profile JSON file")
+    ask.add_argument(
+        "--threshold",
+        type=probability,
+        help="accept at this calibrated confidence or above (default: the profile's certified "
+        "threshold; 0.9 without a profile); overriding drops the certification",
+    )
+    ask.add_argument(
+        "--min-choice-mass",
+        type=probability,
+        help="escalate when the choices' share of the next-token distribution is below this "
+        "(default: the profile's; 0 without a profile)",
+    )
+    ask.add_argument("--system", default=None, help="system prompt (default: the model's own)")
+    ask.add_argument(
+        "--input",
+        help="judge every line of this JSONL file ('-' for stdin) instead of one PROMPT",
+    )
+    ask.add_argument("--output", help="with --input: write JSON lines here (default: stdout)")
+    ask.add_argument(
+        "--batch-size", type=positive_int, default=16, help="with --input: items per batch"
+    )
+    model_arguments(ask, dtype_help="(default: the profile's, else auto)")
+    ask.add_argument(
+        "--response-prefix",
+        default=None,
+        help=f"default: the profile's, else {DEFAULT_RESPONSE_PREFIX!r}",
+    )
+    ask.add_argument(
+        "--response-suffix",
+        default=None,
+        help=f"default: the profile's, else {DEFAULT_RESPONSE_SUFFIX!r}",
+    )
+    ask.set_defaults(run=run)

@@ -23,13 +23,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from calibration import CalibrationProfile, ProfileError
-from judge.decisions import plan_decisions
+from calibration import CalibrationProfile, Gate, PolicyDefaults, ProfileError
+from judge.decisions import MAX_ORDERINGS, plan_decisions
 from service.answers import answer_questions, with_order
-from service.cli.common import UsageError, load_engine, to_json
+from service.cli.common import (
+    UsageError,
+    load_engine,
+    model_arguments,
+    positive_int,
+    to_json,
+)
 from service.profiles import ProfileStore
 
-__all__ = ["read_state", "run"]
+__all__ = ["add_arguments", "read_state", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_decisions(state, questions, max_orderings=args.max_orderings)
     profiles = _profiles(args.profile or [], args.profiles_dir, questions)
     for asked in plan.asked:
-        profile = profiles.get(asked.id)
+        profile, _ = profiles.get(asked.id, (None, None))
         if profile is not None and sorted(profile.choices) != sorted(asked.choices):
             raise UsageError(
                 f"profile {profile.name!r} was fitted for choices {profile.choices!r}, not "
@@ -50,10 +56,19 @@ def run(args: argparse.Namespace) -> int:
                 "(in any order)",
                 field=f"profiles.{asked.id}",
             )
-    first = next(iter(profiles.values()), None)
+    first = next((profile for profile, _ in profiles.values()), None)
     engine = load_engine(args, first, dtype=args.dtype)
+    gates = {
+        qid: Gate(profile, etag=etag, defaults=PolicyDefaults())
+        for qid, (profile, etag) in profiles.items()
+    }
     answers = answer_questions(
-        engine, state, questions, profiles=profiles, max_orderings=args.max_orderings
+        engine,
+        state,
+        questions,
+        gates=gates,
+        defaults=PolicyDefaults(),
+        max_orderings=args.max_orderings,
     )
     sys.stdout.write(to_json(answers, indent=2) + "\n")
     return 0
@@ -119,10 +134,10 @@ def _questions(args: argparse.Namespace) -> dict[str, Any]:
 
 def _profiles(
     pairs: list[str], directory: Path, questions: dict[str, Any]
-) -> dict[str, CalibrationProfile]:
-    """Each ``--profile ID=NAME``'s profile, by question id, from ``directory``."""
+) -> dict[str, tuple[CalibrationProfile, str]]:
+    """Each ``--profile ID=NAME``'s profile and its ETag, by question id, from ``directory``."""
     store: ProfileStore | None = None
-    profiles: dict[str, CalibrationProfile] = {}
+    profiles: dict[str, tuple[CalibrationProfile, str]] = {}
     for item in pairs:
         qid, name = _pair(item, "--profile", "ID=NAME")
         field = f"profiles.{qid}"
@@ -136,7 +151,7 @@ def _profiles(
             raise UsageError(f"--profile: question {qid!r} is given two profiles", field=field)
         store = store or ProfileStore(directory)
         try:
-            profiles[qid] = store.get(name)
+            profiles[qid] = store.get_tagged(name)
         except ProfileError as exc:
             raise UsageError(f"--profile {item}: {exc} (in {directory})", field=field) from None
     return profiles
@@ -147,3 +162,49 @@ def _pair(item: str, flag: str, form: str) -> tuple[str, str]:
     if not sep or not key.strip() or not value.strip():
         raise UsageError(f"{flag} {item!r}: expected {form}")
     return key.strip(), value
+
+
+def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``judge decide``'s arguments."""
+    decide = commands.add_parser(
+        "decide",
+        help="answer typed questions (yes/no, one of options, a score) about a state",
+        description="Answer typed questions about one state in one run of the model and "
+        "print one JSON object, id -> answer. A question is "
+        '{"type": "noul" | "choice" | "score", "instructions": ..., "criteria": ...}.',
+    )
+    decide.add_argument(
+        "--state",
+        required=True,
+        help="a file with the state ('-' for stdin): JSON if it parses, else text",
+    )
+    decide.add_argument(
+        "--question",
+        action="append",
+        metavar="ID=JSON",
+        help="a question and its id; repeat for each",
+    )
+    decide.add_argument(
+        "--questions", type=Path, metavar="FILE", help="a JSON object of questions, id -> question"
+    )
+    decide.add_argument(
+        "--order",
+        choices=["given", "invariant"],
+        help="for questions that set no order: invariant asks under several listings of the "
+        "options and averages (default: each question's own, else given)",
+    )
+    decide.add_argument(
+        "--max-orderings",
+        type=positive_int,
+        default=MAX_ORDERINGS,
+        help=f"listings of a choice question's options under order invariant ({MAX_ORDERINGS})",
+    )
+    decide.add_argument(
+        "--profile",
+        action="append",
+        metavar="ID=NAME",
+        help="gate question ID with the profile NAME from --profiles-dir; repeat for each",
+    )
+    decide.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    model_arguments(decide, dtype_help="(default: the first profile's, else auto)")
+    decide.set_defaults(run=run)

@@ -24,14 +24,22 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from service.cli.common import UsageError, to_json
+from service.cli.common import (
+    UsageError,
+    model_arguments,
+    open_probability,
+    positive_int,
+    positive_number,
+    to_json,
+)
 
 if TYPE_CHECKING:
-    from calibration import CalibrationProfile
+    from calibration import CalibrationProfile, Gate, Overrides, PolicyDefaults, Verdict
+    from judge import Engine, Judgment
     from service.decision_log import DecisionLog, LoggedDecision
     from service.profiles import ProfileStore
 
-__all__ = ["run_check", "run_from_log", "run_label", "run_replay"]
+__all__ = ["add_arguments", "run_check", "run_from_log", "run_label", "run_replay"]
 
 
 class _LabelLine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,9 +142,14 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    """Re-run a logged decision on the model and profile of today; print then, now, changes."""
-    from calibration import make_policy
-    from judge import Query
+    """Re-run a logged decision on the model and profile of today; print then, now, changes.
+
+    The gate is reopened as the decision's was: the logged request's overrides and the
+    server's defaults in force then (``Gate.settings``), over today's version of the profile.
+    A judgment (``POST /judge``, a batch item, a shared question) is judged again; a System One
+    answer's question is asked again about its state, under all its listings.
+    """
+    from calibration import Gate
     from service.cli.common import load_engine
 
     with _open(args.log) as log:
@@ -149,44 +162,28 @@ def run_replay(args: argparse.Namespace) -> int:
             "started with --log-requests), so there is nothing to re-run"
         )
     request: dict[str, Any] = record.request
-    query = msgspec.convert(request["query"], type=Query)
+    overrides, defaults = _logged_settings(request)
     profile = etag = None
     if request.get("profile") is not None:
         profile, etag, _ = _stored(request["profile"], args.profiles_dir)
+    gate = Gate(profile, etag=etag, overrides=overrides, defaults=defaults)
     engine = load_engine(args, profile)
-    if profile is not None:
-        profile.check(
-            engine.fingerprint(
-                system=query.system,
-                response_prefix=query.response_prefix,
-                response_suffix=query.response_suffix,
-            ),
-            choices=query.choices,
-        )
-    policy = make_policy(
-        profile,
-        threshold=request.get("threshold"),
-        min_choice_mass=request.get("min_choice_mass"),
-        max_std=request.get("max_std"),
-        values=request.get("values"),
-        profile_etag=etag,
-    )
-    if policy.feature_layers:
-        query = msgspec.structs.replace(query, feature_layers=policy.feature_layers)
-    judgment = engine.judge_batch([query])[0]
-    decision = policy.decide(judgment)
+    if "question" in request:
+        judgment, verdict = _replay_question(engine, gate, request)
+    else:
+        judgment, verdict = _replay_query(engine, gate, request)
     then = _view(record)
     now = {
-        "decision": decision.decision,
-        "choice": decision.choice,
-        "confidence": decision.confidence,
-        "probabilities": decision.probabilities,
-        "log_probs": dict(zip(judgment.choices, judgment.log_probs, strict=True)),
-        "reason_codes": list(decision.reason_codes),
+        "decision": verdict.decision,
+        "choice": verdict.choice,
+        "confidence": verdict.confidence,
+        "probabilities": verdict.probabilities,
+        "log_probs": dict(zip(verdict.choices, verdict.raw_log_probs, strict=True)),
+        "reason_codes": list(verdict.reason_codes),
         "tokens_sha256": judgment.tokens_sha256,
         "model_sha256": judgment.model_sha256,
-        "policy_sha256": decision.policy_sha256,
-        "profile_etag": decision.profile_etag,
+        "policy_sha256": verdict.policy_sha256,
+        "profile_etag": verdict.profile_etag,
     }
     changed = [key for key in now if now[key] != then[key]]
     print(
@@ -196,6 +193,54 @@ def run_replay(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _logged_settings(request: dict[str, Any]) -> tuple[Overrides, PolicyDefaults | None]:
+    """The overrides and server defaults a logged request was decided under. A record from
+    before the gate kept its overrides at the top level and no defaults (then: the built-in
+    defaults, which is what such a replay always assumed)."""
+    from calibration import Gate, Overrides
+
+    if "overrides" in request:
+        return Gate.settings_of(request)
+    return msgspec.convert(
+        {k: request.get(k) for k in Overrides.__struct_fields__}, Overrides
+    ), None
+
+
+def _replay_query(engine: Engine, gate: Gate, request: dict[str, Any]) -> tuple[Judgment, Verdict]:
+    """A logged judgment's query, judged again and decided by ``gate``."""
+    from judge import Query
+
+    query = msgspec.convert(request["query"], type=Query)
+    gate.check(
+        engine.fingerprint(
+            system=query.system,
+            response_prefix=query.response_prefix,
+            response_suffix=query.response_suffix,
+        ),
+        choices=query.choices,
+    )
+    if gate.feature_layers:
+        query = msgspec.structs.replace(query, feature_layers=gate.feature_layers)
+    judgment = engine.judge_batch([query])[0]
+    return judgment, gate.decide(judgment)
+
+
+def _replay_question(
+    engine: Engine, gate: Gate, request: dict[str, Any]
+) -> tuple[Judgment, Verdict]:
+    """A logged System One answer's question, asked again about its state (every listing,
+    the state computed once) and decided by ``gate`` with its order spread."""
+    from service.answers import judge_questions
+    from service.systemone import SystemOneQuestion
+
+    ((qid, raw),) = request["question"].items()
+    question = msgspec.convert(raw, type=SystemOneQuestion).question()
+    ((answer, verdict),) = judge_questions(
+        engine, request["state"], {qid: question}, gates={qid: gate}
+    ).values()
+    return answer.judgment, verdict
 
 
 def _view(record: LoggedDecision) -> dict[str, Any]:
@@ -286,3 +331,68 @@ def run_from_log(args: argparse.Namespace) -> int:
     )
     print(f"wrote {store.directory / name}.json (ETag {etag})")
     return 0
+
+
+def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``judge label``, ``judge check`` and ``judge replay``'s arguments (``calibrate
+    --from-log``'s are ``judge calibrate``'s, in service.cli.calibrate)."""
+    log_help = "the decision log: a SQLite file or a postgresql:// URL"
+    label = commands.add_parser(
+        "label",
+        help="store the true labels of logged decisions from a JSONL file",
+        description='Each line: {"judgment_id": "...", "label": "..."}. Every line is read '
+        "before any is stored; exit 1 if any label was refused (unknown id, not a choice, "
+        "another label already and no --replace).",
+    )
+    label.add_argument("--log", required=True, help=log_help)
+    label.add_argument("--input", required=True, help="the JSONL file ('-' for stdin)")
+    label.add_argument(
+        "--replace", action="store_true", help="change labels given before (else refused)"
+    )
+    label.set_defaults(run=run_label)
+    check = commands.add_parser(
+        "check",
+        help="a profile's health from the decision log; exit 1 on an alarm (for cron or CI)",
+        description="Audited precision against the certificate, drift of live traffic from "
+        "the calibration data, and the weights, for the profile's current version. Prints "
+        "the health as JSON; exits 0 when healthy, 1 when a check fires.",
+    )
+    check.add_argument(
+        "--profile", required=True, help="a profile file, or a name in --profiles-dir"
+    )
+    check.add_argument("--log", required=True, help=log_help)
+    check.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    check.add_argument(
+        "--window", type=positive_int, default=1000, help="newest decisions the drift test reads"
+    )
+    check.add_argument(
+        "--alpha-drift",
+        type=open_probability,
+        default=0.01,
+        help="false-alarm rate of the drift test, per check (default: 0.01)",
+    )
+    check.add_argument(
+        "--alpha-precision",
+        type=open_probability,
+        default=0.05,
+        help="false-alarm rate of the precision check while the certificate holds (0.05)",
+    )
+    check.add_argument(
+        "--since-days", type=positive_number, help="read only the last N days of the log"
+    )
+    model_arguments(check, dtype_help="(default: the profile's)")
+    check.add_argument(
+        "--check-model",
+        action="store_true",
+        help="also load the model (--model, default the embedded one) and compare its weights",
+    )
+    check.set_defaults(run=run_check)
+    replay = commands.add_parser(
+        "replay",
+        help="re-run a logged decision on today's model and profile and show what changed",
+    )
+    replay.add_argument("judgment_id")
+    replay.add_argument("--log", required=True, help=log_help)
+    replay.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    model_arguments(replay, dtype_help="(default: the profile's, else auto)")
+    replay.set_defaults(run=run_replay)

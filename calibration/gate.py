@@ -1,0 +1,216 @@
+"""The gate: the one object every route decides through.
+
+A gate is opened once per profile and set of settings, and then decides any number of
+judgments::
+
+    gate = Gate(profile, etag=etag, overrides=Overrides(threshold=0.95), defaults=server)
+    gate.check(engine.fingerprint(system=...), choices=choices)   # once, before judging
+    verdict = gate.decide(judgment)                                # accept or escalate
+
+or, in Python, in one step that checks the profile and reads a probe's hidden-state layers
+without the caller naming them::
+
+    verdict = Gate(profile).judge(engine, "Is this spam? ...")
+
+Opening a gate is the gate protocol every caller used to write out for itself: the request's
+settings (``Overrides``) over the profile's over the server's (``PolicyDefaults``), resolved by
+``make_policy`` into a ``Policy`` whose sha256 pins the rule; the audit rate; the profile's
+version (its ETag); the hidden-state layers the engine must read (a probe's). ``POST /judge``,
+batch items, shared questions, ``POST /v1/systemone``, the MCP tools, ``judge ask``, ``judge
+decide``, ``judge replay`` and the client's ``gate()`` (through the server) all decide here, so a
+decision made on one route is the decision every other route makes on the same judgment.
+
+``Overrides`` is also what the decision log keeps of a request, beside the server's defaults,
+so that ``judge replay`` reopens the very gate a decision was made through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from calibration.errors import ProfileMismatchError
+from calibration.policy import Policy, PolicyDefaults, ScoredJudgment, Verdict, make_policy
+
+if TYPE_CHECKING:
+    from calibration.profile import CalibrationProfile
+    from judge.fingerprint import Fingerprint
+
+__all__ = ["Gate", "JudgingEngine", "Overrides"]
+
+
+class JudgingEngine(Protocol):
+    """What ``Gate.judge`` needs of an engine (``judge.Judge`` qualifies); calibration knows
+    the engine only by this shape."""
+
+    def fingerprint(
+        self,
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+    ) -> Fingerprint: ...
+
+    def judge(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+        feature_layers: Sequence[int] = (),
+    ) -> ScoredJudgment: ...
+
+
+class Overrides(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A request's own settings, over its profile's and the server's defaults. None: not set.
+
+    ``threshold`` and ``min_choice_mass`` in [0, 1]; ``max_std`` >= 0 and ``values`` (a
+    number per choice) for a score; ``max_order_spread`` in [0, 1] bounds how far the listings
+    of a question's options may disagree. Checked when the gate opens (``make_policy``).
+    """
+
+    threshold: float | None = None
+    min_choice_mass: float | None = None
+    max_std: float | None = None
+    values: dict[str, float] | None = None
+    max_order_spread: float | None = None
+
+    @classmethod
+    def of(cls, source: object) -> Overrides:
+        """The overrides an object carries as attributes of these names (a request body)."""
+        return cls(**{f: getattr(source, f, None) for f in cls.__struct_fields__})
+
+
+class Gate:
+    """A profile (or none) under a request's overrides and a server's defaults, ready to decide.
+
+    Parameters
+    ----------
+    profile : the calibration profile, or None to decide on the raw probabilities.
+    etag : the profile's version where it was read from a store (what its decisions carry);
+        None: ``profile.etag``.
+    overrides : the request's settings (``Overrides``); None: none.
+    defaults : the server's (``PolicyDefaults``); None: the built-in defaults.
+    audit_rate : the share of decisions marked for a person to label (``is_audited``).
+    """
+
+    def __init__(
+        self,
+        profile: CalibrationProfile | None = None,
+        *,
+        etag: str | None = None,
+        overrides: Overrides | None = None,
+        defaults: PolicyDefaults | None = None,
+        audit_rate: float = 0.0,
+    ) -> None:
+        self.profile = profile
+        self.overrides = overrides or Overrides()
+        self.defaults = defaults or PolicyDefaults()
+        self.policy: Policy = make_policy(
+            profile,
+            threshold=self.overrides.threshold,
+            min_choice_mass=self.overrides.min_choice_mass,
+            max_std=self.overrides.max_std,
+            values=self.overrides.values,
+            max_order_spread=self.overrides.max_order_spread,
+            defaults=self.defaults,
+            profile_etag=etag,
+            audit_rate=audit_rate,
+        )
+        self.sha256 = self.policy.sha256  # read once: a probe's map hashes through its ETag
+
+    def __repr__(self) -> str:
+        name = None if self.profile is None else self.profile.name
+        return f"Gate(profile={name!r}, policy_sha256={self.sha256[:12]})"
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The hidden-state layers a judgment must carry for this gate: a probe's, else none.
+        Ask the engine for them (``Query.feature_layers``) when judging for this gate."""
+        return self.policy.feature_layers
+
+    @property
+    def choices(self) -> list[str] | None:
+        """The profile's choices (any order will do); None: any choices."""
+        return None if self.profile is None else list(self.profile.choices)
+
+    def check(
+        self,
+        fingerprint: Fingerprint,
+        *,
+        choices: Sequence[str] | None = None,
+        field: str | None = None,
+    ) -> None:
+        """Refuse an engine (its ``fingerprint`` for the call's template) or ``choices`` the
+        profile was not fitted for: ProfileMismatchError, naming ``field`` when given (the
+        request's own name for the profile), else the property that differs. Check before
+        judging; without a profile there is nothing to check."""
+        if self.profile is None:
+            return
+        try:
+            self.profile.check(fingerprint, choices=choices)
+        except ProfileMismatchError as exc:
+            if field is not None:
+                exc.field = field
+            raise
+
+    def decide(self, judgment: ScoredJudgment, *, order_spread: float | None = None) -> Verdict:
+        """The verdict on one judgment; ``order_spread``: how far its listings disagreed (a
+        question asked under several listings of its options)."""
+        return self.policy.decide(judgment, order_spread=order_spread)
+
+    def decide_many(
+        self,
+        judgments: Sequence[ScoredJudgment],
+        *,
+        order_spreads: Sequence[float] | None = None,
+    ) -> list[Verdict]:
+        """Verdicts on many judgments, in order, computed together per set of choices."""
+        return self.policy.decide_many(judgments, order_spreads=order_spreads)
+
+    def judge(
+        self,
+        engine: JudgingEngine,
+        prompt: str,
+        choices: Sequence[str] | None = None,
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+    ) -> Verdict:
+        """Judge ``prompt`` with ``engine`` and decide: the profile checked against the engine
+        (for this template), the probe's layers read, the choices the profile's unless given.
+        """
+        asked = list(choices) if choices is not None else self.choices
+        if asked is None:
+            raise ValueError("give the choices: a gate without a profile has none of its own")
+        template = {
+            "system": system,
+            "response_prefix": response_prefix,
+            "response_suffix": response_suffix,
+        }
+        self.check(engine.fingerprint(**template), choices=asked)
+        judgment = engine.judge(prompt, asked, feature_layers=self.feature_layers, **template)
+        return self.decide(judgment)
+
+    def settings(self) -> dict[str, Any]:
+        """What reopens this gate (``reopen``): the profile's name, the overrides and the
+        defaults, as JSON-ready data; the decision log keeps it with a request."""
+        return {
+            "profile": None if self.profile is None else self.profile.name,
+            "overrides": msgspec.to_builtins(self.overrides),
+            "defaults": msgspec.to_builtins(self.defaults),
+        }
+
+    @staticmethod
+    def settings_of(kept: Mapping[str, Any]) -> tuple[Overrides, PolicyDefaults | None]:
+        """The overrides and defaults ``settings`` wrote (defaults None where not kept:
+        a record from before defaults were logged)."""
+        overrides = msgspec.convert(kept.get("overrides") or {}, Overrides)
+        raw = kept.get("defaults")
+        defaults = None if raw is None else msgspec.convert(raw, PolicyDefaults)
+        return overrides, defaults

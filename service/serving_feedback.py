@@ -1,0 +1,139 @@
+"""The decision log's endpoints: a logged decision, its labels, and the profiles' health.
+
+Labels are stored atomically per decision (``service.decision_log``); health
+(``service.health.profile_health``) reads the log's recent decisions of a profile's current
+version, and ``/metrics`` reads every profile's at most every ``HEALTH_TTL_S`` seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import anyio.to_thread
+
+from calibration import ProfileError
+from service.decision_log import (
+    DecisionLog,
+    DecisionLogError,
+    LabelFailure,
+    LoggedDecision,
+    UnknownJudgmentError,
+)
+from service.errors import NoLogError
+from service.health import ProfileHealth, profile_health
+from service.schemas import LabelRequest, LabelResult, LabelsRequest, LabelsResponse
+from service.serving_core import ServiceCore
+
+__all__ = ["FeedbackServing"]
+
+HEALTH_TTL_S = 30.0  # /metrics reads the profiles' health at most this often
+# A refused label in a batch: the status the same label alone would have got.
+_LABEL_FAILURES = {"unknown_judgment": 404, "not_a_choice": 422, "relabel": 409}
+
+
+class FeedbackServing:
+    """Labels for logged decisions, and the health they give each profile."""
+
+    def __init__(self, service: ServiceCore) -> None:
+        self.service = service
+        self._health: tuple[float, list[ProfileHealth]] | None = None
+        if service.decision_log is not None:
+            service.metrics.watch_health(self.health_all)
+
+    def _log_or_404(self) -> DecisionLog:
+        if self.service.decision_log is None:
+            raise NoLogError(
+                "this server keeps no decision log: start it with --decision-log to keep "
+                "decisions, take their labels and check profiles' health"
+            )
+        return self.service.decision_log
+
+    async def judgment(self, judgment_id: str) -> LoggedDecision:
+        """The logged decision ``judgment_id``, with its label if it has one."""
+        found = await anyio.to_thread.run_sync(self._log_or_404().get, judgment_id)
+        if found is None:
+            raise UnknownJudgmentError(judgment_id)
+        return found
+
+    async def label(self, judgment_id: str, request: LabelRequest) -> LabelResult:
+        """Store the true label of one logged decision (4xx: unknown, not a choice, relabel)."""
+        label = functools.partial(
+            self._log_or_404().label, judgment_id, request.label, replace=request.replace
+        )
+        outcome = await anyio.to_thread.run_sync(label)
+        self.service.metrics.labels.labels(outcome.status).inc()
+        return LabelResult(
+            judgment_id=outcome.judgment_id,
+            label=outcome.label,
+            status=outcome.status,
+            previous=outcome.previous,
+        )
+
+    async def labels(self, request: LabelsRequest) -> LabelsResponse:
+        """Labels of many decisions, each stored or refused in its place."""
+        label_many = functools.partial(
+            self._log_or_404().label_many,
+            [(item.judgment_id, item.label) for item in request.labels],
+            replace=request.replace,
+        )
+        results = []
+        for outcome in await anyio.to_thread.run_sync(label_many):
+            if isinstance(outcome, LabelFailure):
+                status = _LABEL_FAILURES[outcome.error]
+                results.append(
+                    LabelResult(
+                        judgment_id=outcome.judgment_id,
+                        label=outcome.label,
+                        status="error",
+                        status_code=status,
+                        detail=outcome.detail,
+                    )
+                )
+                self.service.metrics.labels.labels("error").inc()
+            else:
+                results.append(
+                    LabelResult(
+                        judgment_id=outcome.judgment_id,
+                        label=outcome.label,
+                        status=outcome.status,
+                        previous=outcome.previous,
+                    )
+                )
+                self.service.metrics.labels.labels(outcome.status).inc()
+        return LabelsResponse(results=results)
+
+    async def health(self, name: str) -> ProfileHealth:
+        """The health of the stored profile ``name`` (its current version) from the log."""
+        decision_log = self._log_or_404()
+        profile, etag = self.service.store.get_tagged(name)
+        current = getattr(self.service.loaded, "model_sha256", None)
+        check = functools.partial(
+            profile_health, decision_log, profile, etag, current_model_sha256=current or None
+        )
+        return await anyio.to_thread.run_sync(check)
+
+    def health_all(self) -> list[ProfileHealth]:
+        """The health of every stored profile that has logged decisions; for /metrics, read
+        at most every ``HEALTH_TTL_S`` seconds (each read scans the log's recent decisions)."""
+        now = time.monotonic()
+        if self._health is not None and now - self._health[0] < HEALTH_TTL_S:
+            return self._health[1]
+        out = []
+        if self.service.decision_log is not None:
+            current = getattr(self.service.loaded, "model_sha256", None)
+            for name in self.service.store.names():
+                try:
+                    profile, etag = self.service.store.get_tagged(name)
+                    health = profile_health(
+                        self.service.decision_log,
+                        profile,
+                        etag,
+                        current_model_sha256=current or None,
+                    )
+                except (ProfileError, DecisionLogError):
+                    continue  # unreadable: its own GET says why
+                if health.n_decisions:
+                    out.append(health)
+        self._health = (now, out)
+        return out

@@ -1,0 +1,214 @@
+"""``POST /judge`` and ``POST /judge/batch``: judgments, batch items and shared questions.
+
+Each item's gate is opened before any model work (``ServiceCore.open_gate``); its query is
+prepared within the budget (``ServiceCore.prepare``) and joins the batcher's queue; the gate
+decides; the verdict's row is appended to the decision log before the response is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from calibration import Gate, Overrides
+from judge import Engine, JudgeError, Judgment, Prepared, Query
+from judge.engine import shared_query
+from judge.scores import check_values
+from service.batcher import DeadlineError, QueueFullError
+from service.decision_log import LoggedDecision
+from service.errors import TooLargeError, error_of
+from service.schemas import (
+    BatchRequest,
+    BatchResponse,
+    ErrorBody,
+    ItemsBatch,
+    JudgeRequest,
+    JudgeResponse,
+    SharedQuestion,
+)
+from service.serving_core import ServiceCore, Ticket
+
+__all__ = ["JudgeServing"]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a judgment request needs before its model work: the query and its gate."""
+
+    query: Query
+    gate: Gate
+
+
+class JudgeServing:
+    """Judgments: one, a batch of independent items, or questions about one shared context."""
+
+    def __init__(self, service: ServiceCore) -> None:
+        self.service = service
+
+    async def judge(self, request: JudgeRequest, ticket: Ticket) -> JudgeResponse:
+        engine = self.service.engine()
+        query = request.query()
+        plan = self._plan(engine, request, query)
+        (prepared,) = await self.service.prepare(engine, [plan.query])
+        if not isinstance(prepared, Prepared):
+            raise prepared
+        result = await self.service.batcher.judge(
+            prepared, owner=ticket.owner, deadline=ticket.deadline
+        )
+        records: list[LoggedDecision] = []
+        response = self._respond(engine, result, request, plan, records)
+        await self.service.append_to_log(records)
+        return response
+
+    async def judge_batch(self, request: BatchRequest, ticket: Ticket) -> BatchResponse:
+        engine = self.service.engine()
+        records: list[LoggedDecision] = []
+        if isinstance(request, ItemsBatch):
+            items = await self._items(engine, request.items, ticket, records)
+            await self.service.append_to_log(records)
+            return BatchResponse(results=list(items))
+        results = await self._shared(engine, request.context, request.questions, ticket, records)
+        await self.service.append_to_log(records)
+        return BatchResponse(results=list(results))
+
+    def _plan(
+        self,
+        engine: Engine,
+        request: JudgeRequest | SharedQuestion,
+        query: Query,
+    ) -> _Plan:
+        """Open the request's gate and ask for a probe's layers: no model work, no tokenizing."""
+        overrides = Overrides.of(request)
+        if overrides.values is not None or (
+            overrides.max_std is not None and request.profile is None
+        ):
+            # numerals by default; refused here, naming the field, before any model work
+            values = check_values(overrides.values, request.choices)
+            overrides = msgspec.structs.replace(overrides, values=values)
+        gate = self.service.open_gate(
+            engine, request.profile, overrides, template=query, choices=request.choices
+        )
+        if gate.feature_layers:  # a probe reads the pass's hidden state: ask for it
+            query = msgspec.structs.replace(query, feature_layers=gate.feature_layers)
+        return _Plan(query, gate)
+
+    def _respond(
+        self,
+        engine: Engine,
+        result: Judgment,
+        request: JudgeRequest | SharedQuestion,
+        plan: _Plan,
+        records: list[LoggedDecision],
+    ) -> JudgeResponse:
+        """The response to one judgment; its decision's log record joins ``records``."""
+        verdict = plan.gate.decide(result)
+        self.service.metrics.decisions.labels(verdict.decision).inc()
+        if self.service.decision_log is not None:
+            kept = None
+            if self.service.config.log_requests:
+                query = msgspec.structs.replace(plan.query, feature_layers=())
+                kept = {"query": msgspec.to_builtins(query), **plan.gate.settings()}
+            records.append(LoggedDecision.of(verdict, model=engine.model_id, request=kept))
+        profile = plan.gate.profile
+        return JudgeResponse.of(
+            result,
+            verdict,
+            choices=request.choices,  # the verdict keeps the profile's order; this, the request's
+            calibration_map=profile.calibration_map if profile else None,
+            feature_layers=plan.gate.feature_layers,
+            return_prompt=request.return_prompt,
+        )
+
+    async def _items(
+        self,
+        engine: Engine,
+        items: Sequence[JudgeRequest],
+        ticket: Ticket,
+        records: list[LoggedDecision],
+    ) -> list[JudgeResponse | ErrorBody]:
+        """A batch's items: each planned, all prepared in one trip to a worker thread, then
+        each judged; an item refused on the way gets its error in its place."""
+        plans: list[_Plan | Exception] = []
+        for item in items:
+            try:
+                plans.append(self._plan(engine, item, item.query()))
+            except Exception as exc:  # _item decides: a 4xx in its place, else it fails all
+                plans.append(exc)
+        planned = [p for p in plans if isinstance(p, _Plan)]
+        prepared = iter(await self.service.prepare(engine, [p.query for p in planned]))
+        staged = [p if isinstance(p, Exception) else (p, next(prepared)) for p in plans]
+        return list(
+            await asyncio.gather(
+                *(
+                    self._item(engine, item, s, ticket, records)
+                    for item, s in zip(items, staged, strict=True)
+                )
+            )
+        )
+
+    async def _item(
+        self,
+        engine: Engine,
+        item: JudgeRequest,
+        staged: tuple[_Plan, Prepared | JudgeError | TooLargeError] | Exception,
+        ticket: Ticket,
+        records: list[LoggedDecision],
+    ) -> JudgeResponse | ErrorBody:
+        """One item of a batch: its 4xx, or a 503 when out of time, in its place.
+
+        Any other 5xx fails the whole request.
+        """
+        try:
+            if isinstance(staged, Exception):
+                raise staged
+            plan, prepared = staged
+            if not isinstance(prepared, Prepared):
+                raise prepared
+            result = await self.service.batcher.judge(
+                prepared, owner=ticket.owner, deadline=ticket.deadline
+            )
+            return self._respond(engine, result, item, plan, records)
+        except Exception as exc:
+            error = error_of(exc)
+            if error.status_code >= 500 and not isinstance(exc, DeadlineError | QueueFullError):
+                raise
+            return error
+
+    async def _shared(
+        self,
+        engine: Engine,
+        context: str,
+        questions: Sequence[SharedQuestion],
+        ticket: Ticket,
+        records: list[LoggedDecision],
+    ) -> list[JudgeResponse]:
+        """Questions about one context: each prepared once, then judged row by row.
+
+        Each question's query is the context and the question (``shared_query``), rendered
+        and tokenized once. The prepared questions are split with the engine's own row packing
+        (``judge.packing.pack_rows``, to the same ``max_batch_tokens``), and each row is one
+        job, one ``run_shared`` call that packs it into the same single row: one pass, so the
+        model is never held for long and other requests take their turns between rows. A row
+        after the first finds the context in the engine's prefix cache, so splitting costs
+        little.
+        """
+        queries = [shared_query(context, q.query()) for q in questions]
+        plans = [self._plan(engine, q, query) for q, query in zip(questions, queries, strict=True)]
+        # The field a 413 names: the context, unless this question's own prompt is longer.
+        fields = [
+            "context" if len(context) >= len(q.prompt) else f"questions[{i}].prompt"
+            for i, q in enumerate(questions)
+        ]
+        ready: list[Prepared] = []
+        for prepared in await self.service.prepare(engine, [p.query for p in plans], fields):
+            if not isinstance(prepared, Prepared):
+                raise prepared
+            ready.append(prepared)
+        results = await self.service.run_rows(engine, ready, ticket)
+        return [
+            self._respond(engine, r, q, p, records)
+            for r, q, p in zip(results, questions, plans, strict=True)
+        ]

@@ -1,0 +1,237 @@
+"""``/profiles``: list, store and fit calibration profiles.
+
+A fit judges its examples through the same queue as every request and fits on a worker thread
+(``calibration.tasks.fit_labeled``); if its client leaves, the request is cancelled and nothing
+is written. A fit whose method may be a probe ("auto", "probe") judges its examples with the
+hidden states of ``calibration.probe.candidate_layers``; a probe that cannot be fitted is
+refused (``method``) before any model work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import hashlib
+import re
+from collections.abc import Sequence
+
+import anyio.to_thread
+import msgspec
+import numpy as np
+
+from calibration import CalibrationError, CalibrationProfile, FitError, ProfileError
+from calibration.fitting import resolve_methods
+from calibration.maps import CalibrationMap, Probe
+from calibration.probe import candidate_layers, probe_weights
+from calibration.profile import NAME_PATTERN
+from calibration.tasks import fit_labeled, labeled_queries, scores_from_judgments
+from judge import Fingerprint, Judgment, Prepared
+from service.errors import BadFieldError, UnprocessableError
+from service.schemas import CalibrationMapSummary, FitRequest, ProfileSummary
+from service.serving_core import ServiceCore, Ticket
+
+__all__ = ["ProfileServing"]
+
+
+class ProfileServing:
+    """The profile store behind the endpoints, and fits that judge through the queue."""
+
+    def __init__(self, service: ServiceCore) -> None:
+        self.service = service
+
+    async def fit(self, name: str, request: FitRequest, ticket: Ticket) -> CalibrationProfile:
+        """Judge the labeled examples, fit a profile on them, save it and return it."""
+        engine = self.service.engine()
+        if not re.fullmatch(NAME_PATTERN, name):
+            raise BadFieldError("name", f"profile name {name!r} must match {NAME_PATTERN}")
+        for i, example in enumerate(request.examples):
+            if example.label not in request.choices:
+                raise UnprocessableError(
+                    f"examples[{i}].label",
+                    f"label {example.label!r} is not one of the choices {request.choices}",
+                )
+        labels = {e.label for e in request.examples}
+        if len(labels) < 2:
+            raise UnprocessableError(
+                "examples",
+                f"all {len(request.examples)} examples have the label {labels.pop()!r}: "
+                "calibration needs examples of at least two choices",
+            )
+        template = {
+            "system": request.system,
+            "response_prefix": request.response_prefix,
+            "response_suffix": request.response_suffix,
+        }
+        fingerprint = engine.fingerprint(**template)
+        layers = _fit_layers(request, fingerprint)  # refuses an impossible probe up front
+        queries = labeled_queries(
+            [e.prompt for e in request.examples],
+            request.choices,
+            feature_layers=layers,
+            **template,
+        )
+        fields = [f"examples[{i}].prompt" for i in range(len(queries))]
+        ready: list[Prepared] = []
+        for i, prepared in enumerate(await self.service.prepare(engine, queries, fields)):
+            if not isinstance(prepared, Prepared):
+                if prepared.field in (None, "prompt"):  # the engine's name for the field
+                    prepared.field = fields[i]
+                raise prepared
+            ready.append(prepared)
+        judgments: list[Judgment] = []
+        # The hidden states, kept as one float32 array rather than in the judgments: as lists
+        # of Python floats, 20,000 examples at 5 layers of 576 would take about 2 GB.
+        features: np.ndarray | None = None  # (n, m, H)
+        wave = (
+            4 * self.service.config.max_batch_size
+        )  # jobs queued at once: a bounded share of the queue
+        for start in range(0, len(ready), wave):
+            results = await asyncio.gather(
+                *(
+                    self.service.batcher.judge(
+                        ready[i], owner=ticket.owner, deadline=ticket.deadline
+                    )
+                    for i in range(start, min(start + wave, len(ready)))
+                )
+            )
+            for i, result in enumerate(results, start):
+                if layers:
+                    row = _features_of(result, layers)  # (m, H)
+                    if features is None:
+                        features = np.empty((len(queries), *row.shape), dtype=np.float32)
+                    features[i] = row
+                    result = msgspec.structs.replace(result, features=None)
+                judgments.append(result)
+        scores = scores_from_judgments(
+            judgments, [e.label for e in request.examples], request.choices
+        )
+        if features is not None:
+            scores = dataclasses.replace(scores, features=features, feature_layers=layers)
+        fit = functools.partial(
+            fit_labeled,
+            name,
+            scores,
+            request.choices,
+            fingerprint,
+            dataset=f"POST /profiles/{name}/fit",
+            dataset_sha256=hashlib.sha256(msgspec.json.encode(request.examples)).hexdigest(),
+            target_precision=request.target_precision,
+            delta=request.delta,
+            alpha=request.alpha,
+            methods=_FIT_METHODS[request.method],
+        )
+        try:
+            profile = await anyio.to_thread.run_sync(fit)
+        except (CalibrationError, ValueError) as exc:  # e.g. every example has the same label
+            # The fitter's own refusals of a method ("method 'probe' needs ...") name it.
+            field = "method" if str(exc).startswith("method ") else "examples"
+            raise UnprocessableError(
+                field, f"cannot fit a profile on these examples: {exc}"
+            ) from exc
+        self.service.store.put(profile)
+        return profile
+
+    def summaries(self) -> list[ProfileSummary]:
+        summaries = []
+        for name in self.service.store.names():
+            try:
+                p = self.service.store.get(name)
+            except ProfileError:
+                continue  # an unreadable file is not a profile; GET /profiles/{name} says why
+            summaries.append(
+                ProfileSummary(
+                    name=p.name,
+                    model=p.fingerprint.model,
+                    choices=p.choices,
+                    calibration_map=_map_summary(p.calibration_map),
+                    threshold=p.threshold,
+                    metrics_after=p.metrics_after,
+                    n_examples=p.n_examples,
+                    created_at=p.created_at,
+                    signal=p.signal,
+                    label_free=p.label_free,
+                    values=p.values,
+                    max_std=p.max_std,
+                )
+            )
+        return summaries
+
+    def put(
+        self,
+        name: str,
+        profile: CalibrationProfile,
+        *,
+        if_match: Sequence[str] | None = None,
+        if_none_match: Sequence[str] | None = None,
+    ) -> str:
+        """Store ``profile`` under ``name`` and return its ETag.
+
+        ``if_match`` replaces only one of those versions, ``if_none_match`` (``["*"]``) only
+        creates; the store compares and writes in one step, under its lock, so it may block
+        while another writer holds it (call it off the event loop).
+        """
+        if profile.name != name:
+            raise UnprocessableError(
+                "name", f"the profile is named {profile.name!r} but the path says {name!r}"
+            )
+        return self.service.store.put(profile, if_match=if_match, if_none_match=if_none_match)
+
+
+# FitRequest.method -> fit_labeled's methods: the candidates that compete with no scaling.
+_FIT_METHODS: dict[str, str | list[str]] = {
+    "auto": "auto",
+    "temperature": ["temperature"],
+    "bias_temperature": ["temperature", "bias_temperature"],
+    "probe": ["probe"],
+}
+
+
+def _fit_layers(request: FitRequest, fingerprint: Fingerprint) -> tuple[int, ...]:
+    """The hidden-state layers to judge a fit's examples with: a probe's candidates, or none.
+
+    An explicit probe that cannot be fitted (no hidden states, too few examples, more weights
+    than a profile may hold: ``calibration.fitting.resolve_methods``) is refused here, naming
+    ``method``, before any model work; "auto" fits without one, and its profile's note says
+    why.
+    """
+    if request.method not in ("auto", "probe"):
+        return ()
+    num_layers, hidden_size = fingerprint.num_layers, fingerprint.hidden_size
+    if num_layers is None or hidden_size is None:
+        if request.method == "probe":
+            raise UnprocessableError(
+                "method",
+                f"method 'probe' reads the model's hidden states, and this server's engine "
+                f"({fingerprint.model}) exposes none; use method auto or temperature",
+            )
+        return ()
+    if request.method == "probe":
+        try:  # the fitter's own rules for when a probe can be fitted, before any model work
+            weights = probe_weights(len(request.choices), hidden_size)
+            resolve_methods(["probe"], len(request.examples), weights)
+        except FitError as exc:
+            raise UnprocessableError("method", str(exc)) from exc
+    # "auto": the fitter decides whether the probe can compete, and its note says why not.
+    return candidate_layers(num_layers)
+
+
+def _features_of(judgment: Judgment, layers: Sequence[int]) -> np.ndarray:
+    """(m, H) float32: the judgment's hidden states of ``layers``, in that order."""
+    features = judgment.features or {}
+    missing = [n for n in layers if n not in features]
+    if missing:  # the engine broke its contract: Query.feature_layers come back in features
+        raise RuntimeError(f"the engine returned no features for layers {missing}")
+    return np.asarray([features[n] for n in layers], dtype=np.float32)
+
+
+def _temperature(calibration_map: CalibrationMap) -> float | None:
+    """The map's temperature; None for a probe, which has none (its ``temperature`` is 1)."""
+    return None if isinstance(calibration_map, Probe) else calibration_map.temperature
+
+
+def _map_summary(calibration_map: CalibrationMap) -> CalibrationMapSummary:
+    layers = list(calibration_map.layers) if isinstance(calibration_map, Probe) else None
+    return CalibrationMapSummary(
+        method=calibration_map.method, temperature=_temperature(calibration_map), layers=layers
+    )

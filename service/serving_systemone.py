@@ -1,0 +1,124 @@
+"""``POST /v1/systemone``: typed questions about one state (``service.systemone``).
+
+Served as a shared context is: each question's listings are rendered by
+``judge.decisions.plan_decisions``, prepared within the budget and run as shared rows
+(``ServiceCore.run_rows``); each answer is decided by its own gate, with the question's order
+spread (``Gate.decide(..., order_spread=...)``), and its verdict is logged before the response,
+as a judgment's is: it can be labelled, audited and replayed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from calibration import Overrides
+from judge import Prepared
+from judge.decisions import plan_decisions
+from service.decision_log import LoggedDecision
+from service.errors import TooLargeError, UnprocessableError
+from service.serving_core import ServiceCore, Ticket
+from service.systemone import (
+    SystemOneAnswer,
+    SystemOneQuestion,
+    SystemOneRequest,
+    SystemOneResponse,
+    Usage,
+    wire_answer,
+)
+
+__all__ = ["SystemOneServing"]
+
+
+class SystemOneServing:
+    """Typed questions about one state, in one run of the model."""
+
+    def __init__(self, service: ServiceCore) -> None:
+        self.service = service
+
+    async def answer(self, request: SystemOneRequest, ticket: Ticket) -> SystemOneResponse:
+        """Typed questions about one state (``service.systemone``), as ``_shared`` serves them.
+
+        Everything is checked before any model work: the model's name, how many questions,
+        each question (``judge.decisions.plan_decisions``), its profile against the engine and
+        its choices, and each listing's size against the budget (``_prepare``); every refusal
+        names ``questions.<id>.<field>``. Then the listings run as shared rows, the state
+        computed once where the budget allows, and each answer is gated by its own Policy.
+        """
+        started = time.perf_counter()
+        engine = self.service.engine()
+        if request.model is not None and request.model != engine.model_id:
+            raise UnprocessableError(
+                "model",
+                f"this server serves {engine.model_id!r}, not {request.model!r}; "
+                "leave model out or name that one",
+            )
+        limit = self.service.config.max_questions
+        if len(request.questions) > limit:
+            raise TooLargeError(
+                "questions",
+                f"{len(request.questions)} questions, over this server's limit of {limit} "
+                "(--max-questions): split them over several requests",
+            )
+        questions = {qid: q.question() for qid, q in request.questions.items()}
+        plan = plan_decisions(request.state, questions)
+        gates = {
+            asked.id: self.service.open_gate(
+                engine,
+                request.questions[asked.id].profile,
+                Overrides.of(request.questions[asked.id]),
+                choices=asked.choices,
+                field=f"questions.{asked.id}.profile",
+            )
+            for asked in plan.asked
+        }
+        layers = {qid: g.feature_layers for qid, g in gates.items() if g.feature_layers}
+        if layers:  # a probe reads the pass's hidden state: ask for it
+            plan = plan_decisions(request.state, questions, feature_layers=layers)
+        owners = [plan.question_of(i) for i in range(len(plan.queries))]
+        fields = [_systemone_field(plan.context, q, request.questions[q]) for q in owners]
+        ready: list[Prepared] = []
+        for i, (field_name, prepared) in enumerate(
+            zip(fields, await self.service.prepare(engine, plan.queries, fields), strict=True)
+        ):
+            if not isinstance(prepared, Prepared):
+                # The engine names the query's fields: its choices are the question's criteria,
+                # its prompt the state and the question.
+                if prepared.field in (None, "choices"):
+                    prepared.field = plan.field_of(i, prepared.field)
+                elif not prepared.field.startswith(("questions.", "state")):
+                    prepared.field = field_name
+                raise prepared
+            ready.append(prepared)
+        judgments = await self.service.run_rows(engine, ready, ticket)
+        answers: dict[str, SystemOneAnswer] = {}
+        records: list[LoggedDecision] = []
+        for qid, answer in plan.answers(judgments).items():
+            gate = gates[qid]
+            verdict = gate.decide(answer.judgment, order_spread=answer.order_spread)
+            self.service.metrics.decisions.labels(verdict.decision).inc()
+            answers[qid] = wire_answer(answer, verdict)
+            if self.service.decision_log is not None:
+                kept = None
+                if self.service.config.log_requests:
+                    asked = msgspec.to_builtins(request.questions[qid])
+                    kept = {"state": request.state, "question": {qid: asked}, **gate.settings()}
+                records.append(LoggedDecision.of(verdict, model=engine.model_id, request=kept))
+        await self.service.append_to_log(records)
+        return SystemOneResponse(
+            model=engine.model_id,
+            answers=answers,
+            usage=Usage(input_tokens=sum(j.computed_tokens for j in judgments)),
+            latency_ms=(time.perf_counter() - started) * 1000,
+        )
+
+
+def _systemone_field(context: str, qid: str, question: SystemOneQuestion) -> str:
+    """The field a 413 names for a question's listing: the state, unless the question's own
+    text (its instructions, or its criteria) is longer."""
+    criteria = len(msgspec.json.encode(question.criteria))
+    instructions = len(question.instructions)
+    if len(context) >= max(instructions, criteria):
+        return "state"
+    return f"questions.{qid}." + ("instructions" if instructions >= criteria else "criteria")
