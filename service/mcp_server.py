@@ -41,11 +41,13 @@ from calibration import (
     PolicyDefaults,
     ProfileError,
 )
-from judge import Engine, JudgeError
+from judge import Engine, JudgeError, Query
 from judge.decisions import MAX_ORDERINGS, Question
-from service.answers import answer_questions, with_order
+from service.answers import judge_questions, with_order
+from service.decision_log import DecisionLog, DecisionLogError, LoggedDecision
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
+from service.systemone import wire_answer
 
 __all__ = ["create_server"]
 
@@ -59,11 +61,34 @@ INSTRUCTIONS = (
 
 
 def create_server(
-    engine: Engine, store: ProfileStore, *, defaults: PolicyDefaults | None = None
+    engine: Engine,
+    store: ProfileStore,
+    *,
+    defaults: PolicyDefaults | None = None,
+    decision_log: DecisionLog | None = None,
+    log_requests: bool = False,
 ) -> MCPServer:
-    """An MCP server whose tools judge with ``engine`` and gate with ``store``'s profiles."""
+    """An MCP server whose tools judge with ``engine`` and gate with ``store``'s profiles.
+
+    With ``decision_log``, every decision of ``judge`` and ``decide`` is appended to it before
+    the tool answers, as the HTTP service appends its own (``LoggedDecision.of``): it can then
+    be labelled, audited, counted in its profile's health and (with ``log_requests``, which
+    keeps the prompt or state) replayed. A log that cannot be written fails the call.
+    """
     defaults = defaults or PolicyDefaults()
     model_lock = threading.Lock()
+
+    def keep(rows: list[LoggedDecision]) -> None:
+        """Append the call's decisions before it answers; a failed write fails the call."""
+        if decision_log is None or not rows:
+            return
+        try:
+            decision_log.append(rows)
+        except DecisionLogError as exc:
+            raise ToolError(
+                f"the decision could not be written to the decision log ({exc}), so it is "
+                "not served: retry later"
+            ) from None
 
     def profile_of(name: str, field: str) -> tuple[CalibrationProfile, str]:
         """The profile and its ETag (the version a decision carries)."""
@@ -112,9 +137,15 @@ def create_server(
                 judgment = engine.judge(
                     prompt, choices, system=system, feature_layers=gate.feature_layers
                 )
+            verdict = gate.decide(judgment)
+            kept = None
+            if log_requests:
+                query = Query(prompt=prompt, choices=list(choices), system=system)
+                kept = {"query": msgspec.to_builtins(query), **gate.settings()}
+            keep([LoggedDecision.of(verdict, model=engine.model_id, request=kept)])
             response = JudgeResponse.of(
                 judgment,
-                gate.decide(judgment),
+                verdict,
                 choices=choices,
                 calibration_map=fitted.calibration_map if fitted is not None else None,
                 feature_layers=gate.feature_layers,
@@ -163,7 +194,7 @@ def create_server(
         if order is not None:
             asked = with_order(asked, order)
         with _tool_errors(), model_lock:
-            answers = answer_questions(
+            judged = judge_questions(
                 engine,
                 state,
                 asked,
@@ -171,7 +202,19 @@ def create_server(
                 defaults=defaults,
                 max_orderings=max_orderings,
             )
-        return _plain(answers)
+        rows = []
+        for qid, (_, verdict) in judged.items():
+            kept = None
+            if log_requests:
+                # The question as asked (its JSON form): what judge replay asks again.
+                kept = {"state": state, "question": {qid: msgspec.to_builtins(asked[qid])}}
+                if qid in gates:
+                    kept.update(gates[qid].settings())
+                else:
+                    kept.update(Gate(None, defaults=defaults).settings())
+            rows.append(LoggedDecision.of(verdict, model=engine.model_id, request=kept))
+        keep(rows)
+        return _plain({qid: wire_answer(a, v) for qid, (a, v) in judged.items()})
 
     list_about = (
         "The calibration profiles a judge or decide call may name: each one's "

@@ -28,6 +28,7 @@ from judge import Judge
 from judge.decisions import plan_decisions
 from service import ServiceConfig, create_app
 from service.cli.main import main
+from service.decision_log import open_log
 from service.profiles import ProfileStore
 
 STATE = (
@@ -184,24 +185,36 @@ def test_every_route_gives_the_same_verdict(
     pytest.importorskip("mcp")
     from service.mcp_server import create_server
 
-    server = create_server(judge, ProfileStore(profiles), defaults=DEFAULTS)
+    mcp_log = tmp_path / "mcp-decisions.db"
+    opened = open_log(str(mcp_log))
+    server = create_server(
+        judge, ProfileStore(profiles), defaults=DEFAULTS, decision_log=opened, log_requests=True
+    )
 
     def tool(name: str, arguments: dict[str, Any]) -> Any:
         result: Any = asyncio.run(server.call_tool(name, arguments))
         assert not result.is_error, result.content
         return result.structured_content
 
-    views["MCP judge"] = _view(tool("judge", {"prompt": prompt, "choices": CHOICES, **gated}))
+    mcp_judged = tool("judge", {"prompt": prompt, "choices": CHOICES, **gated})
+    views["MCP judge"] = _view(mcp_judged)
     profiles_of = {"profiles": {"billing": "billing"}} if with_profile else {}
     decided = tool("decide", {"state": STATE, "questions": {"billing": QUESTION}, **profiles_of})
     views["MCP decide"] = _view(decided["billing"])
+    # The MCP server's decisions are in its log before the tools answer, and take labels.
+    mcp_ids = [mcp_judged["judgment_id"], decided["billing"]["judgment_id"]]
+    assert [opened.get(i) is not None for i in mcp_ids] == [True, True]
+    assert opened.label(mcp_ids[1], "yes").status == "labeled"
+    opened.close()
 
     # judge replay reopens the logged gate (the request's overrides and the server's defaults).
-    for route, judgment_id in (
-        ("replay of /judge", judged.json()["judgment_id"]),
-        ("replay of /v1/systemone", answer["judgment_id"]),
+    for route, judgment_id, kept in (
+        ("replay of /judge", judged.json()["judgment_id"], log),
+        ("replay of /v1/systemone", answer["judgment_id"], log),
+        ("replay of MCP judge", mcp_ids[0], mcp_log),
+        ("replay of MCP decide", mcp_ids[1], mcp_log),
     ):
-        argv = ["replay", judgment_id, "--log", str(log), "--profiles-dir", str(profiles)]
+        argv = ["replay", judgment_id, "--log", str(kept), "--profiles-dir", str(profiles)]
         assert main(argv) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["changed"] == [], (route, out)

@@ -42,6 +42,18 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         default=DEFAULT_PREFIX_CACHE_MB,
         help="memory for cached prompt prefixes, reused across calls (0: off)",
     )
+    mcp.add_argument(
+        "--decision-log",
+        default=None,
+        metavar="FILE|postgresql://...",
+        help="append every decision to this log before the tool answers (a SQLite file, or a "
+        "PostgreSQL URL), as judge serve --decision-log does: labels, health and replay",
+    )
+    mcp.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="keep each call's prompt or state in the log, so that judge replay can re-run it",
+    )
     mcp.set_defaults(run=run)
 
 
@@ -52,10 +64,29 @@ def run(args: argparse.Namespace) -> int:
     from service.mcp_server import create_server
     from service.profiles import ProfileStore
 
+    # Opened first: a log that cannot be written stops the server before the model loads.
+    decision_log = None
+    if args.decision_log is not None:
+        from service.decision_log import DecisionLogError, open_log
+
+        try:
+            decision_log = open_log(args.decision_log)
+        except DecisionLogError as exc:
+            raise UsageError(f"--decision-log: {exc}") from None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the protocol's alone
         engine = Judge.load(
             args.model, dtype=args.dtype, device=args.device, prefix_cache_mb=args.prefix_cache_mb
         )
-    create_server(engine, ProfileStore(args.profiles_dir)).run("stdio")
+    server = create_server(
+        engine,
+        ProfileStore(args.profiles_dir),
+        decision_log=decision_log,
+        log_requests=args.log_requests,
+    )
+    try:
+        server.run("stdio")
+    finally:
+        if decision_log is not None:
+            decision_log.close()
     return 0
