@@ -10,6 +10,9 @@ ordinary judge queries whose prompt is the rendered state, a blank line, then th
     choice  options {name: description | None}  choices the names;    answer: the name
     score   levels [level, ...] (2-10)          choices "0".."n-1";   answer: sum i * P(i)
 
+(``noul`` is the System One wire format's own name for a yes/no question, kept so that
+requests and answers match other System One servers; its answer is the probability of yes.)
+
 **Order invariance.** A small model prefers options by where they are listed (first, last).
 With ``order="invariant"`` a question is asked under several listings of its options (cyclic
 shifts for a choice, up to ``max_orderings``; both directions for yes/no and for a scale), all
