@@ -9,7 +9,7 @@ long for the model) comes back as a 4xx from the engine's own errors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, Self
 
 import msgspec
 from msgspec import Meta
@@ -151,7 +151,7 @@ class JudgeResponse(
         calibration_map: CalibrationMap | None = None,
         feature_layers: Sequence[int] = (),
         return_prompt: bool = False,
-    ) -> JudgeResponse:
+    ) -> Self:
         """The wire form of ``verdict`` on ``judgment``: the one place it is built.
 
         Every decided field is the verdict's; ``judgment`` gives what only the judging knows

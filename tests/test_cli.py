@@ -19,7 +19,12 @@ from service.cli.main import main
 
 PROMPT = "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082."
 CHOICES = ["spam", "ham"]
+# What judge ask prints: the POST /judge response's fields (JudgeResponse: one record) that a
+# judgment without request options has; audit, prompt and a score's or probe's fields are left
+# out when they have their defaults.
 ANSWER_KEYS = {
+    "type",
+    "temperature",
     "decision",
     "choice",
     "confidence",

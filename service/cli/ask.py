@@ -20,7 +20,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Literal, TextIO
+from typing import TextIO
 
 import msgspec
 
@@ -31,7 +31,6 @@ from calibration import (
     Overrides,
     PolicyDefaults,
     ProfileMismatchError,
-    ReasonCode,
     Verdict,
 )
 from judge import (
@@ -61,35 +60,12 @@ __all__ = ["Answer", "Failure", "InputLineError", "LineError", "add_arguments", 
 Scalar = str | int | float | bool
 
 
-class Answer(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``judge ask`` prints per prompt: the decision and the judgment behind it.
-
-    The fields of the HTTP service's ``JudgeResponse`` that describe a judgment made without
-    a request's options, taken from it (``_answer``), and the input line's id.
-    """
+class Answer(JudgeResponse, frozen=True, kw_only=True, omit_defaults=True, tag="judgment"):
+    """What ``judge ask`` prints per prompt: the HTTP service's ``JudgeResponse`` (the verdict
+    and the judgment behind it, field for field: one record, so a field added there is printed
+    here too) and, in batch mode, the input line's id."""
 
     id: Scalar | msgspec.UnsetType = msgspec.UNSET  # batch mode only
-    decision: Literal["accept", "escalate"]
-    choice: str
-    confidence: float  # calibrated probability of ``choice``
-    probabilities: dict[str, float]  # calibrated (raw without a profile)
-    raw_probabilities: dict[str, float]  # the engine's, before calibration
-    prediction_set: list[str] | None  # conformal set; None without a profile
-    reasons: list[str]  # why it escalated; empty when accepted
-    reason_codes: list[ReasonCode]  # one per reason
-    threshold: float | None
-    certified: bool  # the profile's certified rule decided, with no override
-    choice_mass: float
-    profile: str | None
-    model: str
-    latency_ms: float
-    # What pins the decision: the judgment's id, the sha256 of its tokens, of the weights and
-    # of the policy, and the profile's ETag (None without a profile); see ``JudgeResponse``.
-    judgment_id: str
-    tokens_sha256: str
-    model_sha256: str
-    policy_sha256: str
-    profile_etag: str | None
 
 
 class LineError(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,13 +101,9 @@ class _Item(msgspec.Struct, frozen=True):
     query: Query
 
 
-_ANSWERED = [name for name in Answer.__struct_fields__ if name != "id"]
-
-
 def _answer(judgment: Judgment, verdict: Verdict, item_id: Scalar | msgspec.UnsetType) -> Answer:
     """The verdict's wire form (the probabilities in the profile's order), with the line's id."""
-    response = JudgeResponse.of(judgment, verdict)
-    return Answer(id=item_id, **{name: getattr(response, name) for name in _ANSWERED})
+    return msgspec.structs.replace(Answer.of(judgment, verdict), id=item_id)
 
 
 def run(args: argparse.Namespace) -> int:
