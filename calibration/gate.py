@@ -122,16 +122,14 @@ class Gate:
             audit_rate=audit_rate,
         )
         self.sha256 = self.policy.sha256  # read once: a probe's map hashes through its ETag
+        # The hidden-state layers a judgment must carry for this gate: a probe's, else none.
+        # Ask the engine for them (``Query.feature_layers``) when judging for this gate. Read
+        # once here: every request reads it twice (its query, its response).
+        self.feature_layers: tuple[int, ...] = self.policy.feature_layers
 
     def __repr__(self) -> str:
         name = None if self.profile is None else self.profile.name
         return f"Gate(profile={name!r}, policy_sha256={self.sha256[:12]})"
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The hidden-state layers a judgment must carry for this gate: a probe's, else none.
-        Ask the engine for them (``Query.feature_layers``) when judging for this gate."""
-        return self.policy.feature_layers
 
     @property
     def choices(self) -> list[str] | None:
