@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from calibration.validation import check_probs, check_probs_labels, check_unit_open
+from calibration.validation import _FloatArray, check_probs, check_probs_labels, check_unit_open
 
 if TYPE_CHECKING:
     from typing import Self
@@ -33,8 +33,6 @@ __all__ = [
     "prediction_set",
     "set_membership",
 ]
-
-_FloatArray = npt.NDArray[np.float64]
 
 
 def _rank(n: int, alpha: float) -> int:

@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 from msgspec import Meta
 
 from calibration.errors import ProfileMismatchError, RuleError
-from calibration.validation import check_logits
+from calibration.validation import _FloatArray, check_logits
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -38,7 +37,6 @@ __all__ = [
     "softmax",
 ]
 
-_FloatArray = npt.NDArray[np.float64]
 
 # T in [0.01, 100] spans every useful sharpening/flattening of log-probabilities.
 T_MIN = 0.01

@@ -20,13 +20,20 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 from msgspec import Meta
 
 from calibration.errors import RuleError
-from calibration.validation import check_confidences, check_int, check_probs_labels
+from calibration.validation import (
+    _FloatArray,
+    _IntArray,
+    check_confidences,
+    check_int,
+    check_probs_labels,
+)
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from numpy.typing import ArrayLike
 
 __all__ = [
@@ -44,8 +51,6 @@ __all__ = [
     "nll",
 ]
 
-_FloatArray = npt.NDArray[np.float64]
-_IntArray = npt.NDArray[np.int64]
 
 _NLL_CLIP = 1e-12
 # Bootstrap and noise-floor simulations run in blocks of at most this many (draw, item) cells
@@ -135,16 +140,36 @@ def _top_label(p: _FloatArray, labels: _IntArray) -> tuple[_FloatArray, _FloatAr
     return confidences, hits
 
 
+def _checked_top_label(
+    probs: ArrayLike, y: ArrayLike, n_bins: int
+) -> tuple[_FloatArray, _FloatArray, int]:
+    """``_top_label`` of the checked inputs, and the checked ``n_bins``: what every top-label
+    binned metric starts from."""
+    p, labels = check_probs_labels(probs, y)
+    n_bins = check_int(n_bins, "n_bins", 1)
+    return *_top_label(p, labels), n_bins
+
+
+def _item_mean(
+    per_item: Callable[[_FloatArray, _IntArray], _FloatArray], probs: ArrayLike, y: ArrayLike
+) -> float:
+    """The mean over items of ``per_item(p, labels)``, on checked inputs."""
+    p, labels = check_probs_labels(probs, y)
+    return float(per_item(p, labels).mean())
+
+
+def _item_hit(p: _FloatArray, labels: _IntArray) -> _FloatArray:
+    return _top_label(p, labels)[1]
+
+
 def accuracy(probs: ArrayLike, y: ArrayLike) -> float:
     """Fraction of items whose most probable choice is correct (ties go to the lowest index).
 
     Parameters
     ----------
-    probs : array of shape (n, k)
-    y : array of shape (n,)
+    probs, y : arrays of shapes (n, k) and (n,)
     """
-    p, labels = check_probs_labels(probs, y)
-    return float(_top_label(p, labels)[1].mean())
+    return _item_mean(_item_hit, probs, y)
 
 
 def nll(probs: ArrayLike, y: ArrayLike) -> float:
@@ -152,11 +177,9 @@ def nll(probs: ArrayLike, y: ArrayLike) -> float:
 
     Parameters
     ----------
-    probs : array of shape (n, k)
-    y : array of shape (n,)
+    probs, y : arrays of shapes (n, k) and (n,)
     """
-    p, labels = check_probs_labels(probs, y)
-    return float(_item_nll(p, labels).mean())
+    return _item_mean(_item_nll, probs, y)
 
 
 def _item_nll(p: _FloatArray, labels: _IntArray) -> _FloatArray:
@@ -176,11 +199,9 @@ def brier(probs: ArrayLike, y: ArrayLike) -> float:
 
     Parameters
     ----------
-    probs : array of shape (n, k)
-    y : array of shape (n,)
+    probs, y : arrays of shapes (n, k) and (n,)
     """
-    p, labels = check_probs_labels(probs, y)
-    return float(_item_brier(p, labels).mean())
+    return _item_mean(_item_brier, probs, y)
 
 
 def ece(probs: ArrayLike, y: ArrayLike, n_bins: int = 15) -> float:
@@ -191,13 +212,10 @@ def ece(probs: ArrayLike, y: ArrayLike, n_bins: int = 15) -> float:
 
     Parameters
     ----------
-    probs : array of shape (n, k)
-    y : array of shape (n,)
+    probs, y : arrays of shapes (n, k) and (n,)
     n_bins : int
     """
-    p, labels = check_probs_labels(probs, y)
-    n_bins = check_int(n_bins, "n_bins", 1)
-    confidences, hits = _top_label(p, labels)
+    confidences, hits, n_bins = _checked_top_label(probs, y, n_bins)
     return _ece_of(confidences, hits, _bin_index(confidences, n_bins), n_bins)
 
 
@@ -217,13 +235,10 @@ def adaptive_ece(probs: ArrayLike, y: ArrayLike, n_bins: int = 15) -> float:
 
     Parameters
     ----------
-    probs : array of shape (n, k)
-    y : array of shape (n,)
+    probs, y : arrays of shapes (n, k) and (n,)
     n_bins : int
     """
-    p, labels = check_probs_labels(probs, y)
-    n_bins = check_int(n_bins, "n_bins", 1)
-    confidences, hits = _top_label(p, labels)
+    confidences, hits, n_bins = _checked_top_label(probs, y, n_bins)
     order = np.argsort(confidences, kind="stable")
     bins = _equal_mass_bins(len(order), n_bins)
     return _ece_of(confidences[order], hits[order], bins, n_bins)
@@ -236,13 +251,10 @@ def mce(probs: ArrayLike, y: ArrayLike, n_bins: int = 15) -> float:
 
     Parameters
     ----------
-    probs : array of shape (n, k)
-    y : array of shape (n,)
+    probs, y : arrays of shapes (n, k) and (n,)
     n_bins : int
     """
-    p, labels = check_probs_labels(probs, y)
-    n_bins = check_int(n_bins, "n_bins", 1)
-    confidences, hits = _top_label(p, labels)
+    confidences, hits, n_bins = _checked_top_label(probs, y, n_bins)
     counts, sum_hits, sum_conf = _binned_sums(
         confidences, hits, _bin_index(confidences, n_bins), n_bins
     )
@@ -259,8 +271,7 @@ def classwise_ece(probs: ArrayLike, y: ArrayLike, n_bins: int = 15) -> float:
 
     Parameters
     ----------
-    probs : array of shape (n, k)
-    y : array of shape (n,)
+    probs, y : arrays of shapes (n, k) and (n,)
     n_bins : int
     """
     p, labels = check_probs_labels(probs, y)
@@ -280,8 +291,7 @@ def calibration_bins(
 
     Parameters
     ----------
-    probs : array of shape (n, k)
-    y : array of shape (n,)
+    probs, y : arrays of shapes (n, k) and (n,)
     n_bins : int
 
     Returns
@@ -290,9 +300,7 @@ def calibration_bins(
     accuracy : float array of shape (n_bins,), NaN in empty bins
     confidence : float array of shape (n_bins,), NaN in empty bins
     """
-    p, labels = check_probs_labels(probs, y)
-    n_bins = check_int(n_bins, "n_bins", 1)
-    confidences, hits = _top_label(p, labels)
+    confidences, hits, n_bins = _checked_top_label(probs, y, n_bins)
     counts, sum_hits, sum_conf = _binned_sums(
         confidences, hits, _bin_index(confidences, n_bins), n_bins
     )
@@ -429,8 +437,7 @@ def evaluate(
 
     Parameters
     ----------
-    probs : array of shape (n, k)
-    y : array of shape (n,)
+    probs, y : arrays of shapes (n, k) and (n,)
     n_bootstrap, seed, n_bins : int
     """
     p, labels = check_probs_labels(probs, y)

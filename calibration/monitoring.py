@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 from msgspec import Meta
 
 from calibration.errors import RuleError
 from calibration.validation import (
+    _FloatArray,
+    _IntArray,
     check_correct,
     check_int,
     check_labels,
@@ -72,8 +73,6 @@ and a dashboard is better told "not yet" than "no drift"."""
 
 _MIN_EXPECTED = 5.0  # Cochran's rule: below this expected count chi-square's p-value is unsafe
 _MONTE_CARLO_TABLES = 9999
-_FloatArray = npt.NDArray[np.float64]
-_IntArray = npt.NDArray[np.int64]
 
 
 class Reference(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -239,31 +238,34 @@ def drift_test(
             f"choice must have shape ({n},), one index per confidence, got {top.shape}"
         )
     top = check_labels(top, n, k, "choice")
-    if n < MIN_DRIFT_ITEMS:
-        return DriftTest(
-            n_live=n,
-            n_reference=reference.n,
-            confidence_statistic=None,
-            confidence_p=None,
-            choice_statistic=None,
-            choice_p=None,
-            alpha=alpha,
-            drifted=False,
-            reason=f"not tested: {n} live items, fewer than the {MIN_DRIFT_ITEMS} needed",
-        )
-    from scipy import stats
-
-    ks = stats.ks_2samp(conf, np.asarray(reference.confidence, dtype=np.float64))
-    ks_stat, ks_p = float(ks.statistic), float(ks.pvalue)
-    chi_stat, chi_p, how = _homogeneity(
-        np.bincount(top, minlength=k), np.asarray(reference.choice_counts, dtype=np.int64)
-    )
+    # One record either way: with too few live items the statistics stay None, nothing fires.
+    ks_stat: float | None = None
+    ks_p: float | None = None
+    chi_stat: float | None = None
+    chi_p: float | None = None
     fired = []
-    if ks_p < alpha / 2:
-        fired.append(f"the confidence distribution moved (KS D = {ks_stat:.3f}, p = {ks_p:.2g})")
-    if chi_p < alpha / 2:
-        fired.append(f"the top-choice shares moved ({how}, p = {chi_p:.2g})")
-    tail = f"{n} live items against {reference.n} reference items, each test at {alpha / 2:g}"
+    if n < MIN_DRIFT_ITEMS:
+        reason = f"not tested: {n} live items, fewer than the {MIN_DRIFT_ITEMS} needed"
+    else:
+        from scipy import stats
+
+        ks = stats.ks_2samp(conf, np.asarray(reference.confidence, dtype=np.float64))
+        ks_stat, ks_p = float(ks.statistic), float(ks.pvalue)
+        chi_stat, chi_p, how = _homogeneity(
+            np.bincount(top, minlength=k), np.asarray(reference.choice_counts, dtype=np.int64)
+        )
+        if ks_p < alpha / 2:
+            fired.append(
+                f"the confidence distribution moved (KS D = {ks_stat:.3f}, p = {ks_p:.2g})"
+            )
+        if chi_p < alpha / 2:
+            fired.append(f"the top-choice shares moved ({how}, p = {chi_p:.2g})")
+        tail = f"{n} live items against {reference.n} reference items, each test at {alpha / 2:g}"
+        reason = (
+            "drift: " + "; ".join(fired) + f" ({tail})"
+            if fired
+            else f"no drift detected (KS p = {ks_p:.2g}, {how} p = {chi_p:.2g}; {tail})"
+        )
     return DriftTest(
         n_live=n,
         n_reference=reference.n,
@@ -273,11 +275,7 @@ def drift_test(
         choice_p=chi_p,
         alpha=alpha,
         drifted=bool(fired),
-        reason=(
-            "drift: " + "; ".join(fired) + f" ({tail})"
-            if fired
-            else f"no drift detected (KS p = {ks_p:.2g}, {how} p = {chi_p:.2g}; {tail})"
-        ),
+        reason=reason,
     )
 
 
@@ -330,40 +328,38 @@ def audited_precision(correct: ArrayLike, *, target: float, alpha: float = 0.05)
         raise ValueError(f"target must be in (0, 1], got {target!r}")
     alpha = check_unit_open(alpha, "alpha")
     n, k = int(hits.shape[0]), int(hits.sum())
+    # One record either way: with no audited item the precision and its interval stay None.
+    precision: float | None = None
+    lower: float | None = None
+    upper: float | None = None
+    contradicts = False
     if n == 0:
-        return PrecisionCheck(
-            n=0,
-            correct=0,
-            precision=None,
-            lower=None,
-            upper=None,
-            target=target,
-            alpha=alpha,
-            contradicts=False,
-            reason="no audited accepted item has a label yet: nothing to check",
+        reason = "no audited accepted item has a label yet: nothing to check"
+    else:
+        precision = k / n
+        lower = 0.0 if k == 0 else _beta_ppf(alpha / 2, k, n - k + 1)
+        upper = 1.0 if k == n else _beta_ppf(1 - alpha / 2, k + 1, n - k)
+        bound = 1.0 if k == n else _beta_ppf(1 - alpha, k + 1, n - k)  # one-sided
+        contradicts = bound < target
+        said = (
+            f"{k} of {n} audited accepted items correct ({k / n:.3f}); the {1 - alpha:g} upper "
+            f"bound {bound:.4f}"
         )
-    lower = 0.0 if k == 0 else _beta_ppf(alpha / 2, k, n - k + 1)
-    upper = 1.0 if k == n else _beta_ppf(1 - alpha / 2, k + 1, n - k)
-    bound = 1.0 if k == n else _beta_ppf(1 - alpha, k + 1, n - k)  # one-sided
-    contradicts = bound < target
-    said = (
-        f"{k} of {n} audited accepted items correct ({k / n:.3f}); the {1 - alpha:g} upper "
-        f"bound {bound:.4f}"
-    )
+        reason = (
+            f"{said} is below the target {target:g}: the labels contradict the certificate"
+            if contradicts
+            else f"{said} reaches the target {target:g}: no contradiction"
+        )
     return PrecisionCheck(
         n=n,
         correct=k,
-        precision=k / n,
+        precision=precision,
         lower=lower,
         upper=upper,
         target=target,
         alpha=alpha,
         contradicts=contradicts,
-        reason=(
-            f"{said} is below the target {target:g}: the labels contradict the certificate"
-            if contradicts
-            else f"{said} reaches the target {target:g}: no contradiction"
-        ),
+        reason=reason,
     )
 
 

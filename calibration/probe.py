@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from calibration.errors import FitError
 from calibration.maps import MAX_PROBE_WEIGHTS, CalibrationMap, Probe, _log_softmax
-from calibration.validation import check_labels, check_logits
+from calibration.validation import _FloatArray, _IntArray, check_labels, check_logits
 
 __all__ = [
     "MIN_PROBE_EXAMPLES",
@@ -37,8 +37,6 @@ __all__ = [
     "probe_weights",
 ]
 
-_FloatArray = npt.NDArray[np.float64]
-_IntArray = npt.NDArray[np.int64]
 
 # Where the decision is read, as fractions of the model's depth. In small decoders the middle
 # and upper-middle layers carry the most linearly decodable task signal (measured with the

@@ -39,10 +39,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 from msgspec import Meta
 
-from calibration.validation import check_confidences, check_correct, check_int, check_unit_open
+from calibration.validation import (
+    _FloatArray,
+    _IntArray,
+    check_confidences,
+    check_correct,
+    check_int,
+    check_unit_open,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -81,8 +87,6 @@ _METHODS = {
     "fixed_sequence": "clopper-pearson, fixed-sequence testing (LTT)",
     "bonferroni": "clopper-pearson, bonferroni",
 }
-_FloatArray = npt.NDArray[np.float64]
-_IntArray = npt.NDArray[np.int64]
 
 
 class ThresholdResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -27,7 +27,7 @@ function for serving time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
 import numpy as np
@@ -50,7 +50,7 @@ from calibration.maps import (
     softmax,
 )
 from calibration.probe import check_features, fit_probe
-from calibration.validation import check_int, check_labels, check_logits
+from calibration.validation import _FloatArray, _IntArray, check_int, check_labels, check_logits
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -76,8 +76,6 @@ __all__ = [
     "softmax",
 ]
 
-_FloatArray = npt.NDArray[np.float64]
-_IntArray = npt.NDArray[np.int64]
 
 METHODS = ("none", "temperature", "batch_temperature", "bias_temperature", "probe")
 """Every calibration method, from the simplest to the most flexible."""
@@ -141,7 +139,39 @@ def _check_width(z: _FloatArray, n_classes: int) -> None:
 # Estimators.
 
 
-class TemperatureScaler:
+class _Scaling:
+    """What every scaler does once fitted: softmax of its log-scores rescaled by ``_rescale``.
+
+    The scalers differ in how they fit; predicting is this one path for all of them.
+    """
+
+    temperature_: float
+    n_classes_: int
+    # What fit sets and ``_rescale`` reads: while it is unset, predicting is NotFittedError.
+    _fitted: ClassVar[str] = "temperature_"
+
+    def predict_proba(self, logits: ArrayLike) -> _FloatArray:
+        """Calibrated probabilities of shape (n, k) for log-scores of shape (n, k)."""
+        _check_fitted(self, self._fitted)
+        z = check_logits(logits)
+        _check_width(z, self.n_classes_)
+        return _softmax(self._rescale(z))
+
+    def _rescale(self, z: _FloatArray) -> _FloatArray:
+        return z / self.temperature_
+
+
+class _BiasScaling(_Scaling):
+    """A scaler with a per-choice offset after the temperature: softmax(logits / T + bias_)."""
+
+    bias_: _FloatArray
+    _fitted: ClassVar[str] = "bias_"
+
+    def _rescale(self, z: _FloatArray) -> _FloatArray:
+        return z / self.temperature_ + self.bias_
+
+
+class TemperatureScaler(_Scaling):
     """Temperature scaling: probabilities softmax(logits / T) with one fitted T > 0.
 
     T is chosen to minimize the mean negative log-likelihood of the labels, searched over the
@@ -154,9 +184,6 @@ class TemperatureScaler:
     n_classes_ : int
     """
 
-    temperature_: float
-    n_classes_: int
-
     def fit(self, logits: ArrayLike, y: ArrayLike) -> Self:
         """Fit T on log-scores of shape (n, k) and correct choice indices of shape (n,)."""
         z = check_logits(logits)
@@ -165,15 +192,8 @@ class TemperatureScaler:
         self.n_classes_ = int(z.shape[1])
         return self
 
-    def predict_proba(self, logits: ArrayLike) -> _FloatArray:
-        """Calibrated probabilities of shape (n, k) for log-scores of shape (n, k)."""
-        _check_fitted(self, "temperature_")
-        z = check_logits(logits)
-        _check_width(z, self.n_classes_)
-        return _softmax(z / self.temperature_)
 
-
-class BiasTemperatureScaler:
+class BiasTemperatureScaler(_BiasScaling):
     """Bias + temperature scaling: probabilities softmax(logits / T + b).
 
     ``b`` is a per-choice offset that absorbs a label prior or a position/letter bias. The
@@ -195,10 +215,6 @@ class BiasTemperatureScaler:
     bias_ : float array of shape (n_classes_,), summing to 0
     n_classes_ : int
     """
-
-    temperature_: float
-    bias_: _FloatArray
-    n_classes_: int
 
     def __init__(self, l2: float = 1e-3) -> None:
         self.l2 = l2
@@ -244,15 +260,8 @@ class BiasTemperatureScaler:
         self.n_classes_ = int(k)
         return self
 
-    def predict_proba(self, logits: ArrayLike) -> _FloatArray:
-        """Calibrated probabilities of shape (n, k) for log-scores of shape (n, k)."""
-        _check_fitted(self, "bias_")
-        z = check_logits(logits)
-        _check_width(z, self.n_classes_)
-        return _softmax(z / self.temperature_ + self.bias_)
 
-
-class BatchTemperatureScaler:
+class BatchTemperatureScaler(_BiasScaling):
     """Batch calibration, then temperature: probabilities softmax((logits - log prior) / T).
 
     ``prior_`` is the mean of softmax(logits) over the fitting items (their labels unused);
@@ -269,9 +278,6 @@ class BatchTemperatureScaler:
     """
 
     prior_: _FloatArray
-    temperature_: float
-    bias_: _FloatArray
-    n_classes_: int
 
     def fit(self, logits: ArrayLike, y: ArrayLike) -> Self:
         """Estimate the prior on log-scores (n, k), then fit T on the labels (n,)."""
@@ -285,13 +291,6 @@ class BatchTemperatureScaler:
         self.bias_ = bias - bias.mean()
         self.n_classes_ = int(z.shape[1])
         return self
-
-    def predict_proba(self, logits: ArrayLike) -> _FloatArray:
-        """Calibrated probabilities of shape (n, k) for log-scores of shape (n, k)."""
-        _check_fitted(self, "bias_")
-        z = check_logits(logits)
-        _check_width(z, self.n_classes_)
-        return _softmax(z / self.temperature_ + self.bias_)
 
 
 # ---------------------------------------------------------------------------------------------

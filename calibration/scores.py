@@ -16,11 +16,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from calibration.validation import _FloatArray
 from judge.scores import check_values, numeral_values
 
 __all__ = ["check_values", "numeral_values", "value_moments"]
-
-_FloatArray = npt.NDArray[np.float64]
 
 
 def value_moments(

@@ -28,6 +28,7 @@ __all__ = [
     "check_unit_open",
 ]
 
+# The array types of the whole package, named once here where its inputs are checked.
 _FloatArray = npt.NDArray[np.float64]
 _IntArray = npt.NDArray[np.int64]
 _BoolArray = npt.NDArray[np.bool_]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -33,57 +34,48 @@ def route_label(path: str) -> str:
 class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
+        # Every metric lives in this app's registry (see the module docstring).
+        counter = partial(Counter, registry=self.registry)
+        gauge = partial(Gauge, registry=self.registry)
+        histogram = partial(Histogram, registry=self.registry)
+        self.requests = counter(
             "judge_http_requests",
             "HTTP requests by method, route and status code.",
             ["method", "route", "status"],
-            registry=self.registry,
         )
-        self.latency = Histogram(
+        self.latency = histogram(
             "judge_http_request_duration_seconds",
             "Time from request to the end of the response.",
             ["route"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=self.registry,
         )
-        self.batch_size = Histogram(
+        self.batch_size = histogram(
             "judge_batch_size",
             "Judgments per coalesced forward pass.",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
-            registry=self.registry,
         )
-        self.decisions = Counter(
-            "judge_decisions", "Routing decisions by outcome.", ["decision"], registry=self.registry
+        self.decisions = counter("judge_decisions", "Routing decisions by outcome.", ["decision"])
+        self.decisions_logged = counter(
+            "judge_decisions_logged", "Decisions appended to the decision log."
         )
-        self.decisions_logged = Counter(
-            "judge_decisions_logged",
-            "Decisions appended to the decision log.",
-            registry=self.registry,
-        )
-        self.decision_log_errors = Counter(
+        self.decision_log_errors = counter(
             "judge_decision_log_errors",
             "Requests refused (503) because the decision log could not be written.",
-            registry=self.registry,
         )
-        self.labels = Counter(
+        self.labels = counter(
             "judge_labels",
             "Labels given for logged decisions, by outcome: labeled, relabeled, unchanged, error.",
             ["outcome"],
-            registry=self.registry,
         )
-        self.queue_depth = Gauge(
-            "judge_queue_depth", "Jobs waiting for the model.", registry=self.registry
-        )
-        self.admission_waiting = Gauge(
+        self.queue_depth = gauge("judge_queue_depth", "Jobs waiting for the model.")
+        self.admission_waiting = gauge(
             "judge_admission_waiting",
             "Requests waiting at the door for a slot, their bodies unread.",
-            registry=self.registry,
         )
-        self.jobs = Gauge(
+        self.jobs = gauge(
             "judge_model_jobs",
             "Model jobs since start, by outcome: run, or dropped unrun (client gone, deadline).",
             ["outcome"],
-            registry=self.registry,
         )
 
     def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -97,9 +98,7 @@ def load_split(task: Task, split: str, limit: int | None = None) -> tuple[list[L
     except FileNotFoundError:
         raise TaskError(f"task {task.name!r} has no split {split!r} ({file} is missing)") from None
     items = []
-    for n, line in enumerate(data.decode().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for n, line in _jsonl_lines(data):
         try:
             row = json.loads(line)
             item = LabeledItem(id=str(row.get("id", n)), text=row["text"], label=row["label"])
@@ -113,6 +112,13 @@ def load_split(task: Task, split: str, limit: int | None = None) -> tuple[list[L
         if limit is not None and len(items) >= limit:
             break
     return items, hashlib.sha256(data).hexdigest()
+
+
+def _jsonl_lines(data: bytes) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSONL file, each with its line number (from 1) for messages."""
+    for n, line in enumerate(data.decode().splitlines(), start=1):
+        if line.strip():
+            yield n, line
 
 
 def task_prompt(task: Task, text: str) -> str:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from calibration.tasks.files import LabeledItem, Task, TaskError, task_prompt
+from calibration.tasks.files import LabeledItem, Task, TaskError, _jsonl_lines, task_prompt
 from judge import Engine, Fingerprint, Judgment, Query
 
 if TYPE_CHECKING:
@@ -391,9 +391,7 @@ def load_prompts(path: str | Path) -> tuple[list[str], str]:
     except OSError as exc:
         raise TaskError(f"cannot read prompts from {str(file)!r}: {exc}") from exc
     prompts = []
-    for n, line in enumerate(data.decode().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for n, line in _jsonl_lines(data):
         try:
             row = json.loads(line)
             prompt = row["prompt"]

@@ -19,6 +19,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict
 
 from calibration import MIN_EXAMPLES
 from calibration.maps import Probe
@@ -50,7 +51,7 @@ from service.cli.common import (
     to_json,
 )
 
-__all__ = ["add_arguments", "run", "run_calibrate", "run_evaluate"]
+__all__ = ["add_arguments", "guarantees", "run", "run_calibrate", "run_evaluate"]
 
 
 def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -133,6 +134,20 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     ev.set_defaults(run=run_evaluate)
 
 
+class Guarantees(TypedDict):
+    """What a fit is asked to certify, as ``fit_profile`` and ``fit_labeled`` take it."""
+
+    target_precision: float
+    delta: float
+    alpha: float
+
+
+def guarantees(args: argparse.Namespace) -> Guarantees:
+    """``judge calibrate``'s --target-precision, --delta and --alpha: the one reading of them
+    for both of its fits (``--task`` here, ``--from-log`` in ``service.cli.log``)."""
+    return Guarantees(target_precision=args.target_precision, delta=args.delta, alpha=args.alpha)
+
+
 def _std_bound(text: str) -> float:
     """An argparse type for a bound on a score's std: a finite number >= 0."""
     try:
@@ -198,12 +213,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         fingerprint,
         dataset=f"{task.name}/{args.split}",
         dataset_sha256=digest,
-        target_precision=args.target_precision,
-        delta=args.delta,
-        alpha=args.alpha,
         values=task.values,
         max_std=args.max_std,
         methods=methods,
+        **guarantees(args),
     )
     out = args.profiles_dir
     save_profile(profile, out / f"{name}.json")

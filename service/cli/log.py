@@ -264,6 +264,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     log-probabilities of its audited, labeled decisions (every version's, same weights)."""
     from calibration import MIN_EXAMPLES, fit_profile
     from calibration.profile import NAME_PATTERN
+    from service.cli.calibrate import guarantees
 
     if args.profile is None:
         raise UsageError("calibrate --from-log: name the profile to refit with --profile")
@@ -314,12 +315,10 @@ def run_from_log(args: argparse.Namespace) -> int:
         choice_mass=np.array([r.choice_mass for r in records]),
         dataset=f"decision log {args.from_log}: {len(records)} audited decisions of {profile.name}",
         dataset_sha256=digest,
-        target_precision=args.target_precision,
-        delta=args.delta,
-        alpha=args.alpha,
         values=profile.values,
         max_std=args.max_std if args.max_std is not None else profile.max_std,
         methods=methods,
+        **guarantees(args),
     )
     etag = store.put(refit)
     t = refit.threshold
