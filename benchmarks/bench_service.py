@@ -35,6 +35,11 @@ from benchlib import cpu_model
 from judge.atomicio import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Watchdogs, not speed limits: a server that has not answered /ready (or not exited after
+# SIGTERM) in this long is hung. Loading the model takes seconds to a minute, more on a slow
+# machine shared with other jobs; no bound here is a speed the machine must reach.
+START_S = 900.0
+STOP_S = 300.0
 MESSAGES = [
     "WINNER!! As a valued customer you have been selected to receive a 900 prize reward",
     "Hey, are we still on for lunch tomorrow at the usual place?",
@@ -74,7 +79,7 @@ def start_server(
     process = subprocess.Popen(
         command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=log
     )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}")
@@ -90,7 +95,12 @@ def start_server(
 
 def stop_server(process: subprocess.Popen[bytes]) -> None:
     os.killpg(process.pid, signal.SIGTERM)
-    process.wait(30)
+    try:
+        process.wait(STOP_S)
+    except subprocess.TimeoutExpired:  # hung: a failure, but leave no server behind
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(STOP_S)
+        raise
 
 
 def sms_body(i: int) -> dict[str, Any]:

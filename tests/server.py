@@ -11,6 +11,10 @@ from collections.abc import Sequence
 
 import httpx
 
+# A watchdog, not a speed: a server that has not answered /ready in this long is hung. Loading
+# the model takes seconds, a minute or more on a slow machine shared with other jobs.
+READY_S = 900.0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,10 +37,10 @@ class Server:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
-    def wait_ready(self, timeout: float = 300) -> None:
+    def wait_ready(self, timeout: float = READY_S) -> None:
         self.wait_ready_with({}, timeout)
 
-    def wait_ready_with(self, headers: dict[str, str], timeout: float = 300) -> None:
+    def wait_ready_with(self, headers: dict[str, str], timeout: float = READY_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -52,11 +56,12 @@ class Server:
             time.sleep(0.05)
         raise AssertionError("server never became ready")
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 30) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within ``wait_s``."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
-                self.process.wait(30)
+                self.process.wait(wait_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(30)

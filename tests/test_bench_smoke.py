@@ -14,6 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 DATA = ROOT.parent / "shared" / "data"
+# A watchdog, not a speed: a --quick run that has not ended in an hour is hung. The slowest
+# take minutes on a 2-core AVX2 machine, several times that while other jobs share its cores
+# (bench_reliability's took 218 s here under a load of 9), and none must fail for it.
+HANG_S = 3600
 
 
 def _load(name: str) -> ModuleType:
@@ -101,7 +105,7 @@ def test_every_failure_type_is_tested() -> None:
 def _run(script: str, *args: str) -> None:
     # One torch thread: the smoke runs stay fast even while other jobs hold the cores.
     cmd = [sys.executable, str(BENCHMARKS / script), "--quick", "--threads", "1", *args]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
@@ -156,7 +160,7 @@ def test_bench_engine_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_engine.json"
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_engine.py"), "--quick", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -189,7 +193,7 @@ def test_bench_service_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_service.json"
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_service.py"), "--quick", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -197,9 +201,12 @@ def test_bench_service_quick(tmp_path: Path) -> None:
         (b, c) for b in ("on", "on, no wait", "off") for c in (1, 4)
     }
     assert all(r["errors"] == {} for r in result["rows"])
-    # What HTTP adds to the engine, per request: positive, and far below a pass.
+    # What HTTP adds to the engine, per request: positive (the engine's own latency_ms lies
+    # within the client's). How small it is is a speed, which the benchmark reports: a fixed
+    # bound failed no code, only busy machines. That a lone request never waits for company
+    # is tested, by order of events, in tests/test_reliability.py.
     alone = [r["over_engine_p50_ms"] for r in result["rows"] if r["concurrency"] == 1]
-    assert all(0 < ms < 1000 for ms in alone)
+    assert all(ms > 0 for ms in alone)
 
 
 @pytest.mark.bench
@@ -208,7 +215,7 @@ def test_bench_service_quick(tmp_path: Path) -> None:
 def test_bench_calibration_quick(tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCHMARKS / "bench_calibration.py"), "--quick"]
     cmd += ["--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache")]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [t["task"] for t in summary["tasks"]] == ["sms_spam"]
@@ -229,7 +236,7 @@ def test_bench_gating_quick(tmp_path: Path) -> None:
         [sys.executable, str(BENCHMARKS / "bench_gating.py"), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -246,7 +253,7 @@ def test_bench_prefix_cache_quick(tmp_path: Path) -> None:
         [sys.executable, str(BENCHMARKS / "bench_prefix_cache.py"), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -301,12 +308,14 @@ def test_bench_invariance_quick(tmp_path: Path) -> None:
 @pytest.mark.bench
 @pytest.mark.slow
 def test_bench_reliability_quick(tmp_path: Path) -> None:
-    # The scenarios one server start can hold (~30 s); soak, overload and kill -9 need more.
+    # The scenarios one server start can hold (~30 s idle, minutes on a busy machine: every
+    # deadline in them is derived from the long judgment as timed there); soak, overload and
+    # kill -9 need more.
     out = tmp_path / "reliability.json"
     cmd = [sys.executable, str(BENCHMARKS / "bench_reliability.py"), "--quick", "--out", str(out)]
     # A shorter long judgment than the full run's: it holds the model for seconds either way.
     cmd += ["--scenarios", "disconnect,deadline,sigterm", "--busy-tokens", "1500"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["quick"] is True
@@ -331,7 +340,7 @@ def test_bench_reliability_quick(tmp_path: Path) -> None:
 def test_bench_monitoring_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_monitoring.json"
     cmd = [sys.executable, str(BENCHMARKS / "bench_monitoring.py"), "--quick", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     tasks = json.loads(out.read_text())["tasks"]
     assert [t["task"] for t in tasks] == ["binary", "3-choice"]

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from server import Server, free_port
+from server import READY_S, Server, free_port
 from test_service import EXAMPLES
 
 from judge.identity import new_judgment_id
@@ -57,10 +57,9 @@ CHOICES = ["spam", "ham", "unsure"]
 def start(profiles: Path) -> Server:
     port = free_port()
     command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
-    server = Server(
-        [*command, "--dtype", "float32", "--profiles-dir", str(profiles), "--max-wait-ms", "5"],
-        port,
-    )
+    command += ["--dtype", "float32", "--profiles-dir", str(profiles), "--max-wait-ms", "5"]
+    # A deadline only a hang reaches: how long a judgment takes is this machine's speed.
+    server = Server([*command, "--request-timeout", f"{READY_S:g}"], port)
     server.wait_ready()
     return server
 
@@ -181,7 +180,8 @@ def test_shared_context_equals_a_raw_post(server: Server, client: JudgeClient) -
 
 
 def test_profile_fit_list_get_delete_put(client: JudgeClient) -> None:
-    fitted = client.fit("sms", ["spam", "ham"], EXAMPLES, timeout=300)
+    # A watchdog: the fit takes 5-60 s here, minutes on a slow machine shared with other jobs.
+    fitted = client.fit("sms", ["spam", "ham"], EXAMPLES, timeout=READY_S)
     assert fitted.name == "sms" and fitted.n_examples == len(EXAMPLES)
     summaries = {p.name: p for p in client.profiles()}
     assert summaries["sms"].n_examples == len(EXAMPLES)

@@ -626,7 +626,7 @@ while i < len(mine):
     note(log.label_many([(mine[k], "yes") for k in range(i, min(i + n, len(mine))) if k % 10 == 5]))
     i += n
     pending = note(log.label_many([(j, "no") for j in pending]))
-deadline = time.monotonic() + 30
+deadline = time.monotonic() + 300  # a watchdog: the other replica may be slow to append
 while pending and time.monotonic() < deadline:
     time.sleep(0.01)
     pending = note(log.label_many([(j, "no") for j in pending]))
@@ -663,7 +663,7 @@ def test_two_replicas_write_and_label_one_postgres_log(
             assert process.stdin is not None
             process.stdin.write("go\n")
             process.stdin.flush()
-        outputs = {name: p.communicate(timeout=120) for name, p in replicas.items()}
+        outputs = {name: p.communicate(timeout=600) for name, p in replicas.items()}
     finally:
         for process in replicas.values():
             process.kill()

@@ -37,9 +37,9 @@ def test_cache_is_built_once_by_concurrent_processes(tmp_path: Path) -> None:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        p.join(600)  # a watchdog: three processes importing torch at once on a busy machine
     assert [p.exitcode for p in procs] == [0, 0, 0]
-    assert [results.get(timeout=5) for _ in procs] == [["part1", "part2"]] * 3
+    assert [results.get(timeout=60) for _ in procs] == [["part1", "part2"]] * 3
     assert log.read_text() == "built\n"
     assert [p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")] == ["model"]
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 CLIENTS = 6
 ACKNOWLEDGED = 400  # decisions the clients hold before the kill
-DEADLINE_S = 60  # a watchdog only: the test waits for a count, not for time
+DEADLINE_S = 300  # a watchdog only: the test waits for a count, not for time
 
 SERVER = """
 import sys
@@ -97,7 +97,7 @@ def item(rng: random.Random) -> dict[str, Any]:
 def client(url: str, traffic: Traffic, seed: int) -> None:
     """Send judgments and batches of 1-5 until stopped; keep the ids of full 200 responses."""
     rng = random.Random(seed)
-    with httpx.Client(base_url=url, timeout=30) as http:
+    with httpx.Client(base_url=url, timeout=DEADLINE_S) as http:
         while not traffic.stop.is_set():
             size = rng.randint(0, 5)  # 0: POST /judge; else a batch of that many items
             with traffic.lock:
@@ -143,7 +143,7 @@ def test_kill_9_loses_no_decision_whose_response_was_sent(
         for seed in range(CLIENTS)
     ]
     try:
-        server.wait_ready(timeout=60)
+        server.wait_ready()
         for thread in threads:
             thread.start()
         assert traffic.enough.wait(DEADLINE_S), (

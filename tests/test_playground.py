@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine
 from litestar.testing import TestClient
-from server import Server, free_port
+from server import READY_S, Server, free_port
 from test_reliability import live
 from test_service import EXAMPLES, NUM_LAYERS, FeatureEngine, H, probe_profile
 
@@ -189,6 +189,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
     options = ["--dtype", "float32", "--profiles-dir", str(profiles)]
+    options += ["--request-timeout", f"{READY_S:g}"]  # only a hang: speed is the machine's
     with pytest.MonkeyPatch.context() as env:
         env.setenv("JUDGE_API_KEY", KEY)  # the server process inherits it; argv shows no key
         s = Server([*command, *options], port)
@@ -198,7 +199,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "choices": ["spam", "ham"],
             "examples": [{"prompt": p, "label": y} for p, y in EXAMPLES],
         }
-        r = httpx.post(f"{s.url}/profiles/sms/fit", json=fit, headers=auth(), timeout=300)
+        r = httpx.post(f"{s.url}/profiles/sms/fit", json=fit, headers=auth(), timeout=READY_S)
         assert r.status_code == 200, r.text
         write_reliability_png(profiles / "sms.reliability.png")
         yield s
@@ -208,7 +209,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def wait_ready(s: Server) -> None:
     """``Server.wait_ready``, with the key that /ready needs on this server."""
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + READY_S
     with JudgeClient(s.url, api_key=KEY) as client:
         while time.monotonic() < deadline:
             if s.process.poll() is not None:

@@ -1,4 +1,9 @@
-"""End to end: a real server process on loopback, the real default model."""
+"""End to end: a real server process on loopback, the real default model.
+
+The servers' deadlines (--request-timeout, --shutdown-timeout) and the clients' timeouts are
+hang bounds (``READY_S``): on a slow machine shared with other jobs, 32 judgments at once
+can take longer than the server's 60 s default, which is a speed, not what these tests check.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server import Server, free_port
+from server import READY_S, Server, free_port
 from test_service import EXAMPLES
 
 PROMPTS = [
@@ -26,6 +31,7 @@ CHOICE_SETS = [["spam", "ham"], ["spam", "ham", "unsure"], ["1", "10", "100"], [
 
 
 def start(profiles: Path) -> Server:
+    """A server whose deadlines only a hang reaches."""
     port = free_port()
     command = [
         sys.executable,
@@ -37,6 +43,7 @@ def start(profiles: Path) -> Server:
         "--dtype",
         "float32",
     ]
+    command += ["--request-timeout", f"{READY_S:g}", "--shutdown-timeout", f"{READY_S:g}"]
     server = Server([*command, "--profiles-dir", str(profiles), "--max-wait-ms", "20"], port)
     server.wait_ready()
     return server
@@ -59,7 +66,7 @@ def test_concurrent_requests_equal_the_same_judgments_alone(server: Server) -> N
         {"prompt": f"{PROMPTS[i % 4]} (message {i})", "choices": CHOICE_SETS[(i // 4) % 4]}
         for i in range(32)
     ]
-    with httpx.Client(base_url=server.url, timeout=120) as client:
+    with httpx.Client(base_url=server.url, timeout=READY_S) as client:
         before = client.get("/metrics").text
         with ThreadPoolExecutor(32) as pool:
             together = list(pool.map(lambda b: client.post("/judge", json=b), bodies))
@@ -93,7 +100,7 @@ def test_healthy_after_a_barrage_of_bad_requests(server: Server) -> None:
         ("DELETE", "/profiles/missing", b""),
         ("GET", "/nowhere", b""),
     ]
-    with httpx.Client(base_url=server.url, timeout=60) as client:
+    with httpx.Client(base_url=server.url, timeout=READY_S) as client:
         for _ in range(5):
             for method, path, content in bad:
                 r = client.request(
@@ -117,7 +124,8 @@ def test_fitted_profile_survives_a_restart(tmp_path: Path) -> None:
             "choices": ["spam", "ham"],
             "examples": [{"prompt": p, "label": y} for p, y in EXAMPLES],
         }
-        r = httpx.post(f"{first.url}/profiles/sms/fit", json=fit, timeout=300)
+        # A watchdog: the fit takes seconds, a minute or more on a slow, busy machine.
+        r = httpx.post(f"{first.url}/profiles/sms/fit", json=fit, timeout=READY_S)
         assert r.status_code == 200, r.text
         fitted = r.json()
     finally:
@@ -128,7 +136,7 @@ def test_fitted_profile_survives_a_restart(tmp_path: Path) -> None:
         r = httpx.post(
             f"{second.url}/judge",
             json={"prompt": PROMPTS[0], "choices": ["spam", "ham"], "profile": "sms"},
-            timeout=60,
+            timeout=READY_S,
         )
         assert r.status_code == 200 and r.json()["profile"] == "sms"
         body = r.json()
@@ -142,16 +150,18 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path: Path) -> None
     server = start(tmp_path)
     body = {"prompt": PROMPTS[0], "choices": ["spam", "ham"]}
     with ThreadPoolExecutor(8) as pool:
-        answers = [pool.submit(httpx.post, f"{server.url}/judge", json=body, timeout=60)]
+        answers = [pool.submit(httpx.post, f"{server.url}/judge", json=body, timeout=READY_S)]
         answers += [
-            pool.submit(httpx.post, f"{server.url}/judge", json=body, timeout=60) for _ in range(7)
+            pool.submit(httpx.post, f"{server.url}/judge", json=body, timeout=READY_S)
+            for _ in range(7)
         ]
         time.sleep(0.3)  # in flight
         start_stop = time.monotonic()
-        server.stop()
+        server.stop(wait_s=2 * READY_S)
         took = time.monotonic() - start_stop
     statuses = [a.result().status_code for a in answers if a.exception() is None]
     assert server.process.returncode == 0, server.output()
-    # The default --shutdown-timeout is 20 s; the bound only tells "stopped" from "hung".
-    assert took < 120
+    # The bound only tells "stopped" from "hung" (--shutdown-timeout READY_S; the default's
+    # mapping to uvicorn is tested in tests/test_cli.py).
+    assert took < 2 * READY_S
     assert statuses and all(s == 200 for s in statuses)

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
-from server import Server, free_port
+from server import READY_S, Server, free_port
 
 from calibration import CalibrationProfile, fit_profile, make_policy
 from judge import Judgment, Query
@@ -465,7 +465,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     profiles = tmp_path_factory.mktemp("profiles")
     command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
-    s = Server([*command, "--dtype", "float32", "--profiles-dir", str(profiles)], port)
+    command += ["--dtype", "float32", "--profiles-dir", str(profiles)]
+    # A deadline only a hang reaches: how long a judgment takes is this machine's speed.
+    s = Server([*command, "--request-timeout", f"{READY_S:g}"], port)
     s.wait_ready()
     yield s
     s.stop()
