@@ -173,6 +173,19 @@ def test_bench_engine_quick(tmp_path: Path) -> None:
 
 @pytest.mark.bench
 @pytest.mark.slow
+def test_bench_breakdown_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_breakdown.json"
+    _run("bench_breakdown.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    parts = result["breakdown"]
+    assert set(parts) == {"judgment (lean, invariant)", "bare pass"}
+    for part in parts.values():
+        assert part["profiled_ms"] > 0 and part["families_ms"]["matrix products"] > 0
+        assert part["top_ops"] and part["unaccounted_ms"] >= 0
+
+
+@pytest.mark.bench
+@pytest.mark.slow
 def test_bench_pass_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_pass.json"
     _run("bench_pass.py", "--out", str(out))
