@@ -38,13 +38,15 @@ class SystemOneServing:
         self.service = service
 
     async def answer(self, request: SystemOneRequest, ticket: Ticket) -> SystemOneResponse:
-        """Typed questions about one state (``service.systemone``), as ``_shared`` serves them.
+        """Typed questions about one state (``service.systemone``), as shared questions are
+        served (``JudgeServing._shared``).
 
         Everything is checked before any model work: the model's name, how many questions,
-        each question (``judge.decisions.plan_decisions``), its profile against the engine and
-        its choices, and each listing's size against the budget (``_prepare``); every refusal
-        names ``questions.<id>.<field>``. Then the listings run as shared rows, the state
-        computed once where the budget allows, and each answer is gated by its own Policy.
+        each question (``judge.decisions.plan_decisions``), its gate (the profile against the
+        engine and its choices), and each listing's size against the budget
+        (``ServiceCore.prepare``); every refusal names ``questions.<id>.<field>``. Then the
+        listings run as shared rows, the state computed once where the budget allows; each
+        answer is decided by its own gate and logged before the response.
         """
         started = time.perf_counter()
         engine = self.service.engine()
