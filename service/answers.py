@@ -8,7 +8,7 @@ decide. With a profile, ``probabilities`` (and noul, choice, score, confidence) 
 calibrated ones and ``raw_probabilities`` the model's.
 
     judge_questions(engine, state, questions, gates={id: gate})  ->  {id: (Answer, Verdict)}
-    answer_questions(...)                                         ->  {id: SystemOneAnswer}
+    {id: wire_answer(answer, verdict)}                            ->  the wire form
 
 Errors name the field at fault: ``questions.<id>.<field>`` for a question (an
 ``InvalidQueryError``, from ``judge.decisions``), ``profiles.<id>`` for a profile that does
@@ -33,9 +33,8 @@ from judge.decisions import (
     ScoreQuestion,
     plan_decisions,
 )
-from service.systemone import SystemOneAnswer, wire_answer
 
-__all__ = ["answer_questions", "judge_questions", "with_order"]
+__all__ = ["judge_questions", "with_order"]
 
 Order = Literal["given", "invariant"]
 
@@ -93,19 +92,3 @@ def judge_questions(
         qid: (answer, gates[qid].decide(answer.judgment, order_spread=answer.order_spread))
         for qid, answer in answers.items()
     }
-
-
-def answer_questions(
-    engine: Engine,
-    state: object,
-    questions: Mapping[str, Question | Mapping[str, Any]],
-    *,
-    gates: Mapping[str, Gate] | None = None,
-    defaults: PolicyDefaults | None = None,
-    max_orderings: int = MAX_ORDERINGS,
-) -> dict[str, SystemOneAnswer]:
-    """``judge_questions`` in the wire form of ``POST /v1/systemone``'s answers."""
-    judged = judge_questions(
-        engine, state, questions, gates=gates, defaults=defaults, max_orderings=max_orderings
-    )
-    return {qid: wire_answer(answer, verdict) for qid, (answer, verdict) in judged.items()}

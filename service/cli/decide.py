@@ -25,7 +25,7 @@ from typing import Any
 
 from calibration import CalibrationProfile, Gate, PolicyDefaults, ProfileError
 from judge.decisions import MAX_ORDERINGS, plan_decisions
-from service.answers import answer_questions, with_order
+from service.answers import judge_questions, with_order
 from service.cli.common import (
     UsageError,
     load_engine,
@@ -34,6 +34,7 @@ from service.cli.common import (
     to_json,
 )
 from service.profiles import ProfileStore
+from service.systemone import wire_answer
 
 __all__ = ["add_arguments", "read_state", "run"]
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         qid: Gate(profile, etag=etag, defaults=PolicyDefaults())
         for qid, (profile, etag) in profiles.items()
     }
-    answers = answer_questions(
+    judged = judge_questions(
         engine,
         state,
         questions,
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         defaults=PolicyDefaults(),
         max_orderings=args.max_orderings,
     )
+    answers = {qid: wire_answer(answer, verdict) for qid, (answer, verdict) in judged.items()}
     sys.stdout.write(to_json(answers, indent=2) + "\n")
     return 0
 
