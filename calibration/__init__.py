@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING
 from judge.lazy import exports
 
 if TYPE_CHECKING:
+    from calibration.certify import (
+        ThresholdResult,
+        select_threshold,
+    )
     from calibration.errors import (
         CalibrationError,
         FitError,
@@ -73,10 +77,6 @@ if TYPE_CHECKING:
         decode_profile,
         load_profile,
         save_profile,
-    )
-    from calibration.routing import (
-        ThresholdResult,
-        select_threshold,
     )
     from calibration.scaling import (
         BatchTemperatureScaler,
@@ -136,7 +136,7 @@ _EXPORTS = {
     "SignalReport": "calibration.signal",
     "Temperature": "calibration.scaling",
     "TemperatureScaler": "calibration.scaling",
-    "ThresholdResult": "calibration.routing",
+    "ThresholdResult": "calibration.certify",
     "ValuesError": "calibration.errors",
     "candidate_layers": "calibration.probe",
     "decode_profile": "calibration.profile",
@@ -152,7 +152,7 @@ _EXPORTS = {
     "numeral_values": "calibration.scores",
     "prior_correction": "calibration.label_free",
     "save_profile": "calibration.profile",
-    "select_threshold": "calibration.routing",
+    "select_threshold": "calibration.certify",
     "signal_report": "calibration.signal",
     "value_moments": "calibration.scores",
 }

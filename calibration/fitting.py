@@ -56,6 +56,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy import stats
 
+from calibration.certify import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
 from calibration.conformal import conformal_quantile
 from calibration.errors import FitError
 from calibration.gate import Gate, Overrides
@@ -67,7 +68,6 @@ from calibration.monitoring import reference_of
 from calibration.policy import Policy
 from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
-from calibration.routing import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
 from calibration.scaling import CalibrationFit, Identity, Probe, fit_calibrator, softmax
 from calibration.scored import check_max_std
 from calibration.scores import check_values

@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+from calibration.certify import ThresholdResult
 from calibration.errors import (
     ProfileError,
     ProfileMismatchError,
@@ -39,7 +40,6 @@ from calibration.label_free import LabelFree
 from calibration.maps import BiasTemperature, CalibrationMap, Identity, Probe, Temperature
 from calibration.metrics import MetricReport
 from calibration.monitoring import Reference
-from calibration.routing import ThresholdResult
 from calibration.scored import ScoredJudgment, check_max_std, feature_row
 from calibration.scores import check_values, numeral_values
 from calibration.signal import SignalReport

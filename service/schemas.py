@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Annotated, Literal, Self
 import msgspec
 from msgspec import Meta
 
+from calibration.certify import ThresholdResult
 from calibration.label_free import LabelFree
 from calibration.limits import MIN_EXAMPLES
 from calibration.metrics import MetricReport
 from calibration.policy import ReasonCode
 from calibration.profile import NAME_PATTERN
-from calibration.routing import ThresholdResult
 from calibration.signal import SignalReport
 from judge.limits import MAX_CHOICES
 

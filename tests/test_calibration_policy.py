@@ -17,9 +17,9 @@ from calibration import (
     fit_profile,
     make_policy,
 )
+from calibration.certify import ThresholdResult
 from calibration.gate import Gate, Overrides
 from calibration.profile import CalibrationProfile
-from calibration.routing import ThresholdResult
 from calibration.scaling import Temperature
 
 CHOICES = ["ham", "spam"]

@@ -1,4 +1,5 @@
-"""Confidence thresholds with a statistical precision guarantee, for accept/escalate routing.
+"""Certified confidence thresholds: the lowest threshold whose precision on accepted items is
+certified (a statistical guarantee) to reach a target, for accept/escalate decisions.
 
 A judgment is accepted automatically when its confidence reaches a threshold and escalated
 (to a person or a stronger model) otherwise. ``select_threshold`` picks the lowest threshold,
@@ -90,7 +91,7 @@ _METHODS = {
 
 
 class ThresholdResult(msgspec.Struct, frozen=True, kw_only=True):
-    """The chosen routing threshold and the evidence for it (or why none qualifies)."""
+    """The certified threshold and the evidence for it (or why none qualifies)."""
 
     feasible: bool
     threshold: Annotated[float, Meta(ge=0.0, le=1.0)] | None  # accept at >= threshold; None: none

@@ -1,4 +1,4 @@
-"""Certified routing thresholds, Clopper-Pearson bounds and risk-coverage curves."""
+"""Certified thresholds (calibration.certify), Clopper-Pearson bounds and risk-coverage curves."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from calibration.routing import (
+from calibration.certify import (
     DEFAULT_GRID,
     PROCEDURES,
     RiskCoverage,
