@@ -33,19 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from benchlib import cpu_flags, cpu_model
+from bench_pass import CHOICES, PROMPT  # the ~105-token judgment bench_pass measures
+from benchlib import cpu_flags, cpu_model, timed
 from torch.profiler import ProfilerActivity, profile
 
 from judge import Judge
 from judge.atomicio import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PROMPT = (
-    "Is this SMS spam? WINNER!! As a valued network customer you have been selected to receive "
-    "a 900 prize reward! To claim call 09061701461. Claim code KL341. Valid 12 hours only. "
-    "Reply STOP to end, or text HELP for more. Standard rates apply, 18+ only."
-)
-CHOICES = ["spam", "ham"]
 AVX2 = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "DNNL_MAX_CPU_ISA": "AVX2",
@@ -69,19 +64,6 @@ def family(name: str) -> str:
         if any(w in low for w in words):
             return label
     return "other"
-
-
-def wall(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
-    """Each function's wall time in ms, taking turns rep by rep after one warm-up call each."""
-    for fn in fns.values():
-        fn()
-    out: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            out[name].append((time.perf_counter() - start) * 1000)
-    return out
 
 
 def breakdown(fn: Callable[[], object], reps: int) -> dict[str, Any]:
@@ -138,7 +120,7 @@ def main() -> None:
         ),
         "bare pass": bare,
     }
-    times = wall(arms, reps)
+    times = timed(arms, reps)
     medians = {name: statistics.median(ms) for name, ms in times.items()}
     parts = {name: breakdown(fn, reps) for name, fn in arms.items()}
     capability = torch.backends.cpu.get_cpu_capability()

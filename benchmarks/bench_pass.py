@@ -34,14 +34,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from benchlib import cpu_flags, cpu_model
+from benchlib import cpu_flags, cpu_model, timed
 from torch.nn import functional as F
 
 from judge import Judge
@@ -61,19 +60,6 @@ ARMS = [("lean", True), ("generic", True), ("lean", False), ("generic", False)]
 
 def arm_name(path: str, invariant: bool) -> str:
     return f"{path}, {'invariant' if invariant else 'variant'}"
-
-
-def timed(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
-    """Milliseconds of each function, taking turns rep by rep after one warm-up each."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1000)
-    return times
 
 
 def matmul_peak(model: Any, reps: int) -> dict[str, Any]:

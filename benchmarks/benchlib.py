@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the machine's CPU model.
+"""What the benchmark scripts share: the machine's CPU model, and timing side by side.
 
 Result files are written with ``atomicio.write_text``, like every other file the project writes.
 """
@@ -6,9 +6,11 @@ Result files are written with ``atomicio.write_text``, like every other file the
 from __future__ import annotations
 
 import platform
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["SIMD", "cpu_flags", "cpu_model"]
+__all__ = ["SIMD", "cpu_flags", "cpu_model", "timed"]
 
 # The flag families that decide how fast these benchmarks run: vector width, native bfloat16
 # (avx512_bf16, amx_bf16), AMX. A flag is listed when it starts with one of these.
@@ -34,3 +36,17 @@ def cpu_flags() -> list[str]:
         return []
     line = next((x for x in text.splitlines() if x.startswith("flags")), "")
     return [f for f in line.split(":", 1)[-1].split() if f.startswith(SIMD)]
+
+
+def timed(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Milliseconds of each function, taking turns rep by rep after one warm-up each: side by
+    side, so a machine's drift falls on every contender alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return times
