@@ -72,7 +72,9 @@ import msgspec
 if TYPE_CHECKING:
     import psycopg
 
+    from calibration.gate import Gate
     from calibration.policy import Verdict
+    from judge.judgments import Query
 
 __all__ = [
     "PRUNE_EVERY",
@@ -90,6 +92,8 @@ __all__ = [
     "UnknownJudgmentError",
     "mask_target",
     "open_log",
+    "replayable_query",
+    "replayable_question",
 ]
 
 SCHEMA_VERSION = 1
@@ -212,6 +216,19 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
             audit=verdict.audit,
             request=request,
         )
+
+
+def replayable_query(query: Query, gate: Gate) -> dict[str, Any]:
+    """What ``judge replay`` re-runs of a judgment (``LoggedDecision.request``): its query,
+    without the feature layers (the gate asks for its own), and the gate's settings."""
+    bare = msgspec.structs.replace(query, feature_layers=())
+    return {"query": msgspec.to_builtins(bare), **gate.settings()}
+
+
+def replayable_question(state: object, qid: str, question: object, gate: Gate) -> dict[str, Any]:
+    """What ``judge replay`` re-runs of a typed answer: the state, the question as asked (its
+    JSON form, under its id) and the gate's settings."""
+    return {"state": state, "question": {qid: msgspec.to_builtins(question)}, **gate.settings()}
 
 
 class LabelOutcome(msgspec.Struct, frozen=True, kw_only=True):

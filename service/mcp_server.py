@@ -44,7 +44,13 @@ from calibration import (
 from judge import Engine, JudgeError, Query
 from judge.decisions import MAX_ORDERINGS, Question
 from service.answers import judge_questions, with_order
-from service.decision_log import DecisionLog, DecisionLogError, LoggedDecision
+from service.decision_log import (
+    DecisionLog,
+    DecisionLogError,
+    LoggedDecision,
+    replayable_query,
+    replayable_question,
+)
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
 from service.systemone import wire_answer
@@ -141,7 +147,7 @@ def create_server(
             kept = None
             if log_requests:
                 query = Query(prompt=prompt, choices=list(choices), system=system)
-                kept = {"query": msgspec.to_builtins(query), **gate.settings()}
+                kept = replayable_query(query, gate)
             keep([LoggedDecision.of(verdict, model=engine.model_id, request=kept)])
             response = JudgeResponse.of(
                 judgment,
@@ -186,7 +192,8 @@ def create_server(
             int, Field(ge=1, description="listings of a choice's options under invariant")
         ] = MAX_ORDERINGS,
     ) -> dict[str, Any]:
-        gates = {}
+        # Every question's gate: its profile's where it names one, else the defaults alone.
+        gates = {qid: Gate(None, defaults=defaults) for qid in questions}
         for qid, name in (profiles or {}).items():
             fitted, etag = profile_of(name, f"profiles.{qid}")
             gates[qid] = Gate(fitted, etag=etag, defaults=defaults)
@@ -204,14 +211,7 @@ def create_server(
             )
         rows = []
         for qid, (_, verdict) in judged.items():
-            kept = None
-            if log_requests:
-                # The question as asked (its JSON form): what judge replay asks again.
-                kept = {"state": state, "question": {qid: msgspec.to_builtins(asked[qid])}}
-                if qid in gates:
-                    kept.update(gates[qid].settings())
-                else:
-                    kept.update(Gate(None, defaults=defaults).settings())
+            kept = replayable_question(state, qid, asked[qid], gates[qid]) if log_requests else None
             rows.append(LoggedDecision.of(verdict, model=engine.model_id, request=kept))
         keep(rows)
         return _plain({qid: wire_answer(a, v) for qid, (a, v) in judged.items()})

@@ -18,7 +18,7 @@ from judge import Engine, JudgeError, Judgment, Prepared, Query
 from judge.engine import shared_query
 from judge.scores import check_values
 from service.batcher import DeadlineError, QueueFullError
-from service.decision_log import LoggedDecision
+from service.decision_log import LoggedDecision, replayable_query
 from service.errors import TooLargeError, error_of
 from service.schemas import (
     BatchRequest,
@@ -107,10 +107,8 @@ class JudgeServing:
         verdict = plan.gate.decide(result)
         self.service.metrics.decisions.labels(verdict.decision).inc()
         if self.service.decision_log is not None:
-            kept = None
-            if self.service.config.log_requests:
-                query = msgspec.structs.replace(plan.query, feature_layers=())
-                kept = {"query": msgspec.to_builtins(query), **plan.gate.settings()}
+            logs_request = self.service.config.log_requests
+            kept = replayable_query(plan.query, plan.gate) if logs_request else None
             records.append(LoggedDecision.of(verdict, model=engine.model_id, request=kept))
         profile = plan.gate.profile
         return JudgeResponse.of(

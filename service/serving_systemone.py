@@ -16,7 +16,7 @@ import msgspec
 from calibration import Overrides
 from judge import Prepared
 from judge.decisions import plan_decisions
-from service.decision_log import LoggedDecision
+from service.decision_log import LoggedDecision, replayable_question
 from service.errors import TooLargeError, UnprocessableError
 from service.serving_core import ServiceCore, Ticket
 from service.systemone import (
@@ -104,8 +104,8 @@ class SystemOneServing:
             if self.service.decision_log is not None:
                 kept = None
                 if self.service.config.log_requests:
-                    asked = msgspec.to_builtins(request.questions[qid])
-                    kept = {"state": request.state, "question": {qid: asked}, **gate.settings()}
+                    asked = request.questions[qid]
+                    kept = replayable_question(request.state, qid, asked, gate)
                 records.append(LoggedDecision.of(verdict, model=engine.model_id, request=kept))
         await self.service.append_to_log(records)
         return SystemOneResponse(
