@@ -121,11 +121,17 @@ class Gate:
             profile_etag=etag,
             audit_rate=audit_rate,
         )
-        self.sha256 = self.policy.sha256  # read once: a probe's map hashes through its ETag
         # The hidden-state layers a judgment must carry for this gate: a probe's, else none.
         # Ask the engine for them (``Query.feature_layers``) when judging for this gate. Read
         # once here: every request reads it twice (its query, its response).
         self.feature_layers: tuple[int, ...] = self.policy.feature_layers
+
+    @property
+    def sha256(self) -> str:
+        """The sha256 of the policy in force (``Policy.sha256``): what its verdicts carry.
+        Computed when read, not when the gate opens: a request's gate is read once, when it
+        decides."""
+        return self.policy.sha256
 
     def __repr__(self) -> str:
         name = None if self.profile is None else self.profile.name
