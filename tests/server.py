@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
 
@@ -70,3 +71,13 @@ class Server:
         self.stop()
         assert self.process.stdout is not None
         return self.process.stdout.read().decode(errors="replace")[-4000:]
+
+
+def wait_app_ready(client: Any) -> None:
+    """Poll an in-process app's ``/ready`` (a litestar TestClient) until it answers 200, for
+    up to 600 tries 0.05 s apart; the assertion says what ``/ready`` last answered."""
+    for _ in range(600):
+        if client.get("/ready").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the app never became ready: {client.get('/ready').json()}")

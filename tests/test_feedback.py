@@ -13,7 +13,6 @@ import asyncio
 import json
 import math
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
 from postgres import postgres_database, postgres_url  # noqa: F401
+from server import wait_app_ready as wait_ready
 
 from calibration import CalibrationProfile, fit_profile
 from judge import Fingerprint, Judgment, Query
@@ -107,14 +107,6 @@ def served(
     with TestClient(app=create_app(ScoreEngine(), config=config)) as c:
         wait_ready(c)
         yield c
-
-
-def wait_ready(c: TestClient[Any]) -> None:
-    for _ in range(600):
-        if c.get("/ready").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the app never became ready")
 
 
 @pytest.fixture

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from litestar.testing import TestClient
+from server import wait_app_ready as wait_ready
 
 from calibration import CalibrationProfile, PolicyDefaults, fit_profile, save_profile
 from calibration.gate import Gate, Overrides
@@ -87,14 +87,6 @@ def _view(answer: dict[str, Any]) -> dict[str, Any]:
     return {key: answer.get(key) for key in SAME}
 
 
-def _wait_ready(client: TestClient[Any]) -> None:
-    for _ in range(1200):
-        if client.get("/ready").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the app never became ready")
-
-
 @pytest.mark.parametrize("with_profile", [True, False], ids=["profile", "defaults"])
 def test_every_route_gives_the_same_verdict(
     judge: Judge,
@@ -142,7 +134,7 @@ def test_every_route_gives_the_same_verdict(
         min_choice_mass=DEFAULTS.min_choice_mass,
     )
     with TestClient(app=create_app(judge, config=config)) as c:
-        _wait_ready(c)
+        wait_ready(c)
         item = {"prompt": prompt, "choices": CHOICES, **gated}
         judged = c.post("/judge", json=item)
         assert judged.status_code == 200, judged.text

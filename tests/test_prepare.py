@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from fakes import FakeEngine
 from litestar.testing import TestClient
+from server import wait_app_ready as wait_ready
 
 import judge.forward
 from judge import DuplicateChoiceError, Judge, Prepared, Query
@@ -48,14 +49,6 @@ QUESTIONS: list[dict[str, Any]] = [
 def fresh(judge: Judge, **options: Any) -> Judge:
     """The session model under a new engine: its own (empty) prefix cache and budgets."""
     return Judge(judge.model, judge.tokenizer, model_id=judge.model_id, **options)
-
-
-def wait_ready(client: TestClient[Any]) -> None:
-    for _ in range(600):
-        if client.get("/ready").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the app never became ready: {client.get('/ready').json()}")
 
 
 # --- the engine ------------------------------------------------------------------------------

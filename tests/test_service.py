@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
+from server import wait_app_ready as wait_ready
 
 from calibration import CalibrationProfile, decode_profile, fit_profile
 from calibration.gate import Gate, Overrides
@@ -60,14 +61,6 @@ EXAMPLES = [
     ("Is that seriously how you spell his name?", "ham"),
     ("K, I'll be there around 8", "ham"),
 ]
-
-
-def wait_ready(client: TestClient[Any]) -> None:
-    for _ in range(600):
-        if client.get("/ready").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the app never became ready")
 
 
 @pytest.fixture(scope="module")
