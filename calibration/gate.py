@@ -4,7 +4,7 @@ A gate is opened once per profile and set of settings, and then decides any numb
 judgments::
 
     gate = Gate(profile, etag=etag, overrides=Overrides(threshold=0.95), defaults=server)
-    gate.check(engine.fingerprint(system=...), choices=choices)   # once, before judging
+    gate.check_engine(engine, system=..., choices=choices)        # once, before judging
     verdict = gate.decide(judgment)                                # accept or escalate
 
 or, in Python, in one step that checks the profile and reads a probe's hidden-state layers
@@ -162,6 +162,25 @@ class Gate:
                 exc.field = field
             raise
 
+    def check_engine(
+        self,
+        engine: JudgingEngine,
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+        choices: Sequence[str] | None = None,
+        field: str | None = None,
+    ) -> None:
+        """``check`` against ``engine``'s fingerprint for this template, read only where there
+        is a profile to check (a gate without one reads nothing of the engine)."""
+        if self.profile is None:
+            return
+        fingerprint = engine.fingerprint(
+            system=system, response_prefix=response_prefix, response_suffix=response_suffix
+        )
+        self.check(fingerprint, choices=choices, field=field)
+
     def decide(self, judgment: ScoredJudgment, *, order_spread: float | None = None) -> Verdict:
         """The verdict on one judgment; ``order_spread``: how far its listings disagreed (a
         question asked under several listings of its options)."""
@@ -197,7 +216,7 @@ class Gate:
             "response_prefix": response_prefix,
             "response_suffix": response_suffix,
         }
-        self.check(engine.fingerprint(**template), choices=asked)
+        self.check_engine(engine, choices=asked, **template)
         judgment = engine.judge(prompt, asked, feature_layers=self.feature_layers, **template)
         return self.decide(judgment)
 

@@ -139,7 +139,7 @@ def create_server(
                 fitted, etag=etag, overrides=Overrides(threshold=threshold), defaults=defaults
             )
             with model_lock:
-                gate.check(engine.fingerprint(system=system), choices=choices)
+                gate.check_engine(engine, system=system, choices=choices)
                 judgment = engine.judge(
                     prompt, choices, system=system, feature_layers=gate.feature_layers
                 )

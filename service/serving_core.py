@@ -294,12 +294,14 @@ class ServiceCore:
                 defaults=self.config.policy_defaults,
                 audit_rate=self.config.audit_rate_for(name),
             )
-            fingerprint = engine.fingerprint(
+            gate.check_engine(
+                engine,
                 system=template.system if template else None,
                 response_prefix=template.response_prefix if template else None,
                 response_suffix=template.response_suffix if template else None,
+                choices=choices,
+                field=field,
             )
-            gate.check(fingerprint, choices=choices, field=field)
         except ProfileError as exc:  # no such profile, or unreadable: error_of reads field
             if field is not None:
                 exc.field = field  # type: ignore[attr-defined]

@@ -238,3 +238,22 @@ def test_the_gate_fails_a_route_whose_defaults_differ(
     bare = Gate(None, defaults=DEFAULTS)
     assert Gate(None).sha256 != bare.sha256
     assert Gate(None, overrides=Overrides(threshold=0.75)).sha256 != bare.sha256  # its source
+
+
+def test_a_gate_reads_the_engine_s_fingerprint_only_to_check_a_profile(
+    judge: Judge, profile: CalibrationProfile
+) -> None:
+    """Opening a gate on every request reads the engine only where a profile needs it."""
+
+    class Counting:
+        reads = 0
+
+        def fingerprint(self, **template: Any) -> Any:
+            Counting.reads += 1
+            return judge.fingerprint(**template)
+
+    engine: Any = Counting()
+    Gate(None).check_engine(engine, choices=CHOICES)
+    assert Counting.reads == 0
+    Gate(profile).check_engine(engine, choices=CHOICES)
+    assert Counting.reads == 1

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         response_suffix=args.response_suffix,
     )
     # Once, before any item: every item shares the model, dtype, template and system.
-    gate.check(engine.fingerprint(system=args.system), choices=args.choice)
+    gate.check_engine(engine, system=args.system, choices=args.choice)
     choices = args.choice or gate.choices
     if args.input is None:
         if choices is None:

@@ -213,12 +213,11 @@ def _replay_query(engine: Engine, gate: Gate, request: dict[str, Any]) -> tuple[
     from judge import Query
 
     query = msgspec.convert(request["query"], type=Query)
-    gate.check(
-        engine.fingerprint(
-            system=query.system,
-            response_prefix=query.response_prefix,
-            response_suffix=query.response_suffix,
-        ),
+    gate.check_engine(
+        engine,
+        system=query.system,
+        response_prefix=query.response_prefix,
+        response_suffix=query.response_suffix,
         choices=query.choices,
     )
     if gate.feature_layers:
