@@ -42,6 +42,7 @@ from judge.decisions import (
     plan_decisions,
     render_state,
 )
+from judge.identity import listings_sha256
 from judge.packing import row_length
 from judge.trie import common_prefix_length
 
@@ -578,3 +579,21 @@ def test_noul_and_score_invariant_on_the_model(cold: Judge) -> None:
     mean = [(a + b) / 2 for a, b in zip(s_up.probs, s_down.probs, strict=True)]
     assert list(urgency.probabilities.values()) == pytest.approx(mean, abs=1e-6)
     assert urgency.score == pytest.approx(sum(i * p for i, p in enumerate(mean)), abs=1e-5)
+
+
+def test_an_answer_s_tokens_hash_pins_every_listing(judge: Judge) -> None:
+    """On the real model: one listing keeps its own tokens_sha256; an answer over several
+    listings carries the sha256 of their hashes in listing order, so each listing is pinned."""
+    questions = {
+        "many": NoulQuestion(instructions="Is it a billing issue?", order="invariant"),
+        "one": NoulQuestion(instructions="Is the customer angry?"),
+    }
+    plan = plan_decisions(STATE, questions)
+    judgments = judge.run_shared(plan.prepare(judge))
+    answers = plan.answers(judgments)
+    many = [j.tokens_sha256 for j in judgments[:2]]
+    assert answers["many"].judgment.tokens_sha256 == listings_sha256(many)
+    assert listings_sha256(many) not in many and listings_sha256(many[::-1]) != listings_sha256(
+        many
+    )
+    assert answers["one"].judgment.tokens_sha256 == judgments[2].tokens_sha256
