@@ -22,10 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -34,18 +31,13 @@ from typing import Any
 
 import torch
 from bench_pass import CHOICES, PROMPT  # the ~105-token judgment bench_pass measures
-from benchlib import cpu_flags, cpu_model, timed
+from benchlib import cpu_flags, cpu_model, emulate_avx2, timed
 from torch.profiler import ProfilerActivity, profile
 
 from judge import Judge
 from judge.atomicio import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
-AVX2 = {
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "DNNL_MAX_CPU_ISA": "AVX2",
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-}
 # An op's family, by the first of these words its name holds (lower case); else "other".
 FAMILIES = (
     ("matrix products", ("mm", "linear", "matmul", "gemm", "mkl", "onednn", "mkldnn", "bmm")),
@@ -98,10 +90,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: one per core)")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_breakdown.json")
     args = parser.parse_args()
-    if args.emulate_avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
-        argv = [a for a in sys.argv if a != "--emulate-avx2"] + ["--emulate-avx2"]
-        env = {**os.environ, **AVX2}
-        raise SystemExit(subprocess.call([sys.executable, *argv], env=env))
+    emulate_avx2(args.emulate_avx2)
     reps = 2 if args.quick else args.reps
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration import CalibrationProfile, PolicyEvaluation
+from calibration import CalibrationProfile, FitSettings, PolicyEvaluation
 from calibration.probe import candidate_layers
 from calibration.tasks import (
     LabeledScores,
@@ -269,10 +269,9 @@ def fit_and_evaluate(
         judge.fingerprint(),
         dataset=f"{task.name}/calibration",
         dataset_sha256=digest,
-        target_precision=args.target_precision,
-        delta=args.delta,
-        methods=methods,
-        seed=seed,
+        settings=FitSettings(
+            target_precision=args.target_precision, delta=args.delta, methods=methods, seed=seed
+        ),
     )
     evaluation = evaluate_policy(
         profile,

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from benchlib import cpu_model
 
+from calibration import FitSettings
 from judge.atomicio import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +87,7 @@ def main() -> None:
                         judge.fingerprint(),
                         dataset=f"{name}/calibration[{n}]",
                         dataset_sha256=digest,
-                        target_precision=target,
+                        settings=FitSettings(target_precision=target),
                     )
                     e = evaluate_policy(
                         profile,

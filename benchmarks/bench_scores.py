@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_scores.json")
     args = parser.parse_args()
 
-    from calibration import estimate_prior, fit_profile, prior_correction
+    from calibration import FitSettings, estimate_prior, fit_profile, prior_correction
     from calibration.probe import candidate_layers, map_features
     from calibration.scaling import softmax
     from calibration.tasks import load_split, load_task
@@ -114,11 +114,11 @@ def main() -> None:
         fingerprint=judge.fingerprint(),
         dataset="sts_images/calibration",
         dataset_sha256=digest,
-        values=task.values,
+        settings=FitSettings(values=task.values),
     )
-    profile = fit()  # the scalar maps
-    # The same fit with a probe on the pass's hidden state competing (the default, "auto").
-    probed = fit(methods="auto", features=cal.features, feature_layers=cal.feature_layers)
+    profile = fit()  # the scalar maps: "auto" without features
+    # The same fit with a probe on the pass's hidden state competing.
+    probed = fit(features=cal.features, feature_layers=cal.feature_layers)
     batch = prior_correction(estimate_prior(cal.log_probabilities))
     z = test.log_probabilities
     probe_map = probed.calibration_map

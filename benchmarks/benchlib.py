@@ -5,16 +5,36 @@ Result files are written with ``atomicio.write_text``, like every other file the
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["SIMD", "cpu_flags", "cpu_model", "timed"]
+__all__ = ["AVX2", "SIMD", "cpu_flags", "cpu_model", "emulate_avx2", "timed"]
 
 # The flag families that decide how fast these benchmarks run: vector width, native bfloat16
 # (avx512_bf16, amx_bf16), AMX. A flag is listed when it starts with one of these.
 SIMD = ("sse4_2", "fma", "f16c", "avx", "avx2", "avx512", "amx")
+
+
+# On an AVX-512 or AMX machine, the kernels an AVX2-only CPU runs (approximately: the cache
+# sizes and the clock are still this machine's): torch's own kernels, oneDNN's and MKL's.
+AVX2 = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "DNNL_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+def emulate_avx2(wanted: bool) -> None:
+    """With ``wanted`` (a script's --emulate-avx2), run this script again in a process whose
+    kernels are limited to AVX2 (``AVX2``; they are read at start-up, so the process must be a
+    new one) and exit with its status; in that process, or without ``wanted``, return."""
+    if wanted and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
+        raise SystemExit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, **AVX2}))
 
 
 def cpu_model() -> str:

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
         RuleError,
         ValuesError,
     )
+    from calibration.fit_settings import (
+        FitSettings,
+    )
     from calibration.fitting import (
         PolicyEvaluation,
         evaluate_policy,
@@ -113,6 +116,7 @@ _EXPORTS = {
     "DataSplit": "calibration.profile",
     "Decision": "calibration.policy",
     "FitError": "calibration.errors",
+    "FitSettings": "calibration.fit_settings",
     "Gate": "calibration.gate",
     "Identity": "calibration.scaling",
     "Interval": "calibration.metrics",
@@ -173,6 +177,7 @@ __all__ = [
     "DataSplit",
     "Decision",
     "FitError",
+    "FitSettings",
     "Gate",
     "Identity",
     "Interval",

@@ -46,7 +46,7 @@ labels: it certifies nothing and reports no metrics, and says so.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -59,6 +59,7 @@ from scipy import stats
 from calibration.certify import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
 from calibration.conformal import conformal_quantile
 from calibration.errors import FitError
+from calibration.fit_settings import AUTO_METHODS, DEFAULT_METHODS, DEFAULT_SETTINGS, FitSettings
 from calibration.gate import Gate, Overrides
 from calibration.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.limits import MIN_EXAMPLES
@@ -93,8 +94,6 @@ __all__ = [
     "split_examples",
 ]
 
-DEFAULT_METHODS = ("temperature", "bias_temperature")
-AUTO_METHODS = ("temperature", "bias_temperature", "probe")
 # Of every ten examples (per label, in random order): three fit the map, two set the conformal
 # quantile, five certify the threshold.
 _PATTERN = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
@@ -155,6 +154,7 @@ class FittedRule:
     probabilities: np.ndarray  # (n, k) calibrated probabilities of every example
     held_out: np.ndarray  # indices the map was not fitted on (conformal + certify)
     prior: np.ndarray  # (k,) label frequencies of the fit split: the prior predictor
+    skipped: str = ""  # for the profile's note: why "auto" did not try the probe, if it did not
 
 
 def fit_rule(
@@ -162,16 +162,8 @@ def fit_rule(
     y: ArrayLike,
     choice_mass: ArrayLike | None = None,
     *,
-    target_precision: float = 0.9,
-    delta: float = 0.1,
-    alpha: float = 0.1,
-    min_choice_mass: float = 0.0,
-    seed: int = 0,
-    procedure: str = "fixed_sequence",
+    settings: FitSettings = DEFAULT_SETTINGS,
     choices: Sequence[str] | None = None,
-    values: Mapping[str, float] | None = None,
-    max_std: float | None = None,
-    methods: Sequence[str] = DEFAULT_METHODS,
     features: ArrayLike | None = None,
     feature_layers: Sequence[int] = (),
     num_layers: int | None = None,
@@ -179,10 +171,10 @@ def fit_rule(
 ) -> FittedRule:
     """The whole fitting procedure on (n, k) log-probabilities and (n,) label indices.
 
-    See the module docstring for the split and why. ``procedure`` is the multiple-testing
-    procedure of ``select_threshold``; ``choices`` name the columns (for messages, and for
-    ``values``); ``values`` and ``max_std`` make the certified rule include the score's
-    ``high_std`` gate; ``methods`` are ``fit_calibrator``'s candidates. A "probe" candidate
+    See the module docstring for the split and why, and ``FitSettings`` for the settings;
+    ``choices`` name the columns (for messages, and for the settings' ``values``); the
+    settings' ``methods`` are resolved into ``fit_calibrator``'s candidates by
+    ``resolve_methods`` (the rule's ``skipped`` says why "auto" did not try the probe). A "probe" candidate
     reads ``features`` (n, m, H), the hidden states of ``feature_layers`` in a model of
     ``num_layers`` blocks, and needs ``MIN_PROBE_EXAMPLES``. ``probe_split`` chooses the
     split (None: the probe's split exactly when "probe" is a candidate), so that a baseline
@@ -194,16 +186,17 @@ def fit_rule(
     if z.shape[0] < MIN_EXAMPLES:
         raise FitError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
     f = None if features is None else check_features(features, z.shape[0], feature_layers)
+    # An explicit probe's refusals (no features, too few examples, too many weights) are here.
+    methods, skipped = resolve_methods(
+        settings.methods, z.shape[0], None if f is None else probe_weights(z.shape[1], f.shape[2])
+    )
     probe = "probe" in methods
-    if probe:  # the explicit probe's refusals: no features, too few examples, too many weights
-        resolve_methods(
-            methods, z.shape[0], None if f is None else probe_weights(z.shape[1], f.shape[2])
-        )
     mass = check_choice_mass(choice_mass, z.shape[0])
-    min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
+    min_choice_mass = check_probability(settings.min_choice_mass, "min_choice_mass")
     columns = [str(j) for j in range(z.shape[1])] if choices is None else list(choices)
-    checked_values = None if values is None else check_values(values, columns)
-    max_std = None if max_std is None else check_max_std(max_std)
+    values = None if settings.values is None else check_values(settings.values, columns)
+    max_std = None if settings.max_std is None else check_max_std(settings.max_std)
+    seed = settings.seed
     fit_idx, conformal_idx, certify_idx = split_examples(
         labels, seed, probe if probe_split is None else probe_split
     )
@@ -219,7 +212,7 @@ def fit_rule(
     )
     x = map_features(fit.map, f, feature_layers)  # (n, m*H) for a probe, else None
     probs = fit.map.apply(z, x)  # (n, k)
-    q_hat = conformal_quantile(probs[conformal_idx], labels[conformal_idx], alpha)
+    q_hat = conformal_quantile(probs[conformal_idx], labels[conformal_idx], settings.alpha)
     # The served rule accepts an item only if every gate passes; an item that another gate
     # escalates gets confidence 0 here, so the certificate covers exactly that rule. The gates
     # are the served policy's own, with the threshold left open.
@@ -233,7 +226,7 @@ def fit_rule(
         min_choice_mass=min_choice_mass,
         conformal_quantile=q_hat,
         certified=False,
-        values=checked_values,
+        values=values,
         max_std=max_std,
         max_std_source="profile",
     )
@@ -241,7 +234,8 @@ def fit_rule(
     confidence = np.where(gates.accepted, gates.confidence, 0.0)
     correct = probs.argmax(axis=1) == labels
     start = None
-    if procedure == "fixed_sequence":
+    target_precision, delta = settings.target_precision, settings.delta
+    if settings.procedure == "fixed_sequence":
         independent = np.concatenate([fit_idx, conformal_idx])
         start_confidence = confidence[independent]
         if fit.heldout_probabilities is not None:
@@ -263,7 +257,7 @@ def fit_rule(
         correct[certify_idx],
         target_precision=target_precision,
         delta=delta,
-        procedure=procedure,
+        procedure=settings.procedure,
         start=start,
     )
     return FittedRule(
@@ -279,6 +273,7 @@ def fit_rule(
         probabilities=probs,
         held_out=np.sort(np.concatenate([conformal_idx, certify_idx])),
         prior=label_prior(labels[fit_idx], z.shape[1]),
+        skipped=skipped,
     )
 
 
@@ -289,33 +284,21 @@ def fit_profile(
     choices: Sequence[str],
     *,
     fingerprint: Fingerprint,
-    choice_mass: ArrayLike | None = None,
     dataset: str,
     dataset_sha256: str,
-    target_precision: float = 0.9,
-    delta: float = 0.1,
-    alpha: float = 0.1,
-    min_choice_mass: float = 0.0,
-    seed: int = 0,
-    n_bootstrap: int = 1000,
-    procedure: str = "fixed_sequence",
-    values: Mapping[str, float] | None = None,
-    max_std: float | None = None,
-    methods: Sequence[str] | str = DEFAULT_METHODS,
+    settings: FitSettings = DEFAULT_SETTINGS,
+    choice_mass: ArrayLike | None = None,
     features: ArrayLike | None = None,
     feature_layers: Sequence[int] = (),
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
     ``fingerprint`` is the engine's (``judge.fingerprint(...)`` for the template the scores
-    were judged with), stored in the profile; ``n_bootstrap`` sets the resamples behind the
-    metrics' intervals (evidence only: the map, quantile and threshold do not depend on it);
-    ``procedure`` is ``select_threshold``'s.
-    ``values`` (a number per choice) and ``max_std`` make it a score profile (see
-    ``calibration.policy``); ``methods`` are the labeled candidates of ``fit_calibrator``
-    (add "batch_temperature" to let a batch-calibrated start compete), or "auto": every
-    method, the probe included where ``features`` (n, m, H) of ``feature_layers`` are given
-    and there are at least ``MIN_PROBE_EXAMPLES`` (the note says when it was not tried).
+    were judged with), stored in the profile; ``settings`` (``FitSettings``) are what to
+    certify and how: the guarantees, a score's ``values`` and ``max_std``, the candidate
+    ``methods`` ("auto": every method, the probe included where ``features`` (n, m, H) of
+    ``feature_layers`` are given and there are at least ``MIN_PROBE_EXAMPLES``; the note says
+    when it was not tried), the split's seed and the metrics' resamples.
     When a probe wins, the scalar maps (temperature, or bias + temperature, by cross-validated
     NLL, as without a probe) are fitted and certified on the same split too, and kept as the
     profile's ``baseline``.
@@ -324,39 +307,27 @@ def fit_profile(
     z = _shaped(log_probabilities, choices)
     _check_classes(check_labels(y, z.shape[0], z.shape[1]), choices)
     z, labels = _check(z, y, choices, MIN_EXAMPLES)
-    weights = None if features is None else probe_weights(len(choices), np.shape(features)[-1])
-    candidates, skipped = resolve_methods(methods, z.shape[0], weights)
-    options = {
-        "target_precision": target_precision,
-        "delta": delta,
-        "alpha": alpha,
-        "min_choice_mass": min_choice_mass,
-        "seed": seed,
-        "procedure": procedure,
-        "choices": choices,
-        "values": values,
-        "max_std": max_std,
-    }
     rule = fit_rule(
         z,
         labels,
         choice_mass,
-        methods=candidates,
+        settings=settings,
+        choices=choices,
         features=features,
         feature_layers=feature_layers,
         num_layers=fingerprint.num_layers,
-        **options,  # type: ignore[arg-type]
     )
     held = rule.held_out
+    evidence = {"seed": settings.seed, "n_bootstrap": settings.n_bootstrap}
     baseline = None
     if rule.fit.method == "probe":
         base = fit_rule(
             z,
             labels,
             choice_mass,
-            methods=DEFAULT_METHODS,
+            settings=msgspec.structs.replace(settings, methods=DEFAULT_METHODS),
+            choices=choices,
             probe_split=True,
-            **options,  # type: ignore[arg-type]
         )
         assert not isinstance(base.fit.map, Probe) and base.conformal_quantile is not None
         baseline = Baseline(
@@ -364,9 +335,7 @@ def fit_profile(
             note=base.fit.note,
             conformal_quantile=base.conformal_quantile,
             threshold=base.threshold,
-            metrics_after=evaluate(
-                base.probabilities[held], labels[held], seed=seed, n_bootstrap=n_bootstrap
-            ),
+            metrics_after=evaluate(base.probabilities[held], labels[held], **evidence),
         )
     label_free = None
     if rule.fit.prior is not None:
@@ -381,23 +350,18 @@ def fit_profile(
         name,
         choices,
         fingerprint,
+        settings,
         dataset=dataset,
         dataset_sha256=dataset_sha256,
-        values=values,
-        max_std=max_std,
-        min_choice_mass=min_choice_mass,
-        conformal_alpha=alpha,
         n_examples=len(labels),
         calibration_map=rule.fit.map,
         cv_nll=rule.fit.cv_nll,
-        note=rule.fit.note + skipped,
+        note=rule.fit.note + rule.skipped,
         threshold=rule.threshold,
         conformal_quantile=rule.conformal_quantile,
         split=rule.split,
-        metrics_before=evaluate(softmax(z), labels, seed=seed, n_bootstrap=n_bootstrap),
-        metrics_after=evaluate(
-            rule.probabilities[held], labels[held], seed=seed, n_bootstrap=n_bootstrap
-        ),
+        metrics_before=evaluate(softmax(z), labels, **evidence),
+        metrics_after=evaluate(rule.probabilities[held], labels[held], **evidence),
         label_free=label_free,
         signal=signal_report(
             rule.probabilities[held],
@@ -405,8 +369,7 @@ def fit_profile(
             rule.prior,
             rule.fit.map.temperature,
             list(choices),
-            n_bootstrap=n_bootstrap,
-            seed=seed,
+            **evidence,
         ),
         baseline=baseline,
         reference=reference_of(
@@ -414,7 +377,7 @@ def fit_profile(
             labels[held],
             source=f"the {held.shape[0]} held-out examples (conformal and certify splits) of "
             f"{dataset}",
-            seed=seed,
+            seed=settings.seed,
         ),
     )
 
@@ -431,15 +394,16 @@ def _profile(
     name: str,
     choices: Sequence[str],
     fingerprint: Fingerprint,
+    settings: FitSettings,
     *,
     dataset: str,
     dataset_sha256: str,
-    values: Mapping[str, float] | None,
-    max_std: float | None,
     **fitted: Any,
 ) -> CalibrationProfile:
-    """A profile of this format, named, fingerprinted, dated and with its score settings
-    checked; ``fitted`` are the fields a fit computed (map, threshold, evidence)."""
+    """A profile of this format, named, fingerprinted, dated, with the settings' rule
+    (minimum mass, conformal alpha, a score's values and std bound, checked); ``fitted`` are
+    the fields a fit computed (map, threshold, evidence)."""
+    values, max_std = settings.values, settings.max_std
     return CalibrationProfile(
         format_version=FORMAT_VERSION,
         name=name,
@@ -450,6 +414,8 @@ def _profile(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         values=None if values is None else check_values(values, choices),
         max_std=None if max_std is None else check_max_std(max_std),
+        min_choice_mass=check_probability(settings.min_choice_mass, "min_choice_mass"),
+        conformal_alpha=settings.alpha,
         **fitted,
     )
 
@@ -513,20 +479,16 @@ def fit_label_free_profile(
     fingerprint: Fingerprint,
     dataset: str,
     dataset_sha256: str,
-    min_choice_mass: float = 0.0,
-    target_precision: float = 0.9,
-    delta: float = 0.1,
-    alpha: float = 0.1,
-    values: Mapping[str, float] | None = None,
-    max_std: float | None = None,
+    settings: FitSettings = DEFAULT_SETTINGS,
 ) -> CalibrationProfile:
     """A profile that divides out the prior estimated from unlabeled (n, k) log-probabilities.
 
     ``method`` is "contextual" (the rows are content-free inputs) or "batch" (unlabeled items);
     ``source`` says in words what the rows were, and is stored. Without labels nothing is
     certified (every decision escalates unless the caller sets a threshold), there is no
-    conformal set, and there are no metrics; ``target_precision``, ``delta`` and ``alpha`` are
-    recorded only so that the profile reads like any other. ``fingerprint`` is the engine's,
+    conformal set, and there are no metrics; the settings' ``target_precision``, ``delta`` and
+    ``alpha`` are recorded only so that the profile reads like any other (their minimum mass
+    and a score's ``values`` and ``max_std`` are served). ``fingerprint`` is the engine's,
     as for ``fit_profile``.
     """
     if method not in ("contextual", "batch"):
@@ -537,7 +499,6 @@ def fit_label_free_profile(
         raise FitError(f"the set of {what} is empty: label-free calibration needs at least one")
     z = _shaped(log_probabilities, choices)
     prior = estimate_prior(z, name="log_probabilities")
-    min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
     n = int(z.shape[0])
     no_labels = (
         f"label-free profile ({method} calibration on {n} unlabeled inputs): with no labels, "
@@ -546,8 +507,8 @@ def fit_label_free_profile(
     threshold = ThresholdResult(
         feasible=False,
         threshold=None,
-        target_precision=target_precision,
-        delta=delta,
+        target_precision=settings.target_precision,
+        delta=settings.delta,
         coverage=0.0,
         precision=None,
         precision_lower_bound=None,
@@ -566,12 +527,9 @@ def fit_label_free_profile(
         name,
         choices,
         fingerprint,
+        settings,
         dataset=dataset,
         dataset_sha256=dataset_sha256,
-        values=values,
-        max_std=max_std,
-        min_choice_mass=min_choice_mass,
-        conformal_alpha=alpha,
         n_examples=n,
         calibration_map=prior_correction(prior),
         cv_nll={},

@@ -43,25 +43,14 @@ __all__ = ["Gate", "JudgingEngine", "Overrides"]
 
 class JudgingEngine(Protocol):
     """What ``Gate.judge`` needs of an engine (``judge.Judge`` qualifies); calibration knows
-    the engine only by this shape."""
+    the engine only by this shape. The template's keywords (``system``, ``response_prefix``,
+    ``response_suffix``) and ``feature_layers`` are passed through, not restated here: the
+    engine's own signature is the one that says what they are and checks them."""
 
-    def fingerprint(
-        self,
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-    ) -> Fingerprint: ...
+    def fingerprint(self, *args: Any, **template: Any) -> Fingerprint: ...
 
     def judge(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        feature_layers: Sequence[int] = (),
+        self, prompt: str, choices: Sequence[str], *args: Any, **options: Any
     ) -> ScoredJudgment: ...
 
 

@@ -210,8 +210,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         stood for by the profile's ETag where the policy has one (the map is the profile's,
         and a probe's map runs to megabytes of JSON), else by the map's own JSON. The audit
         rate is left out: it picks which decisions people label, not what is decided.
-        Computed on each read (a frozen Struct keeps no cache); ``decide_many`` and
-        ``decide_arrays`` read it once per call."""
+        Computed on each read (a frozen Struct keeps no cache); ``decide_many`` reads it
+        once per call."""
         pinned = (
             self.profile_etag
             if self.profile_etag is not None
@@ -292,24 +292,6 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             rows.append(feature_row(features, layers))
         return np.stack(rows)
 
-    def decide_arrays(
-        self,
-        choices: Sequence[str],
-        log_probabilities: npt.ArrayLike,
-        choice_mass: npt.ArrayLike | None = None,
-        features: npt.ArrayLike | None = None,
-        order_spread: npt.ArrayLike | None = None,
-    ) -> list[Verdict]:
-        """Decisions for (n, k) log-probabilities whose columns follow ``choices``.
-
-        ``choice_mass`` is (n,); None counts as 1 (nothing known against the choices).
-        ``features`` is (n, m * H), the hidden states of ``feature_layers`` (a probe's).
-        ``order_spread`` is (n,), each judgment's spread across listings; None: not known.
-        """
-        return self._decide(
-            choices, log_probabilities, choice_mass, features, order_spread, sha256=self.sha256
-        )
-
     def _decide(
         self,
         choices: Sequence[str],
@@ -322,9 +304,10 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         judgments: Sequence[ScoredJudgment] | None = None,
         raw_probs: npt.NDArray[np.float64] | None = None,
     ) -> list[Verdict]:
-        """``decide_arrays`` with this policy's ``sha256`` read once by the caller, and the
-        judgments the rows come from (None: not known), whose ids and hashes the decisions
-        carry. ``raw_probs`` (n, k): the model's probabilities as the judgments carry them
+        """Decisions for (n, k) log-probabilities whose columns follow ``choices``, with this
+        policy's ``sha256`` read once by the caller, and the judgments the rows come from
+        (None: not known), whose ids and hashes the decisions carry. ``choice_mass`` (n,),
+        ``features`` and ``order_spread`` (n,) are ``gates``'s. ``raw_probs`` (n, k): the model's probabilities as the judgments carry them
         (None: the exponentials of ``log_probabilities``)."""
         z = np.asarray(log_probabilities, dtype=np.float64)
         g = self.gates(choices, z, choice_mass, features, order_spread)
@@ -421,7 +404,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         ``features`` (n, m * H) are the hidden states a probe map reads; other maps ignore them.
         ``order_spread`` (n,) is each judgment's spread across listings of its options.
 
-        ``decide_arrays`` turns these into decisions; for large evaluations, ``Gates.accepted``
+        ``decide_many`` turns these into decisions; for large evaluations, ``Gates.accepted``
         and ``Gates.best`` are the decisions without building an object per item.
         """
         if self.choices is not None and list(choices) != self.choices:

@@ -125,6 +125,26 @@ def _cut(row: _Row, cached: int) -> _Row:
 
 
 @dataclass(frozen=True)
+class _Feed:
+    """A pass's rows, what the prefix cache holds of each, and what is left to feed."""
+
+    full: list[_Row]  # each row whole
+    chains: list[list[Block]]  # each row's cached blocks of its plain prefix
+    past: list[int]  # each row's cached tokens: the first ``past[b]`` of its chain
+    fed: list[_Row]  # each row without its cached tokens: what the pass computes
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[ChoiceTrie]], cache: PrefixCache | None) -> _Feed:
+        full = [_row(r) for r in rows]
+        # The last chain token is always fed: a root may be read there.
+        chains = [cache.lookup(r.tokens, r.chain - 1) if cache else [] for r in full]
+        block = cache.block_tokens if cache else 0
+        past = [len(c) * block for c in chains]
+        fed = [_cut(r, p) for r, p in zip(full, past, strict=True)]
+        return cls(full, chains, past, fed)
+
+
+@dataclass(frozen=True)
 class _Packed:
     input_ids: torch.Tensor  # (B, T)
     position_ids: torch.Tensor | None  # (B, T)
@@ -232,22 +252,15 @@ def score_rows(
     head = model.get_output_embeddings()
     W = head.weight  # (V, H)
     bias = getattr(head, "bias", None)
-    full = [_row(r) for r in rows]
-    # The last chain token is always fed: a root may be read there.
-    chains = [cache.lookup(r.tokens, r.chain - 1) if cache else [] for r in full]
-    block = cache.block_tokens if cache else 0
-    past = [len(c) * block for c in chains]
-    fed = [_cut(r, p) for r, p in zip(full, past, strict=True)]
+    feed = _Feed.of(rows, cache)
 
     tries = [t for r in rows for t in r]
     # Each trie's root, the first of its scored nodes: the decision point.
     first_node = np.cumsum([0] + [len(t.node_positions) for t in tries[:-1]]).tolist()
     if lean is None:
-        h, gathered = _generic_pass(
-            model, fed, full, chains, past, cache, pad_id, layers, batch_invariant, first_node
-        )
+        h, gathered = _generic_pass(model, feed, cache, pad_id, layers, batch_invariant, first_node)
     else:  # its arithmetic is the LeanDecoder's own, and it pads nothing
-        h, gathered = _lean_pass(lean, model, fed, full, chains, past, cache, layers, first_node)
+        h, gathered = _lean_pass(lean, model, feed, cache, layers, first_node)
     features = {n: g.cpu().numpy() for n, g in gathered.items()}  # each (N, H) float32
 
     children = [c for t in tries for c in t.node_children]
@@ -275,7 +288,9 @@ def score_rows(
     flat = child_logits.double().cpu().numpy()
     scores = []
     start = 0
-    cached = [p for r, p in zip(rows, past, strict=True) for _ in r]  # per trie: its row's past
+    cached = [
+        p for r, p in zip(rows, feed.past, strict=True) for _ in r
+    ]  # per trie: its row's past
     for n, t in enumerate(tries):
         node_logits = []
         for c in t.node_children:
@@ -301,10 +316,7 @@ def score_rows(
 
 def _generic_pass(
     model: PreTrainedModel,
-    fed: Sequence[_Row],
-    full: Sequence[_Row],
-    chains: Sequence[Sequence[Block]],
-    past: Sequence[int],
+    feed: _Feed,
     cache: PrefixCache | None,
     pad_id: int,
     layers: Sequence[int],
@@ -316,7 +328,7 @@ def _generic_pass(
     W = model.get_output_embeddings().weight
     window = getattr(model.config, "sliding_window", None)
     types = getattr(model.config, "layer_types", None) or ()
-    packed = _pack(fed, pad_id, W.dtype, W.device, past, window, types)
+    packed = _pack(feed.fed, pad_id, W.dtype, W.device, feed.past, window, types)
     flat_rows = [q for per_row in packed.query_rows for per_trie in per_row for q in per_trie]
     root_rows = torch.tensor([flat_rows[i] for i in first_node], device=W.device)  # (N,)
     decoder = model.get_decoder()
@@ -328,10 +340,10 @@ def _generic_pass(
             attention_mask=packed.attention_mask,
             position_ids=packed.position_ids,
             use_cache=cache is not None,
-            **_past(decoder, cache, chains, W.device),
+            **_past(decoder, cache, feed.chains, W.device),
         )
     if cache is not None:
-        _store(cache, out, full, fed, chains, past, packed.input_ids.shape[1])
+        _store(cache, out, feed, packed.input_ids.shape[1])
     hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
     if len(inner) < len(layers):
         gathered[_num_layers(model)] = hidden[root_rows].float()  # (N, H)
@@ -341,10 +353,7 @@ def _generic_pass(
 def _lean_pass(
     lean: LeanDecoder,
     model: PreTrainedModel,
-    fed: Sequence[_Row],
-    full: Sequence[_Row],
-    chains: Sequence[Sequence[Block]],
-    past: Sequence[int],
+    feed: _Feed,
     cache: PrefixCache | None,
     layers: Sequence[int],
     first_node: Sequence[int],
@@ -352,6 +361,7 @@ def _lean_pass(
     """``judge.decoder``'s pass over the rows laid end to end, each query reading its lane.
     Returns what ``_generic_pass`` does."""
     device = model.get_output_embeddings().weight.device
+    fed, past = feed.fed, feed.past
     offsets = np.cumsum([0] + [len(r.tokens) for r in fed]).tolist()
     flat_rows = [
         offsets[b] + q for b, r in enumerate(fed) for per_trie in r.query_rows for q in per_trie
@@ -361,15 +371,15 @@ def _lean_pass(
     ids = torch.tensor([t for r in fed for t in r.tokens], device=device)
     positions = torch.tensor([p for r in fed for p in r.positions], device=device)
     lanes = _lanes(fed, past, offsets, blocked=lean.rows is not None).to(device)
-    kv = cache.concatenated(chains) if cache is not None and any(chains) else None
+    kv = cache.concatenated(feed.chains) if cache is not None and any(feed.chains) else None
     inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
     out = lean.run(ids, positions, lanes, kv, read, roots, inner, keep_kv=cache is not None)
     if cache is not None and out.kv is not None:
-        for b, row in enumerate(full):
+        for b, row in enumerate(feed.full):
             new = row.chain - past[b]  # its plain-prefix tokens computed in this pass
             start = offsets[b]
             layer_kv = [(k[:, start : start + new], v[:, start : start + new]) for k, v in out.kv]
-            cache.store(row.tokens[: row.chain], chains[b], layer_kv)
+            cache.store(row.tokens[: row.chain], feed.chains[b], layer_kv)
     gathered = dict(out.features)
     if len(inner) < len(layers):
         gathered[_num_layers(model)] = out.hidden[list(first_node)].float()  # (N, H)
@@ -540,22 +550,14 @@ def _returned_layers(out: object) -> list[tuple[torch.Tensor, torch.Tensor]] | N
     return [(layer.keys, layer.values) for layer in returned.layers]
 
 
-def _store(
-    cache: PrefixCache,
-    out: object,
-    full: Sequence[_Row],
-    fed: Sequence[_Row],
-    chains: Sequence[Sequence[Block]],
-    past: Sequence[int],
-    T: int,
-) -> None:
+def _store(cache: PrefixCache, out: object, feed: _Feed, T: int) -> None:
     """Store each row's plain prefix: its keys and values were just computed (or cached)."""
     layers = _returned_layers(out)  # (B, H, P + T, D) each
     if layers is None:
         return
-    P = max(past)
-    for b, (row, cut) in enumerate(zip(full, fed, strict=True)):
+    P = max(feed.past)
+    for b, (row, cut) in enumerate(zip(feed.full, feed.fed, strict=True)):
         start = P + T - len(cut.tokens)  # the row's first fed token, as a key column
-        new = row.chain - past[b]  # its plain-prefix tokens computed in this pass
+        new = row.chain - feed.past[b]  # its plain-prefix tokens computed in this pass
         kv = [(k[b, :, start : start + new], v[b, :, start : start + new]) for k, v in layers]
-        cache.store(row.tokens[: row.chain], chains[b], kv)
+        cache.store(row.tokens[: row.chain], feed.chains[b], kv)

@@ -27,6 +27,7 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath
 from litestar.types import ControllerRouterHandler
 
+import service.schemas as schemas
 from calibration import CalibrationProfile
 from calibration.profile import current_format
 from service.bodies import decode_body
@@ -38,18 +39,6 @@ from service.openapi import openapi_document
 from service.operations import OPERATIONS, TIMEOUT_HEADER, Operation, allowed, paths
 from service.playground import PLAYGROUND_ROUTES
 from service.profiles import parse_etags
-from service.schemas import (
-    BatchRequest,
-    BatchResponse,
-    FitRequest,
-    JudgeRequest,
-    JudgeResponse,
-    LabelRequest,
-    LabelResult,
-    LabelsRequest,
-    LabelsResponse,
-    ProfileSummary,
-)
 from service.serving import Service, Ticket
 from service.systemone import SystemOneResponse, decode_request
 
@@ -65,10 +54,10 @@ async def _body(request: AnyRequest, type_: type[T]) -> T:
     return decode_body(await request.body(), request.headers.get("content-type"), type_)
 
 
-async def _batch_body(request: AnyRequest) -> BatchRequest:
+async def _batch_body(request: AnyRequest) -> schemas.BatchRequest:
     """The batch's body: one of its shapes, chosen by the keys it has (``service.bodies``)."""
-    batch: BatchRequest = decode_body(
-        await request.body(), request.headers.get("content-type"), BatchRequest
+    batch: schemas.BatchRequest = decode_body(
+        await request.body(), request.headers.get("content-type"), schemas.BatchRequest
     )
     return batch
 
@@ -114,12 +103,14 @@ async def metrics(service: NamedDependency[Service]) -> Response[bytes]:
     return Response(service.render_metrics(), media_type=METRICS_TYPE)
 
 
-async def judge(request: AnyRequest, service: NamedDependency[Service]) -> JudgeResponse:
+async def judge(request: AnyRequest, service: NamedDependency[Service]) -> schemas.JudgeResponse:
     ticket = _ticket(service, request)
-    return await service.judging.judge(await _body(request, JudgeRequest), ticket)
+    return await service.judging.judge(await _body(request, schemas.JudgeRequest), ticket)
 
 
-async def judge_batch(request: AnyRequest, service: NamedDependency[Service]) -> BatchResponse:
+async def judge_batch(
+    request: AnyRequest, service: NamedDependency[Service]
+) -> schemas.BatchResponse:
     ticket = _ticket(service, request)
     return await service.judging.judge_batch(await _batch_body(request), ticket)
 
@@ -130,7 +121,7 @@ async def systemone(request: AnyRequest, service: NamedDependency[Service]) -> S
     return await service.systemone.answer(body, ticket)
 
 
-async def list_profiles(service: NamedDependency[Service]) -> list[ProfileSummary]:
+async def list_profiles(service: NamedDependency[Service]) -> list[schemas.ProfileSummary]:
     return service.profiles.summaries()
 
 
@@ -187,7 +178,7 @@ async def fit(
     name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> CalibrationProfile:
     ticket = _ticket(service, request, service.config.fit_timeout_s)
-    return await service.profiles.fit(name, await _body(request, FitRequest), ticket)
+    return await service.profiles.fit(name, await _body(request, schemas.FitRequest), ticket)
 
 
 async def delete_profile(
@@ -209,12 +200,12 @@ async def judgment(judgment_id: FromPath[str], service: NamedDependency[Service]
 
 async def label(
     judgment_id: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
-) -> LabelResult:
-    return await service.feedback.label(judgment_id, await _body(request, LabelRequest))
+) -> schemas.LabelResult:
+    return await service.feedback.label(judgment_id, await _body(request, schemas.LabelRequest))
 
 
-async def labels(request: AnyRequest, service: NamedDependency[Service]) -> LabelsResponse:
-    return await service.feedback.labels(await _body(request, LabelsRequest))
+async def labels(request: AnyRequest, service: NamedDependency[Service]) -> schemas.LabelsResponse:
+    return await service.feedback.labels(await _body(request, schemas.LabelsRequest))
 
 
 async def schema(service: NamedDependency[Service]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from calibration import CalibrationError, CalibrationProfile, FitError, ProfileError
+from calibration.fit_settings import FitSettings
 from calibration.fitting import resolve_methods
 from calibration.maps import CalibrationMap, Probe
 from calibration.probe import candidate_layers, probe_weights
@@ -116,10 +117,12 @@ class ProfileServing:
             fingerprint,
             dataset=f"POST /profiles/{name}/fit",
             dataset_sha256=hashlib.sha256(msgspec.json.encode(request.examples)).hexdigest(),
-            target_precision=request.target_precision,
-            delta=request.delta,
-            alpha=request.alpha,
-            methods=_FIT_METHODS[request.method],
+            settings=FitSettings(
+                target_precision=request.target_precision,
+                delta=request.delta,
+                alpha=request.alpha,
+                methods=_FIT_METHODS[request.method],
+            ),
         )
         try:
             profile = await anyio.to_thread.run_sync(fit)

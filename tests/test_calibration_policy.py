@@ -11,6 +11,7 @@ from fakes import FINGERPRINT, Scored
 
 from calibration import (
     Decision,
+    FitSettings,
     PolicyDefaults,
     ProfileMismatchError,
     evaluate_policy,
@@ -45,7 +46,7 @@ def profile() -> CalibrationProfile:
         fingerprint=FINGERPRINT,
         dataset="d",
         dataset_sha256="0",
-        n_bootstrap=20,
+        settings=FitSettings(n_bootstrap=20),
     )
 
 

@@ -27,7 +27,7 @@ from litestar.testing import TestClient
 from postgres import postgres_database, postgres_url  # noqa: F401
 from server import wait_app_ready as wait_ready
 
-from calibration import CalibrationProfile, fit_profile
+from calibration import CalibrationProfile, FitSettings, fit_profile
 from judge import Fingerprint, Judgment, Query
 from service import ServiceConfig, create_app
 from service.cli.main import main
@@ -86,8 +86,7 @@ def profile() -> CalibrationProfile:
         fingerprint=ScoreEngine().fingerprint(),
         dataset="synthetic",
         dataset_sha256="0" * 64,
-        methods=["temperature"],
-        target_precision=0.95,
+        settings=FitSettings(methods=["temperature"], target_precision=0.95),
     )
     assert fitted.threshold.threshold is not None and fitted.reference is not None
     return fitted

@@ -53,7 +53,7 @@ import pytest
 from fakes import FINGERPRINT
 from scipy import stats
 
-from calibration import fit_profile
+from calibration import FitSettings, fit_profile
 from calibration.gate import Gate
 from calibration.policy import Gates
 
@@ -114,11 +114,9 @@ def simulate(
             fingerprint=FINGERPRINT,
             dataset="synthetic",
             dataset_sha256="0",
-            target_precision=target,
-            delta=delta,
-            seed=r,
-            n_bootstrap=10,  # the metrics are evidence only; the rule does not depend on them
-            procedure=procedure,
+            settings=FitSettings(
+                target_precision=target, delta=delta, seed=r, n_bootstrap=10, procedure=procedure
+            ),  # the metrics are evidence only; the rule does not depend on them
         )
         gates = Gate(profile).policy.gates(CHOICES, fresh_z)
         accepted = gates.accepted
@@ -213,11 +211,9 @@ def simulate_probe(
             fingerprint=PROBE_FINGERPRINT,
             dataset="synthetic",
             dataset_sha256="0",
-            target_precision=target,
-            delta=delta,
-            seed=r,
-            n_bootstrap=10,
-            methods="auto",
+            settings=FitSettings(
+                target_precision=target, delta=delta, seed=r, n_bootstrap=10, methods="auto"
+            ),
             features=x,
             feature_layers=LAYERS,
         )

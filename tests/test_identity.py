@@ -28,7 +28,14 @@ from fakes import FakeEngine, Scored, judgment_of
 from litestar.testing import TestClient
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from calibration import CalibrationProfile, PolicyDefaults, fit_profile, make_policy, save_profile
+from calibration import (
+    CalibrationProfile,
+    FitSettings,
+    PolicyDefaults,
+    fit_profile,
+    make_policy,
+    save_profile,
+)
 from calibration.gate import Gate
 from calibration.maps import Temperature
 from calibration.profile import etag_of
@@ -209,7 +216,7 @@ def profile() -> CalibrationProfile:
         fingerprint=FakeEngine().fingerprint(),
         dataset="d",
         dataset_sha256="0",
-        n_bootstrap=10,
+        settings=FitSettings(n_bootstrap=10),
     )
 
 
@@ -258,11 +265,10 @@ def test_every_decision_carries_the_policy_and_its_judgment(profile: Calibration
     assert len({d.judgment_id for d in decisions}) == 3
     assert len({d.tokens_sha256 for d in decisions}) == 3  # three prompts
     # A judgment that carries no identity (any ScoredJudgment) still gets a decision.
-    bare = make_policy(None).decide_arrays(["a", "b"], [[-0.1, -2.4]])[0]
     plain = make_policy(None).decide_many(
         [Scored({"a": -0.1, "b": -2.4}), judgment_of({"a": 0.9, "b": 0.1})]
     )
-    for d in [bare, *plain]:
+    for d in plain:
         assert (d.judgment_id, d.tokens_sha256, d.model_sha256, d.profile_etag) == (None,) * 4
         assert d.policy_sha256 == make_policy(None).sha256
 

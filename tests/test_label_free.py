@@ -9,12 +9,13 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from fakes import FINGERPRINT
+from fakes import FINGERPRINT, Scored
 
 from calibration import (
     BatchTemperatureScaler,
     BiasTemperature,
     FitError,
+    FitSettings,
     decode_profile,
     estimate_prior,
     evaluate_policy,
@@ -90,7 +91,7 @@ def test_batch_calibration_fixes_a_prior_without_labels() -> None:
     report = profile_markdown(profile)
     assert "signal: untested" in report and "batch" in report and "No metrics" in report
     # Served: every decision escalates for want of a threshold, with no conformal gate.
-    d = Gate(profile).policy.decide_arrays(CHOICES, z[:1])[0]
+    d = Gate(profile).decide(Scored(dict(zip(CHOICES, z[0], strict=True))))
     assert d.reason_codes == ["no_certified_threshold"] and d.prediction_set is None
     evaluation = evaluate_policy(profile, z[1000:], y[1000:], threshold=0.5)
     assert evaluation.conformal_coverage is None and evaluation.after.accuracy.value > raw_acc
@@ -130,8 +131,7 @@ def test_batch_temperature_is_a_labeled_candidate_chosen_by_cv_nll() -> None:
         fingerprint=FINGERPRINT,
         dataset="d",
         dataset_sha256="0",
-        n_bootstrap=20,
-        methods=("temperature", "batch_temperature"),
+        settings=FitSettings(n_bootstrap=20, methods=("temperature", "batch_temperature")),
     )
     assert profile.label_free is not None and profile.label_free.method == "batch"
     assert profile.label_free.n_inputs == profile.split.fit

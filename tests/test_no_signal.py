@@ -9,7 +9,7 @@ import pytest
 from fakes import FINGERPRINT
 from sklearn.metrics import roc_auc_score
 
-from calibration import evaluate_policy, fit_profile, signal_report
+from calibration import FitSettings, evaluate_policy, fit_profile, signal_report
 from calibration.report import evaluation_markdown, profile_markdown
 from calibration.scaling import T_MAX
 from calibration.signal import auroc, label_prior
@@ -43,7 +43,7 @@ def test_a_prior_predictor_is_called_one() -> None:
         fingerprint=FINGERPRINT,
         dataset="d",
         dataset_sha256="0",
-        n_bootstrap=200,
+        settings=FitSettings(n_bootstrap=200),
     )
     s = profile.signal
     assert s is not None
@@ -73,7 +73,7 @@ def test_a_judge_with_signal_beats_the_prior() -> None:
         fingerprint=FINGERPRINT,
         dataset="d",
         dataset_sha256="0",
-        n_bootstrap=200,
+        settings=FitSettings(n_bootstrap=200),
     )
     s = profile.signal
     assert s is not None and s.beats_prior and not s.temperature_at_bound

@@ -22,7 +22,7 @@ import pytest
 from litestar.testing import TestClient
 from server import wait_app_ready as wait_ready
 
-from calibration import CalibrationProfile, PolicyDefaults, fit_profile, save_profile
+from calibration import CalibrationProfile, FitSettings, PolicyDefaults, fit_profile, save_profile
 from calibration.gate import Gate, Overrides
 from judge import Judge
 from judge.decisions import plan_decisions
@@ -73,7 +73,7 @@ def profile(judge: Judge) -> CalibrationProfile:
         fingerprint=judge.fingerprint(),
         dataset="synthetic",
         dataset_sha256="0" * 64,
-        methods=["temperature"],
+        settings=FitSettings(methods=["temperature"]),
     )
 
 

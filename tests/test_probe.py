@@ -9,7 +9,7 @@ tests/test_gating_simulation.py's question; the real model's probe is benchmarks
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -23,7 +23,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
 
-from calibration import decode_profile, evaluate_policy, fit_calibrator, fit_profile
+from calibration import FitSettings, decode_profile, evaluate_policy, fit_calibrator, fit_profile
 from calibration.errors import FitError, ProfileError, ProfileMismatchError, RuleError
 from calibration.gate import Gate
 from calibration.maps import MAX_PROBE_WEIGHTS, Probe, Temperature, softmax
@@ -80,10 +80,15 @@ def folds(y: IntArray) -> list[tuple[IntArray, IntArray]]:
 
 
 def fit(
-    z: FloatArray, y: IntArray, x: Any, *, choices: list[str] = CHOICES, **options: Any
+    z: FloatArray,
+    y: IntArray,
+    x: Any,
+    *,
+    methods: Sequence[str] | str,
+    choices: list[str] = CHOICES,
 ) -> CalibrationProfile:
     """``fit_profile`` on synthetic items and their features (n, 3, H) of ``LAYERS``, with the
-    engine of ``engine()``."""
+    engine of ``engine()``, choosing among ``methods``."""
     return fit_profile(
         "probe-v1",
         z,
@@ -94,8 +99,7 @@ def fit(
         dataset_sha256="0",
         features=x,
         feature_layers=LAYERS,
-        n_bootstrap=20,
-        **options,
+        settings=FitSettings(methods=methods, n_bootstrap=20),
     )
 
 
@@ -480,10 +484,9 @@ def test_a_probe_profile_of_the_default_model_is_small() -> None:
         fingerprint=engine(num_layers=30, hidden_size=hidden),
         dataset="synthetic",
         dataset_sha256="0",
-        methods=["probe"],
+        settings=FitSettings(methods=["probe"], n_bootstrap=10),
         features=x,
         feature_layers=[20],
-        n_bootstrap=10,
     )
     assert isinstance(fitted.calibration_map, Probe)
     data = msgspec.json.encode(fitted)

@@ -18,7 +18,7 @@ import pytest
 from fakes import FakeEngine
 from litestar.testing import TestClient
 
-from calibration import CalibrationProfile, fit_profile
+from calibration import CalibrationProfile, FitSettings, fit_profile
 from calibration.errors import ProfileNotFoundError
 from service import ServiceConfig, create_app
 from service.profiles import (
@@ -48,7 +48,7 @@ def fake_profile(name: str = "sms", seed: int = 0) -> CalibrationProfile:
         fingerprint=FAKE,
         dataset="d",
         dataset_sha256="0",
-        n_bootstrap=10,
+        settings=FitSettings(n_bootstrap=10),
     )
 
 

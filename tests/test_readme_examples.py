@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from calibration import fit_profile, save_profile
+from calibration import FitSettings, fit_profile, save_profile
 from judge import Judge
 from service.cli.main import main
 
@@ -62,8 +62,7 @@ def test_pipeline_example(
         fingerprint=judge.fingerprint(),
         dataset="t",
         dataset_sha256="0",
-        n_bootstrap=20,
-        methods=[method],
+        settings=FitSettings(n_bootstrap=20, methods=[method]),
         features=features,
         feature_layers=(20,),
     )

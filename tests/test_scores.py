@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from calibration import (
     REASON_CODES,
+    FitSettings,
     PolicyDefaults,
     decode_profile,
     fit_profile,
@@ -197,9 +198,7 @@ def score_profile() -> CalibrationProfile:
         fingerprint=FINGERPRINT,
         dataset="d",
         dataset_sha256="0",
-        n_bootstrap=20,
-        values={c: float(c) for c in GRADES},
-        max_std=1.2,
+        settings=FitSettings(n_bootstrap=20, values={c: float(c) for c in GRADES}, max_std=1.2),
     )
 
 

@@ -19,7 +19,7 @@ from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
 from server import wait_app_ready as wait_ready
 
-from calibration import CalibrationProfile, decode_profile, fit_profile
+from calibration import CalibrationProfile, FitSettings, decode_profile, fit_profile
 from calibration.gate import Gate, Overrides
 from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.probe import candidate_layers
@@ -729,7 +729,7 @@ def probe_profile(name: str = "probe", n: int = 150) -> CalibrationProfile:
         z,
         y,
         ["yes", "no"],
-        methods=["probe"],
+        settings=FitSettings(methods=["probe"]),
         features=features,
         feature_layers=(2,),
         dataset="synthetic",

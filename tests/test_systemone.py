@@ -29,7 +29,7 @@ from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
 from server import READY_S, Server, free_port
 
-from calibration import CalibrationProfile, fit_profile, make_policy
+from calibration import CalibrationProfile, FitSettings, fit_profile, make_policy
 from judge import Judgment, Query
 from judge.decisions import plan_decisions
 from service import ServiceConfig, create_app
@@ -333,7 +333,7 @@ def yes_no_profile(name: str = "yesno") -> CalibrationProfile:
         z,
         y,
         ["yes", "no"],
-        methods=["temperature"],
+        settings=FitSettings(methods=["temperature"]),
         dataset="synthetic",
         dataset_sha256="0" * 64,
         fingerprint=FakeEngine().fingerprint(),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 
+from calibration import FitSettings
 from calibration.errors import ProfileMismatchError
 from calibration.tasks import (
     LabeledItem,
@@ -129,9 +130,7 @@ def test_fit_labeled_records_the_engine_and_the_data() -> None:
         fingerprint,
         dataset="fake/calibration",
         dataset_sha256="ab" * 32,
-        target_precision=0.8,
-        delta=0.2,
-        alpha=0.2,
+        settings=FitSettings(target_precision=0.8, delta=0.2, alpha=0.2),
     )
     assert profile.name == "fake" and profile.choices == CHOICES and profile.n_examples == 120
     assert profile.fingerprint == fingerprint

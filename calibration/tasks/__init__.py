@@ -10,35 +10,10 @@ imports it, so ``import calibration`` stays free of torch) and below ``service``
 same way.
 """
 
-from calibration.tasks.files import LabeledItem, Task, TaskError, load_split, load_task, task_prompt
-from calibration.tasks.labeled import (
-    LabeledScores,
-    content_free_prompts,
-    fit_labeled,
-    fit_unlabeled,
-    judge_labeled,
-    judge_task_items,
-    judge_unlabeled,
-    labeled_queries,
-    load_prompts,
-    scores_from_judgments,
-)
+# Everything the two modules export, and only that: a name added to a module's __all__ is
+# exported here without a second list to keep in step.
+from calibration.tasks import files, labeled
+from calibration.tasks.files import *  # noqa: F403
+from calibration.tasks.labeled import *  # noqa: F403
 
-__all__ = [
-    "LabeledItem",
-    "LabeledScores",
-    "Task",
-    "TaskError",
-    "content_free_prompts",
-    "fit_labeled",
-    "fit_unlabeled",
-    "judge_labeled",
-    "judge_task_items",
-    "judge_unlabeled",
-    "labeled_queries",
-    "load_prompts",
-    "load_split",
-    "load_task",
-    "scores_from_judgments",
-    "task_prompt",
-]
+__all__ = sorted([*files.__all__, *labeled.__all__])

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.tasks.files import LabeledItem, Task, TaskError, _jsonl_lines, task_prompt
 from judge import Engine, Fingerprint, Judgment, Query
 
@@ -303,18 +304,13 @@ def fit_labeled(
     *,
     dataset: str,
     dataset_sha256: str,
-    target_precision: float = 0.9,
-    delta: float = 0.1,
-    alpha: float = 0.1,
-    values: Mapping[str, float] | None = None,
-    max_std: float | None = None,
-    methods: Sequence[str] | str = "auto",
-    seed: int = 0,
+    settings: FitSettings = DEFAULT_SETTINGS,
 ) -> CalibrationProfile:
     """Fit a calibration profile on ``scores``, for the engine that ``fingerprint`` describes.
 
-    A probe (``methods`` "auto" or with "probe") reads ``scores.features``: judge the items
-    with ``feature_layers=calibration.candidate_layers(num_layers)``.
+    A probe (the settings' ``methods`` "auto", the default, or with "probe") reads
+    ``scores.features``: judge the items with
+    ``feature_layers=calibration.candidate_layers(num_layers)``.
 
     Parameters
     ----------
@@ -327,15 +323,9 @@ def fit_labeled(
         ``engine.fingerprint(...)`` for the template the scores were judged with.
     dataset, dataset_sha256 : str
         What the scores were computed on, recorded in the profile.
-    target_precision, delta, alpha : float
-        See ``calibration.fit_profile``.
-    values, max_std : optional
-        A score task's number per choice (a task's ``values``) and std bound.
-    methods : sequence of str or "auto"
-        ``fit_profile``'s labeled candidates; "auto" (the default) tries the probe too where
-        ``scores`` carry features.
-    seed : int
-        The seed of the split (``calibration.fit_profile``).
+    settings : FitSettings
+        What to certify and how (``calibration.fit_settings``); a score task's ``values`` (a
+        task's own) and std bound go there too.
     """
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
@@ -351,16 +341,10 @@ def fit_labeled(
         scores.labels,
         list(choices),
         fingerprint=fingerprint,
-        choice_mass=scores.choice_mass,
         dataset=dataset,
         dataset_sha256=dataset_sha256,
-        target_precision=target_precision,
-        delta=delta,
-        alpha=alpha,
-        values=values,
-        max_std=max_std,
-        methods=methods,
-        seed=seed,
+        settings=settings,
+        choice_mass=scores.choice_mass,
         features=scores.features,
         feature_layers=scores.feature_layers,
     )
@@ -435,8 +419,7 @@ def fit_unlabeled(
     source: str,
     dataset: str,
     dataset_sha256: str,
-    values: Mapping[str, float] | None = None,
-    max_std: float | None = None,
+    settings: FitSettings = DEFAULT_SETTINGS,
 ) -> CalibrationProfile:
     """A label-free profile (``calibration.fit_label_free_profile``) for this engine.
 
@@ -455,6 +438,5 @@ def fit_unlabeled(
         fingerprint=fingerprint,
         dataset=dataset,
         dataset_sha256=dataset_sha256,
-        values=values,
-        max_std=max_std,
+        settings=settings,
     )

@@ -17,11 +17,11 @@ import argparse
 import hashlib
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypedDict
 
 from calibration import MIN_EXAMPLES
+from calibration.fit_settings import FitSettings
 from calibration.maps import Probe
 from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
 from calibration.profile import NAME_PATTERN, save_profile
@@ -51,7 +51,7 @@ from service.cli.common import (
     to_json,
 )
 
-__all__ = ["add_arguments", "guarantees", "run", "run_calibrate", "run_evaluate"]
+__all__ = ["add_arguments", "fit_settings", "run", "run_calibrate", "run_evaluate"]
 
 
 def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -134,18 +134,21 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     ev.set_defaults(run=run_evaluate)
 
 
-class Guarantees(TypedDict):
-    """What a fit is asked to certify, as ``fit_profile`` and ``fit_labeled`` take it."""
-
-    target_precision: float
-    delta: float
-    alpha: float
-
-
-def guarantees(args: argparse.Namespace) -> Guarantees:
-    """``judge calibrate``'s --target-precision, --delta and --alpha: the one reading of them
-    for both of its fits (``--task`` here, ``--from-log`` in ``service.cli.log``)."""
-    return Guarantees(target_precision=args.target_precision, delta=args.delta, alpha=args.alpha)
+def fit_settings(
+    args: argparse.Namespace, *, values: Mapping[str, float] | None, max_std: float | None
+) -> FitSettings:
+    """``judge calibrate``'s --target-precision, --delta, --alpha and --method/--methods as
+    the fit's settings, with a score task's ``values`` and std bound: the one reading of them
+    for each of its fits (``--task``, ``--unlabeled`` here, ``--from-log`` in
+    ``service.cli.log``)."""
+    return FitSettings(
+        target_precision=args.target_precision,
+        delta=args.delta,
+        alpha=args.alpha,
+        values=values,
+        max_std=max_std,
+        methods=_methods(args),
+    )
 
 
 def _std_bound(text: str) -> float:
@@ -189,7 +192,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             f"{task.name}/{args.split} has {len(items)} items{limited}; a calibration profile "
             f"needs at least {MIN_EXAMPLES} labeled examples"
         )
-    methods = _methods(args)
+    settings = fit_settings(args, values=task.values, max_std=args.max_std)
+    methods = settings.methods
     if "probe" in methods and methods != "auto" and len(items) < MIN_PROBE_EXAMPLES:
         raise UsageError(
             f"method probe needs at least {MIN_PROBE_EXAMPLES} labeled examples, and "
@@ -213,10 +217,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         fingerprint,
         dataset=f"{task.name}/{args.split}",
         dataset_sha256=digest,
-        values=task.values,
-        max_std=args.max_std,
-        methods=methods,
-        **guarantees(args),
+        settings=settings,
     )
     out = args.profiles_dir
     save_profile(profile, out / f"{name}.json")
@@ -307,8 +308,7 @@ def _calibrate_unlabeled(args: argparse.Namespace, task: Task, name: str) -> int
         source=source,
         dataset=dataset,
         dataset_sha256=digest,
-        values=task.values,
-        max_std=args.max_std,
+        settings=fit_settings(args, values=task.values, max_std=args.max_std),
     )
     out = args.profiles_dir
     save_profile(profile, out / f"{name}.json")

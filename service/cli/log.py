@@ -263,17 +263,18 @@ def run_from_log(args: argparse.Namespace) -> int:
     log-probabilities of its audited, labeled decisions (every version's, same weights)."""
     from calibration import MIN_EXAMPLES, fit_profile
     from calibration.profile import NAME_PATTERN
-    from service.cli.calibrate import guarantees
+    from service.cli.calibrate import fit_settings
 
     if args.profile is None:
         raise UsageError("calibrate --from-log: name the profile to refit with --profile")
-    methods = args.methods or ([args.method] if args.method else "auto")
-    if "probe" in methods:
+    profile, _, store = _stored(args.profile, args.profiles_dir)
+    max_std = args.max_std if args.max_std is not None else profile.max_std
+    settings = fit_settings(args, values=profile.values, max_std=max_std)
+    if "probe" in settings.methods:
         raise UsageError(
             "calibrate --from-log: a probe reads hidden states, which the log does not keep; "
             "refit it with judge calibrate --task, or choose --method temperature"
         )
-    profile, _, store = _stored(args.profile, args.profiles_dir)
     name = args.name or profile.name
     import re
 
@@ -314,10 +315,7 @@ def run_from_log(args: argparse.Namespace) -> int:
         choice_mass=np.array([r.choice_mass for r in records]),
         dataset=f"decision log {args.from_log}: {len(records)} audited decisions of {profile.name}",
         dataset_sha256=digest,
-        values=profile.values,
-        max_std=args.max_std if args.max_std is not None else profile.max_std,
-        methods=methods,
-        **guarantees(args),
+        settings=settings,
     )
     etag = store.put(refit)
     t = refit.threshold
