@@ -1,7 +1,7 @@
 """Order invariance: what averaging over listings of the options buys, and what it costs.
 
 On commonsense_qa (a question and five options A-E), each test item is one System One choice
-question (``judge.decisions``) about the state ``Question: <question>``, asked with the options
+question (``judge.answers``) about the state ``Question: <question>``, asked with the options
 in the given order and with ``order="invariant"`` (the five cyclic shifts of the listing, judged
 in one run and averaged). The options are named two ways:
 
@@ -66,7 +66,7 @@ def load_items(path: Path, limit: int) -> tuple[list[dict[str, Any]], int]:
 
 
 def question(row: dict[str, Any], naming: str, order: Order) -> Any:
-    from judge.decisions import ChoiceQuestion
+    from judge.answers import ChoiceQuestion
 
     options: dict[str, str] = row["options"]
     if naming == "letters":
@@ -90,7 +90,7 @@ def main() -> None:
 
     from calibration.metrics import accuracy, ece
     from judge import Judge
-    from judge.decisions import plan_decisions
+    from judge.answers import plan_decisions
     from judge.packing import pack_rows, row_length
 
     if args.threads:

@@ -5,7 +5,7 @@ Starts ``judge serve`` on a free loopback port, waits for ``/ready``, and for a 
 
     systemone   one POST /v1/systemone with 3 questions (noul, choice, score) about the state
     judge x3    three POST /judge, one after another, with the same rendered prompts (the
-                state and the question: ``judge.decisions.plan_decisions``) and choices
+                state and the question: ``judge.answers.plan_decisions``) and choices
 
 Each state is new to the server for each arm (a fresh suffix), so neither finds the state in
 the prefix cache that the other filled; one warm-up of each first. Reports the wall time per
@@ -35,7 +35,7 @@ from benchlib import cpu_model
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from judge.decisions import plan_decisions  # noqa: E402
+from judge.answers import plan_decisions  # noqa: E402
 
 TICKET = (
     "Hello, I have been a customer for three years. This month my card was charged twice for "

@@ -13,7 +13,7 @@ rule that is served. A decision accepts only when every gate passes:
 * for a score (choices that stand for numbers, see ``calibration.scores``), the standard
   deviation of the calibrated distribution over the values is at most ``max_std``
   (``high_std``): a judge torn between "1" and "5" has not given a grade;
-* for a question asked under several listings of its options (``judge.decisions``,
+* for a question asked under several listings of its options (``judge.answers``,
   ``order="invariant"``), the listings' disagreement, its ``order_spread``, is at most
   ``max_order_spread`` (``order_sensitive``): an answer that moves with the order in which
   the options were read is the order's, not the model's judgment. The caller passes the spread
@@ -110,7 +110,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     expected_value: float | None = None
     std: float | None = None
     max_std: float | None = None
-    # A question asked under several listings (judge.decisions): how far they disagreed, and
+    # A question asked under several listings (judge.answers): how far they disagreed, and
     # the bound in force. None when not given.
     order_spread: float | None = None
     max_order_spread: float | None = None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from judge.lazy import exports
 
 if TYPE_CHECKING:
-    from judge.decisions import ChoiceAnswer, NoulAnswer, ScoreAnswer
+    from judge.answers import ChoiceAnswer, NoulAnswer, ScoreAnswer
     from judge.engine import (
         DEFAULT_PREFIX_CACHE_MB,
         DEFAULT_RESPONSE_PREFIX,
@@ -53,11 +53,11 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it
 _EXPORTS = {
-    "ChoiceAnswer": "judge.decisions",
+    "ChoiceAnswer": "judge.answers",
     "ChoiceQuestion": "judge.questions",
-    "NoulAnswer": "judge.decisions",
+    "NoulAnswer": "judge.answers",
     "NoulQuestion": "judge.questions",
-    "ScoreAnswer": "judge.decisions",
+    "ScoreAnswer": "judge.answers",
     "ScoreQuestion": "judge.questions",
     "AmbiguousChoicesError": "judge.errors",
     "ChoiceTypeError": "judge.errors",

@@ -61,7 +61,7 @@ from judge.trie import build_trie, common_prefix_length
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from judge.decisions import Answer
+    from judge.answers import Answer
     from judge.loading import DType
 
 __all__ = [
@@ -312,12 +312,12 @@ class Judge:
     def decide(
         self, state: object, questions: Mapping[str, Any], *, max_orderings: int | None = None
     ) -> dict[str, Answer]:
-        """Typed questions about one ``state`` (``judge.decisions``), the state computed once.
+        """Typed questions about one ``state`` (``judge.answers``), the state computed once.
 
         ``questions`` maps an id to a ``NoulQuestion``, ``ChoiceQuestion`` or ``ScoreQuestion``
         (or its JSON form); returns each id's typed answer.
         """
-        from judge.decisions import MAX_ORDERINGS, decide
+        from judge.answers import MAX_ORDERINGS, decide
 
         orderings = MAX_ORDERINGS if max_orderings is None else max_orderings
         return dict(decide(self, state, questions, max_orderings=orderings))

@@ -49,7 +49,7 @@ def tokens_sha256(prompt_ids: Sequence[int], choice_paths: Sequence[Sequence[int
 
 
 def listings_sha256(hashes: Sequence[str]) -> str:
-    """What pins an answer judged under several listings of its options (``judge.decisions``,
+    """What pins an answer judged under several listings of its options (``judge.answers``,
     ``order="invariant"``): the sha256 (hex) of the JSON list of the listings' own
     ``tokens_sha256``, in listing order. Every listing's tokens are pinned, and so is their
     order; a single listing keeps its own hash (this is not applied to it).

@@ -2,7 +2,7 @@
 tokenized (``Prepared``), and what it answers (``Judgment``), with the checks and the one
 composition (``shared_query``) every caller shares.
 
-Plain msgspec Structs, no tensors and no torch: ``judge.decisions``, ``judge.protocol``, the
+Plain msgspec Structs, no tensors and no torch: ``judge.answers``, ``judge.protocol``, the
 calibration package and the service read them without loading the engine. ``judge.engine``
 re-exports them, so ``from judge.engine import Judgment`` still works.
 """

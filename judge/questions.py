@@ -2,7 +2,7 @@
 
 Only the questions' shapes and limits, and how a criterion reads as text: no engine, so the
 wire types (``service.systemone``) and the client use them without loading the engine.
-``judge.decisions`` turns them into queries and their judgments into answers.
+``judge.answers`` turns them into queries and their judgments into answers.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Three tools, each with a JSON input schema:
                     ``POST /judge`` answers), calibrated and certified with a profile
     decide          state, questions (id -> {"type": "noul" | "choice" | "score", ...}),
                     optional profiles (id -> name), order, max_orderings: one typed answer
-                    per question (``service.answers``), all in one run of the model
+                    per question (``service.decisions``), all in one run of the model
     list_profiles   the profiles in the profiles directory: name, choices, method, threshold
 
 ``create_server(engine, store)`` builds the server around a loaded engine (tests may hand in
@@ -42,8 +42,7 @@ from calibration import (
     ProfileError,
 )
 from judge import Engine, JudgeError, Query
-from judge.decisions import MAX_ORDERINGS, Question
-from service.answers import judge_questions, with_order
+from judge.answers import MAX_ORDERINGS, Question
 from service.decision_log import (
     DecisionLog,
     DecisionLogError,
@@ -51,6 +50,7 @@ from service.decision_log import (
     replayable_query,
     replayable_question,
 )
+from service.decisions import judge_questions, with_order
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
 from service.systemone import wire_answer
@@ -274,7 +274,7 @@ def _plain(value: object) -> dict[str, Any]:
 
 
 def _describe_questions(parameters: dict[str, Any]) -> None:
-    """Put the questions' own schema (``judge.decisions.Question``) in ``decide``'s.
+    """Put the questions' own schema (``judge.answers.Question``) in ``decide``'s.
 
     The SDK derives a tool's schema from its signature, where a question is any object; the
     engine checks each question itself (and names the field), so this only tells clients

@@ -1,7 +1,7 @@
 """``POST /v1/systemone``: typed questions about one state (``service.systemone``).
 
 Served as a shared context is: each question's listings are rendered by
-``judge.decisions.plan_decisions``, prepared within the budget and run as shared rows
+``judge.answers.plan_decisions``, prepared within the budget and run as shared rows
 (``ServiceCore.run_rows``); each answer is decided by its own gate, with the question's order
 spread (``Gate.decide(..., order_spread=...)``), and its verdict is logged before the response,
 as a judgment's is: it can be labelled, audited and replayed.
@@ -15,7 +15,7 @@ import msgspec
 
 from calibration import Overrides
 from judge import Prepared
-from judge.decisions import plan_decisions
+from judge.answers import plan_decisions
 from service.decision_log import LoggedDecision, replayable_question
 from service.errors import TooLargeError, UnprocessableError
 from service.serving_core import ServiceCore, Ticket
@@ -42,7 +42,7 @@ class SystemOneServing:
         served (``JudgeServing._shared``).
 
         Everything is checked before any model work: the model's name, how many questions,
-        each question (``judge.decisions.plan_decisions``), its gate (the profile against the
+        each question (``judge.answers.plan_decisions``), its gate (the profile against the
         engine and its choices), and each listing's size against the budget
         (``ServiceCore.prepare``); every refusal names ``questions.<id>.<field>``. Then the
         listings run as shared rows, the state computed once where the budget allows; each

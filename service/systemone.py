@@ -14,7 +14,7 @@ What the ``systemone-client`` package (0.1.0) sends and reads, plus judge's own 
               reason_codes, certified, threshold, choice_mass, prediction_set, profile),
               raw_probabilities, orderings and order_spread.
 
-A question is ``judge.decisions``'s (its prompt, choices and listings are rendered there); the
+A question is ``judge.answers``'s (its prompt, choices and listings are rendered there); the
 fields beyond the System One core choose its gate, as on ``POST /judge``: ``profile`` names a
 calibration profile fitted for the question's choices (yes/no; the option names; "0".."n-1"
 for a score), ``threshold`` and ``min_choice_mass`` override the profile's or the server's,
@@ -51,7 +51,7 @@ from service.schemas import ProfileName
 
 if TYPE_CHECKING:
     from calibration.policy import Verdict
-    from judge.decisions import Answer
+    from judge.answers import Answer
     from judge.questions import Question
 
 __all__ = [
@@ -257,7 +257,7 @@ def wire_answer(answer: Answer, verdict: Verdict) -> SystemOneAnswer:
     The System One fields are computed from the verdict's probabilities (calibrated when a
     profile applies; the answer's own otherwise), in the question's order of choices.
     """
-    from judge.decisions import ChoiceAnswer, NoulAnswer
+    from judge.answers import ChoiceAnswer, NoulAnswer
 
     order = list(answer.probabilities)
     calibrated = verdict.probabilities

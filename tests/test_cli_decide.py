@@ -16,7 +16,7 @@ import pytest
 
 from calibration import CalibrationProfile, fit_profile, make_policy, save_profile
 from judge import Judge
-from judge.decisions import decide
+from judge.answers import decide
 from service.cli.main import main
 
 STATE = {

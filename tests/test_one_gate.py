@@ -2,7 +2,7 @@
 
 One profile (fitted for the real model's fingerprint) and one set of server defaults; one item,
 asked as a yes/no question about a state. The rendered prompt is the same text on every route
-(the System One question's, ``judge.decisions.plan_decisions``), so with the batch-invariant
+(the System One question's, ``judge.answers.plan_decisions``), so with the batch-invariant
 arithmetic every route must give the same decision, reasons, policy_sha256, tokens_sha256 and
 the same probabilities to the bit: Python (``Gate.judge``), ``judge ask``, ``POST /judge``, a
 batch item, a shared question, ``POST /v1/systemone``, the MCP tools ``judge`` and ``decide``,
@@ -25,7 +25,7 @@ from server import wait_app_ready as wait_ready
 from calibration import CalibrationProfile, FitSettings, PolicyDefaults, fit_profile, save_profile
 from calibration.gate import Gate, Overrides
 from judge import Judge
-from judge.decisions import plan_decisions
+from judge.answers import plan_decisions
 from service import ServiceConfig, create_app
 from service.cli.main import main
 from service.decision_log import open_log

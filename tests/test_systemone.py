@@ -31,7 +31,7 @@ from server import READY_S, Server, free_port
 
 from calibration import CalibrationProfile, FitSettings, fit_profile, make_policy
 from judge import Judgment, Query
-from judge.decisions import plan_decisions
+from judge.answers import plan_decisions
 from service import ServiceConfig, create_app
 from service.client import AsyncJudgeClient, ClientError, JudgeClient
 from service.systemone import (

@@ -6,7 +6,7 @@
 
 The state is a file (``-``: stdin), read as JSON if it parses and as text otherwise. Each
 question is ``ID=JSON`` on the command line, or an entry of ``--questions FILE`` (a JSON
-object, id -> question); a question is ``judge.decisions``'s: ``{"type": "noul" | "choice" |
+object, id -> question); a question is ``judge.answers``'s: ``{"type": "noul" | "choice" |
 "score", "instructions": ..., "criteria": ..., "order": ...}``. ``--profile ID=NAME`` gates
 question ID with the profile NAME from ``--profiles-dir``.
 
@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from calibration import CalibrationProfile, Gate, PolicyDefaults, ProfileError
-from judge.decisions import MAX_ORDERINGS, plan_decisions
-from service.answers import judge_questions, with_order
+from judge.answers import MAX_ORDERINGS, plan_decisions
 from service.cli.common import (
     UsageError,
     load_engine,
@@ -33,6 +32,7 @@ from service.cli.common import (
     positive_int,
     to_json,
 )
+from service.decisions import judge_questions, with_order
 from service.profiles import ProfileStore
 from service.systemone import wire_answer
 

@@ -231,7 +231,7 @@ def _replay_question(
 ) -> tuple[Judgment, Verdict]:
     """A logged System One answer's question, asked again about its state (every listing,
     the state computed once) and decided by ``gate`` with its order spread."""
-    from service.answers import judge_questions
+    from service.decisions import judge_questions
     from service.systemone import SystemOneQuestion
 
     ((qid, raw),) = request["question"].items()

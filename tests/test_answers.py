@@ -1,4 +1,4 @@
-"""Typed decisions over one state (``judge.decisions``): listings, averaging, checks, the model.
+"""Typed decisions over one state (``judge.answers``): listings, averaging, checks, the model.
 
 The mechanics (which listings are judged, that the answer is their mean) run on a fake engine
 whose probabilities depend on where each option is listed; the real model then shows that a
@@ -27,7 +27,7 @@ from judge import (
     TooManyChoicesError,
     forward,
 )
-from judge.decisions import (
+from judge.answers import (
     MAX_LEVELS,
     MAX_OPTIONS,
     MAX_ORDERINGS,

@@ -1,8 +1,8 @@
-"""Typed answers about a state, each decided by its own gate.
+"""Decisions on typed answers about a state, each by its own gate.
 
 What ``judge decide`` prints and the MCP server's ``decide`` tool returns, in the same wire
 form as ``POST /v1/systemone`` (``service.systemone.wire_answer``: one owner): the engine's
-typed answers (``judge.decisions``) with the verdict their gate gives on the answer's judgment
+typed answers (``judge.answers``) with the verdict their gate gives on the answer's judgment
 (``calibration.Gate``: its profile's, else the defaults'), as ``judge ask`` and ``POST /judge``
 decide. With a profile, ``probabilities`` (and noul, choice, score, confidence) are the
 calibrated ones and ``raw_probabilities`` the model's.
@@ -11,7 +11,7 @@ calibrated ones and ``raw_probabilities`` the model's.
     {id: wire_answer(answer, verdict)}                            ->  the wire form
 
 Errors name the field at fault: ``questions.<id>.<field>`` for a question (an
-``InvalidQueryError``, from ``judge.decisions``), ``profiles.<id>`` for a profile that does
+``InvalidQueryError``, from ``judge.answers``), ``profiles.<id>`` for a profile that does
 not fit its question (a ``ProfileMismatchError``).
 """
 
@@ -24,7 +24,7 @@ import msgspec
 
 from calibration import Gate, PolicyDefaults, Verdict
 from judge import Engine, InvalidQueryError
-from judge.decisions import (
+from judge.answers import (
     MAX_ORDERINGS,
     Answer,
     ChoiceQuestion,

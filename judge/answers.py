@@ -1,4 +1,4 @@
-"""Typed decisions over one state: yes/no, one of named options, a level on a scale.
+"""Typed answers about one state: yes/no, one of named options, a level on a scale.
 
 The System One wire format's model of a request (``POST /v1/systemone``): a *state* (a
 document, a ticket, any JSON) and several typed questions about it. Here each question becomes
