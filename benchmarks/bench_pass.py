@@ -132,7 +132,9 @@ def one_token(judge: Judge, invariant: bool) -> Callable[[], object]:
     ids = torch.tensor([judge.tokenizer("Hello").input_ids[-1]])
     if judge._lean is not None:
         lean = judge._lean
-        lanes = Lanes.build([([0], [0], torch.ones(1, 1, dtype=torch.bool))], 1, pad_key=1)
+        lanes = Lanes.build(
+            [([0], [0], torch.ones(1, 1, dtype=torch.bool))], 1, pad_key=1, blocking=lean.blocking
+        )
         at = torch.tensor([0])
         return lambda: lean.run(ids, torch.tensor([0]), lanes, None, at, at)
     decoder = judge.model.get_decoder()

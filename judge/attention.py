@@ -10,16 +10,24 @@ between those cases, and they weigh exactly zero.
 
 ``blocked_attention`` (the batch-invariant arithmetic) gives every query the same work
 whatever surrounds it: PyTorch's fused attention (``scaled_dot_product_attention``) on blocks
-of exactly ``QUERY_BLOCK`` queries of one lane, over that lane's keys from the first, padded
-with hidden keys to a multiple of ``KEY_BLOCK``. On the CPU the fused kernel splits a call of
-32 queries and 512·k keys into one block of queries and blocks of 512 keys, and folds the key
-blocks in order into a running softmax, so a query's numbers depend on its own keys, in their
-own places, and on nothing else: not on the other queries of its block, the other blocks or
-lanes in the call, or how many blocks of keys it cannot see follow (they add exact zeros).
-This is measured, not promised by PyTorch: ``tests/test_lean.py`` checks each of those cases
-bit for bit, and ``tests/test_invariance.py`` whole judgments on the default model. A lane's
-blocks of queries are grouped by the keys they need, so a long causal lane does not pay for the
-masked half of its keys beyond one block of 512.
+of exactly ``Blocking.queries`` queries of one lane, over that lane's keys from the first,
+padded with hidden keys to ``Blocking.keys``: a multiple of ``KEY_STEP`` (at least
+``MIN_KEYS``) for a block that needs at most ``SHORT_KEYS``, else a multiple of ``KEY_BLOCK``.
+On the CPU the fused kernel splits a call into blocks of queries and blocks of at most 512
+keys, and folds the key blocks in order into a running softmax, so a query's numbers depend on
+its own keys, in their own places, and on nothing else: not on the other queries of its
+block or their slots, the other blocks or lanes in the call, or how many hidden keys follow
+(they add exact zeros).
+
+That is measured, not promised by PyTorch, and it is not so on every CPU: with AVX2 kernels
+(emulated on an AMX Xeon), 32 queries a block gave a query other bits at the block's last
+slots, and 64 keys or fewer other bits than 512 on two threads. So each engine measures its own
+``Blocking`` when it is built (``measured_blocking``: the model's head shapes and dtype, this
+machine's kernels and threads), the first of ``QUERY_CANDIDATES`` whose every slot gives the
+same bits and short keys only where they give the bits of 512. ``tests/test_lean.py`` checks
+the cases bit for bit, and ``tests/test_invariance.py`` whole judgments on the default model.
+A lane's blocks of queries are grouped by the keys they need, so a long causal lane does not
+pay for the masked half of its keys beyond one block of 512.
 
 ``lane_sdpa`` is the ordinary arithmetic over the same lanes: one fused call for all lanes,
 keys padded only to a multiple of 64; faster for a batch, and not invariant.
@@ -27,24 +35,124 @@ keys padded only to a multiple of 64; faster for a batch, and not invariant.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
-__all__ = ["KEY_BLOCK", "QUERY_BLOCK", "Lanes", "blocked_attention", "lane_sdpa"]
+from judge.batch_invariant import kernel_setting
 
-# Queries per call block, and the multiple the invariant arithmetic pads keys to: the fused
-# kernel's own block sizes for calls of this shape, so that every call splits the same way.
+__all__ = [
+    "KEY_BLOCK",
+    "QUERY_BLOCK",
+    "Blocking",
+    "Lanes",
+    "blocked_attention",
+    "lane_sdpa",
+    "measured_blocking",
+]
+
+log = logging.getLogger("judge")
+
+# Queries per block of the ordinary arithmetic's layout, and the invariant arithmetic's first
+# candidate; the others are tried in order where a slot of the first gives other bits (a
+# multiple of 6 first: AVX2 kernels compute rows six at a time, and a tail of 1-3 otherwise).
 QUERY_BLOCK = 32
+QUERY_CANDIDATES = (32, 24, 16, 8, 1)
+# The fused kernel's block of keys; a call that needs more than SHORT_KEYS keys is padded to
+# a multiple of it.
 KEY_BLOCK = 512
+# A call needing at most SHORT_KEYS keys gets a multiple of KEY_STEP, at least MIN_KEYS: a
+# ~100-token judgment reads 128 keys instead of 512 (its attention 3.7x faster, AVX2 kernels).
+SHORT_KEYS = 256
+KEY_STEP = 16
+MIN_KEYS = 128
 # Keys are padded to a multiple of this in the ordinary arithmetic.
 ORDINARY_KEY_BLOCK = 64
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """How the batch-invariant attention cuts its calls: ``queries`` per block, and whether a
+    block that needs few keys gets few (``short``), or a multiple of ``KEY_BLOCK`` like any."""
+
+    queries: int = QUERY_BLOCK
+    short: bool = True
+
+    def keys(self, n: int) -> int:
+        """The keys a block of queries that needs the first ``n`` keys of its lane reads."""
+        if self.short and n <= SHORT_KEYS:
+            return max(MIN_KEYS, _round_up(n, KEY_STEP))
+        return _round_up(n, KEY_BLOCK)
+
+
+_MEASURED: dict[tuple[object, ...], Blocking] = {}
+
+
+def measured_blocking(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Blocking:
+    """The ``Blocking`` under which the fused kernel gives a query the same bits wherever it
+    sits, measured on this machine for these head shapes, in ``dtype``, at this number of
+    threads (once per process and shape): the first of ``QUERY_CANDIDATES`` whose every slot
+    gives the same bits at each key count a call may read, with short calls only where they
+    give the bits of ``KEY_BLOCK`` keys."""
+    key = (heads, kv_heads, head_dim, dtype, *kernel_setting())
+    if key not in _MEASURED:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, heads, max(QUERY_CANDIDATES), head_dim, generator=g).to(dtype)
+        k = torch.randn(1, kv_heads, 2 * KEY_BLOCK, head_dim, generator=g).to(dtype)
+        v = torch.randn(1, kv_heads, 2 * KEY_BLOCK, head_dim, generator=g).to(dtype)
+        sizes = (MIN_KEYS, SHORT_KEYS, KEY_BLOCK, 2 * KEY_BLOCK)
+        queries = next(
+            (b for b in QUERY_CANDIDATES if all(_slots_hold(q[:, :, :b], k, v, s) for s in sizes)),
+            None,
+        )
+        block = q[:, :, : queries or 1]
+        short = all(_short_keys_hold(block, k, v, n) for n in (1, 17, 100, MIN_KEYS, SHORT_KEYS))
+        if queries is None or not short:
+            log.warning(
+                "attention: %s",
+                "no block of queries gives every slot the same bits on this CPU: judgments "
+                "may depend on their batch"
+                if queries is None
+                else "short calls give other bits than 512 keys here: padded to 512",
+            )
+        _MEASURED[key] = Blocking(queries=queries or 1, short=short)
+    return _MEASURED[key]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Attention of q (1, Hq, B, D) over the first S keys of k and v, each query seeing its
+    first ``seen`` (B,) of them: the call ``blocked_attention`` makes."""
+    S = k.shape[2]
+    mask = (torch.arange(S)[None, :] < seen[:, None])[None, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+
+
+def _slots_hold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int) -> bool:
+    """Whether each query gets the same bits at every slot of its block, over ``keys`` keys."""
+    B = q.shape[2]
+    seen = torch.arange(B) * (keys - 1) // max(B - 1, 1) + 1  # from 1 key to all of them
+    k, v = k[:, :, :keys], v[:, :, :keys]
+    want = _sdpa(q, k, v, seen)
+    return all(
+        torch.equal(_sdpa(q.roll(s, 2), k, v, seen.roll(s)), want.roll(s, 2)) for s in range(1, B)
+    )
+
+
+def _short_keys_hold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> bool:
+    """Whether a block whose queries see at most ``n`` keys gets the same bits from the short
+    call ``Blocking().keys(n)`` as from KEY_BLOCK and 2 KEY_BLOCK keys."""
+    B = q.shape[2]
+    seen = torch.arange(B) * (n - 1) // max(B - 1, 1) + 1
+    outs = [_sdpa(q, k[:, :, :S], v[:, :, :S], seen) for S in (Blocking().keys(n), KEY_BLOCK)]
+    outs.append(_sdpa(q, k, v, seen))
+    return all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 @dataclass(frozen=True)
@@ -55,8 +163,8 @@ class _Call:
     lane: int
     first: int
     end: int
-    queries: torch.Tensor  # ((end - first) * QUERY_BLOCK,) long: fed indices (padding: 0)
-    visible: torch.Tensor  # (end - first, 1, QUERY_BLOCK, keys) bool
+    queries: torch.Tensor  # ((end - first) * B,) long: fed indices (padding: 0), B a block
+    visible: torch.Tensor  # (end - first, 1, B, keys) bool
     keys: int
 
 
@@ -70,11 +178,11 @@ class Lanes:
     """
 
     key_index: torch.Tensor  # (L, S) long
-    query_index: torch.Tensor  # (L, Q) long, Q a multiple of QUERY_BLOCK
+    query_index: torch.Tensor  # (L, Q) long, Q a multiple of the block of queries
     visible: torch.Tensor  # (L, Q, S) bool: the query may see the key
     n_fed: int
     # The invariant arithmetic's calls, and each fed token's row in their outputs, one call
-    # after the other; without ``blocked``, each fed token's row in the (L * Q) lane outputs.
+    # after the other; without a blocking, each fed token's row in the (L * Q) lane outputs.
     calls: tuple[_Call, ...]
     back: torch.Tensor  # (n_fed,) long
     # Zero keys the bank must end with. One lane whose keys are the bank's own, in order (a
@@ -89,16 +197,16 @@ class Lanes:
         lanes: Sequence[tuple[Sequence[int], Sequence[int], torch.Tensor]],
         n_fed: int,
         pad_key: int,
-        blocked: bool = True,
+        blocking: Blocking | None = Blocking(),
     ) -> Lanes:
         """``lanes``: per lane, its keys (bank indices), its queries (fed indices) and which
         keys each query sees, (queries, keys) bool. Every fed token is the query of exactly
-        one lane, and every query sees at least one key. ``blocked``: laid out for
-        ``blocked_attention`` (keys padded to KEY_BLOCK), else for ``lane_sdpa``."""
-        S = _round_up(
-            max(len(k) for k, _, _ in lanes), KEY_BLOCK if blocked else ORDINARY_KEY_BLOCK
-        )
-        Q = _round_up(max(len(q) for _, q, _ in lanes), QUERY_BLOCK)
+        one lane, and every query sees at least one key. ``blocking``: laid out for
+        ``blocked_attention`` in these blocks, else (None) for ``lane_sdpa``."""
+        longest = max(len(k) for k, _, _ in lanes)
+        S = blocking.keys(longest) if blocking else _round_up(longest, ORDINARY_KEY_BLOCK)
+        block = blocking.queries if blocking else QUERY_BLOCK
+        Q = _round_up(max(len(q) for _, q, _ in lanes), block)
         L = len(lanes)
         key_index = torch.full((L, S), pad_key, dtype=torch.long)
         query_index = torch.zeros((L, Q), dtype=torch.long)  # padding reads query 0
@@ -113,11 +221,11 @@ class Lanes:
             slot[lane, : len(queries)] = fed
         calls: list[_Call] = []
         rows: list[torch.Tensor] = []  # per call, the fed token of each of its output rows
-        if blocked:
+        if blocking:
             for lane, (_, queries, _) in enumerate(lanes):
-                for call in _calls(lane, visible[lane], query_index[lane], len(queries)):
+                for call in _calls(lane, visible[lane], query_index[lane], len(queries), blocking):
                     calls.append(call)
-                    rows.append(slot[lane, call.first * QUERY_BLOCK : call.end * QUERY_BLOCK])
+                    rows.append(slot[lane, call.first * block : call.end * block])
         else:
             rows = [slot.view(-1)]
         order = torch.cat(rows)
@@ -147,26 +255,29 @@ class Lanes:
         )
 
 
-def _calls(lane: int, seen: torch.Tensor, queries: torch.Tensor, n: int) -> list[_Call]:
-    """The calls for one lane's first ``n`` queries: runs of query blocks that need the same
-    number of keys, rounded up to KEY_BLOCK."""
-    blocks = _round_up(n, QUERY_BLOCK) // QUERY_BLOCK
+def _calls(
+    lane: int, seen: torch.Tensor, queries: torch.Tensor, n: int, blocking: Blocking
+) -> list[_Call]:
+    """The calls for one lane's first ``n`` queries: runs of query blocks that read the same
+    number of keys (``blocking.keys``)."""
+    B = blocking.queries
+    blocks = _round_up(n, B) // B
     S = seen.shape[1]
-    by_block = seen[: blocks * QUERY_BLOCK].view(blocks, QUERY_BLOCK, S).any(dim=1)
-    needed = [_round_up(int(b.nonzero()[-1]) + 1, KEY_BLOCK) for b in by_block]
+    by_block = seen[: blocks * B].view(blocks, B, S).any(dim=1)
+    needed = [blocking.keys(int(b.nonzero()[-1]) + 1) for b in by_block]
     out: list[_Call] = []
     first = 0
     for i in range(1, blocks + 1):
         if i == blocks or needed[i] != needed[first]:
             keys = needed[first]
-            window = seen[first * QUERY_BLOCK : i * QUERY_BLOCK, :keys]
+            window = seen[first * B : i * B, :keys]
             out.append(
                 _Call(
                     lane=lane,
                     first=first,
                     end=i,
-                    queries=queries[first * QUERY_BLOCK : i * QUERY_BLOCK].clone(),
-                    visible=window.reshape(i - first, 1, QUERY_BLOCK, keys).clone(),
+                    queries=queries[first * B : i * B].clone(),
+                    visible=window.reshape(i - first, 1, B, keys).clone(),
                     keys=keys,
                 )
             )
@@ -192,15 +303,15 @@ def blocked_attention(
     keys, values = _lane_keys(bank_k, lanes), _lane_keys(bank_v, lanes)  # (L, Hkv, S, D)
     outs = []
     for call in lanes.calls:
-        blocks = call.visible.shape[0]
-        qc = q.index_select(0, call.queries).view(blocks, QUERY_BLOCK, Hq, D).transpose(1, 2)
+        blocks, _, B, _ = call.visible.shape
+        qc = q.index_select(0, call.queries).view(blocks, B, Hq, D).transpose(1, 2)
         # The lane's keys, shared (stride 0) by the call's query blocks.
         kc = keys[call.lane : call.lane + 1, :, : call.keys].expand(blocks, -1, -1, -1)
         vc = values[call.lane : call.lane + 1, :, : call.keys].expand(blocks, -1, -1, -1)
         out = F.scaled_dot_product_attention(
             qc, kc, vc, attn_mask=call.visible, scale=scale, enable_gqa=True
         )  # (blocks, Hq, Bq, D)
-        outs.append(out.transpose(1, 2).reshape(blocks * QUERY_BLOCK, Hq * D))
+        outs.append(out.transpose(1, 2).reshape(blocks * B, Hq * D))
     return torch.cat(outs).index_select(0, lanes.back)
 
 

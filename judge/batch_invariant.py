@@ -11,9 +11,13 @@ layers carry it to the probabilities (0.024 measured on the default model).
 Inside ``invariant_ops()`` two operations are replaced, on this thread only (a torch function
 mode is thread-local):
 
-* ``F.linear`` runs on chunks of exactly ``ROWS`` tokens, the last one padded with zeros. A
+* ``F.linear`` (and ``torch.addmm`` with a bias vector, GPT-2's ``Conv1D``) runs on chunks
+  of exactly ``ROWS`` tokens, the last one padded with zeros. A
   product of one fixed shape is one kernel with one order of summation, so each token's row
-  is the same whatever its neighbours and whichever slot of the chunk it lands in.
+  is the same whatever its neighbours. Whichever slot of the chunk it lands in is measured,
+  not assumed (``measured_rows``): with AVX2 kernels a product computes rows six at a time
+  and a tail of one to three rows another way, so the last slots of a 32-row chunk get other
+  bits for some weight shapes; then another chunk size is taken.
 * ``F.scaled_dot_product_attention`` is computed by its reference definition (softmax of
   scaled scores plus mask, times values) in float64 and rounded once to the input's dtype.
   Masked keys weigh exactly zero; the keys that count are summed in float64, whose rounding
@@ -34,6 +38,8 @@ default ``sdpa`` implementation of transformers); for another, ``Judge`` raises 
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,7 +49,20 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["QUERY_ROWS", "ROOT_ROWS", "ROWS", "invariant_linear", "invariant_ops", "invariant_sdpa"]
+__all__ = [
+    "QUERY_ROWS",
+    "ROOT_ROWS",
+    "ROWS",
+    "invariant_addmm",
+    "invariant_linear",
+    "invariant_ops",
+    "invariant_sdpa",
+    "kernel_setting",
+    "measured_rows",
+    "slot_invariant",
+]
+
+log = logging.getLogger("judge")
 
 # Tokens per matrix product: every product has this shape, so one kernel and one order of
 # summation. 32 keeps the padding of a short pass small; on the machine measured (2 EPYC cores),
@@ -53,20 +72,96 @@ ROWS = 32
 ROOT_ROWS = 8
 # Queries per block of float64 attention: (heads, 256, keys) scores at a time.
 QUERY_ROWS = 256
+# Chunk sizes tried, in order, after the preferred one where a slot of it gives other bits:
+# multiples of 6 first (AVX2 kernels compute rows six at a time), and 1 last (one row a
+# product is the same product whatever the batch). Only those up to twice the preferred size.
+ROW_CANDIDATES = (24, 48, 12, 6, 1)
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+_MEASURED_ROWS: dict[tuple[object, ...], int] = {}
+
+
+def slot_invariant(product: Product, rows: int, weight: torch.Tensor) -> bool:
+    """Whether ``product`` of ``rows`` rows gives each row the same bits at every slot:
+    a seeded random input rolled through every slot, the output rolled back."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, weight.shape[1], generator=g).to(weight)
+    want = product(x)
+    return all(torch.equal(product(x.roll(s, 0)), want.roll(s, 0)) for s in range(1, rows))
+
+
+def measured_rows(
+    make: Callable[[int], Product], preferred: int, weight: torch.Tensor, kind: str
+) -> tuple[int, Product]:
+    """The chunk size whose product (``make(rows)``, in its own ``kind`` of kernel) gives
+    every slot the same bits, and that product: ``preferred`` where it does, else the first
+    of ``ROW_CANDIDATES`` up to twice it that does. Measured once per process for each weight
+    shape and dtype, kind, number of threads and kernel capability."""
+    key = (kind, tuple(weight.shape), weight.dtype, preferred, *kernel_setting())
+    known = _MEASURED_ROWS.get(key)
+    if known is not None:
+        return known, make(known)
+    candidates = [preferred, *(r for r in ROW_CANDIDATES if r != preferred and r <= 2 * preferred)]
+    for rows in candidates:
+        product = make(rows)
+        if slot_invariant(product, rows, weight):
+            if rows != preferred:
+                log.info(
+                    "%s %s %s: %d-row products give other bits at some slots here; %d rows",
+                    kind,
+                    list(weight.shape),
+                    weight.dtype,
+                    preferred,
+                    rows,
+                )
+            _MEASURED_ROWS[key] = rows
+            return rows, product
+    log.warning(
+        "%s %s: no chunk size gives every slot the same bits on this CPU; judgments may "
+        "depend on their batch",
+        kind,
+        list(weight.shape),
+    )
+    _MEASURED_ROWS[key] = preferred
+    return preferred, make(preferred)
+
+
+def kernel_setting() -> tuple[int, str]:
+    """What decides which kernels run, besides the shapes: the threads and the CPU capability
+    torch dispatches to (AVX2, AVX512, ...). A measurement holds for this setting only."""
+    return torch.get_num_threads(), str(torch.backends.cpu.get_cpu_capability())
 
 
 def invariant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = ROWS
 ) -> torch.Tensor:
-    """``F.linear`` on chunks of exactly ``rows`` rows: each row's result is independent of
-    how many rows came with it."""
-    flat = x.reshape(-1, x.shape[-1])
+    """``F.linear`` on chunks of exactly ``rows`` rows (or the size ``measured_rows`` takes
+    instead for this weight): each row's result is independent of how many rows came with it
+    and of its slot among them."""
+    product = functools.partial(F.linear, weight=weight, bias=bias)
+    rows, _ = measured_rows(lambda _: product, rows, weight, "F.linear")
+    out = _chunked(product, x.reshape(-1, x.shape[-1]), rows)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_addmm(
+    bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rows: int = ROWS
+) -> torch.Tensor:
+    """``torch.addmm(bias, x, weight)`` (the product of GPT-2's ``Conv1D``: x (n, in), weight
+    (in, out), a bias per output) as ``invariant_linear`` computes a product."""
+    product = functools.partial(torch.addmm, bias, mat2=weight)
+    rows, _ = measured_rows(lambda _: product, rows, weight.T, "torch.addmm")
+    return _chunked(product, x, rows)
+
+
+def _chunked(product: Product, flat: torch.Tensor, rows: int) -> torch.Tensor:
+    """``product`` of (n, in) ``flat`` on chunks of exactly ``rows`` rows, the last one padded
+    with zero rows, the padding's results cut off."""
     n = flat.shape[0]
     pad = -n % rows
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-    out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(rows)])
-    return out[:n].reshape(*x.shape[:-1], weight.shape[0])
+    return torch.cat([product(chunk) for chunk in flat.split(rows)])[:n]
 
 
 def invariant_sdpa(
@@ -143,6 +238,8 @@ class _InvariantMode(TorchFunctionMode):
             x, weight, *rest = args
             bias = rest[0] if rest else kwargs.get("bias")
             return invariant_linear(x, weight, bias, rows=self.rows)
+        if func is torch.addmm and len(args) == 3 and not kwargs and args[0].dim() == 1:
+            return invariant_addmm(*args, rows=self.rows)
         if func is F.scaled_dot_product_attention:
             return invariant_sdpa(*args, **kwargs)
         return func(*args, **kwargs)

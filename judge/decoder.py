@@ -40,7 +40,7 @@ from torch.nn import functional as F
 
 from judge import attention
 from judge.attention import Lanes
-from judge.batch_invariant import ROOT_ROWS
+from judge.batch_invariant import ROOT_ROWS, measured_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -147,8 +147,9 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None) -
 
 class _Product:
     """``x @ weight.T + bias`` over the rows of x: in chunks of exactly ``rows`` rows (the
-    batch-invariant arithmetic), or in one product (``rows`` None); on a packed copy of the
-    weight unless ``pack`` is False."""
+    batch-invariant arithmetic; the size ``measured_rows`` finds gives each row the same bits
+    at every slot of its chunk, ``rows`` where it does), or in one product (``rows`` None); on
+    a packed copy of the weight unless ``pack`` is False."""
 
     def __init__(
         self,
@@ -157,10 +158,18 @@ class _Product:
         rows: int | None,
         pack: bool = True,
     ) -> None:
-        self.weight, self.bias, self.rows = weight, bias, rows
-        cpu = weight.device.type == "cpu"
-        packed = _packed(weight, bias, rows) if pack and cpu else None
-        self.op = packed or (lambda x: F.linear(x, weight, bias))
+        self.weight, self.bias = weight, bias
+        pack = pack and weight.device.type == "cpu"
+
+        def make(n: int | None) -> Callable[[torch.Tensor], torch.Tensor]:
+            packed = _packed(weight, bias, n) if pack else None
+            return packed or (lambda x: F.linear(x, weight, bias))
+
+        if rows is None:
+            self.rows, self.op = None, make(None)
+        else:
+            kind = "packed product" if pack else "product"
+            self.rows, self.op = measured_rows(make, rows, weight, kind)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
         if self.rows is None or x.shape[0] == self.rows:
@@ -281,6 +290,12 @@ class LeanDecoder:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(decoder.layers[0].self_attn.head_dim)
+        # The batch-invariant attention's blocks, measured for these heads on this machine.
+        self.blocking = (
+            attention.measured_blocking(self.heads, self.kv_heads, self.head_dim, model.dtype)
+            if rows
+            else None
+        )
         self._output = model.get_output_embeddings()
         self._lock = threading.Lock()
         self._pack()
@@ -318,6 +333,13 @@ class LeanDecoder:
             )
         self._params = self._parameters()
         self._packed_as = self._signature()
+
+    def product_rows(self) -> list[int]:
+        """The chunk sizes of the blocks' products (``measured_rows``: one per weight shape
+        unless a shape's slots round otherwise at the preferred size)."""
+        products = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up)]
+        products += [layer.down for layer in self.layers]
+        return sorted({p.rows for p in products if p.rows is not None})
 
     def refresh(self, replaced: bool = True) -> None:
         """Pack again if a parameter was written to since the last packing, or (``replaced``,

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from judge.attention import Lanes
+from judge.attention import Blocking, Lanes
 from judge.batch_invariant import ROOT_ROWS, invariant_ops
 from judge.prefix_cache import Block, PrefixCache
 from judge.trie import ChoiceTrie, common_prefix_length
@@ -370,7 +370,7 @@ def _lean_pass(
     roots = read[torch.tensor(first_node, device=device)]  # (N,)
     ids = torch.tensor([t for r in fed for t in r.tokens], device=device)
     positions = torch.tensor([p for r in fed for p in r.positions], device=device)
-    lanes = _lanes(fed, past, offsets, blocked=lean.rows is not None).to(device)
+    lanes = _lanes(fed, past, offsets, lean.blocking).to(device)
     kv = cache.concatenated(feed.chains) if cache is not None and any(feed.chains) else None
     inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
     out = lean.run(ids, positions, lanes, kv, read, roots, inner, keep_kv=cache is not None)
@@ -387,7 +387,7 @@ def _lean_pass(
 
 
 def _lanes(
-    fed: Sequence[_Row], past: Sequence[int], offsets: Sequence[int], blocked: bool
+    fed: Sequence[_Row], past: Sequence[int], offsets: Sequence[int], blocking: Blocking | None
 ) -> Lanes:
     """Each row's lanes (``judge.attention``): per trie, the row's past and chain, then the
     trie's branch. The chain's queries read the first lane, each branch's its own. Keys index
@@ -407,7 +407,7 @@ def _lanes(
             keys = chain_keys + list(range(fed_key + start, fed_key + end))
             visible = seen[queries][:, cols]
             lanes.append((keys, [offsets[b] + q for q in queries], visible))
-    return Lanes.build(lanes, offsets[-1], pad_key=total_past + offsets[-1], blocked=blocked)
+    return Lanes.build(lanes, offsets[-1], pad_key=total_past + offsets[-1], blocking=blocking)
 
 
 def _ancestry(row: _Row, past: int) -> torch.Tensor:
@@ -494,9 +494,7 @@ def prefill(
         n = end - start
         device = model.get_output_embeddings().weight.device
         causal = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-        lanes = Lanes.build(
-            [(range(start + n), range(n), causal)], n, start + n, blocked=lean.rows is not None
-        )
+        lanes = Lanes.build([(range(start + n), range(n), causal)], n, start + n, lean.blocking)
         done = lean.run(
             ids=torch.tensor(list(tokens[start:end]), device=device),
             positions=torch.arange(start, end, device=device),

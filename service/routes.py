@@ -92,6 +92,7 @@ async def ready(service: NamedDependency[Service]) -> Response[dict[str, object]
                 "model": engine.model_id,
                 "dtype": engine.dtype,
                 "batch_invariant": bool(getattr(engine, "batch_invariant", False)),
+                **({"arithmetic": a} if (a := getattr(engine, "arithmetic", None)) else {}),
             }
         )
     if service.failure:

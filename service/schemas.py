@@ -365,4 +365,7 @@ class ReadyResponse(msgspec.Struct, frozen=True, kw_only=True):
     # When ready: whether a judgment's probabilities are independent of its batch and of the
     # prefix cache (judge.batch_invariant; off with judge serve --batch-variant).
     batch_invariant: bool | None = None
+    # When ready, where the engine says: the arithmetic in words (``Judge.arithmetic``: the
+    # chunk and block sizes measured for this machine's kernels).
+    arithmetic: str | None = None
     detail: str | None = None  # why loading failed

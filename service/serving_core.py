@@ -147,11 +147,12 @@ class ServiceCore:
         # Coalesce by the rule the engine packs by: the lean pass pads nothing.
         self.batcher.padded = getattr(engine, "decoder_pass", "generic") != "lean"
         log.info(
-            "ready: model %s, dtype %s, batch-invariant %s, %s pass",
+            "ready: model %s, dtype %s, batch-invariant %s, %s pass%s",
             engine.model_id,
             engine.dtype,
             getattr(engine, "batch_invariant", False),
             getattr(engine, "decoder_pass", "generic"),
+            f"; arithmetic {a}" if (a := getattr(engine, "arithmetic", None)) else "",
         )
 
     def _check_budget(self, engine: Engine) -> None:

@@ -35,11 +35,16 @@ from transformers import (
 from judge import Judge, Query
 from judge.attention import (
     KEY_BLOCK,
+    MIN_KEYS,
     QUERY_BLOCK,
+    SHORT_KEYS,
+    Blocking,
     Lanes,
     blocked_attention,
     lane_sdpa,
+    measured_blocking,
 )
+from judge.batch_invariant import measured_rows
 from judge.decoder import _Product, lean_unsupported
 from judge.engine import shared_query
 
@@ -244,11 +249,14 @@ def test_blocked_attention_is_attention(length: int) -> None:
     values = torch.randn(Hkv, length, D, generator=g)
     want = _by_definition(q, keys, values, seen, 0.3).float()
     junk = torch.randn(Hkv, 1, D, generator=g)
-    for blocked, attend in ((True, blocked_attention), (False, lane_sdpa)):
+    blockings = (Blocking(), Blocking(queries=24), Blocking(short=False))
+    for blocking, attend in [*((b, blocked_attention) for b in blockings), (None, lane_sdpa)]:
         # The bank is the lane, or the lane's keys are gathered from behind another key.
         for first in (0, 1):
             lane_keys = range(first, first + length)
-            lanes = Lanes.build([(lane_keys, range(length), seen)], length, first + length, blocked)
+            lanes = Lanes.build(
+                [(lane_keys, range(length), seen)], length, first + length, blocking
+            )
             assert lanes.contiguous == (first == 0)
             bank_k = _padded(torch.cat([junk, keys], 1)[:, 1 - first :], lanes)
             bank_v = _padded(torch.cat([junk, values], 1)[:, 1 - first :], lanes)
@@ -264,10 +272,12 @@ def _padded(bank: torch.Tensor, lanes: Lanes) -> torch.Tensor:
 def test_a_querys_attention_does_not_depend_on_what_surrounds_its_lane(dtype: torch.dtype) -> None:
     """The same lane alone; beside longer and shorter lanes (so padded to more key blocks,
     in calls of their own); behind a past of other rows in the bank; with its first keys as
-    the cached past and only the rest fed: the same bits. The lane is long enough for two
-    calls (its late queries need a second block of keys)."""
+    the cached past and only the rest fed: the same bits, in the blocks measured for these
+    heads on this machine. The lane is long enough for short calls and calls of a second
+    block of keys."""
     g = torch.Generator().manual_seed(7)
     Hq, Hkv, D, n = 6, 2, 16, KEY_BLOCK + 90
+    blocking = measured_blocking(Hq, Hkv, D, dtype)
     seen = _tree_lane(n, g)
     keys = torch.randn(Hkv, n, D, generator=g).to(dtype)
     values = torch.randn(Hkv, n, D, generator=g).to(dtype)
@@ -276,12 +286,13 @@ def test_a_querys_attention_does_not_depend_on_what_surrounds_its_lane(dtype: to
     def run(
         lanes: list[Any], q_all: torch.Tensor, bank_k: torch.Tensor, bank_v: torch.Tensor
     ) -> torch.Tensor:
-        built = Lanes.build(lanes, q_all.shape[0], pad_key=bank_k.shape[1])
+        built = Lanes.build(lanes, q_all.shape[0], pad_key=bank_k.shape[1], blocking=blocking)
         bank_k, bank_v = _padded(bank_k, built), _padded(bank_v, built)
         return blocked_attention(q_all, bank_k, bank_v, built, 0.25)
 
     alone = run([(range(n), range(n), seen)], q, keys, values)  # the bank read as it is
-    assert len(Lanes.build([(range(n), range(n), seen)], n, n).calls) == 2
+    read = {c.keys for c in Lanes.build([(range(n), range(n), seen)], n, n, blocking).calls}
+    assert len(read) >= 2 and max(read) == 2 * KEY_BLOCK
 
     # Beside two other lanes (one longer, one shorter), fed after them, with their past first.
     other = [(3 * KEY_BLOCK, 30), (7, 3)]  # (keys, queries) of each neighbour
@@ -310,41 +321,103 @@ def test_a_querys_attention_does_not_depend_on_what_surrounds_its_lane(dtype: to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_products_give_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """At every slot of its chunk, in a chunk of its own, padded or not: a row's bits, in the
+    chunk size measured for this (small) weight on this machine (32 where it holds)."""
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(96, 64, generator=g).to(dtype)
     bias = torch.randn(96, generator=g).to(dtype)
     product = _Product(weight, bias, rows=32)
-    x = torch.randn(96, 64, generator=g).to(dtype)
+    R = product.rows
+    assert R is not None and R <= 64
+    x = torch.randn(3 * R, 64, generator=g).to(dtype)
     full = product(x)
     assert torch.allclose(full.float(), F.linear(x, weight, bias).float(), atol=0.05, rtol=0.02)
-    for start in (0, 5, 33):
-        part = x[start : start + 32]  # the same rows at other slots of their chunk
-        placed = torch.cat(
-            [torch.zeros(7, 64, dtype=dtype), part, torch.zeros(25, 64, dtype=dtype)]
-        )
-        assert torch.equal(product(placed)[7:39], full[start : start + 32])
-    one = product(torch.cat([x[3:4], x.new_zeros(31, 64)]))[:1]
+    for start in (0, 5, R + 1):
+        part = x[start : start + R]  # the same rows at other slots of their chunk
+        zeros = [torch.zeros(n, 64, dtype=dtype) for n in (7, R - 7)]
+        placed = torch.cat([zeros[0], part, zeros[1]])
+        assert torch.equal(product(placed)[7 : 7 + R], full[start : start + R])
+    one = product(torch.cat([x[3:4], x.new_zeros(R - 1, 64)]))[:1]
     assert torch.equal(one, full[3:4])
     assert torch.equal(product(x[3:5]), full[3:5])  # a short input is padded to a chunk
-    assert torch.equal(product(x[:40])[32:], full[32:40])
+    assert torch.equal(product(x[: R + 8])[R:], full[R : R + 8])
+
+
+def test_a_chunk_size_whose_last_slots_round_otherwise_is_not_used() -> None:
+    """A product that gives the last two slots of a 32-row chunk other bits (as AVX2 kernels
+    do for some shapes: rows six at a time, a tail of two another way) is measured, and the
+    next size that holds is taken, once per shape."""
+    weight = torch.randn(40, 16)
+    made: list[int] = []
+
+    def make(rows: int) -> Any:
+        made.append(rows)
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            out = F.linear(x, weight)
+            if rows % 6 in (1, 2, 3):  # the tail rows, rounded another way
+                out[-(rows % 6) :] += 1e-3
+            return out
+
+        return product
+
+    rows, product = measured_rows(make, 32, weight, "test tail")
+    assert rows == 24 and made == [32, 24]
+    x = torch.randn(24, 16)
+    assert torch.equal(product(x.roll(5, 0)), product(x).roll(5, 0))
+    again, _ = measured_rows(make, 32, weight, "test tail")
+    assert again == 24 and made == [32, 24, 24]  # not measured twice
+    # A product that holds at its preferred size keeps it (a row's own arithmetic only).
+    assert measured_rows(lambda _: lambda x: x * 2, 32, weight, "test")[0] == 32
+
+
+def test_the_measured_attention_blocks_give_every_slot_the_same_bits() -> None:
+    blocking = measured_blocking(9, 3, 64, torch.float32)
+    assert blocking is measured_blocking(9, 3, 64, torch.float32)  # measured once
+    g = torch.Generator().manual_seed(3)
+    B = blocking.queries
+    q = torch.randn(1, 9, B, 64, generator=g)
+    k, v = torch.randn(1, 3, 200, 64, generator=g), torch.randn(1, 3, 200, 64, generator=g)
+    S = blocking.keys(200)
+    k, v = F.pad(k, (0, 0, 0, S - 200)), F.pad(v, (0, 0, 0, S - 200))
+    seen = torch.randint(1, 201, (B,), generator=g)
+    mask = (torch.arange(S)[None, :] < seen[:, None])[None, None]
+
+    def attend(q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    want = attend(q, mask)
+    for s in range(1, B):
+        assert torch.equal(attend(q.roll(s, 2), mask.roll(s, 2)), want.roll(s, 2))
 
 
 def test_lanes_lay_out_keys_queries_and_calls() -> None:
     """Every fed token is some lane's query, ``back`` finds each one's output row, and a
-    lane's blocks of queries are grouped by the keys they need."""
+    lane's blocks of queries are grouped by the keys they read: a block that needs few keys
+    reads a few (at least MIN_KEYS), one that needs more than SHORT_KEYS whole blocks of
+    KEY_BLOCK."""
     seen = torch.ones(3, 5, dtype=torch.bool).tril(2)
     lanes = Lanes.build([([0, 1, 5, 6, 7], [2, 0, 1], seen)], n_fed=3, pad_key=8)
-    assert lanes.key_index.shape == (1, KEY_BLOCK)
+    assert lanes.key_index.shape == (1, MIN_KEYS)
     assert lanes.query_index.shape == (1, QUERY_BLOCK)
     assert lanes.back.tolist() == [1, 2, 0]  # fed token 2 is the lane's first query
     assert lanes.key_index[0, 5:].eq(8).all()  # padding reads the zero key
     assert not lanes.contiguous and lanes.pad_keys == 1
     whole = Lanes.build([(range(5), [0, 1, 2], seen)], n_fed=3, pad_key=5)
-    assert whole.contiguous and whole.pad_keys == KEY_BLOCK - 5  # the bank is the lane
+    assert whole.contiguous and whole.pad_keys == MIN_KEYS - 5  # the bank is the lane
+    padded = Lanes.build([(range(5), [0, 1, 2], seen)], 3, 5, Blocking(short=False))
+    assert padded.key_index.shape == (1, KEY_BLOCK)
     n = 2 * KEY_BLOCK
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     long = Lanes.build([(range(n), range(n), causal)], n_fed=n, pad_key=n)
+    B = QUERY_BLOCK
+    short = SHORT_KEYS // B  # blocks that need at most SHORT_KEYS keys
     assert [(c.first, c.end, c.keys) for c in long.calls] == [
-        (0, KEY_BLOCK // QUERY_BLOCK, KEY_BLOCK),
-        (KEY_BLOCK // QUERY_BLOCK, n // QUERY_BLOCK, n),
+        (0, MIN_KEYS // B, MIN_KEYS),  # the first blocks all read MIN_KEYS
+        *((i, i + 1, (i + 1) * B) for i in range(MIN_KEYS // B, short)),
+        (short, KEY_BLOCK // B, KEY_BLOCK),
+        (KEY_BLOCK // B, n // B, n),
     ]
+    blocks24 = Lanes.build([(range(n), range(n), causal)], n, n, Blocking(queries=24))
+    assert blocks24.query_index.shape == (1, 1032)  # 43 blocks of 24
+    assert all(c.visible.shape[2] == 24 for c in blocks24.calls)

@@ -583,10 +583,17 @@ def test_not_ready_until_loaded(tmp_path: Path, judge: Judge) -> None:
         finally:
             logger.removeHandler(lines)
             logger.setLevel(level)
-        assert json.loads(c.get("/ready").text)["model"] == judge.model_id
+        body = json.loads(c.get("/ready").text)
+        assert body["model"] == judge.model_id
     # The ready line names the decoder: the default model takes the lean pass.
     ready = [line for line in lines.lines if line.startswith("ready:")]
-    assert len(ready) == 1 and ready[0].endswith("batch-invariant True, lean pass"), ready
+    assert len(ready) == 1 and "batch-invariant True, lean pass; arithmetic " in ready[0], ready
+    # It and /ready say which chunk and block sizes this machine's kernels measured.
+    arithmetic = body["arithmetic"]
+    assert arithmetic == judge.arithmetic and ready[0].endswith(arithmetic)
+    assert re.search(
+        r"chunks of \d+( or \d+)* rows, attention in blocks of \d+ queries", arithmetic
+    )
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
