@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -421,3 +427,35 @@ def test_lanes_lay_out_keys_queries_and_calls() -> None:
     blocks24 = Lanes.build([(range(n), range(n), causal)], n, n, Blocking(queries=24))
     assert blocks24.query_index.shape == (1, 1032)  # 43 blocks of 24
     assert all(c.visible.shape[2] == 24 for c in blocks24.calls)
+
+
+# The kernels of an AVX2-only CPU, on any x86 machine: torch's own (ATEN_CPU_CAPABILITY),
+# oneDNN's and MKL's. On an AVX2-only CPU they are the ones it runs anyway.
+AVX2 = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "DNNL_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+INVARIANCE = (
+    "depend_on_their_batch or surrounds_its_lane or same_bits_in_any_batch "
+    "or measured_attention_blocks or lone_bits"
+)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernels only")
+def test_the_invariance_holds_with_an_avx2_cpus_kernels() -> None:
+    """The batch-invariance tests of the lean and the generic pass (tiny models) again in a
+    process limited to AVX2 kernels, where a 32-row product and a 32-query attention block
+    gave their last slots other bits: whatever this machine is, the arithmetic is measured for
+    the kernels it runs."""
+    here = Path(__file__).resolve().parent
+    files = [str(here / "test_lean.py"), str(here / "test_generic_pass.py")]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", INVARIANCE, *files],
+        env={**os.environ, **AVX2},
+        capture_output=True,
+        text=True,
+        cwd=here.parent,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert re.search(r"(\d+) passed", run.stdout) and " failed" not in run.stdout
