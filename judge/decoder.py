@@ -40,7 +40,7 @@ from torch.nn import functional as F
 
 from judge import attention
 from judge.attention import Lanes
-from judge.batch_invariant import ROOT_ROWS, measured_rows
+from judge.batch_invariant import ROOT_ROWS, kernel_setting, measured_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -340,6 +340,19 @@ class LeanDecoder:
         products = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up)]
         products += [layer.down for layer in self.layers]
         return sorted({p.rows for p in products if p.rows is not None})
+
+    def arithmetic(self) -> str:
+        """The batch-invariant arithmetic's sizes, as measured, in words."""
+        if self.blocking is None:
+            return "ordinary (a judgment's last bits may depend on its batch)"
+        rows = " or ".join(str(r) for r in self.product_rows())
+        keys = "few keys for short blocks" if self.blocking.short else "keys in blocks of 512"
+        threads, capability = kernel_setting()
+        return (
+            f"batch-invariant: products in chunks of {rows} rows, attention in blocks of "
+            f"{self.blocking.queries} queries, {keys} (measured for {capability} kernels, "
+            f"{threads} threads)"
+        )
 
     def refresh(self, replaced: bool = True) -> None:
         """Pack again if a parameter was written to since the last packing, or (``replaced``,

@@ -185,25 +185,13 @@ class Judge:
 
     @property
     def arithmetic(self) -> str:
-        """Which arithmetic the passes run, in words: batch-invariant or not, and for the lean
-        pass the chunk and block sizes measured for this machine's kernels (what ``/ready``
-        and the server's ready line say)."""
-        from judge.batch_invariant import kernel_setting
-
+        """Which arithmetic the passes run, in words (what ``/ready`` and the server's ready
+        line say): for the lean pass, the sizes measured for this machine's kernels."""
         if not self.batch_invariant:
             return "ordinary (a judgment's last bits may depend on its batch)"
         if self._lean is None:
             return "batch-invariant: products in chunks of 32 rows, float64 attention"
-        rows = " or ".join(str(r) for r in self._lean.product_rows())
-        blocking = self._lean.blocking
-        assert blocking is not None  # the invariant lean pass has one
-        keys = "few keys for short blocks" if blocking.short else "keys in blocks of 512"
-        threads, capability = kernel_setting()
-        return (
-            f"batch-invariant: products in chunks of {rows} rows, attention in blocks of "
-            f"{blocking.queries} queries, {keys} (measured for {capability} kernels, "
-            f"{threads} threads)"
-        )
+        return self._lean.arithmetic()
 
     @functools.cached_property
     def model_sha256(self) -> str:
