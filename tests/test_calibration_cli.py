@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from calibration import load_profile
+from calibration import load_profile, reliability
 from calibration.gate import Gate
 from judge import Judge
 from service.cli.main import main
@@ -17,6 +17,7 @@ SMS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sms_s
 needs_data = pytest.mark.skipif(
     not SMS.exists(), reason="the shared datasets are not beside this checkout"
 )
+DRAWN: dict[str, Any] = {}  # what `fitted`'s calibrate drew its reliability diagram of
 
 
 @pytest.fixture
@@ -35,8 +36,15 @@ def session_model(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> list[dict[st
 def fitted(tmp_path_factory: pytest.TempPathFactory, judge: Judge) -> Path:
     """Profiles fitted once by `judge calibrate` on the first 48 calibration items."""
     profiles = tmp_path_factory.mktemp("profiles")
+    drawn = reliability.reliability_diagram
+
+    def diagram(before: Any, after: Any, path: Any, **options: Any) -> Path:
+        DRAWN.update(before=len(before[1]), after=len(after[1]), **options)
+        return drawn(before, after, path, **options)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Judge, "load", staticmethod(lambda model=None, **options: judge))
+        patch.setattr(reliability, "reliability_diagram", diagram)
         args = ["calibrate", "--task", str(SMS), "--limit", "48", "--profiles-dir", str(profiles)]
         assert main(args) == 0
     return profiles
@@ -57,6 +65,11 @@ def test_calibrate_writes_profile_report_and_diagram(
     assert profile.fingerprint == judge.fingerprint()  # model, weights, dtype, template, shape
     assert profile.dataset == "sms_spam/calibration"
     assert (fitted / "sms_spam.reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The diagram draws the examples the map was not fitted on, before and after, and says so.
+    held = profile.split.conformal + profile.split.certify
+    assert DRAWN["before"] == DRAWN["after"] == held < 48
+    assert DRAWN["title"] == f"sms_spam: the {held} examples the map was not fitted on"
+    assert profile.metrics_after is not None and profile.metrics_after.n == held
     assert "# Calibration profile `sms_spam`" in (fitted / "sms_spam.report.md").read_text()
 
 

@@ -18,9 +18,15 @@ from calibration.errors import (
     ProfileNotFoundError,
     RuleError,
 )
-from calibration.fitting import evaluate_policy, fit_profile
+from calibration.fitting import evaluate_policy, fit_profile, held_out_examples, split_examples
 from calibration.metrics import Interval
-from calibration.profile import CalibrationProfile, decode_profile, load_profile, save_profile
+from calibration.profile import (
+    CalibrationProfile,
+    DataSplit,
+    decode_profile,
+    load_profile,
+    save_profile,
+)
 from calibration.scaling import BiasTemperature, Temperature
 from judge.fingerprint import Fingerprint, sha256_text
 
@@ -90,6 +96,24 @@ def test_each_step_has_its_own_examples(profile: CalibrationProfile) -> None:
     assert profile.metrics_after.n == split.conformal + split.certify
     assert profile.metrics_before.n == profile.n_examples
     assert profile.threshold.procedure == "fixed_sequence"
+
+
+def test_the_held_out_examples_are_recomputed_from_the_labels_and_the_split(
+    profile: CalibrationProfile,
+) -> None:
+    """The examples the map was not fitted on, for a report drawn after the fit: exactly
+    the conformal and certify splits, 3:2:5 here; 5:1:4 is recognised by its counts; other
+    labels than the fit's are refused."""
+    _, y = synthetic(600, seed=1)
+    held = held_out_examples(y, profile.split)
+    assert held.shape[0] == profile.split.conformal + profile.split.certify == 420
+    fit_idx, conformal_idx, certify_idx = split_examples(y, profile.split.seed)
+    assert set(held) == set(conformal_idx) | set(certify_idx) and not set(held) & set(fit_idx)
+    probe_split = DataSplit(fit=300, conformal=60, certify=240, seed=profile.split.seed)
+    fit_idx, _, _ = split_examples(y, profile.split.seed, probe=True)
+    assert set(held_out_examples(y, probe_split)) == set(range(600)) - set(fit_idx)
+    with pytest.raises(ValueError, match="not the labels it was fitted on"):
+        held_out_examples(y[:500], profile.split)
 
 
 def test_too_few_or_too_uniform_examples_are_refused() -> None:
