@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,7 +59,9 @@ __all__ = [
     "invariant_sdpa",
     "kernel_setting",
     "measured_rows",
+    "measured_sizes",
     "slot_invariant",
+    "split_rows",
 ]
 
 log = logging.getLogger("judge")
@@ -79,6 +81,7 @@ ROW_CANDIDATES = (24, 48, 12, 6, 1)
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 _MEASURED_ROWS: dict[tuple[object, ...], int] = {}
+_MEASURED_SIZES: dict[tuple[object, ...], tuple[int, ...]] = {}
 
 
 def slot_invariant(product: Product, rows: int, weight: torch.Tensor) -> bool:
@@ -124,6 +127,47 @@ def measured_rows(
     )
     _MEASURED_ROWS[key] = preferred
     return preferred, make(preferred)
+
+
+def measured_sizes(product: Product, rows: int, weight: torch.Tensor, kind: str) -> tuple[int, ...]:
+    """The product sizes, largest first, that give a row the bits it gets in a product of
+    ``rows`` rows, at every slot: ``rows`` itself and each power of two below it where
+    ``product`` (which takes any number of rows up to ``rows``) measures so on this machine.
+    A pass then needs no padding: its rows are whole products of ``rows``, the rest in
+    smaller ones (``split_rows``). Measured once per process for each weight shape and
+    dtype, kind, size and kernel setting, as ``measured_rows``."""
+    key = ("sizes", kind, tuple(weight.shape), weight.dtype, rows, *kernel_setting())
+    if key not in _MEASURED_SIZES:
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(rows, weight.shape[1], generator=g).to(weight)
+        want = product(x)
+        sizes = [rows]
+        size = 1
+        while size < rows:
+            whole = x[: rows // size * size]
+            got = torch.cat([product(piece) for piece in whole.split(size)])
+            moved = product(x[:size].roll(1, 0))  # each row at another slot
+            if torch.equal(got, want[: got.shape[0]]) and torch.equal(
+                moved, want[:size].roll(1, 0)
+            ):
+                sizes.append(size)
+            size *= 2
+        _MEASURED_SIZES[key] = tuple(sorted(sizes, reverse=True))
+    return _MEASURED_SIZES[key]
+
+
+def split_rows(n: int, sizes: Sequence[int]) -> list[int]:
+    """``n`` rows as products of ``sizes`` (largest first): whole products of the largest,
+    then the rest greedily in smaller ones; where the sizes cannot make the rest exactly, the
+    last product is the smallest size that holds it (its extra rows padded)."""
+    out: list[int] = []
+    left = n
+    for size in sizes:
+        out += [size] * (left // size)
+        left %= size
+    if left:
+        out.append(min(s for s in sizes if s >= left))
+    return out
 
 
 def kernel_setting() -> tuple[int, str]:

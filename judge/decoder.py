@@ -40,7 +40,13 @@ from torch.nn import functional as F
 
 from judge import attention
 from judge.attention import Lanes
-from judge.batch_invariant import ROOT_ROWS, kernel_setting, measured_rows
+from judge.batch_invariant import (
+    ROOT_ROWS,
+    kernel_setting,
+    measured_rows,
+    measured_sizes,
+    split_rows,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -131,7 +137,9 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None) -
             w = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
 
             def op(x: torch.Tensor) -> torch.Tensor:
-                out = torch.ops.mkl._mkl_linear(x, w, weight, None, rows)
+                # Packed for ``rows`` rows, computed for as many as x has (up to ``rows``):
+                # torch's op takes the packed weight only when told x's own row count.
+                out = torch.ops.mkl._mkl_linear(x, w, weight, None, x.shape[0])
                 return out if bias is None else out + bias
 
         else:
@@ -167,19 +175,24 @@ class _Product:
 
         if rows is None:
             self.rows, self.op = None, make(None)
+            self.sizes: tuple[int, ...] = ()
         else:
             kind = "packed product" if pack else "product"
             self.rows, self.op = measured_rows(make, rows, weight, kind)
+            self.sizes = measured_sizes(self.op, self.rows, weight, kind)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
-        if self.rows is None or x.shape[0] == self.rows:
-            return self.op(x)
         n = x.shape[0]
-        if n % self.rows:  # the last chunk padded with zero rows: every product one shape
-            x = F.pad(x, (0, 0, 0, self.rows - n % self.rows))
-        if x.shape[0] == self.rows:
+        if self.rows is None or n == self.rows:
+            return self.op(x)
+        # Whole chunks of ``rows``, the rest in the smaller sizes measured to give a row the
+        # same bits; padded with zero rows only where those cannot make it exactly.
+        sizes = split_rows(n, self.sizes)
+        if sum(sizes) > n:
+            x = F.pad(x, (0, 0, 0, sum(sizes) - n))
+        if len(sizes) == 1:
             return self.op(x)[:n]
-        return torch.cat([self.op(chunk) for chunk in x.split(self.rows)])[:n]
+        return torch.cat([self.op(chunk) for chunk in x.split(sizes)])[:n]
 
 
 def _fused(
@@ -337,19 +350,28 @@ class LeanDecoder:
     def product_rows(self) -> list[int]:
         """The chunk sizes of the blocks' products (``measured_rows``: one per weight shape
         unless a shape's slots round otherwise at the preferred size)."""
-        products = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up)]
-        products += [layer.down for layer in self.layers]
-        return sorted({p.rows for p in products if p.rows is not None})
+        return sorted({p.rows for p in self._products() if p.rows is not None})
+
+    def smaller_sizes(self) -> list[int]:
+        """The sizes below the chunk that every block product measured to give a row its
+        chunk's bits (``measured_sizes``): what a pass's last rows run in, unpadded."""
+        sizes = [set(p.sizes) - {p.rows} for p in self._products()]
+        return sorted(set.intersection(*sizes), reverse=True) if sizes else []
+
+    def _products(self) -> list[_Product]:
+        return [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def arithmetic(self) -> str:
         """The batch-invariant arithmetic's sizes, as measured, in words."""
         if self.blocking is None:
             return "ordinary (a judgment's last bits may depend on its batch)"
         rows = " or ".join(str(r) for r in self.product_rows())
+        smaller = ", ".join(str(s) for s in self.smaller_sizes())
+        rest = f" (a pass's last rows in {smaller})" if smaller else ""
         keys = "few keys for short blocks" if self.blocking.short else "keys in blocks of 512"
         threads, capability = kernel_setting()
         return (
-            f"batch-invariant: products in chunks of {rows} rows, attention in blocks of "
+            f"batch-invariant: products in chunks of {rows} rows{rest}, attention in blocks of "
             f"{self.blocking.queries} queries, {keys} (measured for {capability} kernels, "
             f"{threads} threads)"
         )

@@ -50,7 +50,7 @@ from judge.attention import (
     lane_sdpa,
     measured_blocking,
 )
-from judge.batch_invariant import measured_rows
+from judge.batch_invariant import measured_rows, measured_sizes, split_rows
 from judge.decoder import _Product, lean_unsupported
 from judge.engine import shared_query
 
@@ -377,6 +377,32 @@ def test_a_chunk_size_whose_last_slots_round_otherwise_is_not_used() -> None:
     assert measured_rows(lambda _: lambda x: x * 2, 32, weight, "test")[0] == 32
 
 
+def test_a_pass_s_last_rows_run_unpadded_in_sizes_measured_to_give_the_chunk_s_bits() -> None:
+    """Products of fewer rows than the chunk are used for a pass's last rows only where they
+    give each row the chunk's bits: a size whose rows round otherwise is left out, and
+    ``split_rows`` makes the rest from the others, padding only what they cannot make."""
+    weight = torch.randn(40, 16)
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        out = (x[:, None, :] * weight[None]).sum(-1)  # each row's own sums, whatever the rows
+        return out + 1e-3 if x.shape[0] == 2 else out  # two rows round otherwise
+
+    sizes = measured_sizes(product, 32, weight, "test sizes")
+    assert sizes == (32, 16, 8, 4, 1)
+    assert split_rows(117, sizes) == [32, 32, 32, 16, 4, 1]
+    assert split_rows(3, sizes) == [1, 1, 1] and split_rows(64, sizes) == [32, 32]
+    assert split_rows(6, (32, 4)) == [4, 4]  # 2 left: the smallest size that holds it
+    # The real thing: a product's rows get the same bits alone, at the end of a pass, or in a
+    # whole chunk, in whatever sizes this machine measured.
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(71, 64, generator=g)
+    chunked = _Product(w, None, rows=32)
+    whole = chunked(x)
+    for n in (1, 3, 7, 33, 70):
+        assert torch.equal(chunked(x[:n]), whole[:n])
+        assert torch.equal(chunked(x[71 - n :]), whole[71 - n :])
+
+
 def test_the_measured_attention_blocks_give_every_slot_the_same_bits() -> None:
     blocking = measured_blocking(9, 3, 64, torch.float32)
     assert blocking is measured_blocking(9, 3, 64, torch.float32)  # measured once
@@ -438,7 +464,7 @@ AVX2 = {
 }
 INVARIANCE = (
     "depend_on_their_batch or surrounds_its_lane or same_bits_in_any_batch "
-    "or measured_attention_blocks or lone_bits"
+    "or measured_attention_blocks or lone_bits or last_rows"
 )
 
 
