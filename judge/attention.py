@@ -107,13 +107,16 @@ def measured_blocking(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
         q = torch.randn(1, heads, max(QUERY_CANDIDATES), head_dim, generator=g).to(dtype)
         k = torch.randn(1, kv_heads, 2 * KEY_BLOCK, head_dim, generator=g).to(dtype)
         v = torch.randn(1, kv_heads, 2 * KEY_BLOCK, head_dim, generator=g).to(dtype)
-        sizes = (MIN_KEYS, SHORT_KEYS, KEY_BLOCK, 2 * KEY_BLOCK)
+        # Every key count a call may read: each short one, and one and two blocks of 512.
+        short_sizes = range(MIN_KEYS, SHORT_KEYS + 1, KEY_STEP)
+        sizes = (*short_sizes, KEY_BLOCK, 2 * KEY_BLOCK)
         queries = next(
             (b for b in QUERY_CANDIDATES if all(_slots_hold(q[:, :, :b], k, v, s) for s in sizes)),
             None,
         )
         block = q[:, :, : queries or 1]
-        short = all(_short_keys_hold(block, k, v, n) for n in (1, 17, 100, MIN_KEYS, SHORT_KEYS))
+        needs = (1, 17, 100, *short_sizes)  # blocks that need that many keys at most
+        short = all(_short_keys_hold(block, k, v, n) for n in needs)
         if queries is None or not short:
             log.warning(
                 "attention: %s",
