@@ -110,22 +110,16 @@ def measured_blocking(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
         # Every key count a call may read: each short one, and one and two blocks of 512.
         short_sizes = range(MIN_KEYS, SHORT_KEYS + 1, KEY_STEP)
         sizes = (*short_sizes, KEY_BLOCK, 2 * KEY_BLOCK)
+        # The last candidate, one query, holds by definition: its block has one slot.
         queries = next(
-            (b for b in QUERY_CANDIDATES if all(_slots_hold(q[:, :, :b], k, v, s) for s in sizes)),
-            None,
+            b for b in QUERY_CANDIDATES if all(_slots_hold(q[:, :, :b], k, v, s) for s in sizes)
         )
-        block = q[:, :, : queries or 1]
+        block = q[:, :, :queries]
         needs = (1, 17, 100, *short_sizes)  # blocks that need that many keys at most
         short = all(_short_keys_hold(block, k, v, n) for n in needs)
-        if queries is None or not short:
-            log.warning(
-                "attention: %s",
-                "no block of queries gives every slot the same bits on this CPU: judgments "
-                "may depend on their batch"
-                if queries is None
-                else "short calls give other bits than 512 keys here: padded to 512",
-            )
-        _MEASURED[key] = Blocking(queries=queries or 1, short=short)
+        if not short:
+            log.warning("attention: short calls give other bits than 512 keys here: padded to 512")
+        _MEASURED[key] = Blocking(queries=queries, short=short)
     return _MEASURED[key]
 
 

@@ -50,6 +50,8 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "GENERIC_INVARIANT",
+    "ORDINARY",
     "QUERY_ROWS",
     "ROOT_ROWS",
     "ROWS",
@@ -105,28 +107,21 @@ def measured_rows(
     if known is not None:
         return known, make(known)
     candidates = [preferred, *(r for r in ROW_CANDIDATES if r != preferred and r <= 2 * preferred)]
-    for rows in candidates:
+    for rows in candidates:  # the last, one row, holds by definition: it has one slot
         product = make(rows)
         if slot_invariant(product, rows, weight):
-            if rows != preferred:
-                log.info(
-                    "%s %s %s: %d-row products give other bits at some slots here; %d rows",
-                    kind,
-                    list(weight.shape),
-                    weight.dtype,
-                    preferred,
-                    rows,
-                )
-            _MEASURED_ROWS[key] = rows
-            return rows, product
-    log.warning(
-        "%s %s: no chunk size gives every slot the same bits on this CPU; judgments may "
-        "depend on their batch",
-        kind,
-        list(weight.shape),
-    )
-    _MEASURED_ROWS[key] = preferred
-    return preferred, make(preferred)
+            break
+    if rows != preferred:
+        log.info(
+            "%s %s %s: %d-row products give other bits at some slots here; %d rows",
+            kind,
+            list(weight.shape),
+            weight.dtype,
+            preferred,
+            rows,
+        )
+    _MEASURED_ROWS[key] = rows
+    return rows, product
 
 
 def measured_sizes(product: Product, rows: int, weight: torch.Tensor, kind: str) -> tuple[int, ...]:
@@ -168,6 +163,14 @@ def split_rows(n: int, sizes: Sequence[int]) -> list[int]:
     if left:
         out.append(min(s for s in sizes if s >= left))
     return out
+
+
+# What ``Judge.arithmetic`` says of the passes that do not measure their sizes.
+ORDINARY = "ordinary (a judgment's last bits may depend on its batch)"
+GENERIC_INVARIANT = (
+    "batch-invariant: products in chunks measured per weight shape (32 rows where that "
+    "holds), float64 attention"
+)
 
 
 def kernel_setting() -> tuple[int, str]:

@@ -41,6 +41,7 @@ from torch.nn import functional as F
 from judge import attention
 from judge.attention import Lanes
 from judge.batch_invariant import (
+    ORDINARY,
     ROOT_ROWS,
     kernel_setting,
     measured_rows,
@@ -364,7 +365,7 @@ class LeanDecoder:
     def arithmetic(self) -> str:
         """The batch-invariant arithmetic's sizes, as measured, in words."""
         if self.blocking is None:
-            return "ordinary (a judgment's last bits may depend on its batch)"
+            return ORDINARY
         rows = " or ".join(str(r) for r in self.product_rows())
         smaller = ", ".join(str(s) for s in self.smaller_sizes())
         rest = f" (a pass's last rows in {smaller})" if smaller else ""

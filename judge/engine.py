@@ -187,11 +187,11 @@ class Judge:
     def arithmetic(self) -> str:
         """Which arithmetic the passes run, in words (what ``/ready`` and the server's ready
         line say): for the lean pass, the sizes measured for this machine's kernels."""
-        if not self.batch_invariant:
-            return "ordinary (a judgment's last bits may depend on its batch)"
-        if self._lean is None:
-            return "batch-invariant: products in chunks of 32 rows, float64 attention"
-        return self._lean.arithmetic()
+        from judge.batch_invariant import GENERIC_INVARIANT, ORDINARY
+
+        if self._lean is not None:
+            return self._lean.arithmetic()
+        return GENERIC_INVARIANT if self.batch_invariant else ORDINARY
 
     @functools.cached_property
     def model_sha256(self) -> str:

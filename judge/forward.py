@@ -288,9 +288,8 @@ def score_rows(
     flat = child_logits.double().cpu().numpy()
     scores = []
     start = 0
-    cached = [
-        p for r, p in zip(rows, feed.past, strict=True) for _ in r
-    ]  # per trie: its row's past
+    # Per trie: its row's past.
+    cached = [p for r, p in zip(rows, feed.past, strict=True) for _ in r]
     for n, t in enumerate(tries):
         node_logits = []
         for c in t.node_children:

@@ -50,7 +50,13 @@ from judge.attention import (
     lane_sdpa,
     measured_blocking,
 )
-from judge.batch_invariant import measured_rows, measured_sizes, split_rows
+from judge.batch_invariant import (
+    GENERIC_INVARIANT,
+    ORDINARY,
+    measured_rows,
+    measured_sizes,
+    split_rows,
+)
 from judge.decoder import _Product, lean_unsupported
 from judge.engine import shared_query
 
@@ -118,6 +124,8 @@ def pair(request: pytest.FixtureRequest, judge: Judge) -> tuple[Judge, Judge]:
 def test_the_default_model_takes_the_lean_pass(judge: Judge) -> None:
     assert lean_unsupported(judge.model) is None
     assert judge.decoder_pass == "lean"
+    variant = Judge(judge.model, judge.tokenizer, prefix_cache_mb=0, batch_invariant=False)
+    assert variant.decoder_pass == "lean" and variant.arithmetic == ORDINARY
 
 
 @pytest.mark.parametrize(("prompt", "choices"), CASES)
@@ -211,6 +219,7 @@ def test_a_model_the_lean_pass_does_not_cover_takes_the_generic_one(
     with caplog.at_level(logging.INFO, logger="judge"):
         fallback = Judge(model, judge.tokenizer, prefix_cache_mb=0)
     assert fallback.decoder_pass == "generic"
+    assert fallback.arithmetic == GENERIC_INVARIANT  # what /ready says of it
     assert any("generic pass" in r.getMessage() for r in caplog.records)
     for prompt, choices in CASES:
         got = fallback.judge(prompt, choices)
