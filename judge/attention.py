@@ -11,8 +11,9 @@ between those cases, and they weigh exactly zero.
 ``blocked_attention`` (the batch-invariant arithmetic) gives every query the same work
 whatever surrounds it: PyTorch's fused attention (``scaled_dot_product_attention``) on blocks
 of exactly ``Blocking.queries`` queries of one lane, over that lane's keys from the first,
-padded with hidden keys to ``Blocking.keys``: a multiple of ``KEY_STEP`` (at least
-``MIN_KEYS``) for a block that needs at most ``SHORT_KEYS``, else a multiple of ``KEY_BLOCK``.
+padded with hidden keys to ``Blocking.keys``: the smallest of the short key counts measured
+to hold (multiples of ``KEY_STEP`` from ``MIN_KEYS``) that holds them, else a multiple of
+``KEY_BLOCK``.
 On the CPU the fused kernel splits a call into blocks of queries and blocks of at most 512
 keys, and folds the key blocks in order into a running softmax, so a query's numbers depend on
 its own keys, in their own places, and on nothing else: not on the other queries of its
@@ -24,7 +25,7 @@ That is measured, not promised by PyTorch, and it is not so on every CPU: with A
 slots, and 64 keys or fewer other bits than 512 on two threads. So each engine measures its own
 ``Blocking`` when it is built (``measured_blocking``: the model's head shapes and dtype, this
 machine's kernels and threads), the first of ``QUERY_CANDIDATES`` whose every slot gives the
-same bits and short keys only where they give the bits of 512. ``tests/test_lean.py`` checks
+same bits, and the short key counts that give the bits of 512 (on an AMD EPYC only some do). ``tests/test_lean.py`` checks
 the cases bit for bit, and ``tests/test_invariance.py`` whole judgments on the default model.
 A lane's blocks of queries are grouped by the keys they need, so a long causal lane does not
 pay for the masked half of its keys beyond one block of 512.
@@ -61,14 +62,15 @@ log = logging.getLogger("judge")
 # multiple of 6 first: AVX2 kernels compute rows six at a time, and a tail of 1-3 otherwise).
 QUERY_BLOCK = 32
 QUERY_CANDIDATES = (32, 24, 16, 8, 1)
-# The fused kernel's block of keys; a call that needs more than SHORT_KEYS keys is padded to
-# a multiple of it.
+# The fused kernel's block of keys: a call that needs more keys than the short counts below
+# it is padded to a multiple of it.
 KEY_BLOCK = 512
-# A call needing at most SHORT_KEYS keys gets a multiple of KEY_STEP, at least MIN_KEYS: a
-# ~100-token judgment reads 128 keys instead of 512 (its attention 3.7x faster, AVX2 kernels).
-SHORT_KEYS = 256
+# The key counts below KEY_BLOCK a call may read instead, where measured to give the bits of
+# KEY_BLOCK keys: multiples of KEY_STEP from MIN_KEYS. A ~100-token judgment then reads 128
+# keys instead of 512 (its attention 3.7x faster, AVX2 kernels on an Intel Xeon).
 KEY_STEP = 16
 MIN_KEYS = 128
+SHORT_CANDIDATES = tuple(range(MIN_KEYS, KEY_BLOCK, KEY_STEP))
 # Keys are padded to a multiple of this in the ordinary arithmetic.
 ORDINARY_KEY_BLOCK = 64
 
@@ -79,17 +81,34 @@ def _round_up(n: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class Blocking:
-    """How the batch-invariant attention cuts its calls: ``queries`` per block, and whether a
-    block that needs few keys gets few (``short``), or a multiple of ``KEY_BLOCK`` like any."""
+    """How the batch-invariant attention cuts its calls: ``queries`` per block, and the key
+    counts below ``KEY_BLOCK`` (ascending) a block that needs few keys may read (``short``);
+    a block that needs more than the largest reads a multiple of ``KEY_BLOCK``, like any."""
 
     queries: int = QUERY_BLOCK
-    short: bool = True
+    short: tuple[int, ...] = SHORT_CANDIDATES
 
     def keys(self, n: int) -> int:
         """The keys a block of queries that needs the first ``n`` keys of its lane reads."""
-        if self.short and n <= SHORT_KEYS:
-            return max(MIN_KEYS, _round_up(n, KEY_STEP))
+        for size in self.short:
+            if size >= n:
+                return size
         return _round_up(n, KEY_BLOCK)
+
+    def describe(self) -> str:
+        """The short key counts in words: runs of KEY_STEP, as "128-256, 384"."""
+        if not self.short:
+            return f"keys in blocks of {KEY_BLOCK}"
+        runs: list[list[int]] = []
+        for size in self.short:
+            if runs and size == runs[-1][-1] + KEY_STEP:
+                runs[-1].append(size)
+            else:
+                runs.append([size])
+        spans = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+        return (
+            f"short blocks read {spans} keys (steps of {KEY_STEP}), longer multiples of {KEY_BLOCK}"
+        )
 
 
 _MEASURED: dict[tuple[object, ...], Blocking] = {}
@@ -98,27 +117,35 @@ _MEASURED: dict[tuple[object, ...], Blocking] = {}
 def measured_blocking(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Blocking:
     """The ``Blocking`` under which the fused kernel gives a query the same bits wherever it
     sits, measured on this machine for these head shapes, in ``dtype``, at this number of
-    threads (once per process and shape): the first of ``QUERY_CANDIDATES`` whose every slot
-    gives the same bits at each key count a call may read, with short calls only where they
-    give the bits of ``KEY_BLOCK`` keys."""
+    threads (once per process and shape, ~0.1 s): the first of ``QUERY_CANDIDATES`` whose
+    every slot gives the same bits over one and two blocks of ``KEY_BLOCK`` keys, and the
+    short key counts at which, too, every slot gives the same bits, and those of ``KEY_BLOCK``
+    keys to every query that may read them (``_short_keys_hold``).
+
+    Which short counts hold is the CPU's: on an Intel Xeon every count from 128 to 256 did
+    (AVX-512 and AVX2 kernels); on an AMD EPYC only some do (float32: 128 to 192 and 384 up;
+    the fused kernel's products over keys are MKL's, whose blocking of them is not Intel's
+    there)."""
     key = (heads, kv_heads, head_dim, dtype, *kernel_setting())
     if key not in _MEASURED:
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, heads, max(QUERY_CANDIDATES), head_dim, generator=g).to(dtype)
         k = torch.randn(1, kv_heads, 2 * KEY_BLOCK, head_dim, generator=g).to(dtype)
         v = torch.randn(1, kv_heads, 2 * KEY_BLOCK, head_dim, generator=g).to(dtype)
-        # Every key count a call may read: each short one, and one and two blocks of 512.
-        short_sizes = range(MIN_KEYS, SHORT_KEYS + 1, KEY_STEP)
-        sizes = (*short_sizes, KEY_BLOCK, 2 * KEY_BLOCK)
         # The last candidate, one query, holds by definition: its block has one slot.
         queries = next(
-            b for b in QUERY_CANDIDATES if all(_slots_hold(q[:, :, :b], k, v, s) for s in sizes)
+            b
+            for b in QUERY_CANDIDATES
+            if all(_slots_hold(q[:, :, :b], k, v, s) for s in (KEY_BLOCK, 2 * KEY_BLOCK))
         )
         block = q[:, :, :queries]
-        needs = (1, 17, 100, *short_sizes)  # blocks that need that many keys at most
-        short = all(_short_keys_hold(block, k, v, n) for n in needs)
-        if not short:
-            log.warning("attention: short calls give other bits than 512 keys here: padded to 512")
+        short = tuple(
+            size
+            for size in SHORT_CANDIDATES
+            if _short_keys_hold(block, k, v, size) and _slots_hold(block, k, v, size)
+        )
+        if short != SHORT_CANDIDATES:
+            log.info("attention: %s here", Blocking(queries, short).describe())
         _MEASURED[key] = Blocking(queries=queries, short=short)
     return _MEASURED[key]
 
@@ -142,14 +169,18 @@ def _slots_hold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int) ->
     )
 
 
-def _short_keys_hold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> bool:
-    """Whether a block whose queries see at most ``n`` keys gets the same bits from the short
-    call ``Blocking().keys(n)`` as from KEY_BLOCK and 2 KEY_BLOCK keys."""
+def _short_keys_hold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int) -> bool:
+    """Whether a block of queries that reads ``size`` keys gets the bits of ``KEY_BLOCK`` and
+    ``2 KEY_BLOCK`` keys, for each need that reads ``size`` (one key more than the count below
+    it, up to ``size``) and the queries of a block seeing from one key to all it needs."""
     B = q.shape[2]
-    seen = torch.arange(B) * (n - 1) // max(B - 1, 1) + 1
-    outs = [_sdpa(q, k[:, :, :S], v[:, :, :S], seen) for S in (Blocking().keys(n), KEY_BLOCK)]
-    outs.append(_sdpa(q, k, v, seen))
-    return all(torch.equal(o, outs[0]) for o in outs[1:])
+    for need in (size - KEY_STEP + 1, size):
+        seen = torch.arange(B) * (need - 1) // max(B - 1, 1) + 1
+        outs = [_sdpa(q, k[:, :, :S], v[:, :, :S], seen) for S in (size, KEY_BLOCK)]
+        outs.append(_sdpa(q, k, v, seen))
+        if not all(torch.equal(o, outs[0]) for o in outs[1:]):
+            return False
+    return True
 
 
 @dataclass(frozen=True)

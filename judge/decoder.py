@@ -10,8 +10,8 @@ pass does what a judgment needs and nothing else:
 * the query, key and value products are one product, and so are the gate and up products
   (the modules' weights become views of the fused weight: no second copy);
 * every product runs on a weight packed once for the kernel where this build of torch can
-  (oneDNN for bfloat16; MKL for float32, in the batch-invariant arithmetic), instead of being
-  laid out again on every call (0.6-0.8x the time of ``F.linear``, measured);
+  (oneDNN; MKL for float32 on an Intel CPU: ``packing_library``), instead of being laid out
+  again on every call (0.6-0.8x the time of ``F.linear``, measured);
 * in the batch-invariant arithmetic, every product runs on chunks of exactly ``rows`` tokens
   (its input padded, its output cut back: the norms and activations between products run on
   the fed tokens only, 0.87x the time of a one-token pass that carried 64 rows throughout),
@@ -59,6 +59,7 @@ __all__ = [
     "full_attention",
     "lean_decoder",
     "lean_unsupported",
+    "packing_library",
     "product_rows",
 ]
 
@@ -122,19 +123,52 @@ def lean_unsupported(model: PreTrainedModel) -> str | None:
     return None
 
 
-def _packed(weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None) -> Callable | None:
-    """``F.linear`` with ``weight`` laid out once for this kernel: oneDNN's for bfloat16 (any
-    number of input rows), MKL's for float32 (inputs of exactly ``rows`` rows, so none where
-    ``rows`` is None); None where this build of torch has neither. The packed copy's results
-    are checked against ``F.linear`` before it is used."""
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux names it (``GenuineIntel``, ``AuthenticAMD``), or ``""``."""
     try:
-        if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def packing_library(dtype: torch.dtype) -> str | None:
+    """Which library's packed product runs a weight of ``dtype`` here: "oneDNN" or "MKL", or
+    None where this build of torch has neither.
+
+    oneDNN for bfloat16. For float32, MKL on an Intel CPU and oneDNN on any other: on 2 cores
+    of an AMD EPYC, MKL's float32 products (packed or not) took 2.7x oneDNN's with AVX-512
+    kernels and 1.4x with AVX2 kernels (a layer's four products on 117 rows, in chunks of 32:
+    6.8 against 2.6 ms, and 6.5 against 4.7), because MKL does not run its fast kernels on a
+    CPU that is not Intel's. MKL stays where it was measured fast (an Intel Xeon: its 32-row
+    products within 7% of one unchunked product).
+    """
+    if dtype == torch.bfloat16:
+        return "oneDNN" if torch.backends.mkldnn.is_available() else None
+    if dtype != torch.float32:
+        return None
+    if cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available():
+        return "MKL"
+    return "oneDNN" if torch.backends.mkldnn.is_available() else None
+
+
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None) -> Callable | None:
+    """``F.linear`` with ``weight`` laid out once for this kernel (``packing_library``):
+    oneDNN's (any number of input rows) or MKL's (float32, inputs of at most ``rows`` rows, so
+    none where ``rows`` is None); None where neither applies. The packed copy's results are
+    checked against ``F.linear`` before it is used."""
+    library = packing_library(weight.dtype)
+    try:
+        if library == "oneDNN":
             w = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
             def op(x: torch.Tensor) -> torch.Tensor:
                 return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
-        elif weight.dtype == torch.float32 and rows and torch.backends.mkl.is_available():
+        elif library == "MKL" and rows:
             w = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
 
             def op(x: torch.Tensor) -> torch.Tensor:
@@ -168,17 +202,22 @@ class _Product:
         pack: bool = True,
     ) -> None:
         self.weight, self.bias = weight, bias
+        self._splits: dict[int, list[int]] = {}  # split_rows of each number of rows seen
         pack = pack and weight.device.type == "cpu"
+        library = packing_library(weight.dtype) if pack else None
+        # What computes the product: the library whose packed weight ``op`` runs, or F.linear.
+        self.library = "F.linear"
 
         def make(n: int | None) -> Callable[[torch.Tensor], torch.Tensor]:
-            packed = _packed(weight, bias, n) if pack else None
+            packed = _packed(weight, bias, n) if library else None
+            self.library = library if packed and library else "F.linear"
             return packed or (lambda x: F.linear(x, weight, bias))
 
         if rows is None:
             self.rows, self.op = None, make(None)
             self.sizes: tuple[int, ...] = ()
         else:
-            kind = "packed product" if pack else "product"
+            kind = f"packed product ({library})" if library else "product"
             self.rows, self.op = measured_rows(make, rows, weight, kind)
             self.sizes = measured_sizes(self.op, self.rows, weight, kind)
 
@@ -188,7 +227,9 @@ class _Product:
             return self.op(x)
         # Whole chunks of ``rows``, the rest in the smaller sizes measured to give a row the
         # same bits; padded with zero rows only where those cannot make it exactly.
-        sizes = split_rows(n, self.sizes)
+        sizes = self._splits.get(n)
+        if sizes is None:
+            sizes = self._splits[n] = split_rows(n, self.sizes)
         if sum(sizes) > n:
             x = F.pad(x, (0, 0, 0, sum(sizes) - n))
         if len(sizes) == 1:
@@ -270,6 +311,17 @@ class _Layer:
         self.scale = float(attn.scaling)
 
 
+def _runs(sizes: Sequence[int]) -> str:
+    """Sizes in words, ascending, runs of consecutive ones joined: "1, 3-31"."""
+    runs: list[list[int]] = []
+    for size in sorted(sizes):
+        if runs and size == runs[-1][-1] + 1:
+            runs[-1].append(size)
+        else:
+            runs.append([size])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
@@ -335,9 +387,10 @@ class LeanDecoder:
             self.layers = [_Layer(b, f, self.rows) for b, f in zip(blocks, known, strict=True)]
             _FUSED[self._decoder] = [(x.qkv.weight, x.gate_up.weight) for x in self.layers]
             # The vocabulary-wide product at the roots, ROOT_ROWS at a time (one root per
-            # question, so small chunks). Packed in float32 only: MKL then takes 6.4 ms for 8
-            # rows of the default model's head, against 9-12 unpacked; oneDNN's bfloat16
-            # product was no faster packed (2.4 against 2.1 ms).
+            # question, so small chunks). Packed in float32 only: 8 rows of the default
+            # model's head then take 6.4 ms on MKL (Intel Xeon) against 9-12 unpacked, and
+            # 4.2 ms on oneDNN (AMD EPYC) against 17; oneDNN's bfloat16 product was no faster
+            # packed (2.4 against 2.1 ms).
             out = self._output
             self.head = _Product(
                 out.weight.detach(),
@@ -362,17 +415,23 @@ class LeanDecoder:
     def _products(self) -> list[_Product]:
         return [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
+    def libraries(self) -> list[str]:
+        """What computes the pass's products (``packing_library``, or F.linear where no packed
+        weight could be made), the LM head's included."""
+        return sorted({p.library for p in [*self._products(), self.head]})
+
     def arithmetic(self) -> str:
         """The batch-invariant arithmetic's sizes, as measured, in words."""
         if self.blocking is None:
             return ORDINARY
         rows = " or ".join(str(r) for r in self.product_rows())
-        smaller = ", ".join(str(s) for s in self.smaller_sizes())
-        rest = f" (a pass's last rows in {smaller})" if smaller else ""
-        keys = "few keys for short blocks" if self.blocking.short else "keys in blocks of 512"
+        smaller = _runs(self.smaller_sizes())
+        rest = f" (a pass's last rows in products of {smaller} rows)" if smaller else ""
+        keys = self.blocking.describe()
         threads, capability = kernel_setting()
+        on = " and ".join(self.libraries())
         return (
-            f"batch-invariant: products in chunks of {rows} rows{rest}, attention in blocks of "
+            f"batch-invariant: products ({on}) in chunks of {rows} rows{rest}, attention in blocks of "
             f"{self.blocking.queries} queries, {keys} (measured for {capability} kernels, "
             f"{threads} threads)"
         )

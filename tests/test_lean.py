@@ -41,9 +41,10 @@ from transformers import (
 from judge import Judge, Query
 from judge.attention import (
     KEY_BLOCK,
+    KEY_STEP,
     MIN_KEYS,
     QUERY_BLOCK,
-    SHORT_KEYS,
+    SHORT_CANDIDATES,
     Blocking,
     Lanes,
     blocked_attention,
@@ -264,7 +265,7 @@ def test_blocked_attention_is_attention(length: int) -> None:
     values = torch.randn(Hkv, length, D, generator=g)
     want = _by_definition(q, keys, values, seen, 0.3).float()
     junk = torch.randn(Hkv, 1, D, generator=g)
-    blockings = (Blocking(), Blocking(queries=24), Blocking(short=False))
+    blockings = (Blocking(), Blocking(queries=24), Blocking(short=()), Blocking(short=(144, 400)))
     for blocking, attend in [*((b, blocked_attention) for b in blockings), (None, lane_sdpa)]:
         # The bank is the lane, or the lane's keys are gathered from behind another key.
         for first in (0, 1):
@@ -397,9 +398,9 @@ def test_a_pass_s_last_rows_run_unpadded_in_sizes_measured_to_give_the_chunk_s_b
         return out + 1e-3 if x.shape[0] == 2 else out  # two rows round otherwise
 
     sizes = measured_sizes(product, 32, weight, "test sizes")
-    assert sizes == (32, 16, 8, 4, 1)
-    assert split_rows(117, sizes) == [32, 32, 32, 16, 4, 1]
-    assert split_rows(3, sizes) == [1, 1, 1] and split_rows(64, sizes) == [32, 32]
+    assert sizes == (32, *range(31, 2, -1), 1)
+    assert split_rows(117, sizes) == [32, 32, 32, 21]
+    assert split_rows(2, sizes) == [1, 1] and split_rows(64, sizes) == [32, 32]
     assert split_rows(6, (32, 4)) == [4, 4]  # 2 left: the smallest size that holds it
     # The real thing: a product's rows get the same bits alone, at the end of a pass, or in a
     # whole chunk, in whatever sizes this machine measured.
@@ -435,8 +436,8 @@ def test_the_measured_attention_blocks_give_every_slot_the_same_bits() -> None:
 def test_lanes_lay_out_keys_queries_and_calls() -> None:
     """Every fed token is some lane's query, ``back`` finds each one's output row, and a
     lane's blocks of queries are grouped by the keys they read: a block that needs few keys
-    reads a few (at least MIN_KEYS), one that needs more than SHORT_KEYS whole blocks of
-    KEY_BLOCK."""
+    reads the smallest short count that holds them (at least MIN_KEYS), one that needs more
+    than the largest whole blocks of KEY_BLOCK."""
     seen = torch.ones(3, 5, dtype=torch.bool).tril(2)
     lanes = Lanes.build([([0, 1, 5, 6, 7], [2, 0, 1], seen)], n_fed=3, pad_key=8)
     assert lanes.key_index.shape == (1, MIN_KEYS)
@@ -446,13 +447,26 @@ def test_lanes_lay_out_keys_queries_and_calls() -> None:
     assert not lanes.contiguous and lanes.pad_keys == 1
     whole = Lanes.build([(range(5), [0, 1, 2], seen)], n_fed=3, pad_key=5)
     assert whole.contiguous and whole.pad_keys == MIN_KEYS - 5  # the bank is the lane
-    padded = Lanes.build([(range(5), [0, 1, 2], seen)], 3, 5, Blocking(short=False))
+    padded = Lanes.build([(range(5), [0, 1, 2], seen)], 3, 5, Blocking(short=()))
     assert padded.key_index.shape == (1, KEY_BLOCK)
+    # Where only some short counts hold, a block reads the smallest that holds its keys.
+    gaps = Blocking(short=(128, 144, 384))
+    assert [gaps.keys(n) for n in (1, 128, 129, 145, 384, 385, 600)] == [
+        128,
+        128,
+        144,
+        384,
+        384,
+        512,
+        1024,
+    ]
+    assert gaps.describe().startswith("short blocks read 128-144, 384 keys")
     n = 2 * KEY_BLOCK
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     long = Lanes.build([(range(n), range(n), causal)], n_fed=n, pad_key=n)
     B = QUERY_BLOCK
-    short = SHORT_KEYS // B  # blocks that need at most SHORT_KEYS keys
+    short = SHORT_CANDIDATES[-1] // B  # blocks that need at most the largest short count
+    assert SHORT_CANDIDATES == tuple(range(MIN_KEYS, KEY_BLOCK, KEY_STEP))
     assert [(c.first, c.end, c.keys) for c in long.calls] == [
         (0, MIN_KEYS // B, MIN_KEYS),  # the first blocks all read MIN_KEYS
         *((i, i + 1, (i + 1) * B) for i in range(MIN_KEYS // B, short)),
