@@ -1,7 +1,7 @@
 """Where a judgment's time goes: the default judgment against the bare pass, op by op.
 
     python benchmarks/bench_breakdown.py [--dtype float32] [--reps 10] [--emulate-avx2] [--quick]
-        [--threads N] [--out FILE]
+        [--threads N] [--lengths 50,100,...,2000] [--out FILE]
 
 One process, side by side, taking turns rep by rep: ``Judge.judge`` of a two-choice SMS prompt
 of about 105 tokens in the default arithmetic (the lean pass where the model has one, batch-
@@ -10,6 +10,10 @@ prompt tokens. Each is timed on the wall clock, then profiled (``torch.profiler`
 same reps; the ops' self time is grouped into families (matrix products, attention, element-wise
 work, copies and layout, the rest) and the time no op accounts for is Python and dispatch. Prints
 one table per arm and their ratio, and writes ``benchmarks/results/bench_breakdown.json``.
+
+``--lengths`` then judges prompts of about those many tokens (the same SMS text, repeated and
+cut) beside the bare pass over the same tokens, 3 reps each, and prints each ratio and their
+geometric mean below 1,000 tokens: how the cost of the arithmetic moves with the length.
 
 ``--emulate-avx2`` re-runs the script with ``ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2``: on an AVX-512 or AMX machine, the kernels an AVX2-only CPU runs
@@ -81,6 +85,41 @@ def breakdown(fn: Callable[[], object], reps: int) -> dict[str, Any]:
     }
 
 
+def long_prompt(judge: Judge, tokens: int) -> str:
+    """The benchmark's SMS text repeated and cut to about ``tokens`` tokens of chat prompt."""
+    ids = judge.tokenizer((PROMPT + " ") * (tokens // 40 + 2)).input_ids
+    overhead = judge.prepare({"prompt": "", "choices": CHOICES}).prompt_tokens
+    return str(judge.tokenizer.decode(ids[: max(1, tokens - overhead)]))
+
+
+def by_length(judge: Judge, lengths: list[int], reps: int) -> list[dict[str, Any]]:
+    """The judgment against the bare pass at each prompt length, side by side; printed."""
+    rows = []
+    for tokens in lengths:
+        prompt = long_prompt(judge, tokens)
+        ids = torch.tensor([judge.prepare({"prompt": prompt, "choices": CHOICES}).trie.context])
+
+        def bare(ids: torch.Tensor = ids) -> object:
+            with torch.inference_mode():
+                return judge.model(ids, logits_to_keep=1)
+
+        times = timed(
+            {"judgment": functools.partial(judge.judge, prompt, CHOICES), "bare": bare}, reps
+        )
+        judged, plain = (statistics.median(times[k]) for k in ("judgment", "bare"))
+        rows.append(
+            {"tokens": ids.shape[1], "judgment_ms": judged, "bare_ms": plain, "x": judged / plain}
+        )
+    if rows:
+        print("| prompt tokens | judgment ms | bare ms | x |\n|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['tokens']} | {r['judgment_ms']:.1f} | {r['bare_ms']:.1f} | {r['x']:.2f} |")
+        short = [r["x"] for r in rows if r["tokens"] < 1000]
+        if short:
+            print(f"geometric mean below 1,000 tokens: {statistics.geometric_mean(short):.3f}x")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
@@ -88,6 +127,12 @@ def main() -> None:
     parser.add_argument("--emulate-avx2", action="store_true")
     parser.add_argument("--quick", action="store_true", help="2 reps: the script runs")
     parser.add_argument("--threads", type=int, help="torch threads (default: one per core)")
+    parser.add_argument(
+        "--lengths",
+        type=lambda s: [int(n) for n in s.split(",")],
+        default=[],
+        help="comma-separated prompt lengths in tokens to judge beside the bare pass",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_breakdown.json")
     args = parser.parse_args()
     emulate_avx2(args.emulate_avx2)
@@ -143,6 +188,7 @@ def main() -> None:
         print(f"top ops, {name}:")
         for op in parts[name]["top_ops"]:
             print(f"  {op['self_ms']:8.2f} ms  {op['calls']:5d} calls  {op['op']}")
+    sweep = by_length(judge, args.lengths, 2 if args.quick else 3)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_text(
         args.out,
@@ -158,6 +204,7 @@ def main() -> None:
                 "computed_tokens": prepared.tokens,
                 "wall_ms": times,
                 "breakdown": parts,
+                "lengths": sweep,
             },
             indent=2,
         ),

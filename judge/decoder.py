@@ -59,6 +59,7 @@ __all__ = [
     "full_attention",
     "lean_decoder",
     "lean_unsupported",
+    "packed_linear",
     "packing_library",
     "product_rows",
 ]
@@ -155,7 +156,9 @@ def packing_library(dtype: torch.dtype) -> str | None:
     return "oneDNN" if torch.backends.mkldnn.is_available() else None
 
 
-def _packed(weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None) -> Callable | None:
+def packed_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None
+) -> Callable | None:
     """``F.linear`` with ``weight`` laid out once for this kernel (``packing_library``):
     oneDNN's (any number of input rows) or MKL's (float32, inputs of at most ``rows`` rows, so
     none where ``rows`` is None); None where neither applies. The packed copy's results are
@@ -209,7 +212,7 @@ class _Product:
         self.library = "F.linear"
 
         def make(n: int | None) -> Callable[[torch.Tensor], torch.Tensor]:
-            packed = _packed(weight, bias, n) if library else None
+            packed = packed_linear(weight, bias, n) if library else None
             self.library = library if packed and library else "F.linear"
             return packed or (lambda x: F.linear(x, weight, bias))
 

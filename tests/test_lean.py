@@ -466,7 +466,7 @@ def test_lanes_lay_out_keys_queries_and_calls() -> None:
     long = Lanes.build([(range(n), range(n), causal)], n_fed=n, pad_key=n)
     B = QUERY_BLOCK
     short = SHORT_CANDIDATES[-1] // B  # blocks that need at most the largest short count
-    assert SHORT_CANDIDATES == tuple(range(MIN_KEYS, KEY_BLOCK, KEY_STEP))
+    assert tuple(range(MIN_KEYS, KEY_BLOCK, KEY_STEP)) == SHORT_CANDIDATES
     assert [(c.first, c.end, c.keys) for c in long.calls] == [
         (0, MIN_KEYS // B, MIN_KEYS),  # the first blocks all read MIN_KEYS
         *((i, i + 1, (i + 1) * B) for i in range(MIN_KEYS // B, short)),
