@@ -1,14 +1,27 @@
-"""What N labels buy: a profile fitted on N labeled items, its served policy measured on test.
+"""What N labels buy: a profile fitted on N labeled items, its served policy measured on test,
+against what a user with the same labels would train instead (TF-IDF + logistic regression).
 
 For each task, N labeled items are drawn from the calibration split (several draws per N,
-stratified by label), a profile is fitted on them with ``methods="auto"`` (the probe on the
-pass's hidden state competing with the scalar maps, as ``judge calibrate`` does by default),
-and the served policy, every gate included, is measured on the whole test split at each target
+stratified by label; N from 16 to all of it: the label curve), and two arms are fitted on them:
+
+* **probe**: a profile with ``methods="auto"`` (the probe on the pass's hidden state competing
+  with the scalar maps, as ``judge calibrate`` does by default);
+* **tfidf**: word (1-2) and character (2-5) TF-IDF n-grams with a logistic regression
+  (scikit-learn; C by cross-validation), trained on the fit items of the probe's split (5:1:4,
+  ``split_examples``) only, its log-probabilities then fitted and certified by the same
+  ``fit_profile`` on that split (``probe_split=True``): the map on the fit items' out-of-fold
+  log-probabilities, the conformal and certify items never seen by the classifier. So both arms
+  learn from the same items and are certified on the same items. Its test accuracy trained on
+  all N labels, uncertified, as a user would train it, is reported beside
+  (``accuracy_all_labels``).
+
+Each served policy, every gate included, is measured on the whole test split at each target
 precision: how often a threshold was certified, how often the test precision then met the
 target, and the mean test accuracy and coverage. The judgments are bench_calibration.py's
 cache (judged once if missing).
 
     python benchmarks/bench_labels.py [--tasks sst2 sms_spam ag_news] [--draws 3]
+        [--sizes 16 32 64 128 256] [--arms probe tfidf]
 """
 
 from __future__ import annotations
@@ -18,11 +31,13 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from benchlib import cpu_model
 
 from calibration import FitSettings
+from calibration.limits import MIN_EXAMPLES
 from judge.atomicio import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,11 +58,62 @@ def draw(labels: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
     return np.sort(np.concatenate(picked))
 
 
+def tfidf_log_probabilities(
+    texts: list[str], labels: np.ndarray, fit_idx: np.ndarray, test_texts: list[str], k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """TF-IDF + logistic regression trained on ``texts[fit_idx]`` only: (n, k) log-
+    probabilities of every text (out-of-fold for the fit items, so that a map fitted on them
+    sees what the classifier does on new text) and (m, k) of the test texts."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import GridSearchCV, StratifiedKFold, cross_val_predict
+    from sklearn.pipeline import make_pipeline, make_union
+
+    def pipeline() -> Any:
+        return make_pipeline(
+            make_union(
+                TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=1),
+                TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), sublinear_tf=True),
+            ),
+            LogisticRegression(max_iter=2000),
+        )
+
+    x_fit, y_fit = [texts[i] for i in fit_idx], labels[fit_idx]
+    counts = np.bincount(y_fit)
+    folds = int(min(5, counts[counts > 0].min()))  # the rarest class's fit items, at most 5
+    grid = {"logisticregression__C": [1.0, 10.0, 100.0]}
+    if folds >= 2:
+        cv = StratifiedKFold(folds, shuffle=True, random_state=0)
+        model = GridSearchCV(pipeline(), grid, cv=cv, scoring="neg_log_loss").fit(x_fit, y_fit)
+        best = pipeline().set_params(**model.best_params_)
+        oof = cross_val_predict(best, x_fit, y_fit, cv=cv, method="predict_proba")
+        fitted = model.best_estimator_
+    else:  # a class with one fit item: no folds, its own predictions stand in
+        fitted = pipeline().set_params(logisticregression__C=10.0).fit(x_fit, y_fit)
+        oof = fitted.predict_proba(x_fit)
+
+    def full(proba: np.ndarray) -> np.ndarray:  # columns for classes the fit items lack
+        out = np.full((proba.shape[0], k), 1e-9)
+        out[:, fitted.classes_] = proba
+        return np.log(out / out.sum(axis=1, keepdims=True))
+
+    lp = full(fitted.predict_proba(texts))
+    lp[fit_idx] = full(oof)
+    return lp, full(fitted.predict_proba(test_texts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--tasks", nargs="*", default=["sst2", "sms_spam", "ag_news", "trec"])
-    parser.add_argument("--sizes", nargs="*", type=int, default=[100, 200, 300, 500])
+    parser.add_argument(
+        "--sizes",
+        nargs="*",
+        type=int,
+        default=[16, 32, 64, 128, 256],
+        help="label counts below the split's size; the whole split is always one more",
+    )
+    parser.add_argument("--arms", nargs="*", default=["probe", "tfidf"], choices=["probe", "tfidf"])
     parser.add_argument("--targets", nargs="*", type=float, default=[0.9, 0.8])
     parser.add_argument("--draws", type=int, default=3)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -55,8 +121,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_labels.json")
     args = parser.parse_args()
 
-    from calibration import candidate_layers, evaluate_policy
-    from calibration.tasks import LabeledScores, fit_labeled, load_task
+    from calibration import candidate_layers, evaluate_policy, fit_profile
+    from calibration.fitting import split_examples
+    from calibration.tasks import LabeledScores, fit_labeled, load_split, load_task
     from judge import Judge
 
     judge = Judge.load(dtype=args.dtype)
@@ -68,51 +135,89 @@ def main() -> None:
         cal, digest = cached_scores(judge, task, "calibration", None, args.cache, layers)
         test, _ = cached_scores(judge, task, "test", None, args.cache, layers)
         assert cal.features is not None and test.features is not None
-        for n in [s for s in args.sizes if s <= len(cal)]:
-            for target in args.targets:
-                outcomes = []
-                for d in range(args.draws if n < len(cal) else 1):
-                    idx = draw(cal.labels, n, np.random.default_rng(d))
-                    subset = LabeledScores(
-                        log_probabilities=cal.log_probabilities[idx],
-                        choice_mass=cal.choice_mass[idx],
-                        labels=cal.labels[idx],
-                        features=cal.features[idx],
-                        feature_layers=cal.feature_layers,
-                    )
-                    profile = fit_labeled(
-                        name,
-                        subset,
-                        task.choices,
-                        judge.fingerprint(),
-                        dataset=f"{name}/calibration[{n}]",
-                        dataset_sha256=digest,
-                        settings=FitSettings(target_precision=target),
-                    )
-                    e = evaluate_policy(
-                        profile,
-                        test.log_probabilities,
-                        test.labels,
-                        test.choice_mass,
-                        features=test.features_of(profile.feature_layers),
-                        n_bootstrap=10,
-                    )
-                    outcomes.append((profile.calibration_map.method, e))
-                rows.append(
-                    {
-                        "task": name,
-                        "labels": len(idx),
-                        "target": target,
-                        "draws": len(outcomes),
-                        "probe_chosen": sum(m == "probe" for m, _ in outcomes),
-                        "accuracy": float(np.mean([e.after.accuracy.value for _, e in outcomes])),
-                        "certified": sum(e.threshold is not None for _, e in outcomes),
-                        "precision_met": sum(
-                            e.precision is not None and e.precision >= target for _, e in outcomes
-                        ),
-                        "coverage": float(np.mean([e.coverage for _, e in outcomes])),
-                    }
-                )
+        texts = [item.text for item in load_split(task, "calibration")[0]]
+        test_texts = [item.text for item in load_split(task, "test")[0]]
+        k = len(task.choices)
+        for n in [*(s for s in args.sizes if s < len(cal)), len(cal)]:
+            # (arm, target) -> per draw: the method chosen and the evaluation on test
+            outcomes: dict[tuple[str, float], list[tuple[str, Any]]] = {}
+            on_all: list[float] = []  # TF-IDF trained on all n labels: its test accuracy
+            for d in range(args.draws if n < len(cal) else 1):
+                idx = draw(cal.labels, n, np.random.default_rng(d))
+                y = cal.labels[idx]
+                for arm in args.arms:
+                    if n < MIN_EXAMPLES:  # no profile: accuracy only
+                        if arm == "probe":  # the engine's own choice, uncalibrated
+                            hits = test.log_probabilities.argmax(axis=1) == test.labels
+                        else:
+                            all_items = np.arange(len(idx))
+                            _, test_lp = tfidf_log_probabilities(
+                                [texts[i] for i in idx], y, all_items, test_texts, k
+                            )
+                            hits = test_lp.argmax(axis=1) == test.labels
+                        for target in args.targets:
+                            outcomes.setdefault((arm, target), []).append(
+                                ("none", float(hits.mean()))
+                            )
+                        continue
+                    if arm == "tfidf":
+                        seed = FitSettings().seed
+                        fit_idx = split_examples(y, seed, probe=True)[0]
+                        lp, test_lp = tfidf_log_probabilities(
+                            [texts[i] for i in idx], y, fit_idx, test_texts, k
+                        )
+                        # Uncertified, as a user with these labels would train it.
+                        _, test_all = tfidf_log_probabilities(
+                            [texts[i] for i in idx], y, np.arange(n), test_texts, k
+                        )
+                        on_all.append(float((test_all.argmax(axis=1) == test.labels).mean()))
+                    for target in args.targets:
+                        settings = FitSettings(target_precision=target)
+                        if arm == "probe":
+                            subset = LabeledScores(
+                                log_probabilities=cal.log_probabilities[idx],
+                                choice_mass=cal.choice_mass[idx],
+                                labels=y,
+                                features=cal.features[idx],
+                                feature_layers=cal.feature_layers,
+                            )
+                            profile = fit_labeled(
+                                name,
+                                subset,
+                                task.choices,
+                                judge.fingerprint(),
+                                dataset=f"{name}/calibration[{n}]",
+                                dataset_sha256=digest,
+                                settings=settings,
+                            )
+                            e = evaluate_policy(
+                                profile,
+                                test.log_probabilities,
+                                test.labels,
+                                test.choice_mass,
+                                features=test.features_of(profile.feature_layers),
+                                n_bootstrap=10,
+                            )
+                        else:
+                            profile = fit_profile(
+                                f"{name}-tfidf",
+                                lp,
+                                y,
+                                task.choices,
+                                fingerprint=judge.fingerprint(),
+                                dataset=f"{name}/calibration[{n}] (TF-IDF + LR)",
+                                dataset_sha256=digest,
+                                settings=settings,
+                                probe_split=True,
+                            )
+                            e = evaluate_policy(profile, test_lp, test.labels, n_bootstrap=10)
+                        outcomes.setdefault((arm, target), []).append(
+                            (profile.calibration_map.method, e)
+                        )
+            for (arm, target), got in outcomes.items():
+                rows.append(summarize(name, n, arm, target, got))
+                if arm == "tfidf" and on_all:
+                    rows[-1]["accuracy_all_labels"] = float(np.mean(on_all))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     summary = {
         "model": judge.model_id,
@@ -125,20 +230,46 @@ def main() -> None:
     print(markdown(summary))
 
 
+def summarize(task: str, n: int, arm: str, target: float, got: list[tuple[str, Any]]) -> dict:
+    """One row of the table: an arm's draws at one label count and target, summed up. A draw
+    below MIN_EXAMPLES labels holds its test accuracy only (no profile can be fitted)."""
+    evaluated = [e for _, e in got if not isinstance(e, float)]
+    accuracy = [e if isinstance(e, float) else e.after.accuracy.value for _, e in got]
+    return {
+        "task": task,
+        "labels": n,
+        "arm": arm,
+        "target": target,
+        "draws": len(got),
+        "probe_chosen": sum(m == "probe" for m, _ in got),
+        "accuracy": float(np.mean(accuracy)),
+        "certified": sum(e.threshold is not None for e in evaluated),
+        "precision_met": sum(e.precision is not None and e.precision >= target for e in evaluated),
+        "coverage": float(np.mean([e.coverage for e in evaluated])) if evaluated else 0.0,
+        "profile": bool(evaluated),
+    }
+
+
 def markdown(summary: dict[str, object]) -> str:
     lines = [
         f"{summary['model']} ({summary['dtype']}); auto profiles fitted on N labels drawn from "
         "each calibration split, served policy measured on the whole test split",
         "",
-        "| task | labels | target | draws | probe chosen | test accuracy | certified | "
-        "test precision >= target | mean test coverage |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | labels | arm | target | draws | probe chosen | test accuracy "
+        "(TF-IDF on all labels) | certified | test precision >= target | mean test coverage |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["rows"]:  # type: ignore[attr-defined]
+        fitted = r.get("profile", True)
         lines.append(
-            f"| {r['task']} | {r['labels']} | {r['target']} | {r['draws']} | {r['probe_chosen']} "
-            f"| {r['accuracy']:.3f} | {r['certified']} | {r['precision_met']} "
-            f"| {r['coverage']:.3f} |"
+            f"| {r['task']} | {r['labels']} | {r['arm']} | {r['target']} | {r['draws']} "
+            f"| {r['probe_chosen']} | {r['accuracy']:.3f}"
+            + (f" ({r['accuracy_all_labels']:.3f}) " if "accuracy_all_labels" in r else " ")
+            + (
+                f"| {r['certified']} | {r['precision_met']} | {r['coverage']:.3f} |"
+                if fitted
+                else f"| no profile under {MIN_EXAMPLES} labels | | |"
+            )
         )
     return "\n".join(lines)
 

@@ -310,6 +310,7 @@ def fit_profile(
     choice_mass: ArrayLike | None = None,
     features: ArrayLike | None = None,
     feature_layers: Sequence[int] = (),
+    probe_split: bool | None = None,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
@@ -321,7 +322,9 @@ def fit_profile(
     when it was not tried), the split's seed and the metrics' resamples.
     When a probe wins, the scalar maps (temperature, or bias + temperature, by cross-validated
     NLL, as without a probe) are fitted and certified on the same split too, and kept as the
-    profile's ``baseline``.
+    profile's ``baseline``. ``probe_split`` (``split_examples``; None: the probe's split exactly
+    when a probe is a candidate) lets scores from another classifier, trained on the probe
+    split's fit items only, be certified on the items it never saw.
     """
     _check_fingerprint(fingerprint)
     z = _shaped(log_probabilities, choices)
@@ -336,6 +339,7 @@ def fit_profile(
         features=features,
         feature_layers=feature_layers,
         num_layers=fingerprint.num_layers,
+        probe_split=probe_split,
     )
     held = rule.held_out
     evidence = {"seed": settings.seed, "n_bootstrap": settings.n_bootstrap}

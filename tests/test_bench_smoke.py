@@ -175,13 +175,17 @@ def test_bench_engine_quick(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_breakdown_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_breakdown.json"
-    _run("bench_breakdown.py", "--out", str(out))
+    _run("bench_breakdown.py", "--out", str(out), "--lengths", "40,90")
     result = json.loads(out.read_text())
     parts = result["breakdown"]
     assert set(parts) == {"judgment (lean, invariant)", "bare pass"}
     for part in parts.values():
         assert part["profiled_ms"] > 0 and part["families_ms"]["matrix products"] > 0
         assert part["top_ops"] and part["unaccounted_ms"] >= 0
+    # The length sweep: each prompt about as long as asked, judged beside the bare pass.
+    lengths = result["lengths"]
+    assert all(abs(r["tokens"] - want) <= 5 for r, want in zip(lengths, (40, 90), strict=True))
+    assert all(r["judgment_ms"] > 0 and r["bare_ms"] > 0 and r["x"] > 0 for r in lengths)
 
 
 @pytest.mark.bench

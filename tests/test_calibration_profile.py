@@ -98,6 +98,23 @@ def test_each_step_has_its_own_examples(profile: CalibrationProfile) -> None:
     assert profile.threshold.procedure == "fixed_sequence"
 
 
+def test_scores_from_another_classifier_can_take_the_probes_split() -> None:
+    """``probe_split=True``: the 5:1:4 split without a probe, so scores of a classifier
+    trained on the probe split's fit items only are certified on items it never saw."""
+    z, y = synthetic(600, seed=1)
+    options: dict[str, Any] = {
+        "dataset": "synthetic",
+        "dataset_sha256": "d" * 64,
+        "fingerprint": FINGERPRINT,
+    }
+    probe_split = fit_profile("other", z, y, CHOICES, probe_split=True, **options)
+    split = probe_split.split
+    assert (split.fit, split.conformal, split.certify) == (300, 60, 240)
+    assert probe_split.threshold.n == 240 and probe_split.calibration_map.method != "probe"
+    fit_idx, _, _ = split_examples(y, split.seed, probe=True)
+    assert set(held_out_examples(y, split)) == set(range(600)) - set(fit_idx)
+
+
 def test_the_held_out_examples_are_recomputed_from_the_labels_and_the_split(
     profile: CalibrationProfile,
 ) -> None:

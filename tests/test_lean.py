@@ -38,7 +38,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from judge import Judge, Query
+from judge import Judge, Query, decoder
 from judge.attention import (
     KEY_BLOCK,
     KEY_STEP,
@@ -58,7 +58,7 @@ from judge.batch_invariant import (
     measured_sizes,
     split_rows,
 )
-from judge.decoder import _Product, lean_unsupported
+from judge.decoder import _Product, lean_unsupported, packing_library
 from judge.engine import shared_query
 
 VOCAB = 49152  # the default tokenizer's ids
@@ -122,9 +122,27 @@ def pair(request: pytest.FixtureRequest, judge: Judge) -> tuple[Judge, Judge]:
     return lean, generic
 
 
+def test_float32_products_run_on_oneDNN_except_on_an_intel_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MKL's float32 kernels are Intel's fast path only: on another vendor's CPU the packed
+    products are oneDNN's (bfloat16 always); the product and the arithmetic say which."""
+    for vendor, float32 in (("GenuineIntel", "MKL"), ("AuthenticAMD", "oneDNN"), ("", "oneDNN")):
+        monkeypatch.setattr(decoder, "cpu_vendor", lambda v=vendor: v)
+        assert packing_library(torch.float32) == float32
+        assert packing_library(torch.bfloat16) == "oneDNN"
+        g = torch.Generator().manual_seed(4)
+        w, x = torch.randn(48, 16, generator=g), torch.randn(37, 16, generator=g)
+        product = _Product(w, None, rows=32)
+        assert product.library == float32
+        assert torch.allclose(product(x), F.linear(x, w), atol=1e-5)
+    assert _Product(w, None, rows=32, pack=False).library == "F.linear"
+
+
 def test_the_default_model_takes_the_lean_pass(judge: Judge) -> None:
     assert lean_unsupported(judge.model) is None
     assert judge.decoder_pass == "lean"
+    assert f"products ({packing_library(judge.model.dtype)})" in judge.arithmetic
     variant = Judge(judge.model, judge.tokenizer, prefix_cache_mb=0, batch_invariant=False)
     assert variant.decoder_pass == "lean" and variant.arithmetic == ORDINARY
 

@@ -592,8 +592,9 @@ def test_not_ready_until_loaded(tmp_path: Path, judge: Judge) -> None:
     arithmetic = body["arithmetic"]
     assert arithmetic == judge.arithmetic and ready[0].endswith(arithmetic)
     assert re.search(
-        r"chunks of \d+( or \d+)* rows( \(a pass's last rows in [\d, ]+\))?, attention in "
-        r"blocks of \d+ queries",
+        r"products \((oneDNN|MKL|F\.linear)( and \w+)*\) in chunks of \d+( or \d+)* rows"
+        r"( \(a pass's last rows in products of [\d, -]+ rows\))?, attention in "
+        r"blocks of \d+ queries, (short blocks read [\d, -]+ keys|keys in blocks of 512)",
         arithmetic,
     )
 
