@@ -168,7 +168,7 @@ def main() -> None:
                         )
                         # Uncertified, as a user with these labels would train it.
                         _, test_all = tfidf_log_probabilities(
-                            [texts[i] for i in idx], y, np.arange(n), test_texts, k
+                            [texts[i] for i in idx], y, np.arange(len(idx)), test_texts, k
                         )
                         on_all.append(float((test_all.argmax(axis=1) == test.labels).mean()))
                     for target in args.targets:
