@@ -25,8 +25,8 @@ That is measured, not promised by PyTorch, and it is not so on every CPU: with A
 slots, and 64 keys or fewer other bits than 512 on two threads. So each engine measures its own
 ``Blocking`` when it is built (``measured_blocking``: the model's head shapes and dtype, this
 machine's kernels and threads), the first of ``QUERY_CANDIDATES`` whose every slot gives the
-same bits, and the short key counts that give the bits of 512 (on an AMD EPYC only some do). ``tests/test_lean.py`` checks
-the cases bit for bit, and ``tests/test_invariance.py`` whole judgments on the default model.
+same bits, and the short key counts that give the bits of 512 (on an AMD EPYC only some do).
+``tests/test_lean.py`` checks the cases bit for bit, and ``tests/test_invariance.py`` whole judgments on the default model.
 A lane's blocks of queries are grouped by the keys they need, so a long causal lane does not
 pay for the masked half of its keys beyond one block of 512.
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from judge.batch_invariant import kernel_setting
+from judge.batch_invariant import kernel_setting, runs_in_words
 
 __all__ = [
     "KEY_BLOCK",
@@ -99,13 +99,7 @@ class Blocking:
         """The short key counts in words: runs of KEY_STEP, as "128-256, 384"."""
         if not self.short:
             return f"keys in blocks of {KEY_BLOCK}"
-        runs: list[list[int]] = []
-        for size in self.short:
-            if runs and size == runs[-1][-1] + KEY_STEP:
-                runs[-1].append(size)
-            else:
-                runs.append([size])
-        spans = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+        spans = runs_in_words(self.short, KEY_STEP)
         return (
             f"short blocks read {spans} keys (steps of {KEY_STEP}), longer multiples of {KEY_BLOCK}"
         )
@@ -117,7 +111,7 @@ _MEASURED: dict[tuple[object, ...], Blocking] = {}
 def measured_blocking(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Blocking:
     """The ``Blocking`` under which the fused kernel gives a query the same bits wherever it
     sits, measured on this machine for these head shapes, in ``dtype``, at this number of
-    threads (once per process and shape, ~0.1 s): the first of ``QUERY_CANDIDATES`` whose
+    threads (once per process and shape, ~0.2 s): the first of ``QUERY_CANDIDATES`` whose
     every slot gives the same bits over one and two blocks of ``KEY_BLOCK`` keys, and the
     short key counts at which, too, every slot gives the same bits, and those of ``KEY_BLOCK``
     keys to every query that may read them (``_short_keys_hold``).

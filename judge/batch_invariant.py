@@ -62,6 +62,7 @@ __all__ = [
     "kernel_setting",
     "measured_rows",
     "measured_sizes",
+    "runs_in_words",
     "slot_invariant",
     "split_rows",
 ]
@@ -162,6 +163,17 @@ def split_rows(n: int, sizes: Sequence[int]) -> list[int]:
     if left:
         out.append(min(s for s in sizes if s >= left))
     return out
+
+
+def runs_in_words(sizes: Sequence[int], step: int = 1) -> str:
+    """Sizes in words, ascending, each run of sizes ``step`` apart joined: "1, 3-31"."""
+    runs: list[list[int]] = []
+    for size in sorted(sizes):
+        if runs and size == runs[-1][-1] + step:
+            runs[-1].append(size)
+        else:
+            runs.append([size])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 # What ``Judge.arithmetic`` says of the passes that do not measure their sizes.

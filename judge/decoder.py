@@ -46,6 +46,7 @@ from judge.batch_invariant import (
     kernel_setting,
     measured_rows,
     measured_sizes,
+    runs_in_words,
     split_rows,
 )
 
@@ -314,17 +315,6 @@ class _Layer:
         self.scale = float(attn.scaling)
 
 
-def _runs(sizes: Sequence[int]) -> str:
-    """Sizes in words, ascending, runs of consecutive ones joined: "1, 3-31"."""
-    runs: list[list[int]] = []
-    for size in sorted(sizes):
-        if runs and size == runs[-1][-1] + 1:
-            runs[-1].append(size)
-        else:
-            runs.append([size])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
-
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
@@ -428,15 +418,15 @@ class LeanDecoder:
         if self.blocking is None:
             return ORDINARY
         rows = " or ".join(str(r) for r in self.product_rows())
-        smaller = _runs(self.smaller_sizes())
+        smaller = runs_in_words(self.smaller_sizes())
         rest = f" (a pass's last rows in products of {smaller} rows)" if smaller else ""
         keys = self.blocking.describe()
         threads, capability = kernel_setting()
         on = " and ".join(self.libraries())
         return (
-            f"batch-invariant: products ({on}) in chunks of {rows} rows{rest}, attention in blocks of "
-            f"{self.blocking.queries} queries, {keys} (measured for {capability} kernels, "
-            f"{threads} threads)"
+            f"batch-invariant: products ({on}) in chunks of {rows} rows{rest}, attention in "
+            f"blocks of {self.blocking.queries} queries, {keys} (measured for {capability} "
+            f"kernels, {threads} threads)"
         )
 
     def refresh(self, replaced: bool = True) -> None:

@@ -56,6 +56,7 @@ from judge.batch_invariant import (
     ORDINARY,
     measured_rows,
     measured_sizes,
+    runs_in_words,
     split_rows,
 )
 from judge.decoder import _Product, lean_unsupported, packing_library
@@ -417,6 +418,7 @@ def test_a_pass_s_last_rows_run_unpadded_in_sizes_measured_to_give_the_chunk_s_b
 
     sizes = measured_sizes(product, 32, weight, "test sizes")
     assert sizes == (32, *range(31, 2, -1), 1)
+    assert runs_in_words(sizes) == "1, 3-32"  # as the arithmetic says them
     assert split_rows(117, sizes) == [32, 32, 32, 21]
     assert split_rows(2, sizes) == [1, 1] and split_rows(64, sizes) == [32, 32]
     assert split_rows(6, (32, 4)) == [4, 4]  # 2 left: the smallest size that holds it
