@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_calibration import cached_scores  # noqa: E402
+from bench_calibration import cached_scores, fit_and_evaluate  # noqa: E402
 
 
 def draw(labels: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -58,15 +59,14 @@ def draw(labels: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
     return np.sort(np.concatenate(picked))
 
 
-def tfidf_log_probabilities(
-    texts: list[str], labels: np.ndarray, fit_idx: np.ndarray, test_texts: list[str], k: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """TF-IDF + logistic regression trained on ``texts[fit_idx]`` only: (n, k) log-
-    probabilities of every text (out-of-fold for the fit items, so that a map fitted on them
-    sees what the classifier does on new text) and (m, k) of the test texts."""
+def tfidf_classifier(texts: list[str], labels: np.ndarray) -> tuple[Any, Any, Any]:
+    """TF-IDF word (1-2) and character (2-5) n-grams with a logistic regression, C by
+    cross-validated log loss (folds: the rarest class's items, at most 5), fitted on
+    ``texts``: the fitted model, the unfitted one with the chosen C and the folds (both None
+    where a class has one item: no folds, C = 10)."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import GridSearchCV, StratifiedKFold, cross_val_predict
+    from sklearn.model_selection import GridSearchCV, StratifiedKFold
     from sklearn.pipeline import make_pipeline, make_union
 
     def pipeline() -> Any:
@@ -78,28 +78,103 @@ def tfidf_log_probabilities(
             LogisticRegression(max_iter=2000),
         )
 
-    x_fit, y_fit = [texts[i] for i in fit_idx], labels[fit_idx]
-    counts = np.bincount(y_fit)
-    folds = int(min(5, counts[counts > 0].min()))  # the rarest class's fit items, at most 5
+    counts = np.bincount(labels)
+    folds = int(min(5, counts[counts > 0].min()))
+    if folds < 2:
+        return pipeline().set_params(logisticregression__C=10.0).fit(texts, labels), None, None
+    cv = StratifiedKFold(folds, shuffle=True, random_state=0)
     grid = {"logisticregression__C": [1.0, 10.0, 100.0]}
-    if folds >= 2:
-        cv = StratifiedKFold(folds, shuffle=True, random_state=0)
-        model = GridSearchCV(pipeline(), grid, cv=cv, scoring="neg_log_loss").fit(x_fit, y_fit)
-        best = pipeline().set_params(**model.best_params_)
-        oof = cross_val_predict(best, x_fit, y_fit, cv=cv, method="predict_proba")
-        fitted = model.best_estimator_
-    else:  # a class with one fit item: no folds, its own predictions stand in
-        fitted = pipeline().set_params(logisticregression__C=10.0).fit(x_fit, y_fit)
+    model = GridSearchCV(pipeline(), grid, cv=cv, scoring="neg_log_loss").fit(texts, labels)
+    return model.best_estimator_, pipeline().set_params(**model.best_params_), cv
+
+
+def _log_probabilities(model: Any, proba: np.ndarray, k: int) -> np.ndarray:
+    """(n, k) log-probabilities from ``model``'s ``proba``, whose columns are the classes its
+    fit items held (the others get 1e-9 before normalising)."""
+    out = np.full((proba.shape[0], k), 1e-9)
+    out[:, model.classes_] = proba
+    return np.log(out / out.sum(axis=1, keepdims=True))
+
+
+def tfidf_log_probabilities(
+    texts: list[str], labels: np.ndarray, fit_idx: np.ndarray, test_texts: list[str], k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``tfidf_classifier`` trained on ``texts[fit_idx]`` only: (n, k) log-probabilities of
+    every text (out-of-fold for the fit items, so that a map fitted on them sees what the
+    classifier does on new text) and (m, k) of the test texts."""
+    from sklearn.model_selection import cross_val_predict
+
+    x_fit, y_fit = [texts[i] for i in fit_idx], labels[fit_idx]
+    fitted, best, cv = tfidf_classifier(x_fit, y_fit)
+    if cv is None:  # no folds: its own predictions stand in
         oof = fitted.predict_proba(x_fit)
+    else:
+        oof = cross_val_predict(best, x_fit, y_fit, cv=cv, method="predict_proba")
+    lp = _log_probabilities(fitted, fitted.predict_proba(texts), k)
+    lp[fit_idx] = _log_probabilities(fitted, oof, k)
+    return lp, _log_probabilities(fitted, fitted.predict_proba(test_texts), k)
 
-    def full(proba: np.ndarray) -> np.ndarray:  # columns for classes the fit items lack
-        out = np.full((proba.shape[0], k), 1e-9)
-        out[:, fitted.classes_] = proba
-        return np.log(out / out.sum(axis=1, keepdims=True))
 
-    lp = full(fitted.predict_proba(texts))
-    lp[fit_idx] = full(oof)
-    return lp, full(fitted.predict_proba(test_texts))
+def tfidf_accuracy(
+    texts: list[str], labels: np.ndarray, test_texts: list[str], test_labels: np.ndarray
+) -> float:
+    """Test accuracy of ``tfidf_classifier`` trained on every text, uncertified: as a user
+    with these labels would train it."""
+    fitted, _, _ = tfidf_classifier(texts, labels)
+    return float((fitted.predict(test_texts) == test_labels).mean())
+
+
+@dataclass
+class Draws:
+    """What every draw of one task at one label count is fitted and evaluated against."""
+
+    judge: Any
+    task: Any
+    test: Any  # the test split's LabeledScores
+    digest: str  # the calibration split's sha256
+    n: int = 0  # labels drawn
+
+
+def fit_arm(
+    arm: str,
+    target: float,
+    scores: Any,
+    tfidf: tuple[np.ndarray, np.ndarray] | None,
+    draws: Draws,
+) -> tuple[str, Any]:
+    """One arm's profile on one draw at one target, evaluated on the whole test split: the
+    calibration method it chose and the evaluation. ``scores``: the draw's LabeledScores;
+    ``tfidf``: for the TF-IDF arm, its (n, k) and (m, k) log-probabilities."""
+    from calibration import evaluate_policy, fit_profile
+
+    if arm == "probe":  # as bench_calibration fits and measures an auto profile
+        settings = argparse.Namespace(target_precision=target, delta=FitSettings().delta)
+        profile, e = fit_and_evaluate(
+            draws.judge,
+            draws.task,
+            settings,
+            scores,
+            draws.digest,
+            draws.test,
+            "auto",
+            n_bootstrap=10,
+        )
+    else:
+        assert tfidf is not None
+        lp, test_lp = tfidf
+        profile = fit_profile(
+            f"{draws.task.name}-tfidf",
+            lp,
+            scores.labels,
+            draws.task.choices,
+            fingerprint=draws.judge.fingerprint(),
+            dataset=f"{draws.task.name}/calibration[{draws.n}] (TF-IDF + LR)",
+            dataset_sha256=draws.digest,
+            settings=FitSettings(target_precision=target),
+            probe_split=True,
+        )
+        e = evaluate_policy(profile, test_lp, draws.test.labels, n_bootstrap=10)
+    return profile.calibration_map.method, e
 
 
 def main() -> None:
@@ -121,9 +196,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_labels.json")
     args = parser.parse_args()
 
-    from calibration import candidate_layers, evaluate_policy, fit_profile
+    from calibration import candidate_layers
     from calibration.fitting import split_examples
-    from calibration.tasks import LabeledScores, fit_labeled, load_split, load_task
+    from calibration.tasks import LabeledScores, load_split, load_task
     from judge import Judge
 
     judge = Judge.load(dtype=args.dtype)
@@ -137,86 +212,46 @@ def main() -> None:
         assert cal.features is not None and test.features is not None
         texts = [item.text for item in load_split(task, "calibration")[0]]
         test_texts = [item.text for item in load_split(task, "test")[0]]
-        k = len(task.choices)
+        draws = Draws(judge, task, test, digest)
         for n in [*(s for s in args.sizes if s < len(cal)), len(cal)]:
+            draws.n = n
             # (arm, target) -> per draw: the method chosen and the evaluation on test
             outcomes: dict[tuple[str, float], list[tuple[str, Any]]] = {}
             on_all: list[float] = []  # TF-IDF trained on all n labels: its test accuracy
             for d in range(args.draws if n < len(cal) else 1):
                 idx = draw(cal.labels, n, np.random.default_rng(d))
                 y = cal.labels[idx]
-                for arm in args.arms:
-                    if n < MIN_EXAMPLES:  # no profile: accuracy only
-                        if arm == "probe":  # the engine's own choice, uncalibrated
-                            hits = test.log_probabilities.argmax(axis=1) == test.labels
-                        else:
-                            all_items = np.arange(len(idx))
-                            _, test_lp = tfidf_log_probabilities(
-                                [texts[i] for i in idx], y, all_items, test_texts, k
-                            )
-                            hits = test_lp.argmax(axis=1) == test.labels
+                drawn = [texts[i] for i in idx]
+                if "tfidf" in args.arms:
+                    on_all.append(tfidf_accuracy(drawn, y, test_texts, test.labels))
+                if n < MIN_EXAMPLES:  # no profile: accuracy only
+                    engine = float((test.log_probabilities.argmax(axis=1) == test.labels).mean())
+                    for arm in args.arms:  # the probe arm: the engine's own choice
+                        hits = engine if arm == "probe" else on_all[-1]
                         for target in args.targets:
-                            outcomes.setdefault((arm, target), []).append(
-                                ("none", float(hits.mean()))
-                            )
-                        continue
-                    if arm == "tfidf":
-                        seed = FitSettings().seed
-                        fit_idx = split_examples(y, seed, probe=True)[0]
-                        lp, test_lp = tfidf_log_probabilities(
-                            [texts[i] for i in idx], y, fit_idx, test_texts, k
-                        )
-                        # Uncertified, as a user with these labels would train it.
-                        _, test_all = tfidf_log_probabilities(
-                            [texts[i] for i in idx], y, np.arange(len(idx)), test_texts, k
-                        )
-                        on_all.append(float((test_all.argmax(axis=1) == test.labels).mean()))
+                            outcomes.setdefault((arm, target), []).append(("none", hits))
+                    continue
+                subset = LabeledScores(
+                    log_probabilities=cal.log_probabilities[idx],
+                    choice_mass=cal.choice_mass[idx],
+                    labels=y,
+                    features=cal.features[idx],
+                    feature_layers=cal.feature_layers,
+                )
+                tfidf = None
+                if "tfidf" in args.arms:
+                    fit_idx = split_examples(y, FitSettings().seed, probe=True)[0]
+                    tfidf = tfidf_log_probabilities(
+                        drawn, y, fit_idx, test_texts, len(task.choices)
+                    )
+                for arm in args.arms:
                     for target in args.targets:
-                        settings = FitSettings(target_precision=target)
-                        if arm == "probe":
-                            subset = LabeledScores(
-                                log_probabilities=cal.log_probabilities[idx],
-                                choice_mass=cal.choice_mass[idx],
-                                labels=y,
-                                features=cal.features[idx],
-                                feature_layers=cal.feature_layers,
-                            )
-                            profile = fit_labeled(
-                                name,
-                                subset,
-                                task.choices,
-                                judge.fingerprint(),
-                                dataset=f"{name}/calibration[{n}]",
-                                dataset_sha256=digest,
-                                settings=settings,
-                            )
-                            e = evaluate_policy(
-                                profile,
-                                test.log_probabilities,
-                                test.labels,
-                                test.choice_mass,
-                                features=test.features_of(profile.feature_layers),
-                                n_bootstrap=10,
-                            )
-                        else:
-                            profile = fit_profile(
-                                f"{name}-tfidf",
-                                lp,
-                                y,
-                                task.choices,
-                                fingerprint=judge.fingerprint(),
-                                dataset=f"{name}/calibration[{n}] (TF-IDF + LR)",
-                                dataset_sha256=digest,
-                                settings=settings,
-                                probe_split=True,
-                            )
-                            e = evaluate_policy(profile, test_lp, test.labels, n_bootstrap=10)
                         outcomes.setdefault((arm, target), []).append(
-                            (profile.calibration_map.method, e)
+                            fit_arm(arm, target, subset, tfidf, draws)
                         )
             for (arm, target), got in outcomes.items():
                 rows.append(summarize(name, n, arm, target, got))
-                if arm == "tfidf" and on_all:
+                if arm == "tfidf" and n >= MIN_EXAMPLES:
                     rows[-1]["accuracy_all_labels"] = float(np.mean(on_all))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     summary = {

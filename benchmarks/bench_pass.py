@@ -259,7 +259,8 @@ def main() -> None:
     print(f"{cpu_model()} ({', '.join(cpu_flags())}); kernels {capability}{emulated}; ", end="")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {dtype}; {reps} reps")
     print(
-        f"matmul peak {peak['gflops']:.0f} GFLOP/s ({peak['by']} {peak['shape']}, {peak['rows']} rows)"
+        f"matmul peak {peak['gflops']:.0f} GFLOP/s "
+        f"({peak['by']} {peak['shape']}, {peak['rows']} rows)"
     )
     print(f"decoder linear weights {nbytes / 2**20:.0f} MiB, read at {bandwidth:.1f} GB/s")
     print()

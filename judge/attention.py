@@ -26,7 +26,8 @@ slots, and 64 keys or fewer other bits than 512 on two threads. So each engine m
 ``Blocking`` when it is built (``measured_blocking``: the model's head shapes and dtype, this
 machine's kernels and threads), the first of ``QUERY_CANDIDATES`` whose every slot gives the
 same bits, and the short key counts that give the bits of 512 (on an AMD EPYC only some do).
-``tests/test_lean.py`` checks the cases bit for bit, and ``tests/test_invariance.py`` whole judgments on the default model.
+``tests/test_lean.py`` checks the cases bit for bit, and ``tests/test_invariance.py`` whole
+judgments on the default model.
 A lane's blocks of queries are grouped by the keys they need, so a long causal lane does not
 pay for the masked half of its keys beyond one block of 512.
 
