@@ -62,13 +62,14 @@ from calibration.errors import FitError
 from calibration.fit_settings import AUTO_METHODS, DEFAULT_METHODS, DEFAULT_SETTINGS, FitSettings
 from calibration.gate import Gate, Overrides
 from calibration.label_free import LabelFree, estimate_prior, prior_correction
-from calibration.limits import MIN_EXAMPLES
+from calibration.limits import MIN_EXAMPLES, PROBE_SPLIT, SPLIT
 from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.metrics import MetricReport, evaluate
 from calibration.monitoring import reference_of
 from calibration.policy import Policy
 from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
+from calibration.recertify import Recertification
 from calibration.scaling import CalibrationFit, Identity, Probe, fit_calibrator, softmax
 from calibration.scored import check_max_std
 from calibration.scores import check_values
@@ -95,11 +96,9 @@ __all__ = [
     "split_examples",
 ]
 
-# Of every ten examples (per label, in random order): three fit the map, two set the conformal
-# quantile, five certify the threshold.
-_PATTERN = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
-# When a probe is among the candidates: five fit, one sets the quantile, four certify.
-_PROBE_PATTERN = np.array([0, 0, 0, 0, 0, 1, 2, 2, 2, 2])
+# The split's patterns (calibration.limits): which part each of ten examples goes to.
+_PATTERN = np.array(SPLIT)
+_PROBE_PATTERN = np.array(PROBE_SPLIT)
 
 
 def _shaped(log_probabilities: ArrayLike, choices: Sequence[str]) -> np.ndarray:
@@ -311,6 +310,7 @@ def fit_profile(
     features: ArrayLike | None = None,
     feature_layers: Sequence[int] = (),
     probe_split: bool | None = None,
+    recertification: Recertification | None = None,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
@@ -324,7 +324,9 @@ def fit_profile(
     NLL, as without a probe) are fitted and certified on the same split too, and kept as the
     profile's ``baseline``. ``probe_split`` (``split_examples``; None: the probe's split exactly
     when a probe is a candidate) lets scores from another classifier, trained on the probe
-    split's fit items only, be certified on the items it never saw.
+    split's fit items only, be certified on the items it never saw. ``recertification``: a
+    refit from a decision log, the look it is (``calibration.recertify``); the settings' delta
+    must be its share, ``recertification.spent``.
     """
     _check_fingerprint(fingerprint)
     z = _shaped(log_probabilities, choices)
@@ -403,6 +405,7 @@ def fit_profile(
             f"{dataset}",
             seed=settings.seed,
         ),
+        recertification=recertification,
     )
 
 

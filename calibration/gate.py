@@ -85,6 +85,8 @@ class Gate:
     overrides : the request's settings (``Overrides``); None: none.
     defaults : the server's (``PolicyDefaults``); None: the built-in defaults.
     audit_rate : the share of decisions marked for a person to label (``is_audited``).
+    log_layers : hidden-state layers the decision log keeps of each judgment (a server's
+        ``--log-features``), read by the same pass as the probe's; default none.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class Gate:
         overrides: Overrides | None = None,
         defaults: PolicyDefaults | None = None,
         audit_rate: float = 0.0,
+        log_layers: Sequence[int] = (),
     ) -> None:
         self.profile = profile
         self.overrides = overrides or Overrides()
@@ -110,10 +113,13 @@ class Gate:
             profile_etag=etag,
             audit_rate=audit_rate,
         )
-        # The hidden-state layers a judgment must carry for this gate: a probe's, else none.
-        # Ask the engine for them (``Query.feature_layers``) when judging for this gate. Read
-        # once here: every request reads it twice (its query, its response).
-        self.feature_layers: tuple[int, ...] = self.policy.feature_layers
+        # The hidden-state layers a judgment must carry for this gate: a probe's and those
+        # the log keeps. Ask the engine for them (``Query.feature_layers``) when judging for
+        # this gate; the probe's alone are ``policy.feature_layers``.
+        self.log_layers: tuple[int, ...] = tuple(int(n) for n in log_layers)
+        self.feature_layers: tuple[int, ...] = tuple(
+            sorted(set(self.policy.feature_layers) | set(self.log_layers))
+        )
 
     @property
     def sha256(self) -> str:

@@ -40,6 +40,7 @@ from calibration.label_free import LabelFree
 from calibration.maps import BiasTemperature, CalibrationMap, Identity, Probe, Temperature
 from calibration.metrics import MetricReport
 from calibration.monitoring import Reference
+from calibration.recertify import Recertification
 from calibration.scored import ScoredJudgment, check_max_std, feature_row
 from calibration.scores import check_values, numeral_values
 from calibration.signal import SignalReport
@@ -153,6 +154,9 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # calibrated confidence and top choice of items the map was not fitted on. None for
     # profiles written before it existed.
     reference: Reference | None = None
+    # A profile refitted from its decision log: its look in its lineage's sequence of
+    # certifications (``calibration.recertify``), whose threshold.delta is the look's share.
+    recertification: Recertification | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -214,6 +218,12 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         if self.signal is not None and len(self.signal.prior) != len(self.choices):
             problems.append(
                 f"signal.prior has {len(self.signal.prior)} entries for {len(self.choices)} choices"
+            )
+        r = self.recertification
+        if r is not None and not math.isclose(r.spent, self.threshold.delta, rel_tol=1e-9):
+            problems.append(
+                f"recertification.spent {r.spent!r} is not the threshold's delta "
+                f"{self.threshold.delta!r}: a look is certified at its share of the delta"
             )
         if problems:
             raise RuleError("; ".join(problems))

@@ -184,6 +184,14 @@ def profile_markdown(
         f"- conformal (LAC, alpha {profile.conformal_alpha}): {quantile}",
         f"- created {profile.created_at}",
     ]
+    r = profile.recertification
+    if r is not None:
+        parts.append(
+            f"- recertified from the decision log `{r.log}`: look {r.look} of its lineage, "
+            f"certified at delta {r.spent:.4g}, its share of {r.delta:g}, so that every look's "
+            f"certificate holds at once with probability >= {1 - r.delta:g} "
+            "(calibration.recertify)"
+        )
     if profile.metrics_before is not None and profile.metrics_after is not None:
         parts += [
             "",

@@ -211,6 +211,19 @@ class ServiceConfig:
             group="log",
         ),
     ] = False
+    # Keep each decision's hidden states (service.logged_features) in the log, for
+    # ``judge calibrate --from-log`` to refit a probe: a probe profile's layers, else the
+    # candidate layers; float16, 1.5-7.7 KB a decision on the default model. Off by default.
+    log_features: Annotated[
+        bool,
+        Flag(
+            "--log-features",
+            "switch",
+            "keep each decision's hidden states (float16; a probe profile's layers, else the "
+            "probe's candidate layers) too, so that judge calibrate --from-log can fit a probe",
+            group="log",
+        ),
+    ] = False
     # Retention of the log: decisions older than this many days, and beyond this many rows
     # the oldest, are deleted (service.decision_log.Retention). None: no bound of that kind.
     log_max_age_days: Annotated[

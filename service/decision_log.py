@@ -69,6 +69,8 @@ from urllib.parse import unquote, urlsplit
 
 import msgspec
 
+from service.logged_features import LoggedFeatures
+
 if TYPE_CHECKING:
     import psycopg
 
@@ -175,6 +177,9 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
     audit: bool  # chosen for audit sampling (a uniform random share)
     # The request as judged (prompt text): only when the server was told to keep prompts.
     request: dict[str, Any] | None = None
+    # The hidden states a probe reads, for refitting one from the log: only with
+    # --log-features (service.logged_features).
+    features: LoggedFeatures | None = None
     label: str | None = None  # the true label, from feedback
     labeled_at: float | None = None
 
@@ -185,12 +190,14 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
         *,
         model: str,
         request: dict[str, Any] | None = None,
+        features: LoggedFeatures | None = None,
         created_at: float | None = None,
     ) -> LoggedDecision:
         """The row of ``verdict``: the one place a decision becomes a log row, on every route.
 
         ``choices`` and ``log_probs`` are the verdict's (the profile's order, else the
-        judgment's); ``request`` is what replays it (only with ``--log-requests``).
+        judgment's); ``request`` is what replays it (only with ``--log-requests``);
+        ``features`` what refits a probe (only with ``--log-features``).
         """
         if verdict.judgment_id is None:
             raise ValueError("a verdict without a judgment id cannot be logged")
@@ -215,6 +222,7 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
             certified=verdict.certified,
             audit=verdict.audit,
             request=request,
+            features=features,
         )
 
 

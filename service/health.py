@@ -30,6 +30,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from calibration.limits import certify_share
 from calibration.monitoring import (
     DriftTest,
     PrecisionCheck,
@@ -39,6 +40,7 @@ from calibration.monitoring import (
     prediction_powered_shares,
 )
 from calibration.profile import CalibrationProfile
+from calibration.recertify import LabelsNeeded, labels_to_certify, look_delta
 from service.decision_log import DecisionLog, LoggedDecision
 
 __all__ = ["DEFAULT_WINDOW", "ModelCheck", "ProfileHealth", "assess", "profile_health"]
@@ -71,6 +73,9 @@ class ProfileHealth(msgspec.Struct, frozen=True, kw_only=True):
     drift: DriftTest | None  # None: the profile keeps no reference (fitted before it did)
     shares: ShareEstimate | None  # each choice's share of the traffic; None: too few labels
     model: ModelCheck
+    # About how many labeled audit decisions would open the gate at the target, at the
+    # precision and acceptance the labeled ones show; None: none are labeled yet.
+    labels: LabelsNeeded | None
     alarms: list[Alarm]
     healthy: bool
     notes: list[str]
@@ -155,6 +160,9 @@ def assess(
     else:
         notes.append("fewer than 2 audited decisions are labeled: no estimate of the shares")
 
+    labels = _labels_needed(profile, labeled)
+    if labels is None:
+        notes.append("no audited decision is labeled: no estimate of the labels the gate needs")
     model = _model_check(profile, records, current_model_sha256)
     alarms: list[Alarm] = []
     if precision is not None and precision.contradicts:
@@ -175,9 +183,38 @@ def assess(
         drift=drift,
         shares=shares,
         model=model,
+        labels=labels,
         alarms=alarms,
         healthy=not alarms,
         notes=notes,
+    )
+
+
+# Reasons that are the threshold's own: a decision escalated for them alone passed every other
+# gate, so it counts with its confidence (any other reason: confidence 0, as a fit counts it).
+_THRESHOLD_REASONS = {"below_threshold", "no_certified_threshold"}
+
+
+def _labels_needed(
+    profile: CalibrationProfile, labeled: Sequence[LoggedDecision]
+) -> LabelsNeeded | None:
+    """``labels_to_certify`` on the labeled audit decisions, for the next refit from the log:
+    its look's delta (``calibration.recertify``) and its split's certify share."""
+    if not labeled:
+        return None
+    confidence = np.array(
+        [0.0 if set(r.reason_codes) - _THRESHOLD_REASONS else r.confidence for r in labeled]
+    )
+    correct = np.array([r.label == r.choice for r in labeled], dtype=bool)
+    r = profile.recertification
+    delta = look_delta(profile.threshold.delta, 1) if r is None else look_delta(r.delta, r.look + 1)
+    probe = profile.calibration_map.method == "probe" or any(x.features for x in labeled)
+    return labels_to_certify(
+        confidence,
+        correct,
+        target_precision=profile.threshold.target_precision,
+        delta=delta,
+        certify_share=certify_share(probe),
     )
 
 

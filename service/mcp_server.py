@@ -51,6 +51,7 @@ from service.decision_log import (
     replayable_question,
 )
 from service.decisions import judge_questions, with_order
+from service.logged_features import LoggedFeatures, log_layers
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
 from service.systemone import wire_answer
@@ -73,13 +74,15 @@ def create_server(
     defaults: PolicyDefaults | None = None,
     decision_log: DecisionLog | None = None,
     log_requests: bool = False,
+    log_features: bool = False,
 ) -> MCPServer:
     """An MCP server whose tools judge with ``engine`` and gate with ``store``'s profiles.
 
     With ``decision_log``, every decision of ``judge`` and ``decide`` is appended to it before
     the tool answers, as the HTTP service appends its own (``LoggedDecision.of``): it can then
     be labelled, audited, counted in its profile's health and (with ``log_requests``, which
-    keeps the prompt or state) replayed. A log that cannot be written fails the call.
+    keeps the prompt or state) replayed, and (with ``log_features``, which keeps the hidden
+    states) refit a probe. A log that cannot be written fails the call.
     """
     defaults = defaults or PolicyDefaults()
     model_lock = threading.Lock()
@@ -95,6 +98,15 @@ def create_server(
                 f"the decision could not be written to the decision log ({exc}), so it is "
                 "not served: retry later"
             ) from None
+
+    def gate_of(fitted: CalibrationProfile | None, etag: str | None, **options: Any) -> Gate:
+        """A call's gate, reading the hidden states the log keeps (``log_features``)."""
+        layers: tuple[int, ...] = ()
+        if fitted is not None and decision_log is not None:
+            layers = log_layers(
+                fitted.feature_layers, fitted.fingerprint.num_layers, enabled=log_features
+            )
+        return Gate(fitted, etag=etag, defaults=defaults, log_layers=layers, **options)
 
     def profile_of(name: str, field: str) -> tuple[CalibrationProfile, str]:
         """The profile and its ETag (the version a decision carries)."""
@@ -135,9 +147,7 @@ def create_server(
     ) -> dict[str, Any]:
         fitted, etag = profile_of(profile, "profile") if profile is not None else (None, None)
         with _tool_errors():
-            gate = Gate(
-                fitted, etag=etag, overrides=Overrides(threshold=threshold), defaults=defaults
-            )
+            gate = gate_of(fitted, etag, overrides=Overrides(threshold=threshold))
             with model_lock:
                 gate.check_engine(engine, system=system, choices=choices)
                 judgment = engine.judge(
@@ -148,13 +158,16 @@ def create_server(
             if log_requests:
                 query = Query(prompt=prompt, choices=list(choices), system=system)
                 kept = replayable_query(query, gate)
-            keep([LoggedDecision.of(verdict, model=engine.model_id, request=kept)])
+            features = LoggedFeatures.of(judgment.features, gate.log_layers)
+            keep(
+                [LoggedDecision.of(verdict, model=engine.model_id, request=kept, features=features)]
+            )
             response = JudgeResponse.of(
                 judgment,
                 verdict,
                 choices=choices,
                 calibration_map=fitted.calibration_map if fitted is not None else None,
-                feature_layers=gate.feature_layers,
+                feature_layers=gate.policy.feature_layers,
             )
         return _plain(response)
 
@@ -193,10 +206,10 @@ def create_server(
         ] = MAX_ORDERINGS,
     ) -> dict[str, Any]:
         # Every question's gate: its profile's where it names one, else the defaults alone.
-        gates = {qid: Gate(None, defaults=defaults) for qid in questions}
+        gates = {qid: gate_of(None, None) for qid in questions}
         for qid, name in (profiles or {}).items():
             fitted, etag = profile_of(name, f"profiles.{qid}")
-            gates[qid] = Gate(fitted, etag=etag, defaults=defaults)
+            gates[qid] = gate_of(fitted, etag)
         asked: dict[str, Any] = dict(questions)
         if order is not None:
             asked = with_order(asked, order)
@@ -210,9 +223,12 @@ def create_server(
                 max_orderings=max_orderings,
             )
         rows = []
-        for qid, (_, verdict) in judged.items():
+        for qid, (answer, verdict) in judged.items():
             kept = replayable_question(state, qid, asked[qid], gates[qid]) if log_requests else None
-            rows.append(LoggedDecision.of(verdict, model=engine.model_id, request=kept))
+            features = LoggedFeatures.of(answer.judgment.features, gates[qid].log_layers)
+            rows.append(
+                LoggedDecision.of(verdict, model=engine.model_id, request=kept, features=features)
+            )
         keep(rows)
         return _plain({qid: wire_answer(a, v) for qid, (a, v) in judged.items()})
 

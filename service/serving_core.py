@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
@@ -61,8 +62,12 @@ from service.errors import (
     TooLargeError,
 )
 from service.frontdoor import Admission
+from service.logged_features import log_layers
 from service.metrics import ServiceMetrics
 from service.profiles import ProfileStore
+
+if TYPE_CHECKING:
+    from calibration.profile import CalibrationProfile
 
 __all__ = ["ServiceCore", "Ticket"]
 
@@ -294,6 +299,7 @@ class ServiceCore:
                 overrides=overrides,
                 defaults=self.config.policy_defaults,
                 audit_rate=self.config.audit_rate_for(name),
+                log_layers=self.log_layers(profile),
             )
             gate.check_engine(
                 engine,
@@ -308,6 +314,18 @@ class ServiceCore:
                 exc.field = field  # type: ignore[attr-defined]
             raise
         return gate
+
+    def log_layers(self, profile: CalibrationProfile | None) -> tuple[int, ...]:
+        """The hidden-state layers the log keeps of a decision under ``profile``: with
+        ``--log-features`` and a log, a probe's own, else the candidate layers of the model it
+        was fitted on (the gate checks it is this one); else none."""
+        if profile is None or self.decision_log is None:
+            return ()
+        return log_layers(
+            profile.feature_layers,
+            profile.fingerprint.num_layers,
+            enabled=self.config.log_features,
+        )
 
     async def run_rows(
         self, engine: Engine, ready: Sequence[Prepared], ticket: Ticket

@@ -20,6 +20,7 @@ from judge.scores import check_values
 from service.batcher import DeadlineError, QueueFullError
 from service.decision_log import LoggedDecision, replayable_query
 from service.errors import TooLargeError, error_of
+from service.logged_features import LoggedFeatures
 from service.schemas import (
     BatchRequest,
     BatchResponse,
@@ -91,7 +92,7 @@ class JudgeServing:
         gate = self.service.open_gate(
             engine, request.profile, overrides, template=query, choices=request.choices
         )
-        if gate.feature_layers:  # a probe reads the pass's hidden state: ask for it
+        if gate.feature_layers:  # a probe, or the log, reads the pass's hidden state
             query = msgspec.structs.replace(query, feature_layers=gate.feature_layers)
         return _Plan(query, gate)
 
@@ -109,14 +110,17 @@ class JudgeServing:
         if self.service.decision_log is not None:
             logs_request = self.service.config.log_requests
             kept = replayable_query(plan.query, plan.gate) if logs_request else None
-            records.append(LoggedDecision.of(verdict, model=engine.model_id, request=kept))
+            features = LoggedFeatures.of(result.features, plan.gate.log_layers)
+            records.append(
+                LoggedDecision.of(verdict, model=engine.model_id, request=kept, features=features)
+            )
         profile = plan.gate.profile
         return JudgeResponse.of(
             result,
             verdict,
             choices=request.choices,  # the verdict keeps the profile's order; this, the request's
             calibration_map=profile.calibration_map if profile else None,
-            feature_layers=plan.gate.feature_layers,
+            feature_layers=plan.gate.policy.feature_layers,
             return_prompt=request.return_prompt,
         )
 

@@ -18,6 +18,7 @@ from judge import Prepared
 from judge.answers import plan_decisions
 from service.decision_log import LoggedDecision, replayable_question
 from service.errors import TooLargeError, UnprocessableError
+from service.logged_features import LoggedFeatures
 from service.serving_core import ServiceCore, Ticket
 from service.systemone import (
     SystemOneAnswer,
@@ -106,7 +107,12 @@ class SystemOneServing:
                 if self.service.config.log_requests:
                     asked = request.questions[qid]
                     kept = replayable_question(request.state, qid, asked, gate)
-                records.append(LoggedDecision.of(verdict, model=engine.model_id, request=kept))
+                features = LoggedFeatures.of(answer.judgment.features, gate.log_layers)
+                records.append(
+                    LoggedDecision.of(
+                        verdict, model=engine.model_id, request=kept, features=features
+                    )
+                )
         await self.service.append_to_log(records)
         return SystemOneResponse(
             model=engine.model_id,

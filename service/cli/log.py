@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +139,8 @@ def run_check(args: argparse.Namespace) -> int:
         f"{health.n_audited_labeled} audited and labeled): {verdict}",
         file=sys.stderr,
     )
+    if health.labels is not None:
+        print(f"labels for the gate: {health.labels.reason}", file=sys.stderr)
     return 0 if health.healthy else 1
 
 
@@ -260,21 +263,23 @@ def _view(record: LoggedDecision) -> dict[str, Any]:
 
 def run_from_log(args: argparse.Namespace) -> int:
     """``judge calibrate --from-log``: a new version of a profile, fitted on the logged
-    log-probabilities of its audited, labeled decisions (every version's, same weights)."""
+    log-probabilities of its audited, labeled decisions (every version's, same weights), and on
+    their hidden states where the log kept them (``--log-features``): a probe.
+
+    Each run is one look of the profile's lineage and certifies at its share of ``--delta``
+    (``calibration.recertify``), so that refitting again and again as labels arrive keeps
+    every look's certificate at once."""
     from calibration import MIN_EXAMPLES, fit_profile
     from calibration.profile import NAME_PATTERN
+    from calibration.recertify import Recertification, look_delta
     from service.cli.calibrate import fit_settings
+    from service.decision_log import mask_target
 
     if args.profile is None:
         raise UsageError("calibrate --from-log: name the profile to refit with --profile")
     profile, _, store = _stored(args.profile, args.profiles_dir)
     max_std = args.max_std if args.max_std is not None else profile.max_std
     settings = fit_settings(args, values=profile.values, max_std=max_std)
-    if "probe" in settings.methods:
-        raise UsageError(
-            "calibrate --from-log: a probe reads hidden states, which the log does not keep; "
-            "refit it with judge calibrate --task, or choose --method temperature"
-        )
     name = args.name or profile.name
     import re
 
@@ -290,6 +295,7 @@ def run_from_log(args: argparse.Namespace) -> int:
             f"({', '.join(sorted(s[:12] for s in other))}) than the profile's ({weights[:12]}): "
             "their log-probabilities are not comparable; refit with judge calibrate --task"
         )
+    records, features, layers = _with_features(records, settings.methods, profile)
     if len(records) < MIN_EXAMPLES:
         raise UsageError(
             f"the log holds {len(records)} audited, labeled decisions of {profile.name!r}; a "
@@ -306,6 +312,14 @@ def run_from_log(args: argparse.Namespace) -> int:
     digest = hashlib.sha256(
         msgspec.json.encode([[r.judgment_id, r.label] for r in records])
     ).hexdigest()
+    before = profile.recertification
+    look = 1 if before is None else before.look + 1
+    recertification = Recertification(
+        look=look,
+        delta=settings.delta,
+        spent=look_delta(settings.delta, look),
+        log=mask_target(args.from_log),
+    )
     refit = fit_profile(
         name,
         z,
@@ -313,13 +327,22 @@ def run_from_log(args: argparse.Namespace) -> int:
         profile.choices,
         fingerprint=profile.fingerprint,
         choice_mass=np.array([r.choice_mass for r in records]),
-        dataset=f"decision log {args.from_log}: {len(records)} audited decisions of {profile.name}",
+        dataset=f"decision log {recertification.log}: {len(records)} audited decisions of "
+        f"{profile.name}"
+        + (f", with the hidden states of layers {list(layers)}" if layers else ""),
         dataset_sha256=digest,
-        settings=settings,
+        settings=msgspec.structs.replace(settings, delta=recertification.spent),
+        features=features,
+        feature_layers=layers,
+        recertification=recertification,
     )
     etag = store.put(refit)
     t = refit.threshold
     print(f"profile {name}: {refit.note}")
+    print(
+        f"look {look} of the lineage of {profile.name!r}: certified at delta "
+        f"{recertification.spent:.4g}, its share of {settings.delta:g}"
+    )
     print(
         f"threshold: {t.threshold:.3f}, coverage {t.coverage:.3f} (on the certify split)"
         if t.threshold is not None
@@ -327,6 +350,54 @@ def run_from_log(args: argparse.Namespace) -> int:
     )
     print(f"wrote {store.directory / name}.json (ETag {etag})")
     return 0
+
+
+def _with_features(
+    records: list[LoggedDecision], methods: Sequence[str] | str, profile: CalibrationProfile
+) -> tuple[list[LoggedDecision], np.ndarray | None, tuple[int, ...]]:
+    """The records a refit reads, their hidden states (n, m, H) and the m layers, or None.
+
+    A probe is fitted on the records that kept hidden states (``--log-features``), on the
+    layers every one of them kept (else the newest one's, and only the records with those):
+    with "auto" when there are enough of them (``MIN_PROBE_EXAMPLES``), else on every record
+    without features; an explicit probe refuses when there are too few."""
+    from calibration.probe import MIN_PROBE_EXAMPLES
+
+    wanted = "probe" in methods if not isinstance(methods, str) else methods == "auto"
+    kept = [r for r in records if r.features is not None]
+    if not wanted or not kept:
+        if wanted and methods != "auto":
+            raise UsageError(
+                f"calibrate --from-log --method probe: none of the {len(records)} audited, "
+                "labeled decisions kept hidden states; serve with --log-features (or choose "
+                "--method temperature)"
+            )
+        return records, None, ()
+    shared = set.intersection(*(set(r.features.layers) for r in kept if r.features))
+    newest = kept[-1].features
+    assert newest is not None
+    layers = tuple(sorted(shared)) or tuple(newest.layers)
+    kept = [r for r in kept if r.features is not None and set(layers) <= set(r.features.layers)]
+    if len(kept) < MIN_PROBE_EXAMPLES:
+        if methods != "auto":
+            raise UsageError(
+                f"calibrate --from-log --method probe: {len(kept)} audited, labeled decisions "
+                f"kept the hidden states of layers {list(layers)}, and a probe needs "
+                f"{MIN_PROBE_EXAMPLES}: label more, or choose --method temperature"
+            )
+        return records, None, ()
+    width = profile.fingerprint.hidden_size
+    rows = []
+    for r in kept:
+        assert r.features is not None
+        if width is not None and r.features.width != width:
+            raise UsageError(
+                f"decision {r.judgment_id} kept hidden states {r.features.width} wide, and "
+                f"the profile's model is {width} wide"
+            )
+        states = r.features.array()
+        rows.append(states[[r.features.layers.index(n) for n in layers]])
+    return kept, np.stack(rows), layers
 
 
 def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

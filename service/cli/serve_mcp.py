@@ -54,6 +54,13 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         action="store_true",
         help="keep each call's prompt or state in the log, so that judge replay can re-run it",
     )
+    mcp.add_argument(
+        "--log-features",
+        action="store_true",
+        help="keep each decision's hidden states in the log (float16; a probe profile's "
+        "layers, else the probe's candidate layers), so that judge calibrate --from-log can "
+        "fit a probe",
+    )
     mcp.set_defaults(run=run)
 
 
@@ -83,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         ProfileStore(args.profiles_dir),
         decision_log=decision_log,
         log_requests=args.log_requests,
+        log_features=args.log_features,
     )
     try:
         server.run("stdio")

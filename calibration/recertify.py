@@ -1,0 +1,181 @@
+"""Certifying again and again from a growing decision log: one delta, spent over every look.
+
+``judge calibrate --from-log`` refits a profile on the audited, labelled decisions of its log and
+certifies the new threshold on those the new map was not fitted on. As labels keep coming it is
+run again and again, and each run is a new look: a new map, certified on data that overlaps the
+last look's. Each look's certificate fails with probability up to the delta it is tested at, so
+k looks at the full delta each would fail somewhere in the sequence with probability up to
+k * delta, and a user who re-certifies until the gate opens would be served a failed certificate
+far more often than delta says.
+
+The looks of one lineage (a profile and every profile refitted from it, under any name) spend
+one delta between them instead: the k-th look is tested at
+
+    delta_k = delta * 6 / (pi^2 k^2),            sum over k >= 1 of delta_k = delta,
+
+since the sum of 1 / k^2 is pi^2 / 6. By the union bound, which needs no independence between
+the looks (they reuse the same labels), the probability that any certificate of the sequence
+fails, however many looks it has, is at most delta: each profile's claim holds jointly with every
+earlier and later one's. The first look pays 0.61 delta, the tenth delta / 164; the
+Clopper-Pearson bound depends on the level only through log(1 / delta_k), so a late look costs
+little coverage. The profile records its look (``Recertification``), and the next refit reads it
+from the profile it refits.
+
+What each look needs, besides: its certify items never seen by its own fit (``fit_profile``'s
+split) and drawn like the traffic the certificate speaks about (the audit sample is a uniform
+random share of decisions); and its time chosen without peeking at how the certify items came
+out (nightly, or every N new labels, is fine; "again right after a lucky day" is not). An
+anytime-valid confidence sequence would lift that last condition, at a price in coverage at
+every look.
+
+``labels_to_certify`` answers the other question a growing log asks: at the precision and
+acceptance the labelled decisions show, about how many labels would open the gate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Annotated
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+
+from calibration.certify import DEFAULT_GRID, _check_grid, _lower_bounds
+from calibration.validation import check_confidences, check_correct, check_int, check_unit_open
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from numpy.typing import ArrayLike
+
+__all__ = [
+    "LabelsNeeded",
+    "Recertification",
+    "labels_to_certify",
+    "look_delta",
+]
+
+# Labels beyond which the estimate gives up: a gate that needs more is, in practice, shut.
+MAX_LABELS = 1_000_000
+
+
+def look_delta(delta: float, look: int) -> float:
+    """The delta the ``look``-th certification of a lineage is tested at: delta * 6/(pi k)^2."""
+    delta = check_unit_open(delta, "delta")
+    look = check_int(look, "look", 1)
+    return delta * 6.0 / (math.pi * look) ** 2
+
+
+class Recertification(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a profile refitted from its decision log stands in its lineage's looks."""
+
+    look: Annotated[int, Meta(ge=1)]  # 1: the first refit from a log; k: the k-th
+    # The whole sequence's delta: every look's certificate holds at once w.p. >= 1 - delta.
+    delta: Annotated[float, Meta(gt=0.0, lt=1.0)]
+    spent: Annotated[float, Meta(gt=0.0, lt=1.0)]  # this look's: look_delta(delta, look)
+    log: str  # the decision log it was refitted from (a password masked)
+
+
+class LabelsNeeded(msgspec.Struct, frozen=True, kw_only=True):
+    """How many labelled decisions would likely open the gate, and the threshold that would."""
+
+    labels: int | None  # in all, certify and fit items together; None: no number would
+    more: int | None  # beyond the ``given``; 0: enough already; None: no number would
+    given: int
+    threshold: float | None  # the grid threshold that would open first
+    precision: float | None  # estimated among the items it accepts, (hits + 1) / (n + 2)
+    acceptance: float | None  # the share of items it accepts
+    reason: str
+
+
+def _certifies(trials: int, precision: float, target: float, delta: float) -> bool:
+    hits = np.array([round(trials * precision)], dtype=np.int64)
+    bound = _lower_bounds(hits, np.array([trials], dtype=np.int64), delta)
+    return bool(bound[0] >= target)
+
+
+def labels_to_certify(
+    confidences: ArrayLike,
+    correct: ArrayLike,
+    *,
+    target_precision: float,
+    delta: float,
+    certify_share: float,
+    grid: Sequence[float] = DEFAULT_GRID,
+) -> LabelsNeeded:
+    """About how many labelled items would certify ``target_precision`` at ``delta``.
+
+    For each grid threshold, take the precision the given items show there (with Laplace's
+    rule of succession, (hits + 1) / (accepted + 2)) and their acceptance rate as the truth, and find the fewest certify items whose expected Clopper-Pearson bound (at
+    ``delta``, on the expected accepted items and hits) reaches the target; divide by
+    ``certify_share``, the certify split's share of a fit's items. The answer is the smallest
+    over thresholds. It is an estimate ("likely"), not a promise: a refit map may be sharper
+    or duller than the one that made the confidences, and the fixed sequence must also start
+    at or above the threshold found.
+
+    Parameters
+    ----------
+    confidences : array of shape (n,)
+        The served rule's confidence in each labelled item's answer (0 where another gate
+        escalated it).
+    correct : array of shape (n,)
+        Whether each answer was right.
+    certify_share : float in (0, 1]
+        The share of labelled items a refit certifies on (0.5 for the scalar maps' split,
+        0.4 for a probe's).
+    """
+    conf = check_confidences(confidences)
+    hits = check_correct(correct, conf.shape[0])
+    target = check_unit_open(target_precision, "target_precision")
+    delta = check_unit_open(delta, "delta")
+    if not (isinstance(certify_share, int | float) and 0 < certify_share <= 1):
+        raise ValueError(f"certify_share must be in (0, 1], got {certify_share!r}")
+    n = int(conf.shape[0])
+    best: tuple[int, float, float, float] | None = None  # (labels, threshold, precision, rate)
+    for t in _check_grid(grid):
+        accepted = conf >= t
+        if not accepted.any():
+            continue
+        rate = float(accepted.mean())
+        # Laplace's rule of succession: a perfect record on a few items promises less than 1.
+        precision = float((hits[accepted].sum() + 1) / (accepted.sum() + 2))
+        if precision <= target or not _certifies(
+            round(MAX_LABELS * rate), precision, target, delta
+        ):
+            continue
+        low, high = 1, MAX_LABELS  # the fewest certify items: the bound grows with them
+        while low < high:
+            mid = (low + high) // 2
+            if _certifies(round(mid * rate), precision, target, delta):
+                high = mid
+            else:
+                low = mid + 1
+        labels = math.ceil(low / certify_share)
+        if best is None or labels < best[0]:
+            best = (labels, float(t), precision, rate)
+    if best is None:
+        return LabelsNeeded(
+            labels=None,
+            more=None,
+            given=n,
+            threshold=None,
+            precision=None,
+            acceptance=None,
+            reason=f"at no threshold do the {n} labelled items show a precision above "
+            f"{target:g} that a certificate could confirm: more labels of the same kind will "
+            "not open the gate (a sharper map might: a probe, a better model, a clearer prompt)",
+        )
+    labels, t, precision, rate = best
+    more = max(0, labels - n)
+    return LabelsNeeded(
+        labels=labels,
+        more=more,
+        given=n,
+        threshold=t,
+        precision=precision,
+        acceptance=rate,
+        reason=f"at threshold {t:g} the {n} labelled items show precision about {precision:.3f} with "
+        f"{rate:.1%} accepted; about {labels} labels in all ({more} more) would certify "
+        f"{target:g} at delta {delta:.3g}, if the refit map is as good as this one",
+    )
