@@ -76,6 +76,13 @@ class Recertification(msgspec.Struct, frozen=True, kw_only=True):
     spent: Annotated[float, Meta(gt=0.0, lt=1.0)]  # this look's: look_delta(delta, look)
     log: str  # the decision log it was refitted from (a password masked)
 
+    @classmethod
+    def after(cls, before: Recertification | None, delta: float, log: str) -> Recertification:
+        """The next look of a lineage whose last refit was ``before`` (None: the first
+        refit from a log), for a sequence spending ``delta``."""
+        look = 1 if before is None else before.look + 1
+        return cls(look=look, delta=delta, spent=look_delta(delta, look), log=log)
+
 
 class LabelsNeeded(msgspec.Struct, frozen=True, kw_only=True):
     """How many labelled decisions would likely open the gate, and the threshold that would."""

@@ -148,8 +148,12 @@ def assess(
         drift = drift_test(profile.reference, confidence, choice, alpha=alpha_drift)
 
     shares = None
-    if len(labeled) >= 2:
-        unlabeled = [r for r in newest if r.label is None or not r.audit]
+    unlabeled = [r for r in newest if r.label is None or not r.audit]
+    if len(labeled) >= 2 and not unlabeled:
+        notes.append(
+            "no estimate of the shares: every decision read is audited and labeled, none is left to estimate them for"
+        )
+    elif len(labeled) >= 2:
         shares = prediction_powered_shares(
             profile.choices,
             _probabilities(unlabeled, profile.choices),

@@ -271,7 +271,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     every look's certificate at once."""
     from calibration import MIN_EXAMPLES, fit_profile
     from calibration.profile import NAME_PATTERN
-    from calibration.recertify import Recertification, look_delta
+    from calibration.recertify import Recertification
     from service.cli.calibrate import fit_settings
     from service.decision_log import mask_target
 
@@ -312,13 +312,8 @@ def run_from_log(args: argparse.Namespace) -> int:
     digest = hashlib.sha256(
         msgspec.json.encode([[r.judgment_id, r.label] for r in records])
     ).hexdigest()
-    before = profile.recertification
-    look = 1 if before is None else before.look + 1
-    recertification = Recertification(
-        look=look,
-        delta=settings.delta,
-        spent=look_delta(settings.delta, look),
-        log=mask_target(args.from_log),
+    recertification = Recertification.after(
+        profile.recertification, settings.delta, mask_target(args.from_log)
     )
     refit = fit_profile(
         name,
@@ -340,7 +335,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     t = refit.threshold
     print(f"profile {name}: {refit.note}")
     print(
-        f"look {look} of the lineage of {profile.name!r}: certified at delta "
+        f"look {recertification.look} of the lineage of {profile.name!r}: certified at delta "
         f"{recertification.spent:.4g}, its share of {settings.delta:g}"
     )
     print(
