@@ -62,14 +62,14 @@ from calibration.errors import FitError
 from calibration.fit_settings import AUTO_METHODS, DEFAULT_METHODS, DEFAULT_SETTINGS, FitSettings
 from calibration.gate import Gate, Overrides
 from calibration.label_free import LabelFree, estimate_prior, prior_correction
-from calibration.limits import MIN_EXAMPLES, PROBE_SPLIT, SPLIT
+from calibration.limits import MIN_EXAMPLES, PROBE_SPLIT, SPLIT, certify_share
 from calibration.maps import MAX_PROBE_WEIGHTS
 from calibration.metrics import MetricReport, evaluate
 from calibration.monitoring import reference_of
 from calibration.policy import Policy
 from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
-from calibration.recertify import Recertification
+from calibration.recertify import LabelsNeeded, Recertification, labels_to_certify, next_look_delta
 from calibration.scaling import CalibrationFit, Identity, Probe, fit_calibrator, softmax
 from calibration.scored import check_max_std
 from calibration.scores import check_values
@@ -92,6 +92,7 @@ __all__ = [
     "fit_profile",
     "fit_rule",
     "held_out_examples",
+    "labels_for_next_look",
     "resolve_methods",
     "split_examples",
 ]
@@ -406,6 +407,38 @@ def fit_profile(
             seed=settings.seed,
         ),
         recertification=recertification,
+    )
+
+
+def labels_for_next_look(
+    profile: CalibrationProfile,
+    log_probabilities: ArrayLike,
+    y: ArrayLike,
+    choice_mass: ArrayLike | None = None,
+    features: ArrayLike | None = None,
+    feature_layers: Sequence[int] = (),
+) -> LabelsNeeded:
+    """About how many labels the next look of ``profile``'s lineage would need to certify its
+    target (``calibration.recertify.labels_to_certify``), judged by the profile's own map on
+    the examples it was fitted from but not fitted on (its conformal and certify splits, every
+    gate but the threshold applied), at the next look's delta. The arguments are the ones
+    ``fit_profile`` was given."""
+    labels = np.asarray(y)
+    held = held_out_examples(labels, profile.split)
+    z = np.asarray(log_probabilities, dtype=np.float64)[held]
+    mass = None if choice_mass is None else np.asarray(choice_mass)[held]
+    f = None if features is None else np.asarray(features)[held]
+    x = map_features(profile.calibration_map, f, feature_layers)
+    gates = Gate(profile, overrides=Overrides(threshold=0.0)).policy.gates(
+        profile.choices, z, mass, x
+    )
+    return labels_to_certify(
+        np.where(gates.accepted, gates.confidence, 0.0),
+        gates.best == labels[held],
+        target_precision=profile.threshold.target_precision,
+        delta=next_look_delta(profile.recertification, profile.threshold.delta),
+        certify_share=certify_share(isinstance(profile.calibration_map, Probe)),
+        given=int(labels.shape[0]),
     )
 
 

@@ -54,10 +54,14 @@ __all__ = [
     "Recertification",
     "labels_to_certify",
     "look_delta",
+    "next_look_delta",
 ]
 
 # Labels beyond which the estimate gives up: a gate that needs more is, in practice, shut.
 MAX_LABELS = 1_000_000
+# "Likely": the labels estimated would certify in this share of draws, were the precision and
+# acceptance the labelled items show the truth.
+POWER = 0.8
 
 
 def look_delta(delta: float, look: int) -> float:
@@ -84,6 +88,14 @@ class Recertification(msgspec.Struct, frozen=True, kw_only=True):
         return cls(look=look, delta=delta, spent=look_delta(delta, look), log=log)
 
 
+def next_look_delta(before: Recertification | None, delta: float) -> float:
+    """The delta the next refit from the log certifies at, after a profile whose look is
+    ``before`` (None: not refitted from a log yet; its lineage then spends ``delta``)."""
+    return look_delta(
+        delta if before is None else before.delta, 1 if before is None else before.look + 1
+    )
+
+
 class LabelsNeeded(msgspec.Struct, frozen=True, kw_only=True):
     """How many labelled decisions would likely open the gate, and the threshold that would."""
 
@@ -97,7 +109,11 @@ class LabelsNeeded(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _certifies(trials: int, precision: float, target: float, delta: float) -> bool:
-    hits = np.array([round(trials * precision)], dtype=np.int64)
+    """Whether ``trials`` accepted items of true ``precision`` certify ``target`` at
+    ``delta`` in ``POWER`` of draws: the bound at their hits' 1 - POWER quantile does."""
+    from scipy import stats  # here: scipy is a server dependency, not the client's
+
+    hits = np.array([stats.binom.ppf(1 - POWER, trials, precision)], dtype=np.int64)
     bound = _lower_bounds(hits, np.array([trials], dtype=np.int64), delta)
     return bool(bound[0] >= target)
 
@@ -109,17 +125,21 @@ def labels_to_certify(
     target_precision: float,
     delta: float,
     certify_share: float,
+    given: int | None = None,
     grid: Sequence[float] = DEFAULT_GRID,
 ) -> LabelsNeeded:
     """About how many labelled items would certify ``target_precision`` at ``delta``.
 
     For each grid threshold, take the precision the given items show there (with Laplace's
-    rule of succession, (hits + 1) / (accepted + 2)) and their acceptance rate as the truth, and find the fewest certify items whose expected Clopper-Pearson bound (at
-    ``delta``, on the expected accepted items and hits) reaches the target; divide by
-    ``certify_share``, the certify split's share of a fit's items. The answer is the smallest
-    over thresholds. It is an estimate ("likely"), not a promise: a refit map may be sharper
-    or duller than the one that made the confidences, and the fixed sequence must also start
-    at or above the threshold found.
+    rule of succession, (hits + 1) / (accepted + 2)) and their acceptance rate as the truth,
+    and find the fewest certify items whose Clopper-Pearson bound (at ``delta``, on the
+    expected accepted items) reaches the target in ``POWER`` (80%) of draws of their hits;
+    divide by ``certify_share``, the certify split's share of a fit's items. The answer is the
+    smallest over thresholds. It is an estimate ("likely"), not a promise: the precision is
+    itself estimated (from a hundred items it can be off by several points, and the labels
+    needed by a factor of several), a refit map may be sharper or duller than the one that
+    made the confidences, and the fixed sequence must also start at or above the threshold
+    found.
 
     Parameters
     ----------
@@ -131,6 +151,7 @@ def labels_to_certify(
     certify_share : float in (0, 1]
         The share of labelled items a refit certifies on (0.5 for the scalar maps' split,
         0.4 for a probe's).
+    given : the labelled items there are in all (default: n); ``more`` counts from it.
     """
     conf = check_confidences(confidences)
     hits = check_correct(correct, conf.shape[0])
@@ -138,7 +159,8 @@ def labels_to_certify(
     delta = check_unit_open(delta, "delta")
     if not (isinstance(certify_share, int | float) and 0 < certify_share <= 1):
         raise ValueError(f"certify_share must be in (0, 1], got {certify_share!r}")
-    n = int(conf.shape[0])
+    shown = int(conf.shape[0])
+    n = shown if given is None else check_int(given, "given", 0)
     best: tuple[int, float, float, float] | None = None  # (labels, threshold, precision, rate)
     for t in _check_grid(grid):
         accepted = conf >= t
@@ -169,9 +191,10 @@ def labels_to_certify(
             threshold=None,
             precision=None,
             acceptance=None,
-            reason=f"at no threshold do the {n} labelled items show a precision above "
-            f"{target:g} that a certificate could confirm: more labels of the same kind will "
-            "not open the gate (a sharper map might: a probe, a better model, a clearer prompt)",
+            reason=f"at no threshold do the {shown} labelled items read show a precision "
+            f"above {target:g} that a certificate could confirm: at the precision they show, "
+            "more labels will not open the gate for this map (a sharper one might: a probe "
+            "fitted from the log with --log-features, a better model, a clearer prompt)",
         )
     labels, t, precision, rate = best
     more = max(0, labels - n)
@@ -182,7 +205,8 @@ def labels_to_certify(
         threshold=t,
         precision=precision,
         acceptance=rate,
-        reason=f"at threshold {t:g} the {n} labelled items show precision about {precision:.3f} with "
-        f"{rate:.1%} accepted; about {labels} labels in all ({more} more) would certify "
-        f"{target:g} at delta {delta:.3g}, if the refit map is as good as this one",
+        reason=f"at threshold {t:g} the {shown} labelled items read show precision about "
+        f"{precision:.3f} with {rate:.1%} accepted; about {labels} labels in all ({more} more "
+        f"than the {n} there are) would certify {target:g} at delta {delta:.3g}, if the "
+        "next map is as good as this one",
     )

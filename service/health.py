@@ -40,7 +40,7 @@ from calibration.monitoring import (
     prediction_powered_shares,
 )
 from calibration.profile import CalibrationProfile
-from calibration.recertify import LabelsNeeded, labels_to_certify, look_delta
+from calibration.recertify import LabelsNeeded, labels_to_certify, next_look_delta
 from service.decision_log import DecisionLog, LoggedDecision
 
 __all__ = ["DEFAULT_WINDOW", "ModelCheck", "ProfileHealth", "assess", "profile_health"]
@@ -210,8 +210,7 @@ def _labels_needed(
         [0.0 if set(r.reason_codes) - _THRESHOLD_REASONS else r.confidence for r in labeled]
     )
     correct = np.array([r.label == r.choice for r in labeled], dtype=bool)
-    r = profile.recertification
-    delta = look_delta(profile.threshold.delta, 1) if r is None else look_delta(r.delta, r.look + 1)
+    delta = next_look_delta(profile.recertification, profile.threshold.delta)
     probe = profile.calibration_map.method == "probe" or any(x.features for x in labeled)
     return labels_to_certify(
         confidence,

@@ -24,6 +24,7 @@ from server import wait_app_ready
 
 from calibration import FitSettings, Gate, fit_profile
 from calibration.errors import RuleError
+from calibration.fitting import labels_for_next_look
 from calibration.probe import candidate_layers
 from calibration.recertify import Recertification, labels_to_certify, look_delta
 from calibration.tasks.files import load_split, load_task, task_prompt
@@ -139,7 +140,7 @@ def test_labels_to_certify() -> None:
     none = labels_to_certify(
         confidence, rng.random(400) < 0.5, target_precision=0.9, delta=0.06, certify_share=0.5
     )
-    assert none.labels is None and none.more is None and "will not open" in none.reason
+    assert none.labels is None and none.more is None and "will not open the gate" in none.reason
 
 
 # --- the real model: serve, label, refit a probe from the log -------------------------------
@@ -214,3 +215,30 @@ def test_a_probe_is_refitted_from_the_log_of_a_served_model(
     again = ProfileStore(profiles).get("sms")
     assert again.recertification is not None and again.recertification.look == 2
     assert again.threshold.delta == look_delta(0.1, 2)
+
+
+def test_a_refit_that_stays_shut_says_what_the_next_look_needs() -> None:
+    """Read off the refit's own held-out items, at the next look's delta."""
+    rng = np.random.default_rng(0)
+    confidence = rng.uniform(0.5, 1.0, 150)
+    first = rng.random(150) < 0.5
+    y = np.where((rng.random(150) < confidence) == first, 0, 1)  # calibrated: right w.p. conf
+    p = np.where(first, confidence, 1 - confidence)
+    z = np.log(np.stack([p, 1 - p], axis=1))
+    look = Recertification.after(None, 0.1, "log.db")
+    profile = fit_profile(
+        "p",
+        z,
+        y,
+        ["a", "b"],
+        fingerprint=FINGERPRINT,
+        dataset="s",
+        dataset_sha256="0",
+        settings=FitSettings(delta=look.spent, target_precision=0.95, methods=["temperature"]),
+        recertification=look,
+    )
+    assert profile.threshold.threshold is None  # 150 labels are too few for 0.95
+    needed = labels_for_next_look(profile, z, y)
+    assert needed.given == 150 and needed.labels is not None and needed.labels > 150
+    assert needed.more == needed.labels - 150
+    assert f"delta {look_delta(0.1, 2):.3g}" in needed.reason

@@ -130,6 +130,7 @@ def test_every_route_gives_the_same_verdict(
         profiles_dir=profiles,
         decision_log=str(log),
         log_requests=True,
+        log_features=True,
         default_threshold=DEFAULTS.threshold,
         min_choice_mass=DEFAULTS.min_choice_mass,
     )
@@ -180,7 +181,12 @@ def test_every_route_gives_the_same_verdict(
     mcp_log = tmp_path / "mcp-decisions.db"
     opened = open_log(str(mcp_log))
     server = create_server(
-        judge, ProfileStore(profiles), defaults=DEFAULTS, decision_log=opened, log_requests=True
+        judge,
+        ProfileStore(profiles),
+        defaults=DEFAULTS,
+        decision_log=opened,
+        log_requests=True,
+        log_features=True,
     )
 
     def tool(name: str, arguments: dict[str, Any]) -> Any:
@@ -197,7 +203,17 @@ def test_every_route_gives_the_same_verdict(
     mcp_ids = [mcp_judged["judgment_id"], decided["billing"]["judgment_id"]]
     assert [opened.get(i) is not None for i in mcp_ids] == [True, True]
     assert opened.label(mcp_ids[1], "yes").status == "labeled"
+    # With --log-features every route keeps the gated decision's hidden states, the same ones:
+    # one prompt, one pass's bits. Without a profile there is nothing to refit, so none.
+    with open_log(str(log)) as http_log:
+        rows = [r for r in http_log.decisions() + opened.decisions() if r.choices == CHOICES]
     opened.close()
+    gated_rows = [r for r in rows if r.profile is not None]
+    assert len(gated_rows) == (6 if with_profile else 0)
+    states = [r.features.array() for r in gated_rows if r.features is not None]
+    assert len(states) == len(gated_rows)
+    assert all(np.array_equal(x, states[0]) for x in states)
+    assert all(r.features is None for r in rows if r.profile is None)
 
     # judge replay reopens the logged gate (the request's overrides and the server's defaults).
     for route, judgment_id, kept in (

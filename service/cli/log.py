@@ -270,6 +270,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     (``calibration.recertify``), so that refitting again and again as labels arrive keeps
     every look's certificate at once."""
     from calibration import MIN_EXAMPLES, fit_profile
+    from calibration.fitting import labels_for_next_look
     from calibration.profile import NAME_PATTERN
     from calibration.recertify import Recertification
     from service.cli.calibrate import fit_settings
@@ -312,6 +313,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     digest = hashlib.sha256(
         msgspec.json.encode([[r.judgment_id, r.label] for r in records])
     ).hexdigest()
+    mass = np.array([r.choice_mass for r in records])
     recertification = Recertification.after(
         profile.recertification, settings.delta, mask_target(args.from_log)
     )
@@ -321,7 +323,7 @@ def run_from_log(args: argparse.Namespace) -> int:
         y,
         profile.choices,
         fingerprint=profile.fingerprint,
-        choice_mass=np.array([r.choice_mass for r in records]),
+        choice_mass=mass,
         dataset=f"decision log {recertification.log}: {len(records)} audited decisions of "
         f"{profile.name}"
         + (f", with the hidden states of layers {list(layers)}" if layers else ""),
@@ -338,11 +340,12 @@ def run_from_log(args: argparse.Namespace) -> int:
         f"look {recertification.look} of the lineage of {profile.name!r}: certified at delta "
         f"{recertification.spent:.4g}, its share of {settings.delta:g}"
     )
-    print(
-        f"threshold: {t.threshold:.3f}, coverage {t.coverage:.3f} (on the certify split)"
-        if t.threshold is not None
-        else f"no certified threshold: {t.reason}"
-    )
+    if t.threshold is not None:
+        print(f"threshold: {t.threshold:.3f}, coverage {t.coverage:.3f} (on the certify split)")
+    else:
+        print(f"no certified threshold: {t.reason}")
+        needed = labels_for_next_look(refit, z, y, mass, features, layers)
+        print(f"the next look: {needed.reason}")
     print(f"wrote {store.directory / name}.json (ETag {etag})")
     return 0
 
