@@ -8,9 +8,11 @@ judge calibrate --from-log L --profile P     refit P on its audited, labeled dec
 ``check`` is ``service.health.assess``, the same as ``GET /profiles/{name}/health``: it exits
 0 when healthy, 1 when the audit labels contradict the certificate, the drift test fires or
 the model no longer matches, and 2 on a usage error. ``calibrate --from-log`` fits from the
-logged log-probabilities of the audit sample only: the uniform share of traffic, so its
-certificate rests on items exchangeable with the traffic (labels given to escalated items
-alone would certify the wrong population).
+logged log-probabilities (and, kept with ``--log-features``, hidden states: a probe) of the
+audit sample only: the uniform share of traffic, so its certificate rests on items
+exchangeable with the traffic (labels given to escalated items alone would certify the wrong
+population). Each such refit is one look of the profile's lineage, certified at its share of
+the delta (``calibration.recertify``).
 """
 
 from __future__ import annotations
@@ -296,7 +298,13 @@ def run_from_log(args: argparse.Namespace) -> int:
             f"({', '.join(sorted(s[:12] for s in other))}) than the profile's ({weights[:12]}): "
             "their log-probabilities are not comparable; refit with judge calibrate --task"
         )
+    labeled = len(records)
     records, features, layers = _with_features(records, settings.methods, profile)
+    if len(records) < labeled:
+        print(
+            f"read {len(records)} of the {labeled} audited, labeled decisions: those that kept "
+            f"the hidden states of layers {list(layers)}, which a probe reads"
+        )
     if len(records) < MIN_EXAMPLES:
         raise UsageError(
             f"the log holds {len(records)} audited, labeled decisions of {profile.name!r}; a "
