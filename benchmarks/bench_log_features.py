@@ -140,7 +140,7 @@ def looks(
 
     with open_log(str(log)) as opened:
         records = opened.decisions()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in sizes:
         grown = profiles.parent / f"log-{profiles.name}-{n}.db"
         with open_log(str(grown)) as sub:
