@@ -16,10 +16,13 @@ one delta between them instead: the k-th look is tested at
 since the sum of 1 / k^2 is pi^2 / 6. By the union bound, which needs no independence between
 the looks (they reuse the same labels), the probability that any certificate of the sequence
 fails, however many looks it has, is at most delta: each profile's claim holds jointly with every
-earlier and later one's. The first look pays 0.61 delta, the tenth delta / 164; the
-Clopper-Pearson bound depends on the level only through log(1 / delta_k), so a late look costs
-little coverage. The profile records its look (``Recertification``), and the next refit reads it
-from the profile it refits.
+earlier and later one's. The first look pays 0.61 delta, the fifth delta / 41, the tenth
+delta / 164. The Clopper-Pearson bound depends on the level through log(1 / delta_k), so the
+cost grows slowly, but it is real on a few hundred labels: on sst2 (benchmarks/RESULTS.md,
+bench_log_features), five looks at 100, ..., 500 labels left the gate shut where one look at
+500 certified half the test items. Look when the labels are likely enough
+(``labels_to_certify``), not at every new one. The profile records its look
+(``Recertification``), and the next refit reads it from the profile it refits.
 
 What each look needs, besides: its certify items never seen by its own fit (``fit_profile``'s
 split) and drawn like the traffic the certificate speaks about (the audit sample is a uniform

@@ -151,7 +151,8 @@ def assess(
     unlabeled = [r for r in newest if r.label is None or not r.audit]
     if len(labeled) >= 2 and not unlabeled:
         notes.append(
-            "no estimate of the shares: every decision read is audited and labeled, none is left to estimate them for"
+            "no estimate of the shares: every decision read is audited and labeled, none is "
+            "left to estimate them for"
         )
     elif len(labeled) >= 2:
         shares = prediction_powered_shares(
