@@ -259,7 +259,6 @@ def fit_and_evaluate(
 ) -> tuple[CalibrationProfile, PolicyEvaluation]:
     """A profile fitted on the calibration split, and its served policy on the test split
     (columns in task.choices order, which is the profile's)."""
-    from calibration import evaluate_policy
     from calibration.tasks import fit_labeled
 
     profile = fit_labeled(
@@ -273,7 +272,16 @@ def fit_and_evaluate(
             target_precision=args.target_precision, delta=args.delta, methods=methods, seed=seed
         ),
     )
-    evaluation = evaluate_policy(
+    return profile, evaluate_on(profile, test, n_bootstrap)
+
+
+def evaluate_on(
+    profile: CalibrationProfile, test: LabeledScores, n_bootstrap: int = 1000
+) -> PolicyEvaluation:
+    """The profile's served policy on the test split's scores, the probe's layers read."""
+    from calibration import evaluate_policy
+
+    return evaluate_policy(
         profile,
         test.log_probabilities,
         test.labels,
@@ -281,7 +289,6 @@ def fit_and_evaluate(
         features=test.features_of(profile.feature_layers),
         n_bootstrap=n_bootstrap,
     )
-    return profile, evaluation
 
 
 def seed_sweep(

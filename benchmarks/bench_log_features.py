@@ -31,7 +31,14 @@ from typing import Any
 import numpy as np
 from benchlib import cpu_flags, cpu_model
 
-from calibration import FitSettings, evaluate_policy, fit_profile, load_profile, save_profile
+from calibration import (
+    CalibrationProfile,
+    FitSettings,
+    PolicyEvaluation,
+    fit_profile,
+    load_profile,
+    save_profile,
+)
 from calibration.probe import candidate_layers
 from calibration.tasks import LabeledScores, Task, load_split, load_task, task_prompt
 from judge import Judge
@@ -39,10 +46,11 @@ from judge.atomicio import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_calibration import DATA, cached_scores, fit_and_evaluate  # noqa: E402
+from bench_calibration import DATA, cached_scores, evaluate_on, fit_and_evaluate  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SEED_ITEMS = 40  # labeled items behind the temperature profile served first
+EVIDENCE = 200  # resamples behind the test metrics' intervals (evidence only)
 
 
 def serve_and_label(
@@ -155,22 +163,17 @@ def looks(
         if code != 0:
             raise SystemExit(f"calibrate --from-log failed at look {len(rows) + 1}")
         profile = load_profile(profiles / f"{task.name}.json")
-        row = row_of(profile, test, n, seconds)
+        row = row_of(profile, evaluate_on(profile, test, EVIDENCE), n, seconds)
         next_look = [x for x in said.getvalue().splitlines() if x.startswith("the next look:")]
         row["next_look"] = next_look[0].removeprefix("the next look: ") if next_look else None
         rows.append(row)
     return rows
 
 
-def row_of(profile: Any, test: LabeledScores, n: int, seconds: float) -> dict[str, Any]:
-    evaluation = evaluate_policy(
-        profile,
-        test.log_probabilities,
-        test.labels,
-        test.choice_mass,
-        features=test.features_of(profile.feature_layers),
-        n_bootstrap=200,
-    )
+def row_of(
+    profile: CalibrationProfile, evaluation: PolicyEvaluation, n: int, seconds: float
+) -> dict[str, Any]:
+    """One table row: a profile fitted on ``n`` labels in ``seconds``, measured on test."""
     r = profile.recertification
     return {
         "labels": n,
@@ -213,8 +216,10 @@ def main() -> None:
         calibration, digest = cached_scores(judge, task, "calibration", None, args.cache, layers)
         test, _ = cached_scores(judge, task, "test", None, args.cache, layers)
         start = time.perf_counter()
-        once, _ = fit_and_evaluate(judge, task, args, calibration, digest, test, "auto")
-        one_shot = row_of(once, test, len(calibration.labels), time.perf_counter() - start)
+        once, evaluation = fit_and_evaluate(
+            judge, task, args, calibration, digest, test, "auto", n_bootstrap=EVIDENCE
+        )
+        one_shot = row_of(once, evaluation, len(calibration.labels), time.perf_counter() - start)
         with tempfile.TemporaryDirectory() as tmp:
             _, bare_s = serve_and_label(judge, task, Path(tmp) / "bare", log_features=False)
             kept = Path(tmp) / "kept"
