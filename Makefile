@@ -48,6 +48,7 @@ bench-smoke: install
 bench: install
 	$(BIN)/python benchmarks/bench_engine.py
 	$(BIN)/python benchmarks/bench_breakdown.py
+	$(BIN)/python benchmarks/bench_packing.py
 	$(BIN)/python benchmarks/bench_calibration.py
 	$(BIN)/python benchmarks/bench_gating.py
 	$(BIN)/python benchmarks/bench_prefix_cache.py

@@ -145,8 +145,9 @@ def packing_library(dtype: torch.dtype) -> str | None:
     of an AMD EPYC, MKL's float32 products (packed or not) took 2.7x oneDNN's with AVX-512
     kernels and 1.4x with AVX2 kernels (a layer's four products on 117 rows, in chunks of 32:
     6.8 against 2.6 ms, and 6.5 against 4.7), because MKL does not run its fast kernels on a
-    CPU that is not Intel's. MKL stays where it was measured fast (an Intel Xeon: its 32-row
-    products within 7% of one unchunked product).
+    CPU that is not Intel's. MKL stays where it was measured fast: on 2 cores of an Intel Xeon
+    with AMX, oneDNN's packed products took 1.23x MKL's (1.24x with AVX2 kernels) and a
+    117-token judgment 1.15x (1.17x) (``benchmarks/bench_packing.py``, side by side).
     """
     if dtype == torch.bfloat16:
         return "oneDNN" if torch.backends.mkldnn.is_available() else None

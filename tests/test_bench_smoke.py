@@ -211,6 +211,23 @@ def test_bench_pass_quick(tmp_path: Path) -> None:
 
 @pytest.mark.bench
 @pytest.mark.slow
+def test_bench_packing_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_packing.json"
+    _run("bench_packing.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    libraries = set(result["arithmetic"])
+    assert libraries and libraries <= {"MKL", "oneDNN"}
+    # Each judge really ran on its own library's packed weights, not on one shared lean pass.
+    for library, words in result["arithmetic"].items():
+        assert f"products ({library})" in words
+    assert set(result["layer_ms"]) == libraries | {"F.linear"}
+    assert set(result["judgment_ms"]) == {f"judge ({lib})" for lib in libraries} | {"bare pass"}
+    assert all(ms > 0 for ms in (*result["layer_ms"].values(), *result["judgment_ms"].values()))
+    assert isinstance(result["bitwise_same_judgment"], bool)
+
+
+@pytest.mark.bench
+@pytest.mark.slow
 def test_bench_service_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_service.json"
     done = subprocess.run(
