@@ -175,12 +175,14 @@ def plan_decisions(
     max_orderings: int = MAX_ORDERINGS,
     response_prefix: str | None = None,
     feature_layers: Mapping[str, Sequence[int]] | None = None,
+    span_layers: Mapping[str, Sequence[int]] | None = None,
 ) -> DecisionPlan:
     """Check ``questions`` and render every listing's query; no model work.
 
     ``questions`` maps an id to a question (or its JSON form, ``{"type": ...}``). A bad one
     raises ``InvalidQueryError`` whose field names it (``questions.<id>.criteria``).
-    ``feature_layers``: hidden-state layers to read per question id (a probe's).
+    ``feature_layers``: hidden-state layers to read per question id (a probe's);
+    ``span_layers``, those whose mean over the state (the item) to read.
     """
     if max_orderings < 1:
         raise ValueError(f"max_orderings must be >= 1, got {max_orderings}")
@@ -194,6 +196,7 @@ def plan_decisions(
         choices = _choices(qid, question)
         listings = _listings(question, max_orderings)
         layers = tuple((feature_layers or {}).get(qid, ()))
+        spans = tuple((span_layers or {}).get(qid, ()))
         asked.append(_Asked(qid, question, choices, len(queries), len(listings)))
         for listing in listings:
             prompt = _prompt(question, listing)
@@ -202,6 +205,7 @@ def plan_decisions(
                 choices=choices,
                 response_prefix=response_prefix,
                 feature_layers=layers,
+                span_layers=spans,
             )
             queries.append(shared_query(context, query))
     return DecisionPlan(context, queries, asked)

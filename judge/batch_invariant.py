@@ -64,6 +64,7 @@ __all__ = [
     "measured_sizes",
     "runs_in_words",
     "slot_invariant",
+    "span_mean",
     "split_rows",
 ]
 
@@ -149,6 +150,13 @@ def measured_sizes(product: Product, rows: int, weight: torch.Tensor, kind: str)
                 sizes.append(size)
         _MEASURED_SIZES[key] = tuple(sizes)
     return _MEASURED_SIZES[key]
+
+
+def span_mean(states: torch.Tensor) -> torch.Tensor:
+    """The mean of (n, H) hidden states over their n tokens, (H,) float32: summed in float64
+    and rounded once, so that it rounds the same whatever order a kernel sums in. Each row is
+    batch-invariant already, so the mean of the same rows is too."""
+    return states.double().mean(dim=0).float()
 
 
 def split_rows(n: int, sizes: Sequence[int]) -> list[int]:

@@ -31,7 +31,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +47,7 @@ from judge.batch_invariant import (
     measured_rows,
     measured_sizes,
     runs_in_words,
+    span_mean,
     split_rows,
 )
 
@@ -300,6 +301,8 @@ class LeanOutput:
     hidden: torch.Tensor  # (R, H) after the final norm, at the read rows
     features: dict[int, torch.Tensor]  # per inner layer: (n_roots, H) float32
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer: fed (Hkv, N, D) keys, values
+    # Per span layer (the last one after the final norm): (n_spans, H) float32 means.
+    span_means: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class _Layer:
@@ -473,12 +476,15 @@ class LeanDecoder:
         roots: torch.Tensor,
         layers: Sequence[int] = (),
         keep_kv: bool = False,
+        spans: Sequence[torch.Tensor] = (),
+        span_layers: Sequence[int] = (),
     ) -> LeanOutput:
         """One pass over the fed tokens ``ids`` (N,) at ``positions`` (N,), each query reading
         its lane of keys: ``past`` (per layer, cached (Hkv, P, D) keys and values, the first
         part of the key bank) then the fed tokens' own. Returns the final hidden state at the
         ``read`` rows, the ``layers``' (1-based, below the last) residual stream at ``roots``,
-        and with ``keep_kv`` every layer's fed keys and values."""
+        with ``keep_kv`` every layer's fed keys and values, and for each of ``span_layers`` the
+        mean over each of ``spans`` (fed rows) of the residual stream (``span_mean``)."""
         self.refresh(replaced=False)
         N = ids.shape[0]
         Hq, Hkv, D = self.heads, self.kv_heads, self.head_dim
@@ -488,6 +494,8 @@ class LeanDecoder:
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         features: dict[int, torch.Tensor] = {}
         wanted = set(layers)
+        means: dict[int, torch.Tensor] = {}
+        span_wanted = set(span_layers) if spans else set()
         for i, layer in enumerate(self.layers):
             h = layer.ln1(x)
             qkv = layer.qkv(h).view(N, Hq + 2 * Hkv, D)
@@ -512,4 +520,10 @@ class LeanDecoder:
             x = x + layer.down(layer.act(gate) * up)
             if i + 1 in wanted:
                 features[i + 1] = x[roots].float()
-        return LeanOutput(self.norm(x[read]), features, kept if keep_kv else None)
+            if i + 1 in span_wanted:
+                # The last layer's states are read after the final norm, as the head reads.
+                last = i + 1 == len(self.layers)
+                means[i + 1] = torch.stack(
+                    [span_mean(self.norm(x[s]) if last else x[s]) for s in spans]
+                )
+        return LeanOutput(self.norm(x[read]), features, kept if keep_kv else None, means)

@@ -14,6 +14,7 @@ query before the model sees it, without preparing it twice.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -42,6 +43,7 @@ from judge.judgments import (
     Query,
     TokenCount,
     check_feature_layers,
+    check_item_span,
     json_escape,
     shared_query,
     validate_choices,
@@ -265,11 +267,13 @@ class Judge:
         response_prefix: str | None = None,
         response_suffix: str | None = None,
         feature_layers: Sequence[int] = (),
+        span_layers: Sequence[int] = (),
+        item_span: tuple[int, int] | None = None,
     ) -> Judgment:
         """Judge one prompt; see ``Judgment`` for what comes back.
 
-        ``feature_layers``: the hidden-state layers to return in ``Judgment.features`` (a
-        probe profile's ``feature_layers``).
+        ``feature_layers``, ``span_layers`` and ``item_span``: as ``Query`` has them (what a
+        probe profile reads).
         """
         query = Query(
             prompt=prompt,
@@ -278,6 +282,8 @@ class Judge:
             response_prefix=response_prefix,
             response_suffix=response_suffix,
             feature_layers=feature_layers,  # type: ignore[arg-type]  # validated in _prepare
+            span_layers=span_layers,  # type: ignore[arg-type]  # validated in _prepare
+            item_span=item_span,
         )
         return self.judge_batch([query])[0]
 
@@ -360,12 +366,19 @@ class Judge:
                 f"the tokenizer does not encode the rendered text back to itself: "
                 f"{_first_difference(text, back)}; use a tokenizer whose decode inverts "
                 "its encode (a byte-level BPE), or avoid the characters it normalizes",
-                field=self._round_trip_field(query, suffix, choices),
+                field=_round_trip_field(self.tokenizer, query, suffix, choices),
             )
         trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
         layers = check_feature_layers(query.feature_layers, self.num_layers)
+        item_span = check_item_span(query.item_span, query.prompt)
+        span_layers = check_feature_layers(query.span_layers, self.num_layers, "span_layers")
+        if span_layers:
+            ids, context = encoded.prompt_ids, len(trie.context)
+            span = self._encoder.item_tokens(query.prompt, item_span, prompt, ids, context)
+            trie = dataclasses.replace(trie, span=span)
         tokens = tokens_sha256(encoded.prompt_ids, encoded.paths)
-        return Prepared(choices, prompt, len(encoded.prompt_ids), trie, tokens, layers)
+        n = len(encoded.prompt_ids)
+        return Prepared(choices, prompt, n, trie, tokens, layers, span_layers, item_span)
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         """Judge prepared queries, each in a row of its own, in passes within the budget.
@@ -400,6 +413,7 @@ class Judge:
         for chunk in passes(lengths, self.max_batch_size, self.max_batch_tokens, padded=padded):
             batch = [[p.trie for p in rows[i]] for i in chunk]
             layers = sorted({n for i in chunk for p in rows[i] for n in p.feature_layers})
+            span_layers = sorted({n for i in chunk for p in rows[i] for n in p.span_layers})
             if self.prefix_cache is not None and len(batch) > 1:
                 # Rows that share a head not cached yet (concurrent requests with one rubric):
                 # compute the head once, in a pass of its own, so that every row reads it.
@@ -418,6 +432,7 @@ class Judge:
                 layers,
                 self.batch_invariant,
                 self._lean,
+                span_layers,
             )
             for i, s in zip(chunk, scored, strict=True):
                 scores[i] = s
@@ -439,19 +454,6 @@ class Judge:
         )
         suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
         return choices, prompt, suffix, [json_escape(c) + suffix for c in choices]
-
-    def _round_trip_field(self, query: Query, suffix: str, choices: Sequence[str]) -> str | None:
-        """The first field whose own text the tokenizer does not give back, if any does not."""
-        fields = {
-            **_text_fields(query, suffix),
-            **{f"choices[{i}]": json_escape(c) for i, c in enumerate(choices)},
-        }
-        ids = self.tokenizer(list(fields.values()), add_special_tokens=False).input_ids
-        back = self.tokenizer.batch_decode(ids)
-        return next(
-            (name for (name, text), b in zip(fields.items(), back, strict=True) if b != text),
-            None,
-        )
 
     def _result(
         self, prepared: Prepared, scores: Any, latency_ms: float, passes: int = 1
@@ -477,9 +479,7 @@ class Judge:
             forward_passes=passes,
             latency_ms=latency_ms,
             model=self.model_id,
-            features={n: scores.features[n].tolist() for n in prepared.feature_layers}
-            if prepared.feature_layers
-            else None,
+            **_hidden_states(prepared, scores),
             judgment_id=new_judgment_id(),
             tokens_sha256=prepared.tokens_sha256,
             model_sha256=self.model_sha256,
@@ -513,6 +513,32 @@ def _text_fields(query: Query, suffix: str) -> dict[str, str]:
         "response_prefix": query.response_prefix or "",
         "response_suffix": suffix,
     }
+
+
+def _hidden_states(prepared: Prepared, scores: Any) -> dict[str, Any]:
+    """The judgment's hidden-state fields: each asked layer's state at the decision point and
+    mean over the item (None where none was asked), and the item's span."""
+    return {
+        "features": {n: scores.features[n].tolist() for n in prepared.feature_layers} or None,
+        "span_features": {n: scores.span_means[n].tolist() for n in prepared.span_layers} or None,
+        "item_span": prepared.item_span,
+    }
+
+
+def _round_trip_field(
+    tokenizer: PreTrainedTokenizerBase, query: Query, suffix: str, choices: Sequence[str]
+) -> str | None:
+    """The first field whose own text the tokenizer does not give back, if any does not."""
+    fields = {
+        **_text_fields(query, suffix),
+        **{f"choices[{i}]": json_escape(c) for i, c in enumerate(choices)},
+    }
+    ids = tokenizer(list(fields.values()), add_special_tokens=False).input_ids
+    back = tokenizer.batch_decode(ids)
+    return next(
+        (name for (name, text), b in zip(fields.items(), back, strict=True) if b != text),
+        None,
+    )
 
 
 def _as_query(item: Query | Mapping[str, Any]) -> Query:

@@ -41,7 +41,7 @@ import torch
 from transformers import DynamicCache
 
 from judge.attention import Blocking, Lanes
-from judge.batch_invariant import ROOT_ROWS, invariant_ops
+from judge.batch_invariant import ROOT_ROWS, invariant_ops, span_mean
 from judge.prefix_cache import Block, PrefixCache
 from judge.trie import ChoiceTrie, common_prefix_length
 
@@ -62,6 +62,8 @@ class TrieScores:
     cached_tokens: int = 0  # leading tokens of its row read from the prefix cache
     # Per requested layer: the (H,) float32 hidden state at the root (the decision point).
     features: dict[int, np.ndarray] = field(default_factory=dict)
+    # Per requested span layer: the (H,) float32 mean of the hidden states over the trie's span.
+    span_means: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class _Row:
     query_rows: list[list[int]]  # per trie, per scored node: where its logits are read
     # Per trie, the (start, end) of its branch: its own context after the chain, then its tree.
     branches: list[tuple[int, int]]
+    # Per trie, where the tokens of its span sit in the row (None: it asks for no mean).
+    spans: list[list[int] | None]
 
 
 def _row(tries: Sequence[ChoiceTrie]) -> _Row:
@@ -87,8 +91,15 @@ def _row(tries: Sequence[ChoiceTrie]) -> _Row:
     positions = list(range(shared))
     query_rows = []
     branches = []
+    spans: list[list[int] | None] = []
     for t in tries:
         start = len(tokens)
+        # A context token sits in the shared chain, or after it in the trie's own branch.
+        spans.append(
+            None
+            if t.span is None
+            else [i if i < shared else start + i - shared for i in range(*t.span)]
+        )
         last = shared - 1  # the trie's last context token, where its root is read
         for token in t.context[shared:]:
             tokens.append(token)
@@ -103,7 +114,7 @@ def _row(tries: Sequence[ChoiceTrie]) -> _Row:
             positions.append(positions[at] + 1)
         query_rows.append([last if p < 0 else base + p for p in t.node_positions])
         branches.append((start, len(tokens)))
-    return _Row(tokens, parents, positions, shared, query_rows, branches)
+    return _Row(tokens, parents, positions, shared, query_rows, branches, spans)
 
 
 def _cut(row: _Row, cached: int) -> _Row:
@@ -111,6 +122,7 @@ def _cut(row: _Row, cached: int) -> _Row:
 
     Only plain-chain tokens are cut, and never the last one (``cached < chain``), so every
     read position stays in the row; a parent index of -1 now means the past's last token.
+    No span is cut either (``_Feed.of`` reads the cache only up to the first span).
     """
     if cached == 0:
         return row
@@ -121,6 +133,7 @@ def _cut(row: _Row, cached: int) -> _Row:
         chain=row.chain - cached,
         query_rows=[[q - cached for q in qs] for qs in row.query_rows],
         branches=[(a - cached, b - cached) for a, b in row.branches],
+        spans=[None if s is None else [i - cached for i in s] for s in row.spans],
     )
 
 
@@ -136,12 +149,20 @@ class _Feed:
     @classmethod
     def of(cls, rows: Sequence[Sequence[ChoiceTrie]], cache: PrefixCache | None) -> _Feed:
         full = [_row(r) for r in rows]
-        # The last chain token is always fed: a root may be read there.
-        chains = [cache.lookup(r.tokens, r.chain - 1) if cache else [] for r in full]
+        # The last chain token is always fed: a root may be read there. So is every span's
+        # first token and all after it: the mean reads their hidden states, which the cache
+        # does not keep.
+        chains = [cache.lookup(r.tokens, _feed_from(r)) if cache else [] for r in full]
         block = cache.block_tokens if cache else 0
         past = [len(c) * block for c in chains]
         fed = [_cut(r, p) for r, p in zip(full, past, strict=True)]
         return cls(full, chains, past, fed)
+
+
+def _feed_from(row: _Row) -> int:
+    """The first token of ``row`` that must be fed: its last chain token, or the first token of
+    a span, if earlier."""
+    return min([row.chain - 1, *(s[0] for s in row.spans if s)])
 
 
 @dataclass(frozen=True)
@@ -151,6 +172,7 @@ class _Packed:
     # (B, 1, T, P + T) additive; per layer type where some layers see a sliding window only
     attention_mask: torch.Tensor | dict[str, torch.Tensor] | None
     query_rows: list[list[list[int]]]  # per row, per trie, per scored node: flat index b*T+t
+    spans: list[list[int] | None]  # per trie (all rows'), its span's tokens: flat index b*T+t
 
 
 def _pack(
@@ -172,15 +194,17 @@ def _pack(
     P = max(past)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     query_rows = []
+    spans: list[list[int] | None] = []
     for b, r in enumerate(rows):
         offset = T - len(r.tokens)  # left padding
         ids[b, offset:] = torch.tensor(r.tokens)
         query_rows.append([[b * T + offset + q for q in qs] for qs in r.query_rows])
+        spans += [None if s is None else [b * T + offset + i for i in s] for s in r.spans]
 
     if all(r.chain == len(r.tokens) == T for r in rows) and all(p == P for p in past):
         # Nothing to pack, nothing padded and the same past everywhere: the model's own causal
         # path (after its past, at the positions that follow it), as a bare pass takes.
-        return _Packed(ids.to(device), None, None, query_rows)
+        return _Packed(ids.to(device), None, None, query_rows, spans)
 
     positions = torch.zeros((B, T), dtype=torch.long)
     allowed = torch.zeros((B, T, P + T), dtype=torch.bool)
@@ -200,7 +224,7 @@ def _pack(
         allowed[b, pad, P + pad] = True  # padding sees itself only, so no softmax row is empty
     mask = _additive(allowed, dtype).to(device)
     if window is None:
-        return _Packed(ids.to(device), positions.to(device), mask, query_rows)
+        return _Packed(ids.to(device), positions.to(device), mask, query_rows, spans)
     key_positions = torch.zeros((B, P + T), dtype=torch.long)
     for b in range(B):
         key_positions[b, P - past[b] : P] = torch.arange(past[b])
@@ -211,7 +235,7 @@ def _pack(
     masks: torch.Tensor | dict[str, torch.Tensor] = windowed
     if layer_types:
         masks = {t: windowed if t == "sliding_attention" else mask for t in set(layer_types)}
-    return _Packed(ids.to(device), positions.to(device), masks, query_rows)
+    return _Packed(ids.to(device), positions.to(device), masks, query_rows, spans)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -244,11 +268,13 @@ def score_rows(
     layers: Sequence[int] = (),
     batch_invariant: bool = True,
     lean: LeanDecoder | None = None,
+    span_layers: Sequence[int] = (),
 ) -> list[list[TrieScores]]:
     """One forward pass; each batch row packs the tries of one inner list, sharing their
     common context. Returns the logits each trie needs, in the same nesting, and each trie's
-    hidden state at its root for every one of ``layers`` (1..num_hidden_layers). ``lean``: the
-    model's ``judge.decoder`` pass, else the model's own decoder runs it."""
+    hidden state at its root for every one of ``layers`` (1..num_hidden_layers), and for each
+    of ``span_layers`` the mean over its span where it has one. ``lean``: the model's
+    ``judge.decoder`` pass, else the model's own decoder runs it."""
     head = model.get_output_embeddings()
     W = head.weight  # (V, H)
     bias = getattr(head, "bias", None)
@@ -257,11 +283,15 @@ def score_rows(
     tries = [t for r in rows for t in r]
     # Each trie's root, the first of its scored nodes: the decision point.
     first_node = np.cumsum([0] + [len(t.node_positions) for t in tries[:-1]]).tolist()
+    asked = _Asked(layers, first_node, span_layers if any(t.span for t in tries) else ())
     if lean is None:
-        h, gathered = _generic_pass(model, feed, cache, pad_id, layers, batch_invariant, first_node)
+        h, gathered, means = _generic_pass(model, feed, cache, pad_id, batch_invariant, asked)
     else:  # its arithmetic is the LeanDecoder's own, and it pads nothing
-        h, gathered = _lean_pass(lean, model, feed, cache, layers, first_node)
+        h, gathered, means = _lean_pass(lean, model, feed, cache, asked)
     features = {n: g.cpu().numpy() for n, g in gathered.items()}  # each (N, H) float32
+    # Per span layer, (n_spans, H): the tries with a span, in order.
+    spanned = {n: iter(m.cpu().numpy()) for n, m in means.items()}
+    span_means = [{n: next(it) for n, it in spanned.items()} if t.span else {} for t in tries]
 
     children = [c for t in tries for c in t.node_children]
     counts = torch.tensor([len(c) for c in children], device=h.device)
@@ -304,6 +334,7 @@ def score_rows(
                 root_mass=min(mass, 1.0),
                 cached_tokens=cached[n],
                 features={layer: f[n] for layer, f in features.items()},
+                span_means=span_means[n],
             )
         )
     nested, k = [], 0
@@ -313,27 +344,50 @@ def score_rows(
     return nested
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """The hidden states a pass returns besides the logits."""
+
+    layers: Sequence[int]  # at the roots
+    first_node: Sequence[int]  # each trie's root: its first scored node
+    span_layers: Sequence[int]  # averaged over each span
+
+
+def _span_means(states: torch.Tensor, spans: Sequence[Sequence[int] | None]) -> torch.Tensor:
+    """(n_spans, H): the mean of each span's rows of ``states`` (all the spans' rows, in
+    order, (sum of lengths, H)), for the spans that are not None."""
+    lengths = [len(s) for s in spans if s is not None]
+    return torch.stack([span_mean(part) for part in states.split(lengths)])
+
+
 def _generic_pass(
     model: PreTrainedModel,
     feed: _Feed,
     cache: PrefixCache | None,
     pad_id: int,
-    layers: Sequence[int],
     batch_invariant: bool,
-    first_node: Sequence[int],
-) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    asked: _Asked,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """The model's own decoder over left-padded rows with a 4-D mask: any causal LM. Returns
-    the final hidden state at each scored node (S, H) and each requested layer's at the roots."""
+    the final hidden state at each scored node (S, H), each requested layer's at the roots and
+    each span layer's means over the spans."""
     W = model.get_output_embeddings().weight
     window = getattr(model.config, "sliding_window", None)
     types = getattr(model.config, "layer_types", None) or ()
     packed = _pack(feed.fed, pad_id, W.dtype, W.device, feed.past, window, types)
     flat_rows = [q for per_row in packed.query_rows for per_trie in per_row for q in per_trie]
-    root_rows = torch.tensor([flat_rows[i] for i in first_node], device=W.device)  # (N,)
+    root_rows = torch.tensor([flat_rows[i] for i in asked.first_node], device=W.device)  # (N,)
+    span_rows = torch.tensor([i for s in packed.spans if s for i in s], device=W.device)
     decoder = model.get_decoder()
-    inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
+    last = _num_layers(model)
+    inner = [n for n in asked.layers if n != last]  # the last layer is read below
+    inner_spans = [n for n in asked.span_layers if n != last]
     exact = invariant_ops() if batch_invariant else contextlib.nullcontext()
-    with exact, _gather_rows(decoder, _num_layers(model), inner, root_rows) as gathered:
+    with (
+        exact,
+        _gather_rows(decoder, last, inner, root_rows) as gathered,
+        _gather_rows(decoder, last, inner_spans, span_rows) as span_states,
+    ):
         out = decoder(
             input_ids=packed.input_ids,
             attention_mask=packed.attention_mask,
@@ -344,9 +398,12 @@ def _generic_pass(
     if cache is not None:
         _store(cache, out, feed, packed.input_ids.shape[1])
     hidden = out.last_hidden_state.flatten(0, 1)  # (B*T, H)
-    if len(inner) < len(layers):
-        gathered[_num_layers(model)] = hidden[root_rows].float()  # (N, H)
-    return hidden[flat_rows], gathered
+    if len(inner) < len(asked.layers):
+        gathered[last] = hidden[root_rows].float()  # (N, H)
+    if len(inner_spans) < len(asked.span_layers):
+        span_states[last] = hidden[span_rows]
+    means = {n: _span_means(s, packed.spans) for n, s in span_states.items()}
+    return hidden[flat_rows], gathered, means
 
 
 def _lean_pass(
@@ -354,9 +411,8 @@ def _lean_pass(
     model: PreTrainedModel,
     feed: _Feed,
     cache: PrefixCache | None,
-    layers: Sequence[int],
-    first_node: Sequence[int],
-) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    asked: _Asked,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """``judge.decoder``'s pass over the rows laid end to end, each query reading its lane.
     Returns what ``_generic_pass`` does."""
     device = model.get_output_embeddings().weight.device
@@ -366,13 +422,30 @@ def _lean_pass(
         offsets[b] + q for b, r in enumerate(fed) for per_trie in r.query_rows for q in per_trie
     ]
     read = torch.tensor(flat_rows, device=device)  # (S,)
-    roots = read[torch.tensor(first_node, device=device)]  # (N,)
+    roots = read[torch.tensor(asked.first_node, device=device)]  # (N,)
+    spans = [
+        torch.tensor([offsets[b] + i for i in s], device=device)
+        for b, r in enumerate(fed)
+        for s in r.spans
+        if s is not None
+    ]
     ids = torch.tensor([t for r in fed for t in r.tokens], device=device)
     positions = torch.tensor([p for r in fed for p in r.positions], device=device)
     lanes = _lanes(fed, past, offsets, lean.blocking).to(device)
     kv = cache.concatenated(feed.chains) if cache is not None and any(feed.chains) else None
-    inner = [n for n in layers if n != _num_layers(model)]  # the last layer is read below
-    out = lean.run(ids, positions, lanes, kv, read, roots, inner, keep_kv=cache is not None)
+    inner = [n for n in asked.layers if n != _num_layers(model)]  # the last layer is read below
+    out = lean.run(
+        ids,
+        positions,
+        lanes,
+        kv,
+        read,
+        roots,
+        inner,
+        keep_kv=cache is not None,
+        spans=spans,
+        span_layers=asked.span_layers,
+    )
     if cache is not None and out.kv is not None:
         for b, row in enumerate(feed.full):
             new = row.chain - past[b]  # its plain-prefix tokens computed in this pass
@@ -380,9 +453,9 @@ def _lean_pass(
             layer_kv = [(k[:, start : start + new], v[:, start : start + new]) for k, v in out.kv]
             cache.store(row.tokens[: row.chain], feed.chains[b], layer_kv)
     gathered = dict(out.features)
-    if len(inner) < len(layers):
-        gathered[_num_layers(model)] = out.hidden[list(first_node)].float()  # (N, H)
-    return out.hidden, gathered
+    if len(inner) < len(asked.layers):
+        gathered[_num_layers(model)] = out.hidden[list(asked.first_node)].float()  # (N, H)
+    return out.hidden, gathered, out.span_means
 
 
 def _lanes(

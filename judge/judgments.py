@@ -33,6 +33,8 @@ __all__ = [
     "Query",
     "TokenCount",
     "check_feature_layers",
+    "check_item_span",
+    "item_span_of",
     "json_escape",
     "shared_query",
     "validate_choices",
@@ -51,6 +53,14 @@ class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # 1..num_layers, the residual stream after that many decoder blocks (num_layers: the last
     # block's output after the final norm, as the LM head reads it). Empty: none, at no cost.
     feature_layers: tuple[int, ...] = ()
+    # Layers whose hidden states, averaged over the item's own tokens, come back in
+    # ``Judgment.span_features`` (numbered as ``feature_layers``). The item is ``item_span``:
+    # the [start, end) characters of ``prompt`` that hold it (the text judged, not the
+    # instruction or rubric around it); None: the whole prompt (``shared_query`` marks the
+    # shared context). Every token with a character in the span counts. The prefix cache then serves only the tokens before the span, whose
+    # hidden states the mean does not read.
+    span_layers: tuple[int, ...] = ()
+    item_span: tuple[int, int] | None = None
 
 
 class Judgment(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +88,11 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     # values) at the decision point, the position whose next-token logits the root reads.
     # None when the query asked for none. A learned head (``calibration.Probe``) reads these.
     features: dict[int, list[float]] | None = None
+    # For each of the query's ``span_layers``: the mean of the hidden states (float32) over the
+    # item's tokens, and the characters of ``prompt``'s user text they cover (the query's
+    # ``item_span``; None: the whole prompt). None when the query asked for none.
+    span_features: dict[int, list[float]] | None = None
+    item_span: tuple[int, int] | None = None
     # What pins this judgment (``judge.identity``): a fresh UUID version 7, unique and
     # time-ordered; the sha256 of the token ids fed for it (``identity.tokens_sha256``); the
     # sha256 of the weights (``Judge.model_sha256``). An engine always fills them; the empty
@@ -168,11 +183,17 @@ def shared_query(context: str, query: Query) -> Query:
     """``query`` asked about ``context``: its prompt is the context, a blank line, then its own.
 
     How ``Judge.judge_shared`` composes its questions; a server that prepares them itself uses
-    it too, so both feed the model the same text.
+    it too, so both feed the model the same text. The item (``Query.item_span``) is the span the
+    question marked in its own prompt, moved along, else the context.
     """
     if not isinstance(context, str):
         raise InvalidQueryError(f"context must be a string, got {type(context).__name__}")
-    return msgspec.structs.replace(query, prompt=f"{context}\n\n{query.prompt}")
+    span = check_item_span(query.item_span, query.prompt)
+    if span is not None:  # the question marked its item in its own prompt: it moves along
+        span = (span[0] + len(context) + 2, span[1] + len(context) + 2)
+    elif context:  # else the item is the context the questions are asked about
+        span = (0, len(context))
+    return msgspec.structs.replace(query, prompt=f"{context}\n\n{query.prompt}", item_span=span)
 
 
 class Prepared(msgspec.Struct, frozen=True):
@@ -188,6 +209,8 @@ class Prepared(msgspec.Struct, frozen=True):
     trie: ChoiceTrie  # the choices' token paths, packed: what the pass feeds the model
     tokens_sha256: str  # of the prompt's ids and each choice's path (``identity.tokens_sha256``)
     feature_layers: tuple[int, ...] = ()  # checked against the model's depth, sorted
+    span_layers: tuple[int, ...] = ()  # as feature_layers; the trie's span says over what
+    item_span: tuple[int, int] | None = None  # the query's, checked
 
     @property
     def tokens(self) -> int:
@@ -198,13 +221,15 @@ class Prepared(msgspec.Struct, frozen=True):
         return self.trie.packed_length
 
 
-def check_feature_layers(layers: object, num_layers: int | None) -> tuple[int, ...]:
-    """A query's feature layers, checked against the model's depth (``num_layers``; None: not
-    known), without repeats, sorted."""
+def check_feature_layers(
+    layers: object, num_layers: int | None, field: str = "feature_layers"
+) -> tuple[int, ...]:
+    """A query's feature layers (or span layers: ``field``), checked against the model's depth
+    (``num_layers``; None: not known), without repeats, sorted."""
     if not isinstance(layers, Sequence) or isinstance(layers, str):
         raise InvalidQueryError(
-            f"feature_layers must be a list of layer numbers, got {type(layers).__name__}",
-            field="feature_layers",
+            f"{field} must be a list of layer numbers, got {type(layers).__name__}",
+            field=field,
         )
     if not layers:
         return ()
@@ -212,18 +237,52 @@ def check_feature_layers(layers: object, num_layers: int | None) -> tuple[int, .
         raise InvalidQueryError(
             "this model does not say how many layers it has (no num_hidden_layers in its "
             "config), so it cannot return hidden-state features; ask for none",
-            field="feature_layers",
+            field=field,
         )
     for n in layers:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise InvalidQueryError(
                 f"feature layer {n!r} is not a layer number: give integers from 1 to {num_layers}",
-                field="feature_layers",
+                field=field,
             )
         if not 1 <= int(n) <= num_layers:
             raise InvalidQueryError(
                 f"feature layer {n!r} is not a layer of this model: give numbers from 1 to "
                 f"{num_layers} (the residual stream after that many blocks)",
-                field="feature_layers",
+                field=field,
             )
     return tuple(sorted({int(n) for n in layers}))
+
+
+def item_span_of(prompt: str, item: str) -> tuple[int, int]:
+    """Where ``item`` first occurs in ``prompt``: its [start, end) characters, the span a
+    caller that knows the item's text rather than its place gives (``Query.item_span``)."""
+    start = prompt.find(item) if item else -1
+    if start < 0:
+        raise InvalidQueryError(f"item {item!r} does not occur in the prompt", field="item")
+    return start, start + len(item)
+
+
+def check_item_span(span: object, prompt: str) -> tuple[int, int] | None:
+    """A query's ``item_span`` checked against its prompt: None, or [start, end) character
+    offsets with 0 <= start < end <= len(prompt)."""
+    if span is None:
+        return None
+    if (
+        not isinstance(span, Sequence)
+        or isinstance(span, str)
+        or len(span) != 2
+        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in span)
+    ):
+        raise InvalidQueryError(
+            f"item_span must be two character offsets [start, end] into the prompt, got {span!r}",
+            field="item_span",
+        )
+    start, end = int(span[0]), int(span[1])
+    if not 0 <= start < end <= len(prompt):
+        raise InvalidQueryError(
+            f"item_span [{start}, {end}] is not a span of the prompt's {len(prompt)} characters: "
+            "give 0 <= start < end <= the prompt's length",
+            field="item_span",
+        )
+    return start, end

@@ -81,8 +81,12 @@ class Engine(Protocol):
         response_prefix: str | None = None,
         response_suffix: str | None = None,
         feature_layers: Sequence[int] = (),
+        span_layers: Sequence[int] = (),
+        item_span: tuple[int, int] | None = None,
     ) -> Judgment:
-        """Judge one prompt; ``feature_layers`` come back as ``Judgment.features``."""
+        """Judge one prompt; ``feature_layers`` come back as ``Judgment.features``, the means
+        of ``span_layers`` over ``item_span`` (None: the whole prompt) as
+        ``Judgment.span_features``."""
         ...
 
     def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from judge.errors import InvalidQueryError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -61,6 +63,53 @@ class PathEncoder:
                 clean_up_tokenization_spaces=False,
             )
         ]
+
+    def token_ends(self, text: str, ids: Sequence[int]) -> list[int]:
+        """Where each of ``ids`` (``text``'s tokens) ends in ``text``, in characters: the fast
+        tokenizer's offsets where it encodes ``text`` to these ids, else the length of each
+        prefix decoded (exact for a tokenizer that round-trips, which a judgment needs)."""
+        if self._backend is not None:
+            encoding = self._backend.encode(text, add_special_tokens=False)
+            if list(encoding.ids) == list(ids):
+                # Running maximum: a byte-level token inside a character ends where it does.
+                ends, reach = [], 0
+                for _, end in encoding.offsets:
+                    reach = max(reach, end)
+                    ends.append(reach)
+                return ends
+        return [len(t) for t in self.decode([ids[: k + 1] for k in range(len(ids))])]
+
+    def item_tokens(
+        self,
+        user: str,
+        item_span: tuple[int, int] | None,
+        rendered: str,
+        prompt_ids: Sequence[int],
+        limit: int,
+    ) -> tuple[int, int]:
+        """The [start, end) tokens of ``prompt_ids`` (the tokenized ``rendered`` prompt) with a
+        character in the item: ``item_span`` of the ``user`` prompt (None: all of it), among
+        the first ``limit`` (those before the decision point)."""
+        at = rendered.rfind(user)  # the user's message is the template's last
+        if at < 0:
+            raise InvalidQueryError(
+                "this model's chat template changes the prompt's text, so the item's tokens "
+                "cannot be found in what the model reads; ask for no span_layers",
+                field="span_layers",
+            )
+        first, last = item_span or (0, len(user))
+        first, last = at + first, at + last
+        ends = self.token_ends(rendered, prompt_ids)
+        inside = [
+            t
+            for t, end in enumerate(ends[:limit])
+            if end > first and (t == 0 or ends[t - 1] < last)
+        ]
+        if not inside:
+            raise InvalidQueryError(
+                "the item's span holds no token of the prompt", field="item_span"
+            )
+        return inside[0], inside[-1] + 1
 
     def cut(self, prompt: str) -> int:
         """Character offset just after the last added token in ``prompt`` (0 if none)."""

@@ -39,6 +39,9 @@ class ChoiceTrie:
     node_children: list[list[int]]
     # For each choice, the (scored node, child slot) pairs along its path.
     choice_steps: list[list[tuple[int, int]]] = field(repr=False)
+    # The [start, end) context tokens whose hidden states are averaged (the item's own text,
+    # ``Query.item_span``); None: no mean is asked for.
+    span: tuple[int, int] | None = None
 
     @property
     def packed_length(self) -> int:

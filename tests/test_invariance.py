@@ -131,15 +131,26 @@ def test_shared_context_matches_each_question_alone(judges: tuple[Judge, Judge])
 
 
 def test_features_match_across_batches(judges: tuple[Judge, Judge]) -> None:
-    """A probe reads the hidden state at the decision point: it must not move either."""
-    plain, _ = judges
+    """A probe reads the hidden state at the decision point and the mean over the item's
+    tokens: neither may move with the batch or the cache."""
+    plain, cached = judges
     layers = (plain.num_layers or 1, 1)
-    items = [msgspec.structs.replace(q, feature_layers=layers) for q in _workload(plain)[:2]]
+    items = [
+        msgspec.structs.replace(q, feature_layers=layers, span_layers=layers)
+        for q in _workload(plain)[:2]
+    ]
     lone = plain.judge_batch([items[0]])[0]
     batched = plain.judge_batch([items[1], items[0]])[1]
-    assert lone.features is not None and batched.features is not None
-    for n in layers:
-        assert lone.features[n] == batched.features[n], f"layer {n} moved with the batch"
+    assert cached.prefix_cache is not None
+    cached.prefix_cache.clear()
+    cached.judge_batch([msgspec.structs.replace(items[0], span_layers=())])  # the chain cached
+    warm = cached.judge_batch([items[0]])[0]
+    for got, how in ((batched, "the batch"), (warm, "the cache")):
+        assert lone.features is not None and got.features is not None
+        assert lone.span_features is not None and got.span_features is not None
+        for n in layers:
+            assert lone.features[n] == got.features[n], f"layer {n} moved with {how}"
+            assert lone.span_features[n] == got.span_features[n], f"span {n} moved with {how}"
 
 
 FIRST_PASS = """
