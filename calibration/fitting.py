@@ -63,7 +63,7 @@ from calibration.fit_settings import AUTO_METHODS, DEFAULT_METHODS, DEFAULT_SETT
 from calibration.gate import Gate, Overrides
 from calibration.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.limits import MIN_EXAMPLES, PROBE_SPLIT, SPLIT, certify_share
-from calibration.maps import MAX_PROBE_WEIGHTS
+from calibration.maps import MAX_PROBE_WEIGHTS, ProbeSpan
 from calibration.metrics import MetricReport, evaluate
 from calibration.monitoring import reference_of
 from calibration.policy import Policy
@@ -188,6 +188,8 @@ def fit_rule(
     feature_layers: Sequence[int] = (),
     num_layers: int | None = None,
     probe_split: bool | None = None,
+    span_features: ArrayLike | None = None,
+    span: ProbeSpan | None = None,
 ) -> FittedRule:
     """The whole fitting procedure on (n, k) log-probabilities and (n,) label indices.
 
@@ -196,7 +198,8 @@ def fit_rule(
     settings' ``methods`` are resolved into ``fit_calibrator``'s candidates by
     ``resolve_methods`` (the rule's ``skipped`` says why "auto" did not try the probe). A "probe" candidate
     reads ``features`` (n, m, H), the hidden states of ``feature_layers`` in a model of
-    ``num_layers`` blocks, and needs ``MIN_PROBE_EXAMPLES``. ``probe_split`` chooses the
+    ``num_layers`` blocks (and may read ``span_features``, the same layers' means over each
+    item's ``span``), and needs ``MIN_PROBE_EXAMPLES``. ``probe_split`` chooses the
     split (None: the probe's split exactly when "probe" is a candidate), so that a baseline
     can be fitted on the same items as a probe.
     """
@@ -206,6 +209,11 @@ def fit_rule(
     if z.shape[0] < MIN_EXAMPLES:
         raise FitError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
     f = None if features is None else check_features(features, z.shape[0], feature_layers)
+    means = (
+        None
+        if span_features is None
+        else check_features(span_features, z.shape[0], feature_layers, "span_features")
+    )
     # An explicit probe's refusals (no features, too few examples, too many weights) are here.
     methods, skipped = resolve_methods(
         settings.methods, z.shape[0], None if f is None else probe_weights(z.shape[1], f.shape[2])
@@ -229,8 +237,10 @@ def fit_rule(
         features=None if f is None else f[fit_idx],
         feature_layers=feature_layers,
         num_layers=num_layers,
+        span_features=None if means is None else means[fit_idx],
+        span=span,
     )
-    x = map_features(fit.map, f, feature_layers)  # (n, m*H) for a probe, else None
+    x = map_features(fit.map, f, feature_layers, means)  # (n, slots*H) for a probe, else None
     probs = fit.map.apply(z, x)  # (n, k)
     q_hat = conformal_quantile(probs[conformal_idx], labels[conformal_idx], settings.alpha)
     # The served rule accepts an item only if every gate passes; an item that another gate
@@ -312,6 +322,8 @@ def fit_profile(
     feature_layers: Sequence[int] = (),
     probe_split: bool | None = None,
     recertification: Recertification | None = None,
+    span_features: ArrayLike | None = None,
+    span: ProbeSpan | None = None,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
@@ -320,7 +332,9 @@ def fit_profile(
     certify and how: the guarantees, a score's ``values`` and ``max_std``, the candidate
     ``methods`` ("auto": every method, the probe included where ``features`` (n, m, H) of
     ``feature_layers`` are given and there are at least ``MIN_PROBE_EXAMPLES``; the note says
-    when it was not tried), the split's seed and the metrics' resamples.
+    when it was not tried), the split's seed and the metrics' resamples. With ``span_features``
+    (n, m, H), the same layers' means over each item's tokens (``span``: the item marked in
+    its prompt, or the whole prompt), the probe may read those instead, or beside them.
     When a probe wins, the scalar maps (temperature, or bias + temperature, by cross-validated
     NLL, as without a probe) are fitted and certified on the same split too, and kept as the
     profile's ``baseline``. ``probe_split`` (``split_examples``; None: the probe's split exactly
@@ -343,6 +357,8 @@ def fit_profile(
         feature_layers=feature_layers,
         num_layers=fingerprint.num_layers,
         probe_split=probe_split,
+        span_features=span_features,
+        span=span,
     )
     held = rule.held_out
     evidence = {"seed": settings.seed, "n_bootstrap": settings.n_bootstrap}
@@ -417,6 +433,7 @@ def labels_for_next_look(
     choice_mass: ArrayLike | None = None,
     features: ArrayLike | None = None,
     feature_layers: Sequence[int] = (),
+    span_features: ArrayLike | None = None,
 ) -> LabelsNeeded:
     """About how many labels the next look of ``profile``'s lineage would need to certify its
     target (``calibration.recertify.labels_to_certify``), judged by the profile's own map on
@@ -428,7 +445,8 @@ def labels_for_next_look(
     z = np.asarray(log_probabilities, dtype=np.float64)[held]
     mass = None if choice_mass is None else np.asarray(choice_mass)[held]
     f = None if features is None else np.asarray(features)[held]
-    x = map_features(profile.calibration_map, f, feature_layers)
+    means = None if span_features is None else np.asarray(span_features)[held]
+    x = map_features(profile.calibration_map, f, feature_layers, means)
     gates = Gate(profile, overrides=Overrides(threshold=0.0)).policy.gates(
         profile.choices, z, mass, x
     )
@@ -655,27 +673,34 @@ def evaluate_policy(
     max_std: float | None = None,
     n_bootstrap: int = 1000,
     features: ArrayLike | None = None,
+    span_features: ArrayLike | None = None,
 ) -> PolicyEvaluation:
     """Metrics before and after calibration, and the policy exactly as served, on held-out data.
 
     ``log_probabilities`` is (n, k) with columns in ``profile.choices`` order; ``threshold``,
     ``min_choice_mass`` and ``max_std`` are overrides, as a request would give them.
-    ``features`` (n, m, H) are the hidden states of ``profile.feature_layers``, which a probe
-    reads. A probe profile's baseline (the scalar maps) is evaluated on the same items too.
+    ``features`` (n, m, H) are the hidden states of ``profile.feature_layers``, and
+    ``span_features`` the means over each item of ``profile.span_layers``, which a probe reads.
+    A probe profile's baseline (the scalar maps) is evaluated on the same items too.
     """
     z, labels = _check(log_probabilities, y, profile.choices, 1)
     mass = check_choice_mass(choice_mass, z.shape[0])
-    layers = profile.feature_layers
     x = None
-    if layers:
-        if features is None:
-            raise ValueError(
-                f"profile {profile.name!r} is a probe on layer(s) {list(layers)}: pass the "
-                "items' features for those layers"
-            )
-        x = map_features(
-            profile.calibration_map, check_features(features, len(labels), layers), layers
-        )
+    probe = profile.calibration_map
+    if isinstance(probe, Probe):
+        given = {"point": features, "mean": span_features}
+        checked = {}
+        for read, arr in given.items():
+            if read not in probe.reads.split("+"):
+                continue
+            if arr is None:
+                what = "features" if read == "point" else "span_features (means over the item)"
+                raise ValueError(
+                    f"profile {profile.name!r} is a probe on layer(s) {probe.layers}: pass the "
+                    f"items' {what} for those layers"
+                )
+            checked[read] = check_features(arr, len(labels), probe.layers)
+        x = map_features(probe, checked.get("point"), probe.layers, checked.get("mean"))
     overrides = Overrides(threshold=threshold, min_choice_mass=min_choice_mass, max_std=max_std)
     policy = Gate(profile, overrides=overrides).policy
     g = policy.gates(profile.choices, z, mass, x)  # what decide() decides, as arrays

@@ -27,7 +27,7 @@ so that ``judge replay`` reopens the very gate a decision was made through.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from judge.fingerprint import Fingerprint
 
 __all__ = ["Gate", "JudgingEngine", "Overrides"]
+
+# The engine's Query, which calibration does not import: any struct with its fields.
+_Query = TypeVar("_Query", bound=msgspec.Struct)
 
 
 class JudgingEngine(Protocol):
@@ -120,6 +123,17 @@ class Gate:
         self.feature_layers: tuple[int, ...] = tuple(
             sorted(set(self.policy.feature_layers) | set(self.log_layers))
         )
+        # The layers whose means over the item a probe reads (``Query.span_layers``).
+        self.span_layers: tuple[int, ...] = self.policy.span_layers
+
+    def asks(self, query: _Query) -> _Query:
+        """``query`` (the engine's ``Query``) asking for the hidden states this gate reads (its
+        probe's) and the log keeps; its own item span is left as it is."""
+        if not (self.feature_layers or self.span_layers):
+            return query
+        return msgspec.structs.replace(
+            query, feature_layers=self.feature_layers, span_layers=self.span_layers
+        )
 
     @property
     def sha256(self) -> str:
@@ -199,9 +213,12 @@ class Gate:
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
+        item_span: tuple[int, int] | None = None,
     ) -> Verdict:
         """Judge ``prompt`` with ``engine`` and decide: the profile checked against the engine
-        (for this template), the probe's layers read, the choices the profile's unless given.
+        (for this template), the probe's layers read (over ``item_span``, characters of
+        ``prompt`` that hold the item, where it reads means), the choices the profile's unless
+        given.
         """
         asked = list(choices) if choices is not None else self.choices
         if asked is None:
@@ -212,7 +229,14 @@ class Gate:
             "response_suffix": response_suffix,
         }
         self.check_engine(engine, choices=asked, **template)
-        judgment = engine.judge(prompt, asked, feature_layers=self.feature_layers, **template)
+        judgment = engine.judge(
+            prompt,
+            asked,
+            feature_layers=self.feature_layers,
+            span_layers=self.span_layers,
+            item_span=item_span,
+            **template,
+        )
         return self.decide(judgment)
 
     def settings(self) -> dict[str, Any]:

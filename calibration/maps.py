@@ -10,7 +10,7 @@ The estimators that fit them live in ``calibration.scaling`` and ``calibration.p
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -33,6 +33,8 @@ __all__ = [
     "CalibrationMap",
     "Identity",
     "Probe",
+    "ProbeReads",
+    "ProbeSpan",
     "Temperature",
     "softmax",
 ]
@@ -63,7 +65,14 @@ class _Map(
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        """The hidden-state layers ``apply`` reads: none, except for a probe."""
+        """The hidden-state layers ``apply`` reads at the decision point: none, except for a
+        probe."""
+        return ()
+
+    @property
+    def span_layers(self) -> tuple[int, ...]:
+        """The layers whose mean over the item's tokens ``apply`` reads: none, except for a
+        probe on them."""
         return ()
 
 
@@ -115,14 +124,25 @@ class BiasTemperature(_Map, frozen=True, tag="bias_temperature"):
         return _scaled(logits, self.temperature, self.bias)
 
 
-class Probe(_Map, frozen=True, tag="probe"):
+# What a probe reads of each of its layers: the hidden state at the decision point, its mean
+# over the item's own tokens (``Query.span_layers``), or both, in that order.
+ProbeReads = Literal["point", "mean", "point+mean"]
+# Over which tokens a probe's means were taken when it was fitted, and so must be when it is
+# served: the item marked in each prompt (``Query.item_span``), or the whole prompt.
+ProbeSpan = Literal["item", "prompt"]
+
+
+class Probe(_Map, frozen=True, tag="probe", omit_defaults=True):
     """A learned head: softmax(W [h_1 ... h_m, z] + b).
 
-    ``h_i`` is the hidden state at the decision point after ``layers[i]`` decoder blocks
-    (``feature_dim`` values each) of the very pass that scored the choices, and ``z`` the
-    choices' log-probabilities, normalised over the choices; ``weights`` is (k, m * feature_dim + k), ``intercept`` (k,).
-    Fitted by ``calibration.probe`` (standardisation folded into the weights). It applies only
-    to a model with ``num_layers`` blocks of width ``feature_dim``.
+    ``h_i`` is what the probe ``reads`` of layer ``layers[i]`` (``feature_dim`` values each) of
+    the very pass that scored the choices: the hidden state at the decision point after that
+    many decoder blocks ("point"), its mean over the item's tokens ("mean", over the ``span``
+    it was fitted on), or both (the points of every layer, then the means); ``z`` the choices'
+    log-probabilities, normalised over the choices; ``weights`` is (k, width), ``intercept``
+    (k,). Fitted by ``calibration.probe`` (standardisation folded into the weights). It applies
+    only to a model with ``num_layers`` blocks of width ``feature_dim``. The defaults are left
+    out of its JSON, so a probe from before means were read keeps its encoding (and sha256).
     """
 
     layers: Annotated[list[Annotated[int, Meta(ge=1)]], Meta(min_length=1)]
@@ -131,10 +151,18 @@ class Probe(_Map, frozen=True, tag="probe"):
     weights: Annotated[list[list[float]], Meta(min_length=2)]
     intercept: Annotated[list[float], Meta(min_length=2)]
     l2: Annotated[float, Meta(gt=0)]  # the inverse regularisation strength C it was fitted with
+    reads: ProbeReads = "point"
+    span: ProbeSpan | None = None  # set exactly when it reads means
 
     def __post_init__(self) -> None:
         k, width = len(self.intercept), self.width
         problems = []
+        if (self.span is None) != (self.reads == "point"):
+            problems.append(
+                f"calibration_map.span must name the tokens the means were taken over (item or "
+                f"prompt) exactly when the probe reads means; it reads {self.reads!r} and has "
+                f"span {self.span!r}"
+            )
         # The types' bounds hold for a decoded probe; these recheck them for one built in code.
         if (
             not self.layers
@@ -155,7 +183,7 @@ class Probe(_Map, frozen=True, tag="probe"):
         elif len(self.weights) != k or any(len(row) != width for row in self.weights):
             problems.append(
                 f"calibration_map.weights must be {k} rows (one per entry of "
-                f"calibration_map.intercept) of {width} numbers ({len(self.layers)} layers x "
+                f"calibration_map.intercept) of {width} numbers ({self.slots} states x "
                 f"{self.feature_dim} + {k} log-probabilities); got {len(self.weights)} rows of "
                 f"{sorted({len(r) for r in self.weights})} numbers"
             )
@@ -183,18 +211,28 @@ class Probe(_Map, frozen=True, tag="probe"):
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        return tuple(self.layers)
+        return tuple(self.layers) if self.reads != "mean" else ()
+
+    @property
+    def span_layers(self) -> tuple[int, ...]:
+        return tuple(self.layers) if self.reads != "point" else ()
+
+    @property
+    def slots(self) -> int:
+        """Hidden-state vectors per item: one per layer, twice over for "point+mean"."""
+        return len(self.layers) * len(self.reads.split("+"))
 
     @property
     def width(self) -> int:
-        """Inputs per item: the hidden states of every layer, then the k log-probabilities."""
-        return len(self.layers) * self.feature_dim + len(self.intercept)
+        """Inputs per item: the hidden states it reads, then the k log-probabilities."""
+        return self.slots * self.feature_dim + len(self.intercept)
 
     def apply(self, logits: ArrayLike, features: ArrayLike | None = None) -> _FloatArray:
         """Probabilities of the same shape as ``logits`` ((n, k) or (k,)).
 
-        ``features`` is (n, m * feature_dim) or (m * feature_dim,) for a single row: the
-        hidden states of ``layers``, concatenated in that order.
+        ``features`` is (n, slots * feature_dim) or (slots * feature_dim,) for a single row:
+        what it ``reads`` of ``layers``, concatenated in that order
+        (``calibration.scored.probe_row`` builds it from a judgment).
         """
         z = check_logits(logits, allow_1d=True)
         k = len(self.intercept)
@@ -214,10 +252,10 @@ class Probe(_Map, frozen=True, tag="probe"):
                 f"features must be ({z.shape[0]}, m * H), one row per row of the logits, "
                 f"got shape {np.shape(features)}"
             )
-        if x.shape[1] != len(self.layers) * self.feature_dim:
+        if x.shape[1] != self.slots * self.feature_dim:
             raise ProfileMismatchError(
                 "hidden_size",
-                f"the probe was fitted on {len(self.layers)} layer(s) of width "
+                f"the probe was fitted on {self.slots} hidden state(s) of width "
                 f"{self.feature_dim}, but the features have {x.shape[1]} values per item",
             )
         if not np.all(np.isfinite(x)):

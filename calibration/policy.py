@@ -46,8 +46,8 @@ import numpy.typing as npt
 
 from calibration.conformal import set_membership
 from calibration.errors import ProfileMismatchError, ValuesError
-from calibration.maps import CalibrationMap, Identity
-from calibration.scored import ScoredJudgment, check_max_std, feature_row
+from calibration.maps import CalibrationMap, Identity, Probe
+from calibration.scored import ScoredJudgment, check_max_std, probe_row
 from calibration.scores import check_values, numeral_values, value_moments
 from calibration.validation import check_choice_mass, check_probability
 
@@ -274,23 +274,22 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         """
         return self.calibration_map.feature_layers
 
+    @property
+    def span_layers(self) -> tuple[int, ...]:
+        """The layers whose means over the item a judgment must carry: a probe's that reads
+        them, else none (``Query.span_layers``; the probe's ``span`` says whether the query
+        marks its item)."""
+        return self.calibration_map.span_layers
+
     def _features(self, judgments: Sequence[ScoredJudgment]) -> npt.NDArray[np.float64] | None:
-        """(n, m * H) hidden states of the map's layers, from the judgments; None if unused."""
-        layers = self.feature_layers
-        if not layers:
+        """(n, slots * H): what the map's probe reads of each judgment; None if no probe."""
+        probe = self.calibration_map
+        if not isinstance(probe, Probe):
             return None
-        rows = []
-        for j in judgments:
-            features = getattr(j, "features", None)
-            if not features or any(n not in features for n in layers):
-                raise ProfileMismatchError(
-                    "features",
-                    f"profile {self.profile!r} is a probe on the hidden state of layer(s) "
-                    f"{list(layers)}, and the judgment carries no features for them: judge "
-                    f"with feature_layers={list(layers)} (profile.feature_layers)",
-                )
-            rows.append(feature_row(features, layers))
-        return np.stack(rows)
+        name = str(self.profile)
+        return np.stack(
+            [probe_row(j, probe.reads, probe.layers, probe.span, name) for j in judgments]
+        )
 
     def _decide(
         self,

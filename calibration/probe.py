@@ -22,7 +22,14 @@ import numpy as np
 import numpy.typing as npt
 
 from calibration.errors import FitError
-from calibration.maps import MAX_PROBE_WEIGHTS, CalibrationMap, Probe, _log_softmax
+from calibration.maps import (
+    MAX_PROBE_WEIGHTS,
+    CalibrationMap,
+    Probe,
+    ProbeReads,
+    ProbeSpan,
+    _log_softmax,
+)
 from calibration.validation import _FloatArray, _IntArray, check_labels, check_logits
 
 __all__ = [
@@ -34,6 +41,7 @@ __all__ = [
     "fit_probe",
     "fit_probe_weights",
     "map_features",
+    "probe_input",
     "probe_weights",
 ]
 
@@ -91,15 +99,37 @@ def map_features(
     calibration_map: CalibrationMap,
     features: npt.NDArray[np.float32] | None,
     feature_layers: Sequence[int],
+    span_features: npt.NDArray[np.float32] | None = None,
 ) -> _FloatArray | None:
-    """The (n, m * H) input a probe map reads, cut from (n, M, H) features of
-    ``feature_layers``; None for any other map."""
+    """The (n, slots * H) input a probe map reads, cut from (n, M, H) features of
+    ``feature_layers`` (the decision point's states) and ``span_features`` (the means over
+    the item, of the same layers); None for any other map."""
     if not isinstance(calibration_map, Probe):
         return None
-    if features is None:
-        raise ValueError(f"the probe reads layers {calibration_map.layers}; no features given")
-    index = [list(feature_layers).index(n) for n in calibration_map.layers]
-    return features[:, index, :].reshape(features.shape[0], -1).astype(np.float64)
+    return probe_input(
+        calibration_map.reads, calibration_map.layers, features, span_features, feature_layers
+    )
+
+
+def probe_input(
+    reads: ProbeReads,
+    layers: Sequence[int],
+    features: npt.NDArray[np.float32] | None,
+    span_features: npt.NDArray[np.float32] | None,
+    feature_layers: Sequence[int],
+) -> _FloatArray:
+    """(n, slots * H): what a probe that ``reads`` ``layers`` takes in, in its order (the
+    points of every layer, then the means), from (n, M, H) arrays of ``feature_layers``."""
+    index = [list(feature_layers).index(n) for n in layers]
+    parts = []
+    for kind, arr in (("point", features), ("mean", span_features)):
+        if kind not in reads.split("+"):
+            continue
+        if arr is None:
+            what = "hidden states" if kind == "point" else "means over the item"
+            raise ValueError(f"the probe reads the {what} of layers {list(layers)}; none given")
+        parts.append(arr[:, index, :].reshape(arr.shape[0], -1))
+    return np.concatenate(parts, axis=1).astype(np.float64)
 
 
 def fit_probe_weights(
@@ -170,8 +200,11 @@ def fit_probe(
     folds: Sequence[tuple[_IntArray, _IntArray]],
     *,
     cs: Sequence[float] = PROBE_CS,
+    span_features: npt.ArrayLike | None = None,
+    span: ProbeSpan | None = None,
 ) -> ProbeFit:
-    """Choose a layer and a C by held-out NLL over ``folds``, then refit on every item.
+    """Choose a layer, what to read of it and a C by held-out NLL over ``folds``, then refit
+    on every item.
 
     Parameters
     ----------
@@ -190,33 +223,50 @@ def fit_probe(
         candidate method so their held-out NLLs compare item by item).
     cs : sequence of float
         Candidate inverse regularisation strengths.
+    span_features : array of shape (n, m, H), optional
+        Each item's hidden states of ``layers`` averaged over its own tokens (``span``: the
+        item marked in its prompt, or the whole prompt). Given, the probe may read the mean
+        instead of the decision point's state, or both, as the folds choose.
+    span : "item" or "prompt"
+        Over which tokens ``span_features`` were averaged; recorded in the probe.
     """
     z = check_logits(logits)
     n, k = z.shape
     labels = check_labels(y, n, k)
     f = check_features(features, n, layers)
-    weights = probe_weights(k, f.shape[2])
-    if weights > MAX_PROBE_WEIGHTS:
-        raise FitError(
-            f"a probe on {f.shape[2]} features for {k} choices would hold {weights} weights, "
-            f"over the limit of {MAX_PROBE_WEIGHTS}"
-        )
+    means = None
+    if span_features is not None:
+        if span not in ("item", "prompt"):
+            raise ValueError(f"span must be 'item' or 'prompt' with span_features, got {span!r}")
+        means = check_features(span_features, n, layers, "span_features")
+        if means.shape != f.shape:
+            raise ValueError(f"span_features {means.shape} must match features {f.shape}")
+    reads: tuple[ProbeReads, ...] = ("point",) if means is None else ("point", "mean", "point+mean")
     z_std = _log_softmax(z)  # normalised, as Probe.apply normalises: shifts change nothing
-    heldout: dict[tuple[int, float], _FloatArray] = {}  # (n, k) out-of-fold log-probabilities
-    for m, layer in enumerate(layers):
-        x = f[:, m, :].astype(np.float64)  # (n, H)
-        for c in cs:
-            logp = np.empty((n, k))
-            for train, test in folds:
-                w, b = fit_probe_weights(x[train], z_std[train], labels[train], k, c)
-                logp[test] = _log_probs(w, b, np.concatenate([x[test], z_std[test]], axis=1))
-            heldout[(layer, c)] = logp
+    # (n, k) out-of-fold log-probabilities of each (layer, what it reads, C)
+    heldout: dict[tuple[int, ProbeReads, float], _FloatArray] = {}
+    for layer in layers:
+        for read in reads:
+            if k * (len(read.split("+")) * f.shape[2] + k) > MAX_PROBE_WEIGHTS:
+                continue
+            x = probe_input(read, [layer], f, means, layers)  # (n, slots * H)
+            for c in cs:
+                logp = np.empty((n, k))
+                for train, test in folds:
+                    w, b = fit_probe_weights(x[train], z_std[train], labels[train], k, c)
+                    logp[test] = _log_probs(w, b, np.concatenate([x[test], z_std[test]], axis=1))
+                heldout[(layer, read, c)] = logp
+    if not heldout:
+        raise FitError(
+            f"a probe on {f.shape[2]} features for {k} choices would hold "
+            f"{probe_weights(k, f.shape[2])} weights, over the limit of {MAX_PROBE_WEIGHTS}"
+        )
     rows = np.arange(n)
     nll = {key: -logp[rows, labels] for key, logp in heldout.items()}  # (n,) each
-    cv_nll = {f"layer {layer}, C {c:g}": float(v.mean()) for (layer, c), v in nll.items()}
-    (layer, c), best = min(nll.items(), key=lambda item: float(item[1].mean()))
-    m = list(layers).index(layer)
-    w, b = fit_probe_weights(f[:, m, :].astype(np.float64), z_std, labels, k, c)
+    cv_nll = {_candidate(*key): float(v.mean()) for key, v in nll.items()}
+    (layer, read, c), best = min(nll.items(), key=lambda item: float(item[1].mean()))
+    x = probe_input(read, [layer], f, means, layers)
+    w, b = fit_probe_weights(x, z_std, labels, k, c)
     probe = Probe(
         layers=[int(layer)],
         num_layers=int(num_layers),
@@ -224,18 +274,27 @@ def fit_probe(
         weights=w.tolist(),
         intercept=b.tolist(),
         l2=float(c),
+        reads=read,
+        span=None if read == "point" else span,
     )
     others = sorted(cv_nll.items(), key=lambda item: item[1])[1:4]
     note = (
-        f"probe on layer {layer} with C {c:g}: held-out NLL {float(best.mean()):.4f}, the lowest "
-        f"of {len(nll)} (layer, C) pairs (next: "
+        f"probe on {_candidate(layer, read, c)}: held-out NLL {float(best.mean()):.4f}, the "
+        f"lowest of {len(nll)} candidates (next: "
         + ", ".join(f"{name} {value:.4f}" for name, value in others)
         + ")"
     )
     return ProbeFit(
         probe=probe,
         heldout_nll=best,
-        heldout_probabilities=np.exp(heldout[(layer, c)]),
+        heldout_probabilities=np.exp(heldout[(layer, read, c)]),
         cv_nll=cv_nll,
         note=note,
     )
+
+
+def _candidate(layer: int, read: ProbeReads, c: float) -> str:
+    """A candidate in words: "layer 20, C 0.1" reads the decision point, "layer 20 mean, C
+    0.1" the mean over the item, "layer 20 point+mean, C 0.1" both."""
+    what = "" if read == "point" else f" {read}"
+    return f"layer {layer}{what}, C {c:g}"

@@ -41,7 +41,7 @@ from calibration.maps import BiasTemperature, CalibrationMap, Identity, Probe, T
 from calibration.metrics import MetricReport
 from calibration.monitoring import Reference
 from calibration.recertify import Recertification
-from calibration.scored import ScoredJudgment, check_max_std, feature_row
+from calibration.scored import ScoredJudgment, check_max_std, probe_row
 from calibration.scores import check_values, numeral_values
 from calibration.signal import SignalReport
 from judge import atomicio
@@ -268,6 +268,12 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         """The hidden-state layers a judgment needs for this profile (a probe's), else ()."""
         return self.calibration_map.feature_layers
 
+    @property
+    def span_layers(self) -> tuple[int, ...]:
+        """The layers whose means over the item a judgment needs for this profile (a probe's
+        that reads them), else ()."""
+        return self.calibration_map.span_layers
+
     def baseline_profile(self) -> CalibrationProfile | None:
         """This profile with its scalar baseline in place of the probe, to compare."""
         b = self.baseline
@@ -358,10 +364,10 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         index = {c: j for j, c in enumerate(order)}
         z = np.asarray(judgment.log_probs, dtype=np.float64)  # (k,) in the judgment's order
         row = z[[index[c] for c in self.choices]]  # (k,) in the profile's order
-        features = getattr(judgment, "features", None)
+        probe = self.calibration_map
         x = None
-        if self.feature_layers and features is not None:
-            x = feature_row(features, self.feature_layers)
+        if isinstance(probe, Probe):
+            x = probe_row(judgment, probe.reads, probe.layers, probe.span, self.name)
         probs = self.calibration_map.apply(row, x)  # (k,) in the profile's order
         calibrated = dict(zip(self.choices, probs.tolist(), strict=True))
         return {c: calibrated[c] for c in order}

@@ -13,9 +13,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from calibration.errors import ValuesError
+from calibration.errors import ProfileMismatchError, ValuesError
 
-__all__ = ["ScoredJudgment", "check_max_std", "feature_row"]
+__all__ = ["ScoredJudgment", "check_max_std", "feature_row", "probe_row"]
 
 
 def check_max_std(value: object) -> float:
@@ -34,6 +34,50 @@ def feature_row(
     """One judgment's hidden states of ``layers``, concatenated in that order: (m * H,), the
     row a probe map reads."""
     return np.concatenate([np.asarray(features[n], dtype=np.float64) for n in layers])
+
+
+def probe_row(
+    judgment: object, reads: str, layers: Sequence[int], span: str | None, profile: str
+) -> npt.NDArray[np.float64]:
+    """The row a probe that ``reads`` ``layers`` (``calibration.maps.Probe``) takes from one
+    judgment: the hidden states at the decision point (``features``), then the means over the
+    item (``span_features``), as far as it reads each. A judgment that lacks them, or whose
+    means were taken over other tokens than the probe's ``span`` ("item": a marked
+    ``item_span``; "prompt": the whole prompt), is a ProfileMismatchError naming the field
+    to set on the query."""
+    parts = []
+    kinds = reads.split("+")
+    if "point" in kinds:
+        features = getattr(judgment, "features", None)
+        if not features or any(n not in features for n in layers):
+            raise ProfileMismatchError(
+                "features",
+                f"profile {profile!r} is a probe on the hidden state of layer(s) "
+                f"{list(layers)}, and the judgment carries no features for them: judge "
+                f"with feature_layers={list(layers)} (profile.feature_layers)",
+            )
+        parts.append(feature_row(features, layers))
+    if "mean" in kinds:
+        means = getattr(judgment, "span_features", None)
+        if not means or any(n not in means for n in layers):
+            raise ProfileMismatchError(
+                "span_layers",
+                f"profile {profile!r} is a probe on the mean hidden state of layer(s) "
+                f"{list(layers)} over the item, and the judgment carries none: judge with "
+                f"span_layers={list(layers)} (profile.span_layers)",
+            )
+        marked = getattr(judgment, "item_span", None) is not None
+        if marked != (span == "item"):
+            raise ProfileMismatchError(
+                "item_span",
+                f"profile {profile!r} was fitted on means over the item marked in each prompt: "
+                "mark the item's characters with item_span"
+                if span == "item"
+                else f"profile {profile!r} was fitted on means over the whole prompt: send no "
+                "item_span",
+            )
+        parts.append(feature_row(means, layers))
+    return np.concatenate(parts)
 
 
 class ScoredJudgment(Protocol):

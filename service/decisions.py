@@ -79,8 +79,13 @@ def judge_questions(
         )
     for qid in questions:
         gates.setdefault(qid, Gate(None, defaults=defaults))
-    layers = {qid: g.feature_layers for qid, g in gates.items() if g.feature_layers}
-    plan = plan_decisions(state, questions, max_orderings=max_orderings, feature_layers=layers)
+    plan = plan_decisions(
+        state,
+        questions,
+        max_orderings=max_orderings,
+        feature_layers={qid: g.feature_layers for qid, g in gates.items()},
+        span_layers={qid: g.span_layers for qid, g in gates.items()},
+    )
     checked = [g for g in gates.values() if g.profile is not None]
     fingerprint = engine.fingerprint() if checked else None
     for asked in plan.asked:

@@ -43,6 +43,7 @@ from calibration import (
 )
 from judge import Engine, JudgeError, Query
 from judge.answers import MAX_ORDERINGS, Question
+from judge.judgments import item_span_of
 from service.decision_log import (
     DecisionLog,
     DecisionLogError,
@@ -144,19 +145,32 @@ def create_server(
                 "certified threshold, else 0.9); overriding drops the certification",
             ),
         ] = None,
+        item: Annotated[
+            str | None,
+            Field(
+                description="the item's own text inside the prompt (its first occurrence), for "
+                "a profile whose probe reads the mean over the item"
+            ),
+        ] = None,
     ) -> dict[str, Any]:
         fitted, etag = profile_of(profile, "profile") if profile is not None else (None, None)
         with _tool_errors():
             gate = gate_of(fitted, etag, overrides=Overrides(threshold=threshold))
             with model_lock:
                 gate.check_engine(engine, system=system, choices=choices)
+                span = None if item is None else item_span_of(prompt, item)
                 judgment = engine.judge(
-                    prompt, choices, system=system, feature_layers=gate.feature_layers
+                    prompt,
+                    choices,
+                    system=system,
+                    feature_layers=gate.feature_layers,
+                    span_layers=gate.span_layers,
+                    item_span=span,
                 )
             verdict = gate.decide(judgment)
             kept = None
             if log_requests:
-                query = Query(prompt=prompt, choices=list(choices), system=system)
+                query = Query(prompt=prompt, choices=list(choices), system=system, item_span=span)
                 kept = replayable_query(query, gate)
             features = LoggedFeatures.of(judgment.features, gate.log_layers)
             keep(

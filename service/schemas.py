@@ -79,6 +79,10 @@ class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # standard deviation is above max_std (overrides the profile's).
     values: dict[str, float] | None = None
     max_std: Annotated[float, Meta(ge=0.0)] | None = None
+    # The item's own text: the [start, end) characters of ``prompt`` that hold it (not the
+    # instruction or rubric around it), for a probe that reads the mean hidden state over the
+    # item (a profile fitted on marked items needs it; one fitted on whole prompts refuses it).
+    item_span: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]] | None = None
 
     def query(self) -> Query:
         """The engine's query for this request."""
@@ -90,6 +94,7 @@ class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             system=self.system,
             response_prefix=self.response_prefix,
             response_suffix=self.response_suffix,
+            item_span=self.item_span,
         )
 
 
@@ -299,6 +304,10 @@ class LabelsResponse(msgspec.Struct, frozen=True, kw_only=True):
 class LabeledExample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     prompt: str
     label: Choice
+    # The item's characters in ``prompt`` (as ``JudgeRequest.item_span``): a probe may read the
+    # mean hidden state over them. Mark every example's, or none (then the whole prompts'
+    # means compete, and requests to the profile mark none).
+    item_span: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]] | None = None
 
 
 FitMethod = Literal["auto", "temperature", "bias_temperature", "probe"]

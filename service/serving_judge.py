@@ -92,9 +92,8 @@ class JudgeServing:
         gate = self.service.open_gate(
             engine, request.profile, overrides, template=query, choices=request.choices
         )
-        if gate.feature_layers:  # a probe, or the log, reads the pass's hidden state
-            query = msgspec.structs.replace(query, feature_layers=gate.feature_layers)
-        return _Plan(query, gate)
+        # A probe, or the log, reads the pass's hidden states.
+        return _Plan(gate.asks(query), gate)
 
     def _respond(
         self,

@@ -66,11 +66,22 @@ class ProfileServing:
         }
         fingerprint = engine.fingerprint(**template)
         layers = _fit_layers(request, fingerprint)  # refuses an impossible probe up front
+        marked = {e.item_span is not None for e in request.examples}
+        if len(marked) > 1:
+            raise UnprocessableError(
+                "examples",
+                "some examples mark their item_span and some do not: mark every example's "
+                "item, or none",
+            )
         queries = labeled_queries(
             [e.prompt for e in request.examples],
             request.choices,
+            system=request.system,
+            response_prefix=request.response_prefix,
+            response_suffix=request.response_suffix,
             feature_layers=layers,
-            **template,
+            span_layers=layers,  # their means over the items compete too
+            item_spans=[e.item_span for e in request.examples],
         )
         fields = [f"examples[{i}].prompt" for i in range(len(queries))]
         ready: list[Prepared] = []
@@ -78,12 +89,15 @@ class ProfileServing:
             if not isinstance(prepared, Prepared):
                 if prepared.field in (None, "prompt"):  # the engine's name for the field
                     prepared.field = fields[i]
+                elif prepared.field == "item_span":
+                    prepared.field = f"examples[{i}].item_span"
                 raise prepared
             ready.append(prepared)
         judgments: list[Judgment] = []
         # The hidden states, kept as one float32 array rather than in the judgments: as lists
         # of Python floats, 20,000 examples at 5 layers of 576 would take about 2 GB.
         features: np.ndarray | None = None  # (n, m, H)
+        means: np.ndarray | None = None  # (n, m, H): over each item
         wave = (
             4 * self.service.config.max_batch_size
         )  # jobs queued at once: a bounded share of the queue
@@ -98,17 +112,25 @@ class ProfileServing:
             )
             for i, result in enumerate(results, start):
                 if layers:
-                    row = _features_of(result, layers)  # (m, H)
-                    if features is None:
+                    row = _features_of(result.features, layers)  # (m, H)
+                    mean = _features_of(result.span_features, layers)
+                    if features is None or means is None:
                         features = np.empty((len(queries), *row.shape), dtype=np.float32)
-                    features[i] = row
-                    result = msgspec.structs.replace(result, features=None)
+                        means = np.empty_like(features)
+                    features[i], means[i] = row, mean
+                    result = msgspec.structs.replace(result, features=None, span_features=None)
                 judgments.append(result)
         scores = scores_from_judgments(
             judgments, [e.label for e in request.examples], request.choices
         )
         if features is not None:
-            scores = dataclasses.replace(scores, features=features, feature_layers=layers)
+            scores = dataclasses.replace(
+                scores,
+                features=features,
+                feature_layers=layers,
+                span_features=means,
+                span="item" if marked == {True} else "prompt",
+            )
         fit = functools.partial(
             fit_labeled,
             name,
@@ -219,11 +241,12 @@ def _fit_layers(request: FitRequest, fingerprint: Fingerprint) -> tuple[int, ...
     return candidate_layers(num_layers)
 
 
-def _features_of(judgment: Judgment, layers: Sequence[int]) -> np.ndarray:
-    """(m, H) float32: the judgment's hidden states of ``layers``, in that order."""
-    features = judgment.features or {}
+def _features_of(states: dict[int, list[float]] | None, layers: Sequence[int]) -> np.ndarray:
+    """(m, H) float32: a judgment's hidden states (``features`` or ``span_features``) of
+    ``layers``, in that order."""
+    features = states or {}
     missing = [n for n in layers if n not in features]
-    if missing:  # the engine broke its contract: Query.feature_layers come back in features
+    if missing:  # the engine broke its contract: the layers asked for come back
         raise RuntimeError(f"the engine returned no features for layers {missing}")
     return np.asarray([features[n] for n in layers], dtype=np.float32)
 

@@ -76,9 +76,15 @@ class SystemOneServing:
             )
             for asked in plan.asked
         }
-        layers = {qid: g.feature_layers for qid, g in gates.items() if g.feature_layers}
-        if layers:  # a probe reads the pass's hidden state: ask for it
-            plan = plan_decisions(request.state, questions, feature_layers=layers)
+        if any(g.feature_layers or g.span_layers for g in gates.values()):
+            # A probe reads the pass's hidden states (at the decision point, or their mean
+            # over the state, the item): ask for them.
+            plan = plan_decisions(
+                request.state,
+                questions,
+                feature_layers={qid: g.feature_layers for qid, g in gates.items()},
+                span_layers={qid: g.span_layers for qid, g in gates.items()},
+            )
         owners = [plan.question_of(i) for i in range(len(plan.queries))]
         fields = [_systemone_field(plan.context, q, request.questions[q]) for q in owners]
         ready: list[Prepared] = []

@@ -26,6 +26,7 @@ from judge import (
 from judge.engine import shared_query, validate_choices
 from judge.fingerprint import sha256_text
 from judge.identity import new_judgment_id, tokens_sha256
+from judge.judgments import check_item_span
 from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
 from judge.trie import build_trie
 
@@ -108,8 +109,16 @@ class FakeEngine:
         response_prefix: str | None = None,
         response_suffix: str | None = None,
         feature_layers: Sequence[int] = (),
+        span_layers: Sequence[int] = (),
+        item_span: tuple[int, int] | None = None,
     ) -> Judgment:
-        query = Query(prompt=prompt, choices=list(choices), feature_layers=tuple(feature_layers))
+        query = Query(
+            prompt=prompt,
+            choices=list(choices),
+            feature_layers=tuple(feature_layers),
+            span_layers=tuple(span_layers),
+            item_span=item_span,
+        )
         return self.judge_batch([query])[0]
 
     def prepare(self, query: Query | Mapping[str, Any]) -> Prepared:
@@ -125,13 +134,22 @@ class FakeEngine:
         paths = [[*head, *map(ord, c + suffix)] for c in choices]
         trie = build_trie(paths, head, choices)
         tokens = tokens_sha256(head, paths)
-        return Prepared(choices, q.prompt, len(head), trie, tokens, tuple(q.feature_layers))
+        spans = tuple(q.span_layers)
+        item = check_item_span(q.item_span, q.prompt)
+        layers = tuple(q.feature_layers)
+        return Prepared(choices, q.prompt, len(head), trie, tokens, layers, spans, item)
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         return [
             self.identified(
                 self.judgment(
-                    Query(prompt=p.prompt, choices=p.choices, feature_layers=p.feature_layers)
+                    Query(
+                        prompt=p.prompt,
+                        choices=p.choices,
+                        feature_layers=p.feature_layers,
+                        span_layers=p.span_layers,
+                        item_span=p.item_span,
+                    )
                 ),
                 p,
             )

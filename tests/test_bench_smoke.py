@@ -269,6 +269,43 @@ def test_bench_calibration_quick(tmp_path: Path) -> None:
     } <= names
 
 
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_span_features_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_span_features.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_span_features.py"), "--quick"]
+    cmd += ["--out", str(out), "--cache", str(tmp_path / "cache")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    arms = json.loads(out.read_text())["tasks"]["sms_spam"]["arms"]
+    assert set(arms) == {
+        "decision point",
+        "item mean",
+        "prompt mean",
+        "point + item mean",
+        "point + prompt mean",
+        "auto (item means)",
+        "auto (prompt means)",
+    }
+    assert all(0 <= a["test_accuracy"] <= 1 for a in arms.values())
+    assert arms["auto (item means)"]["reads"] in ("point", "mean", "point+mean")
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_span_cost_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_span_cost.json"
+    _run("bench_span_cost.py", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["cache"], r["reads"]) for r in rows if r["reads"] == "plain"} == {
+        ("off", "plain"),
+        ("on", "plain"),
+    }
+    assert len(rows) == 12 and all(r["ms_per_item"] > 0 for r in rows)
+
+
 def test_bench_gating_quick(tmp_path: Path) -> None:
     out = tmp_path / "gating.json"
     done = subprocess.run(

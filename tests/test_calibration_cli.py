@@ -196,7 +196,8 @@ def test_calibrate_fits_a_probe_and_compares_it_with_temperature(
 ) -> None:
     profile = load_profile(probe_profile)
     probe = profile.calibration_map
-    assert probe.method == "probe" and profile.feature_layers
+    # It reads the decision point's state, the mean over each item's text, or both.
+    assert probe.method == "probe" and (profile.feature_layers or profile.span_layers)
     assert profile.fingerprint == judge.fingerprint()  # the shape the probe must be served on
     assert profile.split.fit == 60 and profile.split.certify == 48  # the probe's 5:1:4 split
     assert profile.baseline is not None and profile.baseline.calibration_map.method in (
@@ -216,20 +217,23 @@ def test_ask_and_evaluate_decide_with_the_probe(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from calibration.tasks import load_task, task_prompt
+    from calibration.tasks import load_task, task_item_span, task_prompt
 
     profile = load_profile(probe_profile)
     task = load_task(SST2)
-    prompt = task_prompt(task, "a gorgeous, witty and deeply moving film.")
-    expected = Gate(profile).judge(judge, prompt)
-    assert main(["ask", prompt, "--profile", str(probe_profile)]) == 0
+    item = "a gorgeous, witty and deeply moving film."
+    prompt = task_prompt(task, item)
+    # The item is marked, as calibrate marked each task item: a probe may read its mean.
+    span = task_item_span(task, item)
+    expected = Gate(profile).judge(judge, prompt, item_span=span)
+    assert main(["ask", prompt, "--item", item, "--profile", str(probe_profile)]) == 0
     answer = json.loads(capsys.readouterr().out)
     # The prefix cache may be warm for one and cold for the other: float rounding apart.
     assert answer["probabilities"] == pytest.approx(expected.probabilities, abs=1e-6)
     assert answer["decision"] == expected.decision
 
     lines = tmp_path / "in.jsonl"
-    lines.write_text(json.dumps({"prompt": prompt}) + "\n")
+    lines.write_text(json.dumps({"prompt": prompt, "item_span": span}) + "\n")
     out = tmp_path / "out.jsonl"
     args = ["ask", "--input", str(lines), "--output", str(out), "--profile", str(probe_profile)]
     assert main(args) == 0

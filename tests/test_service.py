@@ -21,7 +21,7 @@ from server import wait_app_ready as wait_ready
 
 from calibration import CalibrationProfile, FitSettings, decode_profile, fit_profile
 from calibration.gate import Gate, Overrides
-from calibration.maps import MAX_PROBE_WEIGHTS
+from calibration.maps import MAX_PROBE_WEIGHTS, Probe
 from calibration.probe import candidate_layers
 from calibration.tasks import load_split, load_task, task_prompt
 from judge import (
@@ -695,7 +695,9 @@ class FeatureEngine(FakeEngine):
     """A fake with ``num_layers`` blocks of ``hidden_size``: judgments carry hidden states.
 
     Probabilities and hidden states are drawn from the prompt, so a query always gets the same
-    numbers; the ``feature_layers`` of every query judged are recorded in ``asked``.
+    numbers; the ``feature_layers`` of every query judged are recorded in ``asked``. The
+    mean over the item of a ``span_layers`` layer is drawn from the item's text (the marked
+    span, else the whole prompt).
     """
 
     def __init__(self, num_layers: int = NUM_LAYERS, hidden_size: int = H) -> None:
@@ -724,7 +726,12 @@ class FeatureEngine(FakeEngine):
             n: hidden_state(query.prompt, n, self.hidden_size).tolist()
             for n in query.feature_layers
         }
-        return msgspec.structs.replace(made, features=features or None)
+        span = query.item_span or (0, len(query.prompt))
+        item = "mean over " + query.prompt[span[0] : span[1]]
+        means = {n: hidden_state(item, n, self.hidden_size).tolist() for n in query.span_layers}
+        return msgspec.structs.replace(
+            made, features=features or None, span_features=means or None, item_span=query.item_span
+        )
 
 
 def probe_profile(name: str = "probe", n: int = 150) -> CalibrationProfile:
@@ -984,6 +991,49 @@ def test_fit_a_probe_over_http(tmp_path: Path) -> None:
         assert "hidden states" in r.json()["detail"]
         r = c.post("/profiles/p/fit", json={**fit, "method": "auto"})
         assert r.status_code == 200 and "probe not tried" in r.json()["note"]
+
+
+def test_fit_a_probe_on_marked_items_over_http(tmp_path: Path) -> None:
+    """Examples that mark their item: the probe may read the mean over it, and then every
+    request to the profile must mark its item too."""
+    engine = FeatureEngine()
+    items = [f"item number {i}" for i in range(150)]
+    examples = [
+        {
+            "prompt": f"Is this one good? {text} Answer yes or no.",
+            "item_span": [18, 18 + len(text)],
+            "label": "yes" if hidden_state("mean over " + text, 2)[0] > 0 else "no",
+        }
+        for text in items
+    ]
+    with served(engine, tmp_path) as c:
+        wait_ready(c)
+        mixed = [{**examples[0], "item_span": None}, *examples[1:]]
+        fit = {"choices": ["yes", "no"], "method": "probe"}
+        r = c.post("/profiles/p/fit", json={**fit, "examples": mixed})
+        assert r.status_code == 422 and r.json()["field"] == "examples", r.text
+        past = [{**examples[0], "item_span": [0, 999]}, *examples[1:]]
+        r = c.post("/profiles/p/fit", json={**fit, "examples": past})
+        assert r.status_code == 422 and r.json()["field"] == "examples[0].item_span", r.text
+        r = c.post("/profiles/p/fit", json={**fit, "examples": examples})
+        assert r.status_code == 200, r.text
+        profile = decode_profile(r.content)
+        probe = profile.calibration_map
+        assert isinstance(probe, Probe)
+        assert (probe.layers, probe.reads, probe.span) == ([2], "mean", "item")
+        text = "a new item"
+        prompt = f"Is this one good? {text} Answer yes or no."
+        body = {"prompt": prompt, "choices": ["yes", "no"], "profile": "p"}
+        status, refused = post(c, body)
+        assert status == 422 and refused["field"] == "item_span", refused
+        status, answer = post(c, {**body, "item_span": [18, 18 + len(text)]})
+        assert status == 200, answer
+        query = Query(
+            prompt=prompt, choices=["yes", "no"], span_layers=(2,), item_span=(18, 18 + len(text))
+        )
+        assert answer["probabilities"] == pytest.approx(
+            Gate(profile).decide(engine.judgment(query)).probabilities, rel=1e-12
+        )
 
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"

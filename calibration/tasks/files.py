@@ -26,6 +26,7 @@ __all__ = [
     "TaskError",
     "load_split",
     "load_task",
+    "task_item_span",
     "task_prompt",
 ]
 
@@ -125,3 +126,10 @@ def task_prompt(task: Task, text: str) -> str:
     """The prompt for one item: the instruction, the text, then the allowed answers."""
     allowed = ", ".join(task.choices)
     return f"{task.instruction}\n\n{text}\n\nAnswer with one of: {allowed}."
+
+
+def task_item_span(task: Task, text: str) -> tuple[int, int] | None:
+    """Where ``text`` lies in ``task_prompt(task, text)``: its [start, end) characters, the
+    item's own span (``Query.item_span``); None for an empty text, which has none."""
+    start = len(task.instruction) + 2
+    return (start, start + len(text)) if text else None

@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
-from calibration.tasks.files import LabeledItem, Task, TaskError, _jsonl_lines, task_prompt
+from calibration.maps import ProbeSpan
+from calibration.tasks.files import (
+    LabeledItem,
+    Task,
+    TaskError,
+    _jsonl_lines,
+    task_item_span,
+    task_prompt,
+)
 from judge import Engine, Fingerprint, Judgment, Query
 
 if TYPE_CHECKING:
@@ -65,6 +73,11 @@ class LabeledScores:
         them); None when none were asked for.
     feature_layers : tuple of int
         The layers of ``features``, in its order.
+    span_features : np.ndarray, shape (n, m, H), float32, optional
+        The same layers' hidden states averaged over each item's tokens; None when not asked.
+    span : "item" or "prompt", optional
+        Over which tokens ``span_features`` were averaged: the item marked in each prompt
+        (``Query.item_span``), or the whole prompt. Set exactly with ``span_features``.
     """
 
     log_probabilities: np.ndarray
@@ -72,6 +85,8 @@ class LabeledScores:
     labels: np.ndarray
     features: np.ndarray | None = None
     feature_layers: tuple[int, ...] = ()
+    span_features: np.ndarray | None = None
+    span: ProbeSpan | None = None
 
     def __post_init__(self) -> None:
         z = np.asarray(self.log_probabilities, dtype=np.float64)
@@ -100,6 +115,15 @@ class LabeledScores:
             object.__setattr__(self, "features", f)
         elif self.feature_layers:
             raise ValueError(f"feature_layers {list(self.feature_layers)} given without features")
+        if self.span_features is not None:
+            means = np.asarray(self.span_features, dtype=np.float32)
+            if self.features is None or means.shape != np.shape(self.features):
+                raise ValueError(
+                    f"span_features must have the shape of features, got {means.shape}"
+                )
+            object.__setattr__(self, "span_features", means)
+        if (self.span is None) != (self.span_features is None):
+            raise ValueError("span names the tokens of span_features: give both or neither")
         object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
         # Normalised copies: what is stored is what was checked.
         object.__setattr__(self, "log_probabilities", z)
@@ -121,6 +145,18 @@ class LabeledScores:
             )
         return self.features[:, [self.feature_layers.index(n) for n in layers], :]
 
+    def span_features_of(self, layers: Sequence[int]) -> np.ndarray | None:
+        """(n, len(layers), H) means over the items of ``layers`` (a probe profile's
+        ``span_layers``); None when ``layers`` is empty."""
+        if not layers:
+            return None
+        if self.span_features is None or any(n not in self.feature_layers for n in layers):
+            raise TaskError(
+                f"these scores carry no means over the items of layers {list(layers)}: judge "
+                "them with span_layers"
+            )
+        return self.span_features[:, [self.feature_layers.index(n) for n in layers], :]
+
 
 def labeled_queries(
     prompts: Sequence[str],
@@ -130,14 +166,21 @@ def labeled_queries(
     response_prefix: str | None = None,
     response_suffix: str | None = None,
     feature_layers: Sequence[int] = (),
+    span_layers: Sequence[int] = (),
+    item_spans: Sequence[tuple[int, int] | None] | None = None,
 ) -> list[Query]:
     """One query per prompt, every one with the same choices and template.
 
     None template fields take the engine's defaults, as in ``Engine.judge``;
-    ``feature_layers`` are the hidden-state layers each judgment returns.
+    ``feature_layers`` are the hidden-state layers each judgment returns, ``span_layers``
+    those averaged over each prompt's item (``item_spans``, one per prompt; None: the whole
+    prompts).
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a sequence of strings, got a single str")
+    spans = [None] * len(prompts) if item_spans is None else list(item_spans)
+    if len(spans) != len(prompts):
+        raise ValueError(f"got {len(spans)} item spans for {len(prompts)} prompts")
     return [
         Query(
             prompt=prompt,
@@ -146,8 +189,10 @@ def labeled_queries(
             response_prefix=response_prefix,
             response_suffix=response_suffix,
             feature_layers=tuple(feature_layers),
+            span_layers=tuple(span_layers),
+            item_span=span,
         )
-        for prompt in prompts
+        for prompt, span in zip(prompts, spans, strict=True)
     ]
 
 
@@ -156,10 +201,13 @@ def scores_from_judgments(
     labels: Sequence[str],
     choices: Sequence[str],
     feature_layers: Sequence[int] = (),
+    span_layers: Sequence[int] = (),
 ) -> LabeledScores:
     """Arrange judgments and their labels as arrays, columns in ``choices`` order.
 
-    With ``feature_layers``, every judgment must carry those layers' features.
+    With ``feature_layers``, every judgment must carry those layers' features; with
+    ``span_layers`` (the same layers), their means over the item too, every one over a
+    marked item or every one over its whole prompt.
 
     Parameters
     ----------
@@ -198,13 +246,43 @@ def scores_from_judgments(
         for i, judgment in enumerate(judgments):
             for m, layer in enumerate(feature_layers):
                 features[i, m] = judgment.features[layer]  # type: ignore[index]
+    means, span = _span_features(judgments, feature_layers, span_layers)
     return LabeledScores(
         log_probabilities=z,
         choice_mass=mass,
         labels=label_index,
         features=features,
         feature_layers=tuple(feature_layers),
+        span_features=means,
+        span=span,
     )
+
+
+def _span_features(
+    judgments: Sequence[Judgment], feature_layers: Sequence[int], span_layers: Sequence[int]
+) -> tuple[np.ndarray | None, ProbeSpan | None]:
+    """(n, m, H) means over the items of ``span_layers`` and the tokens they cover; TaskError
+    if a judgment lacks one, or some were marked and some not."""
+    if not span_layers:
+        return None, None
+    if sorted(span_layers) != sorted(feature_layers):
+        raise TaskError(
+            f"span_layers {list(span_layers)} must be the feature_layers {list(feature_layers)}"
+        )
+    marked = {j.item_span is not None for j in judgments}
+    if len(marked) > 1:
+        raise TaskError("some items mark their item_span and some do not: mark all or none")
+    means = np.empty((len(judgments), len(feature_layers), 0), dtype=np.float32)
+    for i, judgment in enumerate(judgments):
+        if judgment.span_features is None or any(
+            n not in judgment.span_features for n in feature_layers
+        ):
+            raise TaskError(f"judgment {i} carries no means for layers {list(feature_layers)}")
+        row = np.asarray([judgment.span_features[n] for n in feature_layers], dtype=np.float32)
+        if i == 0:
+            means = np.empty((len(judgments), *row.shape), dtype=np.float32)
+        means[i] = row
+    return means, "item" if marked == {True} else "prompt"
 
 
 def _row(judgment: Judgment, choices: list[str], i: int) -> np.ndarray:
@@ -271,7 +349,8 @@ def judge_labeled(
         if progress is not None:
             progress(len(chunk))
     layers = queries[0].feature_layers if queries else ()
-    return scores_from_judgments(judgments, labels, choices, layers)
+    spans = queries[0].span_layers if queries else ()
+    return scores_from_judgments(judgments, labels, choices, layers, spans)
 
 
 def judge_task_items(
@@ -283,13 +362,21 @@ def judge_task_items(
     batch_size: int = 8,
     progress: Callable[[int], None] | None = None,
     feature_layers: Sequence[int] = (),
+    span_layers: Sequence[int] = (),
+    span: ProbeSpan = "item",
 ) -> LabeledScores:
     """``judge_labeled`` on a task's items, each prompt as ``task_prompt`` writes it; the
-    columns follow ``choices`` (default: ``task.choices``)."""
+    columns follow ``choices`` (default: ``task.choices``). ``span_layers`` are averaged over
+    each item's own text (``task_item_span``), or with ``span`` "prompt" over each prompt."""
+    prompts = [task_prompt(task, item.text) for item in items]
     queries = labeled_queries(
-        [task_prompt(task, item.text) for item in items],
+        prompts,
         task.choices,
         feature_layers=feature_layers,
+        span_layers=span_layers,
+        item_spans=[task_item_span(task, item.text) for item in items]
+        if span_layers and span == "item"
+        else None,
     )
     labels = [item.label for item in items]
     columns = task.choices if choices is None else choices
@@ -347,6 +434,8 @@ def fit_labeled(
         choice_mass=scores.choice_mass,
         features=scores.features,
         feature_layers=scores.feature_layers,
+        span_features=scores.span_features,
+        span=scores.span,
     )
 
 

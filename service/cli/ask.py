@@ -37,12 +37,13 @@ from judge import (
     DEFAULT_RESPONSE_PREFIX,
     DEFAULT_RESPONSE_SUFFIX,
     Engine,
+    InvalidQueryError,
     JudgeError,
     Judgment,
     Query,
 )
 from judge.atomicio import replacing
-from judge.engine import validate_choices
+from judge.judgments import check_item_span, item_span_of, validate_choices
 from service.cli.common import (
     UsageError,
     load_engine,
@@ -92,7 +93,7 @@ class InputLineError(BadFieldError, ValueError):
         self.field = field  # type: ignore[assignment]  # None: the line as a whole
 
 
-_FIELDS = ("prompt", "choices", "id")
+_FIELDS = ("prompt", "choices", "id", "item_span")
 
 
 class _Item(msgspec.Struct, frozen=True):
@@ -130,9 +131,12 @@ def run(args: argparse.Namespace) -> int:
     if args.input is None:
         if choices is None:
             raise UsageError("give the choices (--choice A --choice B) or a --profile")
-        judgment = engine.judge(
-            args.prompt, choices, system=args.system, feature_layers=gate.feature_layers
-        )
+        try:
+            span = None if args.item is None else item_span_of(args.prompt, args.item)
+        except InvalidQueryError as exc:
+            raise UsageError(f"--{exc}") from None
+        query = Query(prompt=args.prompt, choices=choices, system=args.system, item_span=span)
+        judgment = engine.judge_batch([gate.asks(query)])[0]
         sys.stdout.write(
             to_json(_answer(judgment, gate.decide(judgment), msgspec.UNSET), indent=2) + "\n"
         )
@@ -158,8 +162,7 @@ def _run_batch(
     ):
         for batch in _batches(lines, args.batch_size):
             parsed = [
-                _parse(raw, n, choices, profile, system=args.system, layers=gate.feature_layers)
-                for n, raw in batch
+                _parse(raw, n, choices, profile, system=args.system, gate=gate) for n, raw in batch
             ]
             for row in _answer_batch(engine, gate, parsed):
                 if isinstance(row, Failure):
@@ -274,9 +277,10 @@ def _parse(
     profile: CalibrationProfile | None,
     *,
     system: str | None,
-    layers: tuple[int, ...] = (),
+    gate: Gate,
 ) -> _Item | Failure:
-    """One input line as a query, or the Failure that says what is wrong with it."""
+    """One input line as a query asking for what ``gate`` reads, or the Failure that says what
+    is wrong with it. A line may mark its item's characters in the prompt (``item_span``)."""
     item_id: Scalar = n
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
@@ -317,7 +321,8 @@ def _parse(
                 f"profile {profile.name!r} was fitted for choices {profile.choices!r}, not "
                 f"{choices!r}; give the profile's choices (any order) or drop the line's",
             )
-        query = Query(prompt=prompt, choices=choices, system=system, feature_layers=layers)
+        span = check_item_span(row.get("item_span"), prompt)
+        query = gate.asks(Query(prompt=prompt, choices=choices, system=system, item_span=span))
         return _Item(item_id, n, query)
     except UnicodeDecodeError as exc:
         return _failure(item_id, n, InputLineError(None, f"line {n} is not UTF-8 text: {exc}"))
@@ -343,7 +348,8 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         help="judge a prompt (or a JSONL file of them) and print the decisions as JSON",
         description="Print the decision (accept or escalate, with reasons) and the judgment "
         "behind it. Give one PROMPT, or --input with one JSON object per line: "
-        '{"prompt": "...", "choices": [...] (optional), "id": ... (optional)}.',
+        '{"prompt": "...", "choices": [...] (optional), "id": ... (optional), '
+        '"item_span": [start, end] (optional)}.',
     )
     ask.add_argument("prompt", nargs="?", help="the question or item to judge")
     ask.add_argument(
@@ -363,6 +369,11 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         type=probability,
         help="escalate when the choices' share of the next-token distribution is below this "
         "(default: the profile's; 0 without a profile)",
+    )
+    ask.add_argument(
+        "--item",
+        help="the item's own text inside PROMPT (its first occurrence), for a profile whose "
+        "probe reads the mean over the item; JSONL lines give item_span [start, end] instead",
     )
     ask.add_argument("--system", default=None, help="system prompt (default: the model's own)")
     ask.add_argument(

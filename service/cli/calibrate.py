@@ -22,7 +22,7 @@ from pathlib import Path
 
 from calibration import MIN_EXAMPLES
 from calibration.fit_settings import FitSettings
-from calibration.maps import Probe
+from calibration.maps import Probe, ProbeSpan
 from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
 from calibration.profile import NAME_PATTERN, save_profile
 from calibration.tasks import (
@@ -210,7 +210,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         if num_layers and (methods == "auto" or "probe" in methods)
         else ()
     )
-    scores = _judge_items(engine, task, args.split, items, task.choices, args.batch_size, layers)
+    # Their means over each item's own text too: the probe may read those instead.
+    scores = _judge_items(
+        engine, task, args.split, items, task.choices, args.batch_size, layers, layers
+    )
     profile = fit_labeled(
         name,
         scores,
@@ -228,7 +231,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     held = held_out_examples(scores.labels, profile.split)
     z, labels = scores.log_probabilities[held], scores.labels[held]
     features = None if scores.features is None else scores.features[held]
-    x = map_features(profile.calibration_map, features, scores.feature_layers)
+    means = None if scores.span_features is None else scores.span_features[held]
+    x = map_features(profile.calibration_map, features, scores.feature_layers, means)
     reliability_diagram(
         (softmax(z), labels),
         (profile.calibration_map.apply(z, x), labels),
@@ -237,7 +241,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     fitted = profile.calibration_map
     if isinstance(fitted, Probe):
-        print(f"profile {name}: method probe, layer(s) {fitted.layers} of {fitted.num_layers}")
+        print(
+            f"profile {name}: method probe, layer(s) {fitted.layers} of {fitted.num_layers} "
+            f"({fitted.reads})"
+        )
     else:
         print(f"profile {name}: method {fitted.method}, temperature {fitted.temperature:.4f}")
     print(profile.note)
@@ -336,8 +343,18 @@ def run_evaluate(args: argparse.Namespace) -> int:
     engine = load_engine(args, profile)
     # Before any item is judged: the task's choices and the engine must be the profile's.
     profile.check(engine.fingerprint(), choices=task.choices)
+    probe = profile.calibration_map
+    layers = probe.layers if isinstance(probe, Probe) else []
     scores = _judge_items(
-        engine, task, args.split, items, profile.choices, args.batch_size, profile.feature_layers
+        engine,
+        task,
+        args.split,
+        items,
+        profile.choices,
+        args.batch_size,
+        layers,
+        profile.span_layers,
+        probe.span if isinstance(probe, Probe) and probe.span else "item",
     )
     evaluation = evaluate_policy(
         profile,
@@ -348,6 +365,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         min_choice_mass=args.min_choice_mass,
         max_std=args.max_std,
         features=scores.features,
+        span_features=scores.span_features,
     )
     print(evaluation_markdown(evaluation))
     if args.report:
@@ -365,9 +383,12 @@ def _judge_items(
     choices: Sequence[str],
     batch_size: int,
     feature_layers: Sequence[int] = (),
+    span_layers: Sequence[int] = (),
+    span: ProbeSpan = "item",
 ) -> LabeledScores:
     """Judge ``items`` of ``task`` with a progress bar; score columns in ``choices`` order,
-    with the hidden states of ``feature_layers``."""
+    with the hidden states of ``feature_layers`` and the means of ``span_layers`` over each
+    item's ``span``."""
     from tqdm import tqdm
 
     with tqdm(total=len(items), desc=f"{task.name}/{split}", unit="item", file=sys.stderr) as bar:
@@ -379,6 +400,8 @@ def _judge_items(
             batch_size=batch_size,
             progress=bar.update,
             feature_layers=feature_layers,
+            span_layers=span_layers,
+            span=span,
         )
 
 

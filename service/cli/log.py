@@ -225,9 +225,7 @@ def _replay_query(engine: Engine, gate: Gate, request: dict[str, Any]) -> tuple[
         response_suffix=query.response_suffix,
         choices=query.choices,
     )
-    if gate.feature_layers:
-        query = msgspec.structs.replace(query, feature_layers=gate.feature_layers)
-    judgment = engine.judge_batch([query])[0]
+    judgment = engine.judge_batch([gate.asks(query)])[0]
     return judgment, gate.decide(judgment)
 
 
