@@ -281,6 +281,12 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         marks its item)."""
         return self.calibration_map.span_layers
 
+    @property
+    def probe_layers(self) -> tuple[int, ...]:
+        """The layers the map's probe reads, at the decision point or averaged over the item
+        (what a response names); none without a probe."""
+        return tuple(sorted({*self.feature_layers, *self.span_layers}))
+
     def _features(self, judgments: Sequence[ScoredJudgment]) -> npt.NDArray[np.float64] | None:
         """(n, slots * H): what the map's probe reads of each judgment; None if no probe."""
         probe = self.calibration_map

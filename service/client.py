@@ -270,6 +270,7 @@ class JudgeOptions(TypedDict, total=False):
     return_prompt: bool
     values: dict[str, float] | None  # a score: a number per choice
     max_std: float | None  # escalate a score whose std is above this
+    item_span: tuple[int, int] | None  # the item's [start, end) characters in the prompt
 
 
 class FitOptions(TypedDict, total=False):

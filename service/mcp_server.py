@@ -181,7 +181,7 @@ def create_server(
                 verdict,
                 choices=choices,
                 calibration_map=fitted.calibration_map if fitted is not None else None,
-                feature_layers=gate.policy.feature_layers,
+                feature_layers=gate.policy.probe_layers,
             )
         return _plain(response)
 

@@ -119,7 +119,7 @@ class JudgeServing:
             verdict,
             choices=request.choices,  # the verdict keeps the profile's order; this, the request's
             calibration_map=profile.calibration_map if profile else None,
-            feature_layers=plan.gate.policy.feature_layers,
+            feature_layers=plan.gate.policy.probe_layers,
             return_prompt=request.return_prompt,
         )
 

@@ -18,7 +18,7 @@ import copy
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -87,11 +87,32 @@ def _workload(plain: Judge) -> list[Query]:
     return items
 
 
-def _assert_same(got: Judgment, lone: Judgment, how: str) -> None:
+def _assert_same(
+    got: Judgment, lone: Judgment, how: str, diagnose: Callable[[], str] = lambda: ""
+) -> None:
     assert got.choices == lone.choices
     gap = max(abs(a - b) for a, b in zip(got.probs, lone.probs, strict=True))
-    assert gap <= TOLERANCE, f"{how}: probabilities differ by {gap:.3g} from the lone judgment"
+    if gap > TOLERANCE:
+        raise AssertionError(
+            f"{how}: probabilities differ by {gap:.3g} from the lone judgment{diagnose()}"
+        )
     assert abs(got.choice_mass - lone.choice_mass) <= TOLERANCE, how
+
+
+def _first_moved_layer(got: Callable[[Query], Judgment], plain: Judge, query: Query) -> str:
+    """Where a judgment that moved first moved: the first layer whose decision-point state
+    differs from the lone judgment's (``got`` judges ``query`` the way that moved, ``plain``
+    alone). A CPU whose kernels break the invariance is found out by this test; this says
+    which block to look at."""
+    layers = tuple(range(1, (plain.num_layers or 0) + 1))
+    asked = msgspec.structs.replace(query, feature_layers=layers)
+    a, b = got(asked), plain.judge_batch([asked])[0]
+    assert a.features is not None and b.features is not None
+    for n in layers:
+        if a.features[n] != b.features[n]:
+            gap = max(abs(x - y) for x, y in zip(a.features[n], b.features[n], strict=True))
+            return f"; the decision point's state first differs after layer {n} (by {gap:.3g})"
+    return "; every layer's decision-point state is the same: the difference is after them"
 
 
 def test_batched_judgments_match_lone_ones(judges: tuple[Judge, Judge]) -> None:
@@ -117,7 +138,14 @@ def test_cold_and_warm_cache_match_the_lone_judgment(judges: tuple[Judge, Judge]
         warm = cached.judge(q.prompt, q.choices)
         assert cold.cached_tokens == 0 and warm.cached_tokens > 0  # the warm path ran
         _assert_same(cold, lone, "cold cache")
-        _assert_same(warm, lone, "warm cache")
+
+        def warm_again(asked: Query) -> Judgment:
+            return cached.judge_batch([asked])[0]  # the cache is warm with its prompt
+
+        def diagnose() -> str:  # called at once, within this iteration
+            return _first_moved_layer(warm_again, plain, q)  # noqa: B023
+
+        _assert_same(warm, lone, "warm cache", diagnose)
 
 
 def test_shared_context_matches_each_question_alone(judges: tuple[Judge, Judge]) -> None:
@@ -126,8 +154,17 @@ def test_shared_context_matches_each_question_alone(judges: tuple[Judge, Judge])
     questions = _workload(plain)
     shared = plain.judge_shared(context, questions)
     assert len({j.forward_passes for j in shared}) == 1
-    for q, j in zip(questions, shared, strict=True):
-        _assert_same(j, plain.judge_batch([shared_query(context, q)])[0], "shared context")
+    for i, (q, j) in enumerate(zip(questions, shared, strict=True)):
+        alone = shared_query(context, q)
+
+        def moved(a: Query) -> Judgment:
+            asked = [msgspec.structs.replace(x, feature_layers=a.feature_layers) for x in questions]
+            return plain.judge_shared(context, asked)[i]  # noqa: B023
+
+        def diagnose() -> str:  # called at once, within this iteration
+            return _first_moved_layer(moved, plain, alone)  # noqa: B023
+
+        _assert_same(j, plain.judge_batch([alone])[0], "shared context", diagnose)
 
 
 def test_features_match_across_batches(judges: tuple[Judge, Judge]) -> None:

@@ -101,6 +101,8 @@ def test_every_route_marks_the_item_and_gives_the_same_verdict(
         item = {"prompt": prompt, "choices": CHOICES, "profile": "billing", "item_span": span}
         judged = c.post("/judge", json=item)
         assert judged.status_code == 200, judged.text
+        # The response names the layer the probe read, though it read no decision point.
+        assert judged.json()["feature_layers"] == [LAYER]
         views["POST /judge"] = _view(judged.json())
         other = {"prompt": "Is 7 a prime number?", "choices": CHOICES}
         batch = c.post("/judge/batch", json={"items": [other, item]})
