@@ -91,8 +91,11 @@ def test_every_route_marks_the_item_and_gives_the_same_verdict(
     assert main([*argv, "--profile", str(path)]) == 0
     views["judge ask"] = _view(json.loads(capsys.readouterr().out))
 
+    log = tmp_path / "decisions.db"
     config = ServiceConfig(
         profiles_dir=profiles,
+        decision_log=str(log),
+        log_requests=True,
         default_threshold=DEFAULTS.threshold,
         min_choice_mass=DEFAULTS.min_choice_mass,
     )
@@ -132,6 +135,16 @@ def test_every_route_marks_the_item_and_gives_the_same_verdict(
             refused = c.post("/judge", json=body)
             assert 400 <= refused.status_code < 500, refused.text
             assert refused.json()["field"] == "item_span", refused.text
+
+    # The logged request keeps its item: judge replay decides it again, the same.
+    argv = ["replay", judged.json()["judgment_id"], "--log", str(log), "--profiles-dir"]
+    assert main([*argv, str(profiles)]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["changed"] == [], replayed
+    views["replay of /judge"] = {
+        "decision": replayed["now"]["decision"],
+        "probabilities": replayed["now"]["probabilities"],
+    }
 
     pytest.importorskip("mcp")
     from service.mcp_server import create_server
