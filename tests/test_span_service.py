@@ -157,6 +157,10 @@ def test_every_route_marks_the_item_and_gives_the_same_verdict(
     )
     assert not called.is_error, called.content
     views["MCP judge"] = _view(called.structured_content)
+    asked = {"state": STATE, "questions": {"billing": QUESTION}, "profiles": {"billing": "billing"}}
+    decided: Any = asyncio.run(server.call_tool("decide", asked))
+    assert not decided.is_error, decided.content
+    views["MCP decide"] = _view(decided.structured_content["billing"])
 
     expected = views["python"]
     for route, view in views.items():
