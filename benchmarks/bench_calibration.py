@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from calibration import CalibrationProfile, FitSettings, PolicyEvaluation
+from calibration.maps import Probe, ProbeSpan
 from calibration.probe import candidate_layers
 from calibration.tasks import (
     LabeledScores,
@@ -50,18 +51,21 @@ def cached_scores(
     limit: int | None,
     cache: Path,
     feature_layers: tuple[int, ...] = (),
+    span: ProbeSpan | None = None,
 ) -> tuple[LabeledScores, str]:
     """The engine's scores on a split (columns in ``task.choices`` order) and its sha256.
 
     Cached as ``<key>.npz`` with arrays ``log_probabilities`` (n, k), ``choice_mass`` (n,),
-    ``labels`` (n,) and, with ``feature_layers``, ``features`` (n, m, H); the key names
-    everything the scores depend on.
+    ``labels`` (n,), with ``feature_layers`` ``features`` (n, m, H) and with a ``span`` too
+    ``span_features`` (n, m, H), the same layers' means over each item's own text ("item")
+    or over its whole prompt ("prompt"); the key names everything the scores depend on.
     """
     items, digest = load_split(task, split, limit)
     weights = (judge.weights_sha256 or judge.model_id)[:16]
     layers = "-L" + "_".join(map(str, feature_layers)) if feature_layers else ""
-    key = f"{task.name}-{split}-{limit or 'all'}-{judge.dtype}-{weights}-{digest[:16]}{layers}"
-    file = cache / f"{key}.npz"
+    spans = f"-S{span}" if span and feature_layers else ""
+    key = f"{task.name}-{split}-{limit or 'all'}-{judge.dtype}-{weights}-{digest[:16]}"
+    file = cache / f"{key}{layers}{spans}.npz"
     if file.exists():
         with np.load(file) as saved:
             scores = LabeledScores(
@@ -70,10 +74,20 @@ def cached_scores(
                 labels=saved["labels"],
                 features=saved["features"] if feature_layers else None,
                 feature_layers=feature_layers,
+                span_features=saved["span_features"] if spans else None,
+                span=span if spans else None,
             )
         return scores, digest
     start = time.perf_counter()
-    scores = judge_task_items(judge, task, items, batch_size=8, feature_layers=feature_layers)
+    scores = judge_task_items(
+        judge,
+        task,
+        items,
+        batch_size=8,
+        feature_layers=feature_layers,
+        span_layers=feature_layers if span else (),
+        span=span or "item",
+    )
     elapsed = time.perf_counter() - start
     print(f"  judged {task.name}/{split}: {len(items)} items in {elapsed:.0f} s", file=sys.stderr)
     arrays: dict[str, Any] = {
@@ -83,6 +97,8 @@ def cached_scores(
     }
     if scores.features is not None:
         arrays["features"] = scores.features
+    if scores.span_features is not None:
+        arrays["span_features"] = scores.span_features
     with replacing(file) as temp:  # temp keeps the .npz name, so savez adds no suffix
         np.savez(temp, **arrays)
     return scores, digest
@@ -101,6 +117,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--judge-only", action="store_true")
     parser.add_argument(
+        "--span",
+        default="item",
+        choices=["item", "prompt", "none"],
+        help="what the probe may average the hidden states over besides reading the decision "
+        "point: each item's own text (default), its whole prompt, or nothing",
+    )
+    parser.add_argument(
         "--seeds",
         type=int,
         default=1,
@@ -115,11 +138,14 @@ def main() -> None:
         names, limit = ["sms_spam"], 40
     judge = Judge.load(dtype=args.dtype)
     layers = candidate_layers(judge.num_layers or 0)
+    span = None if args.span == "none" else args.span
     rows = []
     for name in names:
         task = load_task(args.data / name)
-        fitted_on, digest = cached_scores(judge, task, "calibration", limit, args.cache, layers)
-        held_out, _ = cached_scores(judge, task, "test", limit, args.cache, layers)
+        fitted_on, digest = cached_scores(
+            judge, task, "calibration", limit, args.cache, layers, span
+        )
+        held_out, _ = cached_scores(judge, task, "test", limit, args.cache, layers, span)
         if args.judge_only:
             continue
         rows.append(report_task(judge, task, args, fitted_on, digest, held_out))
@@ -191,8 +217,11 @@ def report_variant(
     start = time.perf_counter()
     profile, evaluation = fit_and_evaluate(judge, task, args, fitted_on, digest, test, methods)
     fit_s = time.perf_counter() - start  # the evaluation's share is small: one pass of arrays
-    x = map_features(profile.calibration_map, test.features, test.feature_layers)
-    layers = profile.feature_layers
+    x = map_features(
+        profile.calibration_map, test.features, test.feature_layers, test.span_features
+    )
+    m = profile.calibration_map
+    layers = m.layers if isinstance(m, Probe) else []
     out = args.out
     stem = task.name if variant == "auto" else f"{task.name}.{variant}"
     save_profile(profile, out / f"{stem}.json")
@@ -209,10 +238,10 @@ def report_variant(
         title=f"{task.name} (test split, {profile.calibration_map.method})",
     )
     t = profile.threshold
-    m = profile.calibration_map
     return {
         "method": m.method,
         "layers": list(layers),
+        "reads": m.reads if isinstance(m, Probe) else None,
         "temperature": m.temperature,
         "fit_seconds": fit_s,
         "profile_bytes": len(msgspec.json.encode(profile)),
@@ -287,6 +316,7 @@ def evaluate_on(
         test.labels,
         test.choice_mass,
         features=test.features_of(profile.feature_layers),
+        span_features=test.span_features_of(profile.span_layers),
         n_bootstrap=n_bootstrap,
     )
 
@@ -345,7 +375,8 @@ def summary_markdown(summary: dict[str, object]) -> str:
             escalated = ", ".join(f"{k} {v}" for k, v in r["escalations"].items()) or "-"  # type: ignore[attr-defined]
             method = str(r["method"])
             if r["layers"]:
-                method += f" (layer {', '.join(map(str, r['layers']))})"  # type: ignore[call-overload]
+                read = "" if r.get("reads") in (None, "point") else f" {r['reads']}"
+                method += f" (layer {', '.join(map(str, r['layers']))}{read})"  # type: ignore[call-overload]
             lines.append(
                 f"| {row['task']} | {row['n_calibration']}/{row['n_test']} | {variant} | {method} "
                 f"| {r['accuracy']:.3f} | {r['nll_after']:.3f} "

@@ -1,20 +1,17 @@
-"""Would the item's own tokens lift the probe? Measured before it is built into the pass.
+"""What the item's own tokens buy the probe: the engine's span means beside the decision point.
 
 The probe reads one hidden state: the decision point's (the last prompt token), at one layer.
-Issue 32 proposes two more features from the same pass: the mean of the hidden states over the
-item's own tokens (the text, not the instruction around it), and two layers side by side. This
-script measures what each would buy, on the shared tasks where the probe trails or nears
-TF-IDF + logistic regression, before any of it goes into the engine:
+The same pass also gives the mean of the hidden states over the item's own tokens
+(``Query.span_layers``, over ``Query.item_span``: the text judged, not the instruction around
+it) or over the whole prompt (no span marked). This script measures what each arm buys, on the
+shared tasks, with the engine's own pass (``bench_calibration.cached_scores``, span "item" and
+"prompt"):
 
-* the decision point's states and the choices' log-probabilities are bench_calibration.py's
-  cached judgments (the engine's own pass);
-* the span means come from one plain transformers forward pass per item over the same rendered
-  prompt (``Judge.render``), averaged over the tokens whose characters lie inside the item's
-  text (found in the rendered prompt; the tokenizer's offsets say which tokens they are);
 * each arm is fitted with the probe's own fitter (``calibration.probe.fit_probe``: a slot and
   C chosen by 5-fold cross-validated NLL on the calibration split, refitted on all of it) and
-  measured on the test split: accuracy and NLL. "auto" picks the arm with the lowest
-  cross-validated NLL, as the fitter would if it had every arm.
+  measured on the test split: accuracy and NLL;
+* "auto" is what the fitter picks when it is given the means too (the point, the mean or both,
+  per layer, by cross-validated NLL), as ``judge calibrate`` fits it.
 
     python benchmarks/bench_span_features.py [--tasks sst2 ag_news trec sms_spam]
 """
@@ -24,16 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from benchlib import cpu_flags, cpu_model
 
-from calibration.probe import candidate_layers, fit_probe
-from calibration.tasks import Task, load_split, load_task, task_prompt
+from calibration.maps import ProbeSpan
+from calibration.probe import candidate_layers, fit_probe, probe_input
+from calibration.tasks import LabeledScores, Task, load_task
 from judge import Judge
 from judge.atomicio import write_text
 
@@ -44,41 +40,17 @@ from bench_calibration import DATA, cached_scores  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def span_means(judge: Judge, task: Task, split: str, layers: tuple[int, ...]) -> np.ndarray:
-    """(n, m, H): each item's hidden states of ``layers`` averaged over its text's tokens."""
-    items, _ = load_split(task, split)
-    out = np.zeros((len(items), len(layers), judge.hidden_size or 0), dtype=np.float32)
-    for i, item in enumerate(items):
-        rendered = judge.render(task_prompt(task, item.text))
-        start = rendered.index(item.text)
-        end = start + len(item.text)
-        encoded = judge.tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
-        inside = [t for t, (a, b) in enumerate(encoded.offset_mapping) if a < end and b > start]
-        ids = torch.tensor([encoded.input_ids])
-        with torch.inference_mode():
-            states = judge.model(ids, output_hidden_states=True).hidden_states
-        for j, layer in enumerate(layers):
-            out[i, j] = states[layer][0, inside].float().mean(dim=0).numpy()
-    return out
-
-
-def arms(point: np.ndarray, mean: np.ndarray, layers: tuple[int, ...]) -> dict[str, Any]:
-    """Each arm's candidate slots (n, slots, width) and their names."""
-    pairs = [(a, b) for i, a in enumerate(layers) for b in layers[i + 1 :]]
-    index = {layer: j for j, layer in enumerate(layers)}
+def arms(item: LabeledScores, prompt: LabeledScores) -> dict[str, Any]:
+    """Each arm's candidate slots (n, slots, width): one slot per layer."""
+    assert item.features is not None and item.span_features is not None
+    assert prompt.span_features is not None
+    point = item.features
     return {
-        "decision point": (point, [f"L{n}" for n in layers]),
-        "span mean": (mean, [f"L{n}" for n in layers]),
-        "point + mean": (
-            np.concatenate([point, mean], axis=2),
-            [f"L{n}" for n in layers],
-        ),
-        "two layers": (
-            np.stack(
-                [np.concatenate([point[:, index[a]], point[:, index[b]]], 1) for a, b in pairs], 1
-            ),
-            [f"L{a}+L{b}" for a, b in pairs],
-        ),
+        "decision point": point,
+        "item mean": item.span_features,
+        "prompt mean": prompt.span_features,
+        "point + item mean": np.concatenate([point, item.span_features], axis=2),
+        "point + prompt mean": np.concatenate([point, prompt.span_features], axis=2),
     }
 
 
@@ -88,37 +60,73 @@ def evaluate(probe: Any, z: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[f
     return float((p.argmax(1) == y).mean()), float(-np.log(np.clip(p[rows, y], 1e-12, 1)).mean())
 
 
-def run_task(judge: Judge, task: Task, cache: Path) -> dict[str, Any]:
+def run_task(judge: Judge, task: Task, cache: Path, limit: int | None) -> dict[str, Any]:
+    from threadpoolctl import threadpool_limits
+
     layers = candidate_layers(judge.num_layers or 0)
-    fit, _ = cached_scores(judge, task, "calibration", None, cache, layers)
-    test, _ = cached_scores(judge, task, "test", None, cache, layers)
-    start = time.perf_counter()
-    fit_mean = span_means(judge, task, "calibration", layers)
-    test_mean = span_means(judge, task, "test", layers)
-    forward_s = time.perf_counter() - start
-    assert fit.features is not None and test.features is not None
-    fit_arms = arms(fit.features, fit_mean, layers)
-    test_arms = arms(test.features, test_mean, layers)
+    fit = {s: cached_scores(judge, task, "calibration", limit, cache, layers, s)[0] for s in SPANS}
+    test = {s: cached_scores(judge, task, "test", limit, cache, layers, s)[0] for s in SPANS}
+    # One BLAS thread for the fits, as fit_calibrator runs them: on problems this small more
+    # threads only add hand-offs (a third of the time went to the kernel with two).
+    with threadpool_limits(limits=1, user_api="blas"):
+        return fit_arms(judge.num_layers or 0, layers, fit, test)
+
+
+def fit_arms(
+    num_layers: int,
+    layers: tuple[int, ...],
+    fit: dict[ProbeSpan, LabeledScores],
+    test: dict[ProbeSpan, LabeledScores],
+) -> dict[str, Any]:
+    """Each arm fitted on ``fit`` and measured on ``test`` (both judged with item and prompt
+    means), and what the fitter picks when it may read the means."""
     from sklearn.model_selection import StratifiedKFold
 
-    folds = list(StratifiedKFold(5, shuffle=True, random_state=0).split(fit.labels, fit.labels))
+    fit_arms, test_arms = arms(fit["item"], fit["prompt"]), arms(test["item"], test["prompt"])
+    y, z = fit["item"].labels, fit["item"].log_probabilities
+    folds = list(StratifiedKFold(5, shuffle=True, random_state=0).split(y, y))
     rows: dict[str, Any] = {}
-    for name, (x, slots) in fit_arms.items():
-        fitted = fit_probe(
-            x, list(range(len(slots))), len(slots), fit.log_probabilities, fit.labels, folds
-        )
-        slot = fitted.probe.layers[0]
-        x_test = test_arms[name][0][:, slot, :].astype(np.float64)
-        accuracy, nll = evaluate(fitted.probe, test.log_probabilities, x_test, test.labels)
+    for name, x in fit_arms.items():
+        fitted = fit_probe(x, layers, num_layers, z, y, folds)
+        slot = layers.index(fitted.probe.layers[0])
+        x_test = test_arms[name][:, slot, :].astype(np.float64)
+        t = test["item"]
+        accuracy, nll = evaluate(fitted.probe, t.log_probabilities, x_test, t.labels)
         rows[name] = {
-            "slot": slots[slot],
+            "layer": fitted.probe.layers[0],
             "C": fitted.probe.l2,
             "cv_nll": float(fitted.heldout_nll.mean()),
             "test_accuracy": accuracy,
             "test_nll": nll,
         }
-    auto = min(rows, key=lambda k: rows[k]["cv_nll"])
-    return {"arms": rows, "auto": auto, "forward_s": forward_s, "n_fit": len(fit.labels)}
+    for span in SPANS:  # what the fitter picks when it may read the means too
+        s = fit[span]
+        assert s.features is not None
+        fitted = fit_probe(
+            s.features,
+            layers,
+            num_layers,
+            z,
+            y,
+            folds,
+            span_features=s.span_features,
+            span=span,
+        )
+        probe, t = fitted.probe, test[span]
+        x_test = probe_input(probe.reads, probe.layers, t.features, t.span_features, layers)
+        accuracy, nll = evaluate(probe, t.log_probabilities, x_test, t.labels)
+        rows[f"auto ({span} means)"] = {
+            "layer": probe.layers[0],
+            "reads": probe.reads,
+            "C": probe.l2,
+            "cv_nll": float(fitted.heldout_nll.mean()),
+            "test_accuracy": accuracy,
+            "test_nll": nll,
+        }
+    return {"arms": rows, "n_fit": len(y)}
+
+
+SPANS: tuple[ProbeSpan, ...] = ("item", "prompt")
 
 
 def main() -> None:
@@ -128,7 +136,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "judge" / "logits")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_span_features.json")
+    parser.add_argument("--quick", action="store_true", help="40 items per split of sms_spam")
     args = parser.parse_args()
+    limit = None
+    if args.quick:
+        args.tasks, limit = ["sms_spam"], 40
     judge = Judge.load(dtype=args.dtype)
     tfidf = json.loads((RESULTS / "bench_labels.json").read_text())
     out: dict[str, Any] = {
@@ -137,15 +149,15 @@ def main() -> None:
         "dtype": judge.dtype,
         "tasks": {},
     }
-    print("| task | arm | slot | C | CV NLL | test NLL | test accuracy |")
+    print("| task | arm | layer | C | CV NLL | test NLL | test accuracy |")
     print("|---|---|---|---|---|---|---|")
     for name in args.tasks:
-        result = run_task(judge, load_task(args.data / name), args.cache)
+        result = run_task(judge, load_task(args.data / name), args.cache, limit)
         out["tasks"][name] = result
         for arm, r in result["arms"].items():
-            mark = " (auto)" if arm == result["auto"] else ""
+            reads = f" {r['reads']}" if "reads" in r else ""
             print(
-                f"| {name} | {arm}{mark} | {r['slot']} | {r['C']:g} | {r['cv_nll']:.4f} | "
+                f"| {name} | {arm} | {r['layer']}{reads} | {r['C']:g} | {r['cv_nll']:.4f} | "
                 f"{r['test_nll']:.4f} | {r['test_accuracy']:.3f} |"
             )
         reference = tfidf_accuracy(tfidf, name)

@@ -57,8 +57,8 @@ class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # ``Judgment.span_features`` (numbered as ``feature_layers``). The item is ``item_span``:
     # the [start, end) characters of ``prompt`` that hold it (the text judged, not the
     # instruction or rubric around it); None: the whole prompt (``shared_query`` marks the
-    # shared context). Every token with a character in the span counts. The prefix cache then serves only the tokens before the span, whose
-    # hidden states the mean does not read.
+    # shared context). Every token with a character in the span counts. The prefix cache then
+    # serves only the tokens before the span, whose hidden states the mean does not read.
     span_layers: tuple[int, ...] = ()
     item_span: tuple[int, int] | None = None
 
@@ -89,8 +89,9 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     # None when the query asked for none. A learned head (``calibration.Probe``) reads these.
     features: dict[int, list[float]] | None = None
     # For each of the query's ``span_layers``: the mean of the hidden states (float32) over the
-    # item's tokens, and the characters of ``prompt``'s user text they cover (the query's
-    # ``item_span``; None: the whole prompt). None when the query asked for none.
+    # item's tokens (None when the query asked for none), and the item they cover: the query's
+    # ``item_span``, characters of the query's prompt (not of the rendered ``prompt`` here);
+    # None: the whole of it.
     span_features: dict[int, list[float]] | None = None
     item_span: tuple[int, int] | None = None
     # What pins this judgment (``judge.identity``): a fresh UUID version 7, unique and

@@ -66,8 +66,8 @@ class PathEncoder:
 
     def token_ends(self, text: str, ids: Sequence[int]) -> list[int]:
         """Where each of ``ids`` (``text``'s tokens) ends in ``text``, in characters: the fast
-        tokenizer's offsets where it encodes ``text`` to these ids, else the length of each
-        prefix decoded (exact for a tokenizer that round-trips, which a judgment needs)."""
+        tokenizer's offsets where it encodes ``text`` to these ids, else (a slow tokenizer) the
+        length of each prefix decoded, which a character split over tokens may blur by one."""
         if self._backend is not None:
             encoding = self._backend.encode(text, add_special_tokens=False)
             if list(encoding.ids) == list(ids):
