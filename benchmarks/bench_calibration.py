@@ -261,6 +261,7 @@ def report_variant(
         "test_precision": evaluation.precision,
         "test_precision_interval": evaluation.precision_interval,
         "escalations": evaluation.escalations,
+        "labels_needed": None if t.threshold is not None else labels_needed(profile, fitted_on),
         "conformal_coverage": evaluation.conformal_coverage,
         "mean_set_size": evaluation.mean_set_size,
         "baseline": None
@@ -319,6 +320,27 @@ def evaluate_on(
         span_features=test.span_features_of(profile.span_layers),
         n_bootstrap=n_bootstrap,
     )
+
+
+def labels_needed(profile: CalibrationProfile, fitted_on: LabeledScores) -> dict[str, Any]:
+    """About how many labels would certify ``profile``'s target, where it certified nothing
+    (``calibration.fitting.labels_for_next_look``, on the calibration items the map was not
+    fitted on, at 80% power; at the delta of a first look from a log, 6/pi^2 of the profile's,
+    so a little more than a plain refit would need)."""
+    import msgspec
+
+    from calibration.fitting import labels_for_next_look
+
+    needed = labels_for_next_look(
+        profile,
+        fitted_on.log_probabilities,
+        fitted_on.labels,
+        fitted_on.choice_mass,
+        features=fitted_on.features_of(profile.feature_layers),
+        feature_layers=profile.feature_layers,
+        span_features=fitted_on.span_features_of(profile.span_layers),
+    )
+    return dict(msgspec.to_builtins(needed))
 
 
 def seed_sweep(
@@ -395,6 +417,17 @@ def summary_markdown(summary: dict[str, object]) -> str:
         f"Certified with test precision >= {target} (auto): {len(opened)} of "
         f"{len(classification)} classification tasks ({', '.join(map(str, opened)) or 'none'}).",
     ]
+    shut: list[tuple[object, dict[str, Any]]] = []
+    for row in tasks:
+        auto: dict[str, Any] = row["auto"]  # type: ignore[assignment]
+        if auto.get("labels_needed"):
+            shut.append((row["task"], auto["labels_needed"]))
+    if shut:
+        lines += ["", "Where auto certified nothing, the labels it would likely need:", ""]
+        for task, needed in shut:
+            labels = needed["labels"]
+            count = f"about {labels:,} labels" if labels is not None else "no number of labels"
+            lines.append(f"- {task}: {count} (here {needed['given']}): {needed['reason']}")
     swept = [row for row in tasks if "seeds" in row]
     if swept:
         lines += [
