@@ -352,23 +352,31 @@ def seed_sweep(
     test: LabeledScores,
 ) -> dict[str, object]:
     """Per variant, over split seeds 0..seeds-1: how often a threshold was certified, how often
-    the test precision reached the target, and the mean test coverage."""
+    the test precision reached the target, the mean test coverage (0 for a seed that certified
+    nothing) and over the certified seeds alone, and for the seeds that certified nothing the
+    labels each would likely need (``labels_needed``)."""
     out: dict[str, object] = {}
     for variant, methods in VARIANTS.items():
         certified = met = 0
-        coverage = []
+        coverage, opened, needed = [], [], []
         for seed in range(args.seeds):
-            _, e = fit_and_evaluate(
+            profile, e = fit_and_evaluate(
                 judge, task, args, fitted_on, digest, test, methods, seed=seed, n_bootstrap=10
             )
             certified += e.threshold is not None
             met += e.precision is not None and e.precision >= args.target_precision
             coverage.append(e.coverage)
+            if e.threshold is not None:
+                opened.append(e.coverage)
+            elif variant == "auto":
+                needed.append(labels_needed(profile, fitted_on)["labels"])
         out[variant] = {
             "seeds": args.seeds,
             "certified": certified,
             "precision_met": met,
             "mean_coverage": float(np.mean(coverage)),
+            "mean_coverage_certified": float(np.mean(opened)) if opened else None,
+            "labels_needed": needed,
         }
     return out
 
@@ -434,15 +442,21 @@ def summary_markdown(summary: dict[str, object]) -> str:
             "",
             "Over split seeds (each a different random 3:2:5 or 5:1:4 split of the same labels):",
             "",
-            "| task | profile | seeds | certified | test precision >= target | mean test coverage |",
-            "|---|---|---|---|---|---|",
+            "| task | profile | seeds | certified | test precision >= target | mean test coverage "
+            "| over the certified | labels needed where shut |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for row in swept:
             for variant in VARIANTS:
-                r = row["seeds"][variant]  # type: ignore[index]
+                sweep: dict[str, Any] = row["seeds"][variant]  # type: ignore[index]
+                when_open = sweep.get("mean_coverage_certified")
+                shut_labels = ", ".join(
+                    "never" if n is None else f"{n:,}" for n in sweep.get("labels_needed", [])
+                )
                 lines.append(
-                    f"| {row['task']} | {variant} | {r['seeds']} | {r['certified']} "
-                    f"| {r['precision_met']} | {r['mean_coverage']:.3f} |"
+                    f"| {row['task']} | {variant} | {sweep['seeds']} | {sweep['certified']} "
+                    f"| {sweep['precision_met']} | {sweep['mean_coverage']:.3f} "
+                    f"| {'-' if when_open is None else f'{when_open:.3f}'} | {shut_labels or '-'} |"
                 )
     return "\n".join(lines) + "\n"
 
