@@ -331,14 +331,16 @@ def labels_needed(profile: CalibrationProfile, fitted_on: LabeledScores) -> dict
 
     from calibration.fitting import labels_for_next_look
 
+    m = profile.calibration_map
+    layers = m.layers if isinstance(m, Probe) else []  # both arrays cut to the probe's layers
     needed = labels_for_next_look(
         profile,
         fitted_on.log_probabilities,
         fitted_on.labels,
         fitted_on.choice_mass,
-        features=fitted_on.features_of(profile.feature_layers),
-        feature_layers=profile.feature_layers,
-        span_features=fitted_on.span_features_of(profile.span_layers),
+        features=fitted_on.features_of(layers),
+        feature_layers=layers,
+        span_features=fitted_on.span_features_of(layers if profile.span_layers else []),
     )
     return dict(msgspec.to_builtins(needed))
 

@@ -255,3 +255,17 @@ def test_a_task_item_is_marked_where_task_prompt_puts_it() -> None:
     span = task_item_span(task, "some text")
     assert span is not None and prompt[span[0] : span[1]] == "some text"
     assert task_item_span(task, "") is None
+
+
+def test_the_labels_estimate_reads_the_means_too(profile: CalibrationProfile) -> None:
+    """``judge check``'s estimate judges the profile's own map on its held-out items: a probe
+    on means needs them there as well (here the map certifies, so: enough already)."""
+    from calibration.fitting import labels_for_next_look
+
+    z, y, points, means = mean_world(500, seed=0)  # the items the profile was fitted from
+    needed = labels_for_next_look(
+        profile, z, y, features=points, feature_layers=LAYERS, span_features=means
+    )
+    assert needed.given == 500 and needed.labels is not None
+    with pytest.raises(ValueError, match="means over the item"):
+        labels_for_next_look(profile, z, y, features=points, feature_layers=LAYERS)
