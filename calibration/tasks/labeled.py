@@ -272,16 +272,14 @@ def _span_features(
     marked = {j.item_span is not None for j in judgments}
     if len(marked) > 1:
         raise TaskError("some items mark their item_span and some do not: mark all or none")
-    means = np.empty((len(judgments), len(feature_layers), 0), dtype=np.float32)
+    rows = []
     for i, judgment in enumerate(judgments):
         if judgment.span_features is None or any(
             n not in judgment.span_features for n in feature_layers
         ):
             raise TaskError(f"judgment {i} carries no means for layers {list(feature_layers)}")
-        row = np.asarray([judgment.span_features[n] for n in feature_layers], dtype=np.float32)
-        if i == 0:
-            means = np.empty((len(judgments), *row.shape), dtype=np.float32)
-        means[i] = row
+        rows.append([judgment.span_features[n] for n in feature_layers])
+    means = np.asarray(rows, dtype=np.float32) if rows else np.zeros((0, len(feature_layers), 0))
     return means, "item" if marked == {True} else "prompt"
 
 
