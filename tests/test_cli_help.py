@@ -23,7 +23,18 @@ from service.cli.main import parser
 from service.config import FlagKind, ServiceConfig, flags
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ["ask", "decide", "label", "check", "replay", "calibrate", "evaluate", "serve", "mcp"]
+COMMANDS = [
+    "ask",
+    "decide",
+    "label",
+    "check",
+    "replay",
+    "calibrate",
+    "evaluate",
+    "qualify",
+    "serve",
+    "mcp",
+]
 # The server extra's packages, as imported (tests/test_client_install.py blocks the same way).
 SERVER_ONLY = (
     "torch",

@@ -5,6 +5,7 @@ judge ask --input items.jsonl --profile FILE  gate a JSONL file of prompts, one 
 judge calibrate --task DIR                    fit a calibration profile on a labeled task
 judge calibrate --task DIR --unlabeled batch  fit a label-free prior correction (no labels)
 judge evaluate --task DIR --profile FILE      measure the served policy on a held-out split
+judge qualify [MODEL] --data DIR              measure a model before trusting it (exit 1: misses)
 judge serve                                   run the HTTP service
 judge decide --state FILE --question ID=JSON  typed questions about a state; print the answers
 judge mcp                                     a Model Context Protocol server over stdio
@@ -45,6 +46,7 @@ COMMAND_MODULES = (
     "service.cli.decide",  # decide
     "service.cli.log",  # label, check, replay
     "service.cli.calibrate",  # calibrate (and calibrate --from-log), evaluate
+    "service.cli.qualify",  # qualify
     "service.cli.serve",  # serve
     "service.cli.serve_mcp",  # mcp
 )
