@@ -18,6 +18,12 @@ from typing import TYPE_CHECKING
 from judge.lazy import exports
 
 if TYPE_CHECKING:
+    from calibration.cascade import (
+        Cascade,
+        CascadeVerdict,
+        LocalStage,
+        StageResult,
+    )
     from calibration.certify import (
         ThresholdResult,
         select_threshold,
@@ -113,6 +119,8 @@ _EXPORTS = {
     "CalibrationFit": "calibration.scaling",
     "CalibrationMap": "calibration.scaling",
     "CalibrationProfile": "calibration.profile",
+    "Cascade": "calibration.cascade",
+    "CascadeVerdict": "calibration.cascade",
     "DataSplit": "calibration.profile",
     "Decision": "calibration.policy",
     "FitError": "calibration.errors",
@@ -121,6 +129,7 @@ _EXPORTS = {
     "Identity": "calibration.scaling",
     "Interval": "calibration.metrics",
     "LabelFree": "calibration.label_free",
+    "LocalStage": "calibration.cascade",
     "MIN_EXAMPLES": "calibration.limits",
     "MIN_PROBE_EXAMPLES": "calibration.probe",
     "MetricReport": "calibration.metrics",
@@ -138,6 +147,7 @@ _EXPORTS = {
     "ScoredJudgment": "calibration.policy",
     "Verdict": "calibration.policy",
     "SignalReport": "calibration.signal",
+    "StageResult": "calibration.cascade",
     "Temperature": "calibration.scaling",
     "TemperatureScaler": "calibration.scaling",
     "ThresholdResult": "calibration.certify",
@@ -174,6 +184,8 @@ __all__ = [
     "CalibrationFit",
     "CalibrationMap",
     "CalibrationProfile",
+    "Cascade",
+    "CascadeVerdict",
     "DataSplit",
     "Decision",
     "FitError",
@@ -182,6 +194,7 @@ __all__ = [
     "Identity",
     "Interval",
     "LabelFree",
+    "LocalStage",
     "MetricReport",
     "Overrides",
     "Policy",
@@ -195,6 +208,7 @@ __all__ = [
     "RuleError",
     "ScoredJudgment",
     "SignalReport",
+    "StageResult",
     "Temperature",
     "TemperatureScaler",
     "ThresholdResult",

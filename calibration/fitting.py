@@ -66,7 +66,7 @@ from calibration.limits import MIN_EXAMPLES, PROBE_SPLIT, SPLIT, certify_share
 from calibration.maps import MAX_PROBE_WEIGHTS, ProbeSpan
 from calibration.metrics import MetricReport, evaluate
 from calibration.monitoring import reference_of
-from calibration.policy import Policy
+from calibration.policy import Gates, Policy
 from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
 from calibration.recertify import LabelsNeeded, Recertification, labels_to_certify, next_look_delta
@@ -94,6 +94,7 @@ __all__ = [
     "held_out_examples",
     "labels_for_next_look",
     "resolve_methods",
+    "served_gates",
     "split_examples",
 ]
 
@@ -662,6 +663,40 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
     baseline: PolicyEvaluation | None = None
 
 
+def served_gates(
+    profile: CalibrationProfile,
+    log_probabilities: ArrayLike,
+    choice_mass: ArrayLike | None = None,
+    *,
+    features: ArrayLike | None = None,
+    span_features: ArrayLike | None = None,
+    overrides: Overrides | None = None,
+) -> tuple[Policy, Gates]:
+    """The policy a gate on ``profile`` serves (under ``overrides``) and its gates on n items,
+    as arrays: what ``decide`` decides, a probe reading the items' ``features`` (n, m, H) of
+    ``profile.feature_layers`` and ``span_features``, the means over each item of its
+    ``span_layers``, as it needs them. Log-probabilities (n, k) in ``profile.choices`` order."""
+    z = np.asarray(log_probabilities, dtype=np.float64)
+    x = None
+    probe = profile.calibration_map
+    if isinstance(probe, Probe):
+        given = {"point": features, "mean": span_features}
+        checked = {}
+        for read, arr in given.items():
+            if read not in probe.reads.split("+"):
+                continue
+            if arr is None:
+                what = "features" if read == "point" else "span_features (means over the item)"
+                raise ValueError(
+                    f"profile {profile.name!r} is a probe on layer(s) {probe.layers}: pass the "
+                    f"items' {what} for those layers"
+                )
+            checked[read] = check_features(arr, z.shape[0], probe.layers)
+        x = map_features(probe, checked.get("point"), probe.layers, checked.get("mean"))
+    policy = Gate(profile, overrides=overrides).policy
+    return policy, policy.gates(profile.choices, z, choice_mass, x)
+
+
 def evaluate_policy(
     profile: CalibrationProfile,
     log_probabilities: ArrayLike,
@@ -685,25 +720,10 @@ def evaluate_policy(
     """
     z, labels = _check(log_probabilities, y, profile.choices, 1)
     mass = check_choice_mass(choice_mass, z.shape[0])
-    x = None
-    probe = profile.calibration_map
-    if isinstance(probe, Probe):
-        given = {"point": features, "mean": span_features}
-        checked = {}
-        for read, arr in given.items():
-            if read not in probe.reads.split("+"):
-                continue
-            if arr is None:
-                what = "features" if read == "point" else "span_features (means over the item)"
-                raise ValueError(
-                    f"profile {profile.name!r} is a probe on layer(s) {probe.layers}: pass the "
-                    f"items' {what} for those layers"
-                )
-            checked[read] = check_features(arr, len(labels), probe.layers)
-        x = map_features(probe, checked.get("point"), probe.layers, checked.get("mean"))
     overrides = Overrides(threshold=threshold, min_choice_mass=min_choice_mass, max_std=max_std)
-    policy = Gate(profile, overrides=overrides).policy
-    g = policy.gates(profile.choices, z, mass, x)  # what decide() decides, as arrays
+    policy, g = served_gates(
+        profile, z, mass, features=features, span_features=span_features, overrides=overrides
+    )
     accepted = g.accepted
     correct = g.best == labels
     m, k = int(accepted.sum()), int(correct[accepted].sum())

@@ -220,6 +220,29 @@ class Gate:
         ``prompt`` that hold the item, where it reads means), the choices the profile's unless
         given.
         """
+        return self.judged(
+            engine,
+            prompt,
+            choices,
+            system=system,
+            response_prefix=response_prefix,
+            response_suffix=response_suffix,
+            item_span=item_span,
+        )[1]
+
+    def judged(
+        self,
+        engine: JudgingEngine,
+        prompt: str,
+        choices: Sequence[str] | None = None,
+        *,
+        system: str | None = None,
+        response_prefix: str | None = None,
+        response_suffix: str | None = None,
+        item_span: tuple[int, int] | None = None,
+    ) -> tuple[ScoredJudgment, Verdict]:
+        """``judge``, with the judgment it decided on (its tokens and latency: a cascade's
+        cost)."""
         asked = list(choices) if choices is not None else self.choices
         if asked is None:
             raise ValueError("give the choices: a gate without a profile has none of its own")
@@ -237,7 +260,7 @@ class Gate:
             item_span=item_span,
             **template,
         )
-        return self.decide(judgment)
+        return judgment, self.decide(judgment)
 
     def settings(self) -> dict[str, Any]:
         """What reopens this gate (``reopen``): the profile's name, the overrides and the

@@ -1,0 +1,198 @@
+"""A cascade at serving time: stages tried in order, cheapest first, each deciding through its
+own gate; what the last escalates goes to a person.
+
+    cascade = Cascade([
+        LocalStage("smollm2", small, Gate(profiles[0])),
+        LocalStage("gemma3", large, Gate(profiles[1])),
+    ])
+    verdict = cascade.judge("Is this spam? ...", ["spam", "ham"])
+    verdict.decided_by      # "smollm2", "gemma3", or None: a person decides
+
+The profiles come from ``calibration.tasks.fit_cascade``, which certifies each stage at
+delta / S on the labeled items that reach it, so that everything the cascade accepts meets
+the target precision with probability 1 - delta (the argument is in that module).
+
+A stage that fails (raises, or is down) or cannot start before the deadline is an escalation
+with a reason code (``stage_failed``, ``stage_timeout``) in its ``StageResult``, never an
+error of the cascade: the next stage, or a person, takes the item. A failing local stage is a
+bug to see, so the error's words are kept too. The guarantee is unchanged by a failed stage: it
+accepts nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import msgspec
+
+from calibration.gate import Gate, JudgingEngine
+from calibration.policy import Verdict
+
+__all__ = [
+    "Cascade",
+    "CascadeVerdict",
+    "LocalStage",
+    "Stage",
+    "StageAnswer",
+    "StageFailure",
+    "StageResult",
+]
+
+StageFailure = Literal["stage_failed", "stage_timeout"]
+
+
+class StageAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """What a stage answers: its verdict and what the judgment cost in tokens."""
+
+    verdict: Verdict
+    prompt_tokens: int
+    computed_tokens: int
+
+
+class StageResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One stage's part in a cascade's verdict."""
+
+    stage: str
+    verdict: Verdict | None  # None when the stage failed or was not reached in time
+    failure: StageFailure | None = None
+    error: str | None = None  # the failure in words
+    latency_ms: float = 0.0  # the stage's wall time, failures included
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+
+
+class CascadeVerdict(msgspec.Struct, frozen=True, kw_only=True):
+    """The cascade's decision: the first stage that accepted, or escalation to a person."""
+
+    decision: Literal["accept", "escalate"]
+    decided_by: str | None  # the stage whose gate accepted; None: escalated past the last
+    choice: str | None  # the accepted choice; None when escalated
+    confidence: float | None  # its calibrated probability at that stage
+    stages: list[StageResult]  # every stage tried, in order; the untried are left out
+
+    @property
+    def accepted(self) -> bool:
+        return self.decision == "accept"
+
+
+class Stage(Protocol):
+    """A judge the cascade can hand an item to: a local engine and gate, or a remote server."""
+
+    @property
+    def name(self) -> str: ...
+
+    def answer(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        item_span: tuple[int, int] | None,
+        timeout_s: float | None,
+    ) -> StageAnswer:
+        """Judge and decide; raise when the stage cannot (the cascade escalates)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LocalStage:
+    """An engine in this process (``judge.Judge``) behind its gate. A local pass cannot be
+    cut short, so ``timeout_s`` only says whether to start it (the cascade checks)."""
+
+    name: str
+    engine: JudgingEngine
+    gate: Gate
+
+    def answer(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        item_span: tuple[int, int] | None,
+        timeout_s: float | None,
+    ) -> StageAnswer:
+        judgment, verdict = self.gate.judged(self.engine, prompt, choices, item_span=item_span)
+        return StageAnswer(
+            verdict=verdict,
+            prompt_tokens=int(getattr(judgment, "prompt_tokens", 0)),
+            computed_tokens=int(getattr(judgment, "computed_tokens", 0)),
+        )
+
+
+class Cascade:
+    """Stages tried in order; see the module docstring."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        if not stages:
+            raise ValueError("a cascade needs at least one stage")
+        names = [stage.name for stage in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must differ, got {names}")
+        self.stages = list(stages)
+
+    def judge(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        item_span: tuple[int, int] | None = None,
+        deadline_s: float | None = None,
+    ) -> CascadeVerdict:
+        """Hand the item to each stage in turn until one accepts; ``deadline_s``: seconds from
+        now after which no stage starts (a remote stage gets what is left as its timeout)."""
+        start = time.monotonic()
+        results: list[StageResult] = []
+        for stage in self.stages:
+            left = None if deadline_s is None else deadline_s - (time.monotonic() - start)
+            if left is not None and left <= 0:
+                results.append(
+                    StageResult(
+                        stage=stage.name,
+                        verdict=None,
+                        failure="stage_timeout",
+                        error=f"the deadline of {deadline_s:g} s passed before this stage",
+                    )
+                )
+                continue
+            began = time.monotonic()
+            try:
+                answer = stage.answer(prompt, choices, item_span=item_span, timeout_s=left)
+            except TimeoutError as exc:
+                results.append(_failed(stage.name, "stage_timeout", exc, began))
+                continue
+            except Exception as exc:
+                results.append(_failed(stage.name, "stage_failed", exc, began))
+                continue
+            verdict = answer.verdict
+            results.append(
+                StageResult(
+                    stage=stage.name,
+                    verdict=verdict,
+                    latency_ms=(time.monotonic() - began) * 1000,
+                    prompt_tokens=answer.prompt_tokens,
+                    computed_tokens=answer.computed_tokens,
+                )
+            )
+            if verdict.accepted:
+                return CascadeVerdict(
+                    decision="accept",
+                    decided_by=stage.name,
+                    choice=verdict.choice,
+                    confidence=verdict.confidence,
+                    stages=results,
+                )
+        return CascadeVerdict(
+            decision="escalate", decided_by=None, choice=None, confidence=None, stages=results
+        )
+
+
+def _failed(name: str, failure: StageFailure, exc: BaseException, began: float) -> StageResult:
+    return StageResult(
+        stage=name,
+        verdict=None,
+        failure=failure,
+        error=f"{type(exc).__name__}: {exc}",
+        latency_ms=(time.monotonic() - began) * 1000,
+    )

@@ -1,0 +1,168 @@
+"""A cascade: its profiles fitted with one guarantee end to end, and stages tried in order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from calibration import Cascade, FitError, FitSettings, Gate, LocalStage, Overrides
+from calibration.cascade import StageAnswer
+from calibration.tasks import (
+    CascadeStageData,
+    LabeledScores,
+    cascade_decisions,
+    cascade_folds,
+    fit_cascade,
+)
+from judge import Fingerprint, Judge
+
+CHOICES = ["A", "B", "C"]
+SETTINGS = FitSettings(target_precision=0.9, delta=0.1, methods=["temperature"], n_bootstrap=20)
+
+
+def _fingerprint(model: str) -> Fingerprint:
+    return Fingerprint(
+        model=model,
+        model_sha256=None,
+        dtype="float32",
+        response_prefix='{"answer": "',
+        response_suffix='"',
+        system_sha256=None,
+    )
+
+
+def _stage(labels: np.ndarray, skill: float, seed: int) -> LabeledScores:
+    """A model's scores on the items: the label's logit raised by ``skill`` over noise."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(len(labels), len(CHOICES)))
+    z[np.arange(len(labels)), labels] += skill
+    z -= np.log(np.exp(z).sum(axis=1, keepdims=True))  # log-probabilities
+    return LabeledScores(log_probabilities=z, choice_mass=np.full(len(labels), 0.9), labels=labels)
+
+
+def _pool(n: int, seed: int) -> tuple[LabeledScores, LabeledScores]:
+    labels = np.random.default_rng(seed).integers(0, len(CHOICES), n)
+    return _stage(labels, 1.8, seed + 1), _stage(labels, 2.4, seed + 2)
+
+
+def _take(scores: LabeledScores, rows: np.ndarray) -> LabeledScores:
+    return LabeledScores(
+        log_probabilities=scores.log_probabilities[rows],
+        choice_mass=scores.choice_mass[rows],
+        labels=scores.labels[rows],
+    )
+
+
+def _fit(small: LabeledScores, large: LabeledScores, settings: FitSettings = SETTINGS) -> list:
+    return fit_cascade(
+        "syn",
+        [
+            CascadeStageData("small", small, _fingerprint("small")),
+            CascadeStageData("large", large, _fingerprint("large")),
+        ],
+        CHOICES,
+        dataset="synthetic",
+        dataset_sha256="0" * 64,
+        settings=settings,
+    )
+
+
+def test_folds_are_disjoint_and_cover_every_item() -> None:
+    folds = cascade_folds(101, 3, seed=4)
+    joined = np.concatenate(folds)
+    assert sorted(joined.tolist()) == list(range(101))
+    assert [len(f) for f in folds] == [34, 34, 33]
+
+
+def test_each_stage_certifies_at_its_share_of_delta_and_the_second_decides_the_rest() -> None:
+    small, large = _pool(2400, seed=0)
+    profiles = _fit(small, large)
+    assert [p.name for p in profiles] == ["syn-small", "syn-large"]
+    assert [p.threshold.delta for p in profiles] == [0.05, 0.05]
+    assert [p.fingerprint.model for p in profiles] == ["small", "large"]
+    decided_by, choice = cascade_decisions(profiles, [small, large])
+    share = [float(np.mean(decided_by == s)) for s in (0, 1, -1)]
+    assert share[0] > 0.1 and share[1] > 0.1, share  # both stages decide a real share
+    # The second stage was fitted only on items the first escalated, of its own fold: the
+    # first fold's items never reached its fit.
+    assert profiles[1].n_examples < len(cascade_folds(2400, 2, SETTINGS.seed)[1])
+    assert np.all((choice >= 0) == (decided_by >= 0))
+
+
+def test_the_cascade_s_precision_meets_the_target_but_in_at_most_delta_of_resamples() -> None:
+    """The guarantee end to end, simulated: fit on one half, measure on the other, 30 times."""
+    runs, failures, covered, by_stage = 30, 0, [], []
+    for r in range(runs):
+        small, large = _pool(2000, seed=100 + 7 * r)
+        rows = np.random.default_rng(r).permutation(2000)
+        fit_rows, test_rows = rows[:1000], rows[1000:]
+        profiles = _fit(_take(small, fit_rows), _take(large, fit_rows))
+        test = [_take(small, test_rows), _take(large, test_rows)]
+        decided_by, choice = cascade_decisions(profiles, test)
+        accepted = decided_by >= 0
+        covered.append(float(accepted.mean()))
+        by_stage.append([float(np.mean(decided_by == s)) for s in (0, 1)])
+        if accepted.any():
+            precision = float(np.mean(choice[accepted] == test[0].labels[accepted]))
+            failures += precision < SETTINGS.target_precision
+    # delta = 0.1: expect at most ~3 of 30; 7 or more would happen with probability < 0.01
+    # if the true failure rate were 0.1.
+    assert failures <= 6, failures
+    # It accepts a real share, both stages take part: the bound is not met by refusing.
+    assert np.mean(covered) > 0.5
+    assert min(np.mean(by_stage, axis=0)) > 0.2
+
+
+def test_stages_must_score_the_same_items_and_each_needs_enough() -> None:
+    small, large = _pool(400, seed=3)
+    other = _stage(np.roll(small.labels, 1), 3.5, seed=9)
+    with pytest.raises(FitError, match="scored other items"):
+        _fit(small, other)
+    tiny_small, tiny_large = _take(small, np.arange(30)), _take(large, np.arange(30))
+    with pytest.raises(FitError, match=r"stage \d \('(small|large)'\) is left \d+ labeled items"):
+        _fit(tiny_small, tiny_large)
+
+
+class _Broken:
+    name = "broken"
+
+    def answer(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        item_span: tuple[int, int] | None,
+        timeout_s: float | None,
+    ) -> StageAnswer:
+        raise ConnectionError("the server at 127.0.0.1:9 is down")
+
+
+def test_a_failing_stage_escalates_to_the_next(judge: Judge) -> None:
+    prompt, choices = "Is this SMS spam? WINNER!! Claim your prize now.", ["spam", "ham"]
+    never = LocalStage("never", judge, Gate(overrides=Overrides(threshold=1.0)))
+    always = LocalStage("always", judge, Gate(overrides=Overrides(threshold=0.0)))
+    verdict = Cascade([_Broken(), never, always]).judge(prompt, choices)
+    assert verdict.accepted and verdict.decided_by == "always"
+    broken, first, last = verdict.stages
+    assert broken.failure == "stage_failed" and "is down" in (broken.error or "")
+    assert broken.verdict is None
+    assert first.verdict is not None and not first.verdict.accepted
+    assert last.verdict is not None and last.verdict.choice == verdict.choice
+    assert first.prompt_tokens == last.prompt_tokens > 0
+    # The same item alone at the deciding stage: the same probabilities.
+    alone = Gate(overrides=Overrides(threshold=0.0)).judge(judge, prompt, choices)
+    assert alone.probs == last.verdict.probs
+    # Nobody accepts: a person decides, and every stage says why.
+    nobody = Cascade([never]).judge(prompt, choices)
+    assert not nobody.accepted and nobody.decided_by is None and nobody.choice is None
+
+
+def test_no_stage_starts_after_the_deadline(judge: Judge) -> None:
+    always = LocalStage("always", judge, Gate(overrides=Overrides(threshold=0.0)))
+    verdict = Cascade([always]).judge("Spam? Free prize!", ["spam", "ham"], deadline_s=0.0)
+    assert not verdict.accepted
+    assert [s.failure for s in verdict.stages] == ["stage_timeout"]
+    with pytest.raises(ValueError, match="stage names must differ"):
+        Cascade([always, always])
