@@ -45,23 +45,51 @@ StageFailure = Literal["stage_failed", "stage_timeout"]
 
 
 class StageAnswer(msgspec.Struct, frozen=True, kw_only=True):
-    """What a stage answers: its verdict and what the judgment cost in tokens."""
+    """What a stage answers, local or remote alike: its decision and what it cost."""
 
-    verdict: Verdict
-    prompt_tokens: int
-    computed_tokens: int
+    decision: Literal["accept", "escalate"]
+    choice: str  # the most probable choice after the stage's calibration
+    confidence: float
+    probabilities: dict[str, float]  # calibrated, in the cascade's choice order
+    raw_probabilities: dict[str, float]  # the stage's model's own
+    reason_codes: list[str]  # why it escalated; empty when accepted
+    threshold: float | None
+    certified: bool
+    profile: str | None
+    model: str
+    judgment_id: str | None
+    prompt_tokens: int | None = None  # None where the stage does not say (a remote one)
+    computed_tokens: int | None = None
+
+    @classmethod
+    def of(cls, verdict: Verdict, judgment: object, choices: Sequence[str]) -> StageAnswer:
+        """A local stage's answer: ``verdict`` on ``judgment`` (an engine's ``Judgment``)."""
+        probs, raw = verdict.probabilities, verdict.raw_probabilities
+        return cls(
+            decision=verdict.decision,
+            choice=verdict.choice,
+            confidence=verdict.confidence,
+            probabilities={c: probs[c] for c in choices},
+            raw_probabilities={c: raw[c] for c in choices},
+            reason_codes=list(verdict.reason_codes),
+            threshold=verdict.threshold,
+            certified=verdict.certified,
+            profile=verdict.profile,
+            model=str(getattr(judgment, "model", "")),
+            judgment_id=verdict.judgment_id,
+            prompt_tokens=getattr(judgment, "prompt_tokens", None),
+            computed_tokens=getattr(judgment, "computed_tokens", None),
+        )
 
 
 class StageResult(msgspec.Struct, frozen=True, kw_only=True):
     """One stage's part in a cascade's verdict."""
 
     stage: str
-    verdict: Verdict | None  # None when the stage failed or was not reached in time
+    answer: StageAnswer | None  # None when the stage failed or was not reached in time
     failure: StageFailure | None = None
     error: str | None = None  # the failure in words
     latency_ms: float = 0.0  # the stage's wall time, failures included
-    prompt_tokens: int = 0
-    computed_tokens: int = 0
 
 
 class CascadeVerdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,7 +99,7 @@ class CascadeVerdict(msgspec.Struct, frozen=True, kw_only=True):
     decided_by: str | None  # the stage whose gate accepted; None: escalated past the last
     choice: str | None  # the accepted choice; None when escalated
     confidence: float | None  # its calibrated probability at that stage
-    stages: list[StageResult]  # every stage tried, in order; the untried are left out
+    stages: list[StageResult]  # every stage tried, in order; none after the deciding one
 
     @property
     def accepted(self) -> bool:
@@ -114,11 +142,7 @@ class LocalStage:
         timeout_s: float | None,
     ) -> StageAnswer:
         judgment, verdict = self.gate.judged(self.engine, prompt, choices, item_span=item_span)
-        return StageAnswer(
-            verdict=verdict,
-            prompt_tokens=int(getattr(judgment, "prompt_tokens", 0)),
-            computed_tokens=int(getattr(judgment, "computed_tokens", 0)),
-        )
+        return StageAnswer.of(verdict, judgment, choices)
 
 
 class Cascade:
@@ -150,7 +174,7 @@ class Cascade:
                 results.append(
                     StageResult(
                         stage=stage.name,
-                        verdict=None,
+                        answer=None,
                         failure="stage_timeout",
                         error=f"the deadline of {deadline_s:g} s passed before this stage",
                     )
@@ -165,22 +189,19 @@ class Cascade:
             except Exception as exc:
                 results.append(_failed(stage.name, "stage_failed", exc, began))
                 continue
-            verdict = answer.verdict
             results.append(
                 StageResult(
                     stage=stage.name,
-                    verdict=verdict,
+                    answer=answer,
                     latency_ms=(time.monotonic() - began) * 1000,
-                    prompt_tokens=answer.prompt_tokens,
-                    computed_tokens=answer.computed_tokens,
                 )
             )
-            if verdict.accepted:
+            if answer.decision == "accept":
                 return CascadeVerdict(
                     decision="accept",
                     decided_by=stage.name,
-                    choice=verdict.choice,
-                    confidence=verdict.confidence,
+                    choice=answer.choice,
+                    confidence=answer.confidence,
                     stages=results,
                 )
         return CascadeVerdict(
@@ -191,7 +212,7 @@ class Cascade:
 def _failed(name: str, failure: StageFailure, exc: BaseException, began: float) -> StageResult:
     return StageResult(
         stage=name,
-        verdict=None,
+        answer=None,
         failure=failure,
         error=f"{type(exc).__name__}: {exc}",
         latency_ms=(time.monotonic() - began) * 1000,

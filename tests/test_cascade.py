@@ -147,13 +147,15 @@ def test_a_failing_stage_escalates_to_the_next(judge: Judge) -> None:
     assert verdict.accepted and verdict.decided_by == "always"
     broken, first, last = verdict.stages
     assert broken.failure == "stage_failed" and "is down" in (broken.error or "")
-    assert broken.verdict is None
-    assert first.verdict is not None and not first.verdict.accepted
-    assert last.verdict is not None and last.verdict.choice == verdict.choice
-    assert first.prompt_tokens == last.prompt_tokens > 0
+    assert broken.answer is None
+    assert first.answer is not None and first.answer.decision == "escalate"
+    assert first.answer.reason_codes == ["below_threshold"]
+    assert last.answer is not None and last.answer.choice == verdict.choice
+    assert first.answer.prompt_tokens == last.answer.prompt_tokens
+    assert last.answer.prompt_tokens is not None and last.answer.prompt_tokens > 0
     # The same item alone at the deciding stage: the same probabilities.
     alone = Gate(overrides=Overrides(threshold=0.0)).judge(judge, prompt, choices)
-    assert alone.probs == last.verdict.probs
+    assert alone.probabilities == last.answer.probabilities
     # Nobody accepts: a person decides, and every stage says why.
     nobody = Cascade([never]).judge(prompt, choices)
     assert not nobody.accepted and nobody.decided_by is None and nobody.choice is None
