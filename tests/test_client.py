@@ -693,3 +693,71 @@ def test_each_method_sends_its_operation_s_method_and_path() -> None:
         with pytest.raises(ClientError):
             asyncio.run(go())
         assert sent == [want], name
+
+
+# --- a remote cascade stage (service.remote_stage) -----------------------------------------
+
+
+def test_a_remote_stage_decides_what_the_local_one_escalates(
+    server: Server, client: JudgeClient
+) -> None:
+    from calibration import Cascade, Gate, LocalStage, Overrides
+    from judge import Judge
+    from service.remote_stage import RemoteStage
+
+    judge = Judge.load(dtype="float32")
+    never = LocalStage("local", judge, Gate(overrides=Overrides(threshold=1.0)))
+    verdict = Cascade([never, RemoteStage("remote", server.url)]).judge(PROMPTS[0], CHOICES)
+    local, remote = verdict.stages
+    assert local.answer is not None and local.answer.decision == "escalate"
+    assert remote.answer is not None and remote.failure is None
+    # The remote answer is the server's own: the same item posted there directly.
+    direct = client.judge(PROMPTS[0], CHOICES)
+    assert remote.answer.raw_probabilities == direct.raw_probabilities
+    assert remote.answer.raw_probabilities == local.answer.raw_probabilities  # same model
+    assert remote.answer.decision == direct.decision
+    assert verdict.decided_by == ("remote" if direct.decision == "accept" else None)
+
+
+@contextlib.contextmanager
+def _dying_server(hold_s: float) -> Iterator[str]:
+    """A port whose process reads the request and dies after ``hold_s`` without answering,
+    as a judge server killed mid-request does (the connection closes with no response)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            time.sleep(hold_s)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        thread.join(timeout=5)
+
+
+def test_a_remote_stage_killed_mid_request_or_too_slow_is_an_escalation() -> None:
+    from calibration import Cascade
+    from service.remote_stage import RemoteStage
+
+    with _dying_server(hold_s=0.2) as url:
+        verdict = Cascade([RemoteStage("remote", url)]).judge(PROMPTS[0], CHOICES)
+    (stage,) = verdict.stages
+    assert not verdict.accepted and verdict.decided_by is None
+    assert stage.failure == "stage_failed" and stage.answer is None
+    # The connection closed with no response (or reset, the request unread): no answer.
+    assert re.match(r"(RemoteProtocolError|ReadError)", stage.error or ""), stage.error
+    # One that holds the request past what is left of the deadline: a timeout.
+    with _dying_server(hold_s=3.0) as url:
+        verdict = Cascade([RemoteStage("remote", url)]).judge(PROMPTS[0], CHOICES, deadline_s=0.5)
+    (stage,) = verdict.stages
+    assert stage.failure == "stage_timeout" and "did not answer within" in (stage.error or "")
