@@ -8,12 +8,14 @@ the flags from them, with the settings' defaults, so a setting and its flag are 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Literal, get_type_hints
 
 from calibration import PolicyDefaults
+from calibration.profile import NAME_PATTERN
 from calibration.validation import check_probability
 from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
 from service.profiles import ProfileBackend
@@ -26,8 +28,18 @@ __all__ = ["Flag", "FlagKind", "ServiceConfig", "flags"]
 #   path, text   a path, any string               switch     on when given, else off
 #   key_file     a file whose first line is the value (else $JUDGE_API_KEY; neither: None)
 #   rates        [PROFILE=]RATE, repeated: sets audit_rate (no PROFILE) and audit_rates
+#   stages       NAME=MODEL or NAME=URL, repeated, in order: a cascade's later stages
 FlagKind = Literal[
-    "count", "duration", "probability", "positive", "path", "text", "switch", "key_file", "rates"
+    "count",
+    "duration",
+    "probability",
+    "positive",
+    "path",
+    "text",
+    "switch",
+    "key_file",
+    "rates",
+    "stages",
 ]
 
 
@@ -169,6 +181,26 @@ class ServiceConfig:
             "the largest body PUT /profiles/{name} takes (a probe's profile: about 6 MB)",
         ),
     ] = 16 * 2**20
+    # A cascade (calibration.cascade): where this server's engine escalates, the item goes to
+    # each later stage in turn, a model loaded in this process (a .gguf file, a directory or
+    # a hub id) or another judge server (an http(s):// URL), by name, in order. A request's
+    # profile P is this engine's; a later stage NAME decides with the profile "P-NAME" (its
+    # own store's, for a remote one), as calibration.tasks.fit_cascade names them.
+    cascade: Annotated[
+        Mapping[str, str],
+        Flag(
+            "--cascade",
+            "stages",
+            "a later stage of a cascade: NAME=MODEL (a .gguf, directory or hub id, loaded "
+            "here) or NAME=URL (another judge serve); repeat in order. POST /judge and batch "
+            "items escalated here go to each in turn, under the request's profile P-NAME",
+            metavar="NAME=TARGET",
+        ),
+    ] = field(default_factory=dict)
+    stage_name: Annotated[
+        str,
+        Flag("--stage-name", "text", "this server's engine's name as a cascade's first stage"),
+    ] = "local"
     default_threshold: Annotated[
         float,
         Flag(
@@ -256,6 +288,14 @@ class ServiceConfig:
             check_probability(getattr(self, name), name)  # named as the server's settings
         for profile, rate in self.audit_rates.items():
             check_probability(rate, f"audit_rates[{profile!r}]")
+        for name in [self.stage_name, *self.cascade]:
+            if not re.fullmatch(NAME_PATTERN, name):
+                raise ValueError(f"a stage's name must match {NAME_PATTERN}, got {name!r}")
+        if self.stage_name in self.cascade:
+            raise ValueError(f"stage {self.stage_name!r} is this server's; name the others apart")
+        for name, target in self.cascade.items():
+            if not target:
+                raise ValueError(f"cascade stage {name!r} needs a model or a URL")
         if self.log_max_age_days is not None and not (
             isinstance(self.log_max_age_days, int | float)
             and math.isfinite(self.log_max_age_days)

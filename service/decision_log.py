@@ -69,6 +69,7 @@ from urllib.parse import unquote, urlsplit
 
 import msgspec
 
+from calibration.cascade import StageResult
 from service.logged_features import LoggedFeatures
 
 if TYPE_CHECKING:
@@ -153,6 +154,13 @@ class RelabelError(ValueError):
         self.field = "label"
 
 
+class CascadeLog(msgspec.Struct, frozen=True, kw_only=True):
+    """A cascade's outcome, kept with each of its stages' logged decisions."""
+
+    decided_by: str | None  # the stage whose gate accepted; None: a person decides
+    stages: list[StageResult]  # every stage tried, in order
+
+
 class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
     """One decision as the service made it, with its label once feedback gives one."""
 
@@ -180,6 +188,9 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
     # The hidden states a probe reads, for refitting one from the log: only with
     # --log-features (service.logged_features).
     features: LoggedFeatures | None = None
+    # With a cascade: what became of the request this decision was one stage of (each local
+    # stage logs its own decision, each carrying this).
+    cascade: CascadeLog | None = None
     label: str | None = None  # the true label, from feedback
     labeled_at: float | None = None
 

@@ -55,6 +55,16 @@ class ServiceMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         )
         self.decisions = counter("judge_decisions", "Routing decisions by outcome.", ["decision"])
+        self.cascade_decisions = counter(
+            "judge_cascade_decisions",
+            "Cascade requests by the stage that decided (person: escalated past the last).",
+            ["stage"],
+        )
+        self.cascade_failures = counter(
+            "judge_cascade_stage_failures",
+            "Cascade stages that failed or ran out of time, by stage and reason code.",
+            ["stage", "reason"],
+        )
         self.decisions_logged = counter(
             "judge_decisions_logged", "Decisions appended to the decision log."
         )

@@ -93,6 +93,12 @@ async def ready(service: NamedDependency[Service]) -> Response[dict[str, object]
                 "dtype": engine.dtype,
                 "batch_invariant": bool(getattr(engine, "batch_invariant", False)),
                 **({"arithmetic": a} if (a := getattr(engine, "arithmetic", None)) else {}),
+                # A cascade's stages, in order, this server's engine first.
+                **(
+                    {"cascade": [service.config.stage_name, *service.config.cascade]}
+                    if service.config.cascade
+                    else {}
+                ),
             }
         )
     if service.failure:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, Self
 import msgspec
 from msgspec import Meta
 
+from calibration.cascade import StageResult
 from calibration.certify import ThresholdResult
 from calibration.label_free import LabelFree
 from calibration.limits import MIN_EXAMPLES
@@ -145,6 +146,13 @@ class JudgeResponse(
     # (the features themselves never leave the server).
     calibration_method: str | None = None
     feature_layers: list[int] | None = None
+    # With a cascade (``judge serve --cascade``): the stage whose gate accepted (None:
+    # escalated past the last, to a person), and each stage tried, in order, with its answer
+    # or its failure (``stage_failed``, ``stage_timeout``), its time and tokens. The fields
+    # above are then the deciding stage's judgment, else the last that answered. Omitted
+    # without a cascade.
+    decided_by: str | None = None
+    cascade: list[StageResult] | None = None
 
     @classmethod
     def of(

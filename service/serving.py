@@ -4,6 +4,7 @@
                         the decision log, and the steps every request shares (its gate, its
                         queries prepared within the budget, shared rows, the log)
     JudgeServing        POST /judge, POST /judge/batch          (service.serving_judge)
+    CascadeServing      their later stages, with --cascade      (service.serving_cascade)
     SystemOneServing    POST /v1/systemone                      (service.serving_systemone)
     ProfileServing      /profiles: list, store, fit             (service.serving_profiles)
     FeedbackServing     /judgments, /labels, profile health     (service.serving_feedback)
@@ -14,7 +15,11 @@ family of their operation.
 
 from __future__ import annotations
 
+import anyio.to_thread
+
+from judge import Engine
 from service.config import ServiceConfig
+from service.serving_cascade import CascadeServing
 from service.serving_core import ServiceCore, Ticket
 from service.serving_feedback import FeedbackServing
 from service.serving_judge import JudgeServing
@@ -29,7 +34,13 @@ class Service(ServiceCore):
 
     def __init__(self, config: ServiceConfig) -> None:
         super().__init__(config)
-        self.judging = JudgeServing(self)
+        self.cascade = CascadeServing(self)
+        self.judging = JudgeServing(self, self.cascade)
         self.systemone = SystemOneServing(self)
         self.profiles = ProfileServing(self)
         self.feedback = FeedbackServing(self)
+
+    async def load_more(self, engine: Engine) -> None:
+        """The cascade's local stages, in this server's dtype, off the event loop."""
+        if self.cascade.configured:
+            await anyio.to_thread.run_sync(self.cascade.load, engine.dtype)

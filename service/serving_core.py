@@ -145,6 +145,12 @@ class ServiceCore:
             log.exception("loading the model failed")
             self.failure = f"{type(exc).__name__}: {exc}"
             return
+        try:
+            await self.load_more(engine)
+        except Exception as exc:
+            log.exception("loading a cascade stage failed")
+            self.failure = f"{type(exc).__name__}: {exc}"
+            return
         cache = getattr(engine, "prefix_cache", None)  # a Judge's; other engines may have none
         if isinstance(cache, PrefixCache):
             self.metrics.watch_prefix_cache(cache.stats)
@@ -159,6 +165,10 @@ class ServiceCore:
             getattr(engine, "decoder_pass", "generic"),
             f"; arithmetic {a}" if (a := getattr(engine, "arithmetic", None)) else "",
         )
+
+    async def load_more(self, engine: Engine) -> None:
+        """What else must load before the service is ready (a cascade's stages): nothing
+        here; ``service.serving.Service`` loads its cascade."""
 
     def _check_budget(self, engine: Engine) -> None:
         """Refuse an engine that packs passes to another budget than this server's.

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
-from calibration import Gate, Overrides
+from calibration import Gate, Overrides, Verdict
+from calibration.cascade import StageAnswer, StageResult
 from judge import Engine, JudgeError, Judgment, Prepared, Query
 from judge.engine import shared_query
 from judge.scores import check_values
@@ -30,6 +32,7 @@ from service.schemas import (
     JudgeResponse,
     SharedQuestion,
 )
+from service.serving_cascade import CascadeServing
 from service.serving_core import ServiceCore, Ticket
 
 __all__ = ["JudgeServing"]
@@ -37,17 +40,20 @@ __all__ = ["JudgeServing"]
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a judgment request needs before its model work: the query and its gate."""
+    """What a judgment request needs before its model work: the query and its gate, and
+    with a cascade its later stages (``CascadeServing.plan``; None: no cascade here)."""
 
     query: Query
     gate: Gate
+    later: list[Any] | None = None
 
 
 class JudgeServing:
     """Judgments: one, a batch of independent items, or questions about one shared context."""
 
-    def __init__(self, service: ServiceCore) -> None:
+    def __init__(self, service: ServiceCore, cascade: CascadeServing) -> None:
         self.service = service
+        self.cascade = cascade
 
     async def judge(self, request: JudgeRequest, ticket: Ticket) -> JudgeResponse:
         engine = self.service.engine()
@@ -60,7 +66,7 @@ class JudgeServing:
             prepared, owner=ticket.owner, deadline=ticket.deadline
         )
         records: list[LoggedDecision] = []
-        response = self._respond(engine, result, request, plan, records)
+        response = await self._decided(engine, result, request, plan, ticket, records)
         await self.service.append_to_log(records)
         return response
 
@@ -92,8 +98,36 @@ class JudgeServing:
         gate = self.service.open_gate(
             engine, request.profile, overrides, template=query, choices=request.choices
         )
+        later = None
+        if self.cascade.configured and isinstance(request, JudgeRequest):
+            later = self.cascade.plan(request)
         # A probe, or the log, reads the pass's hidden states.
-        return _Plan(gate.asks(query), gate)
+        return _Plan(gate.asks(query), gate, later)
+
+    async def _decided(
+        self,
+        engine: Engine,
+        result: Judgment,
+        request: JudgeRequest,
+        plan: _Plan,
+        ticket: Ticket,
+        records: list[LoggedDecision],
+    ) -> JudgeResponse:
+        """``_respond``, and with a cascade the later stages where this engine escalated."""
+        if plan.later is None:
+            return self._respond(engine, result, request, plan, records)[0]
+        mine: list[LoggedDecision] = []
+        response, verdict = self._respond(engine, result, request, plan, mine)
+        part = StageResult(
+            stage=self.service.config.stage_name,
+            answer=StageAnswer.of(verdict, result, request.choices),
+            latency_ms=result.latency_ms,
+        )
+        final = await self.cascade.escalate(
+            request, plan.later, (response, part), mine, ticket.deadline
+        )
+        records += mine
+        return final
 
     def _respond(
         self,
@@ -102,8 +136,9 @@ class JudgeServing:
         request: JudgeRequest | SharedQuestion,
         plan: _Plan,
         records: list[LoggedDecision],
-    ) -> JudgeResponse:
-        """The response to one judgment; its decision's log record joins ``records``."""
+    ) -> tuple[JudgeResponse, Verdict]:
+        """The response to one judgment, and the verdict it gives; its decision's log record
+        joins ``records``."""
         verdict = plan.gate.decide(result)
         self.service.metrics.decisions.labels(verdict.decision).inc()
         if self.service.decision_log is not None:
@@ -114,7 +149,7 @@ class JudgeServing:
                 LoggedDecision.of(verdict, model=engine.model_id, request=kept, features=features)
             )
         profile = plan.gate.profile
-        return JudgeResponse.of(
+        response = JudgeResponse.of(
             result,
             verdict,
             choices=request.choices,  # the verdict keeps the profile's order; this, the request's
@@ -122,6 +157,7 @@ class JudgeServing:
             feature_layers=plan.gate.policy.probe_layers,
             return_prompt=request.return_prompt,
         )
+        return response, verdict
 
     async def _items(
         self,
@@ -171,7 +207,7 @@ class JudgeServing:
             result = await self.service.batcher.judge(
                 prepared, owner=ticket.owner, deadline=ticket.deadline
             )
-            return self._respond(engine, result, item, plan, records)
+            return await self._decided(engine, result, item, plan, ticket, records)
         except Exception as exc:
             error = error_of(exc)
             if error.status_code >= 500 and not isinstance(exc, DeadlineError | QueueFullError):
@@ -210,6 +246,6 @@ class JudgeServing:
             ready.append(prepared)
         results = await self.service.run_rows(engine, ready, ticket)
         return [
-            self._respond(engine, r, q, p, records)
+            self._respond(engine, r, q, p, records)[0]
             for r, q, p in zip(results, questions, plans, strict=True)
         ]

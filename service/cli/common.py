@@ -87,6 +87,14 @@ def audit_rate(text: str) -> tuple[str | None, float]:
     return (name or None), probability(rate)
 
 
+def stage(text: str) -> tuple[str, str]:
+    """An argparse type for ``--cascade``: ``NAME=MODEL`` or ``NAME=URL``."""
+    name, sep, target = text.partition("=")
+    if not (sep and name and target):
+        raise argparse.ArgumentTypeError(f"give NAME=MODEL or NAME=URL, got {text!r}")
+    return name, target
+
+
 def megabytes(text: str) -> float:
     """An argparse type for a memory budget in MB, 0 or more."""
     value = _number(text, "a number of MB")

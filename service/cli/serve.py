@@ -36,6 +36,7 @@ from service.cli.common import (
     positive_number,
     probability,
     seconds,
+    stage,
 )
 from service.config import FlagKind, ServiceConfig, flags
 
@@ -66,6 +67,7 @@ _TYPES: dict[FlagKind, Callable[[str], Any]] = {
     "text": str,
     "key_file": Path,
     "rates": audit_rate,
+    "stages": stage,
 }
 
 
@@ -131,8 +133,8 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
             type=_TYPES[flag.kind],
             # Parsed as given, else None: --api-key-file falls back to $JUDGE_API_KEY, and
             # --audit-rate is repeated; service_config makes the settings of both.
-            default=None if flag.kind in ("key_file", "rates") else default,
-            action="append" if flag.kind == "rates" else "store",
+            default=None if flag.kind in ("key_file", "rates", "stages") else default,
+            action="append" if flag.kind in ("rates", "stages") else "store",
             metavar=flag.metavar,
             help=flag.help if shown is None else f"{flag.help} (default: {shown})",
         )
@@ -184,6 +186,10 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             settings[name] = api_key(given)
         elif flag.kind == "rates":
             settings[name] = audit_rates(given or [])[name]
+        elif flag.kind == "stages":
+            settings[name] = dict(given or [])
+            if len(settings[name]) < len(given or []):
+                raise UsageError("--cascade: each stage needs a name of its own")
         else:
             settings[name] = given
     return ServiceConfig(**settings)

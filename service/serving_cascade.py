@@ -1,0 +1,206 @@
+"""A cascade behind ``POST /judge`` (``judge serve --cascade NAME=TARGET ...``).
+
+This server's engine is the first stage (``--stage-name``), decided as every judgment is. An
+item it escalates goes to each later stage in turn (``calibration.cascade.Cascade``): a
+model loaded in this process, which judges on its own lock off the event loop, or another
+judge server (``service.remote_stage``). A request's profile P is the first stage's; stage
+NAME decides with "P-NAME" (``calibration.tasks.fit_cascade`` names them so), whose gate is
+opened, and checked against its engine, before any model work. What a stage decides comes
+back as that stage's own response, with ``decided_by`` and every stage's part
+(``JudgeResponse.cascade``); each local stage's decision is logged, each row carrying the
+cascade's outcome; ``/metrics`` counts who decided and which stages failed.
+
+A later stage's time comes out of the request's deadline: none starts after it, and a remote
+one gets what is left as its timeout. A local stage holds its own lock, so it judges one item
+at a time (a cascade's later stages see only what the first escalates).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import anyio.to_thread
+import msgspec
+
+from calibration import Cascade, Gate, Overrides
+from calibration.cascade import StageAnswer, StageResult
+from judge import Engine, Judgment
+from service.decision_log import CascadeLog, LoggedDecision
+from service.remote_stage import RemoteStage, answer_of
+from service.schemas import JudgeRequest, JudgeResponse
+from service.serving_core import WARM_UP, ServiceCore
+
+__all__ = ["CascadeServing", "is_remote"]
+
+log = logging.getLogger("judge.service")
+
+
+def is_remote(target: str) -> bool:
+    """Whether a stage's target is another server (a URL) rather than a model to load."""
+    return target.startswith(("http://", "https://"))
+
+
+@dataclass
+class _LocalModel:
+    engine: Engine
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _ServedLocal:
+    """One request's view of a local later stage: its gate, and what it answered."""
+
+    name: str
+    model: _LocalModel
+    gate: Gate
+    response: JudgeResponse | None = None
+    record: LoggedDecision | None = None
+    logs: bool = False
+
+    def answer(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        item_span: tuple[int, int] | None,
+        timeout_s: float | None,
+    ) -> StageAnswer:
+        with self.model.lock:
+            judgment, verdict = self.gate.judged(
+                self.model.engine, prompt, choices, item_span=item_span
+            )
+        assert isinstance(judgment, Judgment)  # an engine's, not a bare ScoredJudgment
+        profile = self.gate.profile
+        self.response = JudgeResponse.of(
+            judgment,
+            verdict,
+            choices=choices,
+            calibration_map=profile.calibration_map if profile else None,
+            feature_layers=self.gate.policy.probe_layers,
+        )
+        if self.logs:
+            self.record = LoggedDecision.of(verdict, model=self.model.engine.model_id)
+        return StageAnswer.of(verdict, judgment, choices)
+
+
+@dataclass
+class _ServedRemote:
+    """One request's view of a remote later stage, and what it answered."""
+
+    stage: RemoteStage
+    response: JudgeResponse | None = None
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
+    def answer(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        item_span: tuple[int, int] | None,
+        timeout_s: float | None,
+    ) -> StageAnswer:
+        self.response = self.stage.call(prompt, choices, item_span=item_span, timeout_s=timeout_s)
+        return answer_of(self.response, choices)
+
+
+_Served = _ServedLocal | _ServedRemote
+
+
+class CascadeServing:
+    """The later stages of this server's cascade: loaded once, planned and run per request."""
+
+    def __init__(self, service: ServiceCore) -> None:
+        self.service = service
+        self.local: dict[str, _LocalModel] = {}
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.service.config.cascade)
+
+    def load(self, dtype: str) -> None:
+        """Load and warm each local later stage (blocking; at start-up, before ready)."""
+        from judge import Judge
+
+        for name, target in self.service.config.cascade.items():
+            if is_remote(target):
+                continue
+            engine = Judge.load(target, dtype=dtype)  # type: ignore[arg-type]
+            engine.judge(*WARM_UP)
+            self.local[name] = _LocalModel(engine)
+            log.info("cascade stage %s: model %s, %s pass", name, engine.model_id, engine.dtype)
+
+    def plan(self, request: JudgeRequest) -> list[_Served]:
+        """Each later stage for ``request``: a local one's gate opened on its profile
+        (``P-NAME``) and checked against its engine; no model work. A missing or mismatched
+        profile is refused here, naming ``profile``."""
+        config = self.service.config
+        overrides = Overrides.of(request)
+        stages: list[_Served] = []
+        for name, target in config.cascade.items():
+            profile = None if request.profile is None else f"{request.profile}-{name}"
+            if is_remote(target):
+                remote = RemoteStage(
+                    name,
+                    target,
+                    profile=profile,
+                    threshold=request.threshold,
+                    min_choice_mass=request.min_choice_mass,
+                    api_key=config.api_key,  # a fleet's servers share their key
+                )
+                stages.append(_ServedRemote(remote))
+                continue
+            model = self.local[name]
+            gate = self.service.open_gate(
+                model.engine, profile, overrides, choices=request.choices, field="profile"
+            )
+            logs = self.service.decision_log is not None
+            stages.append(_ServedLocal(name, model, gate, logs=logs))
+        return stages
+
+    async def escalate(
+        self,
+        request: JudgeRequest,
+        stages: list[_Served],
+        first: tuple[JudgeResponse, StageResult],
+        records: list[LoggedDecision],
+        deadline: float,
+    ) -> JudgeResponse:
+        """The first stage's response and part; where it escalated, the later stages tried
+        (off the event loop) until one accepts. ``records`` holds this request's records (the
+        first stage's, if logged): the later stages' join them, and each carries the
+        outcome."""
+        response, part = first
+        parts, answered = [part], [response]
+        decided_by = self.service.config.stage_name if response.decision == "accept" else None
+        if decided_by is None:
+            outcome = await anyio.to_thread.run_sync(
+                functools.partial(
+                    Cascade(stages).judge,
+                    request.prompt,
+                    request.choices,
+                    item_span=request.item_span,
+                    deadline_s=deadline - time.monotonic(),
+                )
+            )
+            decided_by = outcome.decided_by
+            parts += outcome.stages
+            answered += [s.response for s in stages if s.response is not None]
+            records += [s.record for s in stages if isinstance(s, _ServedLocal) and s.record]
+        metrics = self.service.metrics
+        metrics.cascade_decisions.labels(decided_by or "person").inc()
+        for p in parts:
+            if p.failure is not None:
+                metrics.cascade_failures.labels(p.stage, p.failure).inc()
+        kept = CascadeLog(decided_by=decided_by, stages=parts)
+        records[:] = [msgspec.structs.replace(r, cascade=kept) for r in records]
+        # The deciding stage's response, else the last that answered (the strongest judge's
+        # view of an item a person now takes).
+        return msgspec.structs.replace(answered[-1], decided_by=decided_by, cascade=parts)

@@ -1,0 +1,145 @@
+"""`judge serve --cascade`: POST /judge escalates to a second local model, logs both stages and
+counts who decided; the real model at both stages."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from litestar.testing import TestClient
+from server import READY_S
+
+from calibration import CalibrationProfile, Gate, fit_profile, save_profile
+from judge import Judge
+from judge.loading import default_model_path
+from service import ServiceConfig, create_app
+
+SPAM = "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082."
+CHOICES = ["spam", "ham"]
+
+
+def _profile(name: str, judge: Judge, right: float, seed: int) -> CalibrationProfile:
+    """A profile for the session model on synthetic scores: right in about ``right`` of the
+    items, sure of itself (0.5: a coin, which certifies no threshold)."""
+    rng = np.random.default_rng(seed)
+    n = 400
+    labels = rng.integers(0, 2, n)
+    hit = rng.random(n) < right
+    p = np.where(hit == (labels == 0), 0.95, 0.05)  # P(spam)
+    z = np.log(np.stack([p, 1 - p], axis=1))
+    return fit_profile(
+        name,
+        z,
+        labels,
+        CHOICES,
+        choice_mass=np.full(n, 0.9),
+        fingerprint=judge.fingerprint(),
+        dataset="synthetic",
+        dataset_sha256="0" * 64,
+    )
+
+
+@pytest.fixture(scope="module")
+def profiles(judge: Judge, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("profiles")
+    made = {
+        "coin": _profile("coin", judge, 0.5, seed=1),  # the first stage's: escalates all
+        "coin-second": _profile("coin-second", judge, 0.99, seed=2),
+    }
+    for name, profile in made.items():
+        save_profile(profile, folder / f"{name}.json")
+    return {"folder": folder, **made}
+
+
+@pytest.fixture(scope="module")
+def client(
+    judge: Judge, profiles: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TestClient[Any]]:
+    log = tmp_path_factory.mktemp("log") / "decisions.sqlite"
+    config = ServiceConfig(
+        profiles_dir=profiles["folder"],
+        cascade={"second": str(default_model_path())},
+        decision_log=str(log),
+    )
+    with TestClient(app=create_app(judge, config=config)) as c:
+        assert _settled(c).json()["cascade"] == ["local", "second"]
+        yield c
+
+
+def _settled(c: TestClient[Any]) -> Any:
+    """/ready once loading is over, ready or failed (a watchdog bound, not a speed)."""
+    start = time.monotonic()
+    while (ready := c.get("/ready")).json()["status"] == "loading":
+        assert time.monotonic() - start < READY_S, "the app never finished loading"
+        time.sleep(0.05)
+    return ready
+
+
+def test_an_item_the_first_stage_escalates_is_decided_by_the_second(
+    client: TestClient[Any], judge: Judge, profiles: dict[str, Any]
+) -> None:
+    assert profiles["coin"].threshold.threshold is None  # the first stage certifies nothing
+    r = client.post("/judge", json={"prompt": SPAM, "choices": CHOICES, "profile": "coin"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    first, second = body["cascade"]
+    assert first["stage"] == "local" and second["stage"] == "second"
+    assert first["answer"]["decision"] == "escalate"
+    assert first["answer"]["reason_codes"] == ["no_certified_threshold"]
+    assert first["answer"]["profile"] == "coin" and second["answer"]["profile"] == "coin-second"
+    # The second stage's own decision, exactly as its gate makes it in Python.
+    alone = Gate(profiles["coin-second"]).judge(judge, SPAM, CHOICES)
+    assert second["answer"]["probabilities"] == alone.probabilities
+    assert second["answer"]["decision"] == alone.decision == "accept"
+    # The response is the deciding stage's judgment, and names it.
+    assert body["decided_by"] == "second" and body["decision"] == "accept"
+    assert body["profile"] == "coin-second" and body["choice"] == alone.choice
+    assert body["judgment_id"] == second["answer"]["judgment_id"]
+    assert first["answer"]["prompt_tokens"] == second["answer"]["prompt_tokens"] > 0
+    # Each stage's decision is logged, each with the cascade's outcome: both stages.
+    for stage in (first, second):
+        row = client.get(f"/judgments/{stage['answer']['judgment_id']}").json()
+        assert row["cascade"]["decided_by"] == "second"
+        assert [s["stage"] for s in row["cascade"]["stages"]] == ["local", "second"]
+    assert row["profile"] == "coin-second" and row["decision"] == "accept"
+    metrics = client.get("/metrics").text
+    assert 'judge_cascade_decisions_total{stage="second"}' in metrics
+
+
+def test_what_no_stage_accepts_goes_to_a_person(client: TestClient[Any]) -> None:
+    # A request's threshold holds at every stage: at 1.0 nobody accepts.
+    r = client.post("/judge", json={"prompt": SPAM, "choices": CHOICES, "threshold": 1.0})
+    body = r.json()
+    assert r.status_code == 200 and body["decision"] == "escalate"
+    assert "decided_by" not in body or body["decided_by"] is None
+    assert [s["answer"]["decision"] for s in body["cascade"]] == ["escalate", "escalate"]
+    # The last stage's view of the item is the response.
+    assert body["judgment_id"] == body["cascade"][1]["answer"]["judgment_id"]
+    assert 'judge_cascade_decisions_total{stage="person"}' in client.get("/metrics").text
+
+
+def test_a_batch_item_cascades_too_and_a_missing_stage_profile_is_refused(
+    client: TestClient[Any],
+) -> None:
+    items = [{"prompt": SPAM, "choices": CHOICES, "profile": "coin"}]
+    items.append({"prompt": SPAM, "choices": CHOICES, "profile": "coin-second"})
+    r = client.post("/judge/batch", json={"items": items})
+    assert r.status_code == 200
+    ok, refused = r.json()["results"]
+    assert ok["decided_by"] == "second"
+    # "coin-second" is the first stage's profile here, so the second stage needs
+    # "coin-second-second": there is none, and the item is refused before any model work.
+    assert refused["status_code"] == 404 and refused["field"] == "profile"
+    assert "coin-second-second" in refused["detail"]
+
+
+def test_the_ready_line_waits_for_every_stage(tmp_path: Path, judge: Judge) -> None:
+    config = ServiceConfig(profiles_dir=tmp_path, cascade={"gone": str(tmp_path / "no.gguf")})
+    with TestClient(app=create_app(judge, config=config)) as c:
+        ready = _settled(c)
+        assert ready.status_code == 503 and ready.json()["status"] == "failed"
+        assert "no.gguf" in ready.json()["detail"]
