@@ -17,6 +17,7 @@ from calibration import CalibrationProfile, Gate, fit_profile, save_profile
 from judge import Judge
 from judge.loading import default_model_path
 from service import ServiceConfig, create_app
+from service.cli.main import main
 
 SPAM = "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082."
 CHOICES = ["spam", "ham"]
@@ -143,3 +144,15 @@ def test_the_ready_line_waits_for_every_stage(tmp_path: Path, judge: Judge) -> N
         ready = _settled(c)
         assert ready.status_code == 503 and ready.json()["status"] == "failed"
         assert "no.gguf" in ready.json()["detail"]
+
+
+def test_a_cascade_s_stages_need_names_of_their_own(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="stage 'local' is this server's"):
+        ServiceConfig(cascade={"local": "x.gguf"})
+    with pytest.raises(ValueError, match="a stage's name must match"):
+        ServiceConfig(cascade={"two words": "x.gguf"})
+    assert main(["serve", "--cascade", "a=x.gguf", "--cascade", "a=y.gguf"]) == 2
+    assert "each stage needs a name of its own" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--cascade", "no-target"])
+    assert "give NAME=MODEL or NAME=URL" in capsys.readouterr().err

@@ -176,10 +176,11 @@ def test_serve_s_flags_default_to_the_settings_defaults(monkeypatch: pytest.Monk
     assert serve.service_config(args) == ServiceConfig()
     defaults = {f.name: f.default for f in fields(ServiceConfig)}
     for name, flag in flags().items():
-        if flag.kind not in ("key_file", "rates"):  # those two are read, then made settings
+        # These are read, then made settings; a cascade is off unless given, no default shown.
+        if flag.kind not in ("key_file", "rates", "stages"):
             assert getattr(args, flag.dest) == defaults[name], flag.name
             assert type(getattr(args, flag.dest)) is type(defaults[name]), flag.name
-        if flag.kind != "switch" and defaults[name] is not None:
+        if flag.kind not in ("switch", "stages") and defaults[name] is not None:
             shown = next(a for a in _serve_parser()._actions if flag.name in a.option_strings)
             assert shown.help is not None and "(default: " in shown.help, flag.name
 
@@ -191,7 +192,9 @@ def test_serve_s_flags_set_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_pat
     argv = ["serve", "--profiles-dir", str(tmp_path), "--max-jobs", "5", "--admission-wait", "0.5"]
     argv += ["--api-key-file", str(key), "--log-requests", "--log-max-rows", "10"]
     argv += ["--audit-rate", "0.1", "--audit-rate", "spam=0.5", "--max-profile-bytes", "100"]
+    argv += ["--cascade", "gemma=g.gguf", "--cascade", "big=http://10.0.0.2:8000"]
     config = serve.service_config(parser().parse_args(argv))
+    assert list(config.cascade.items()) == [("gemma", "g.gguf"), ("big", "http://10.0.0.2:8000")]
     assert config.profiles_dir == tmp_path and config.max_jobs == 5
     assert config.admission_wait_s == 0.5 and config.api_key == "s3cret"
     assert config.log_requests is True and config.log_max_rows == 10
