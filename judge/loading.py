@@ -121,11 +121,11 @@ def packaged_model_path(name: str) -> Path:
     if target.is_file():
         return target
     chunks = []
-    for module, data in model.chunks:
+    for module, inside in model.chunks:
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.submodule_search_locations:
             raise ModelLoadError(f"model {name!r} is not installed; install it with `{model.pip}`")
-        chunks.append(Path(next(iter(spec.submodule_search_locations))) / data)
+        chunks.append(Path(next(iter(spec.submodule_search_locations))) / inside)
     target.parent.mkdir(parents=True, exist_ok=True)
     with (target.parent / f"{model.file}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
