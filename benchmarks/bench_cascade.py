@@ -77,18 +77,6 @@ def _joined(a: LabeledScores, b: LabeledScores) -> LabeledScores:
     )
 
 
-def _rows(scores: LabeledScores, rows: np.ndarray) -> LabeledScores:
-    return LabeledScores(
-        log_probabilities=scores.log_probabilities[rows],
-        choice_mass=scores.choice_mass[rows],
-        labels=scores.labels[rows],
-        features=None if scores.features is None else scores.features[rows],
-        feature_layers=scores.feature_layers,
-        span_features=None if scores.span_features is None else scores.span_features[rows],
-        span=scores.span,
-    )
-
-
 def alone(
     judge: Judge, task: Any, fit: LabeledScores, test: LabeledScores, settings: FitSettings
 ) -> dict[str, Any]:
@@ -175,8 +163,8 @@ def guarantee(
             judges,
             names,
             task,
-            [_rows(p, fit) for p in pools],
-            [_rows(p, test) for p in pools],
+            [p.rows(fit) for p in pools],
+            [p.rows(test) for p in pools],
             _with_seed(settings, r),
         )
         if "error" in result:

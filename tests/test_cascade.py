@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,14 +46,6 @@ def _stage(labels: np.ndarray, skill: float, seed: int) -> LabeledScores:
 def _pool(n: int, seed: int) -> tuple[LabeledScores, LabeledScores]:
     labels = np.random.default_rng(seed).integers(0, len(CHOICES), n)
     return _stage(labels, 1.8, seed + 1), _stage(labels, 2.4, seed + 2)
-
-
-def _take(scores: LabeledScores, rows: np.ndarray) -> LabeledScores:
-    return LabeledScores(
-        log_probabilities=scores.log_probabilities[rows],
-        choice_mass=scores.choice_mass[rows],
-        labels=scores.labels[rows],
-    )
 
 
 def _fit(small: LabeledScores, large: LabeledScores, settings: FitSettings = SETTINGS) -> list:
@@ -98,8 +91,8 @@ def test_the_cascade_s_precision_meets_the_target_but_in_at_most_delta_of_resamp
         small, large = _pool(2000, seed=100 + 7 * r)
         rows = np.random.default_rng(r).permutation(2000)
         fit_rows, test_rows = rows[:1000], rows[1000:]
-        profiles = _fit(_take(small, fit_rows), _take(large, fit_rows))
-        test = [_take(small, test_rows), _take(large, test_rows)]
+        profiles = _fit(small.rows(fit_rows), large.rows(fit_rows))
+        test = [small.rows(test_rows), large.rows(test_rows)]
         decided_by, choice = cascade_decisions(profiles, test)
         accepted = decided_by >= 0
         covered.append(float(accepted.mean()))
@@ -120,7 +113,7 @@ def test_stages_must_score_the_same_items_and_each_needs_enough() -> None:
     other = _stage(np.roll(small.labels, 1), 3.5, seed=9)
     with pytest.raises(FitError, match="scored other items"):
         _fit(small, other)
-    tiny_small, tiny_large = _take(small, np.arange(30)), _take(large, np.arange(30))
+    tiny_small, tiny_large = small.rows(np.arange(30)), large.rows(np.arange(30))
     with pytest.raises(FitError, match=r"stage \d \('(small|large)'\) is left \d+ labeled items"):
         _fit(tiny_small, tiny_large)
 
@@ -188,7 +181,7 @@ def test_the_readme_cascade_example_runs(judge: Judge) -> None:
         z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
         return LabeledScores(log_probabilities=z, choice_mass=np.full(600, 0.9), labels=labels)
 
-    names = {
+    names: dict[str, Any] = {
         "small": judge,
         "large": judge,
         "small_scores": scores(2.0, 1),

@@ -61,18 +61,6 @@ def cascade_folds(n: int, stages: int, seed: int) -> list[np.ndarray]:
     return [np.sort(fold) for fold in np.array_split(order, stages)]
 
 
-def _subset(scores: LabeledScores, rows: np.ndarray) -> LabeledScores:
-    return LabeledScores(
-        log_probabilities=scores.log_probabilities[rows],
-        choice_mass=scores.choice_mass[rows],
-        labels=scores.labels[rows],
-        features=None if scores.features is None else scores.features[rows],
-        feature_layers=scores.feature_layers,
-        span_features=None if scores.span_features is None else scores.span_features[rows],
-        span=scores.span,
-    )
-
-
 def _gates(profile: CalibrationProfile, scores: LabeledScores) -> Gates:
     """A gate on ``profile``'s gates on the items of ``scores``, as served."""
     from calibration.fitting import served_gates  # the fitters load scipy: here, not above
@@ -97,7 +85,7 @@ def cascade_decisions(
     choice = np.full(n, -1, dtype=np.int64)
     for s, (profile, scores) in enumerate(zip(profiles, stages, strict=True)):
         rows = np.flatnonzero(decided_by < 0)
-        gates = _gates(profile, _subset(scores, rows))
+        gates = _gates(profile, scores.rows(rows))
         decided_by[rows[gates.accepted]] = s
         choice[rows[gates.accepted]] = gates.best[gates.accepted]
     return decided_by, choice
@@ -130,7 +118,7 @@ def fit_cascade(
     for s, (stage, fold) in enumerate(zip(stages, folds, strict=True)):
         reach = fold
         for profile, earlier in zip(profiles, stages, strict=False):
-            reach = reach[~_gates(profile, _subset(earlier.scores, reach)).accepted]
+            reach = reach[~_gates(profile, earlier.scores.rows(reach)).accepted]
         if len(reach) < MIN_EXAMPLES:
             raise FitError(
                 f"stage {s + 1} ({stage.name!r}) is left {len(reach)} labeled items that the "
@@ -140,7 +128,7 @@ def fit_cascade(
         profiles.append(
             fit_labeled(
                 f"{name}-{stage.name}",
-                _subset(stage.scores, reach),
+                stage.scores.rows(reach),
                 choices,
                 stage.fingerprint,
                 dataset=dataset,

@@ -133,6 +133,19 @@ class LabeledScores:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
+    def rows(self, index: np.ndarray) -> LabeledScores:
+        """These scores of the items ``index`` selects (indices or a mask), every array cut
+        alike."""
+        return LabeledScores(
+            log_probabilities=self.log_probabilities[index],
+            choice_mass=self.choice_mass[index],
+            labels=self.labels[index],
+            features=None if self.features is None else self.features[index],
+            feature_layers=self.feature_layers,
+            span_features=None if self.span_features is None else self.span_features[index],
+            span=self.span,
+        )
+
     def features_of(self, layers: Sequence[int]) -> np.ndarray | None:
         """(n, len(layers), H) features of ``layers``, in that order (a probe profile's
         ``feature_layers``); None when ``layers`` is empty."""
