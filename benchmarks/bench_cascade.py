@@ -20,7 +20,8 @@ calibration maps (temperature, bias + temperature):
               and the cascade's expected cost: the first stage on every item, the second on
               the share the first escalates
 
-    python benchmarks/bench_cascade.py [--tasks sms_spam sst2] [--limit 300] [--quick]
+    python benchmarks/bench_cascade.py [--tasks sms_spam sst2] [--limit N] [--maps auto|scalar]
+        [--resamples 100] [--quick]
 
 Writes benchmarks/results/bench_cascade.json and prints a markdown table.
 """
@@ -156,6 +157,7 @@ def guarantee(
     n = len(pools[0])
     failures = unfitted = 0
     coverage: list[float] = []
+    why: str | None = None  # the first resample's reason for not fitting, where one had one
     for r in range(resamples):
         order = np.random.default_rng(1000 + r).permutation(n)
         fit, test = order[: n // 2], order[n // 2 :]
@@ -169,6 +171,7 @@ def guarantee(
         )
         if "error" in result:
             unfitted += 1
+            why = why or result["error"]
             continue
         coverage.append(result["coverage"])
         if result["precision"] is not None:
@@ -179,6 +182,7 @@ def guarantee(
         "failures": failures,
         "failure_rate": failures / max(1, resamples - unfitted),
         "mean_coverage": float(np.mean(coverage)) if coverage else None,
+        "not_fitted_because": why,
     }
 
 
@@ -216,7 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--tasks", nargs="*", default=["sms_spam", "sst2"])
-    parser.add_argument("--limit", type=int, default=300, help="first N items of each split")
+    parser.add_argument("--limit", type=int, help="first N items of each split (default: all)")
     parser.add_argument("--second", default="gemma3-270m", help="the second stage's model")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--target-precision", type=float, default=0.9)
@@ -312,8 +316,8 @@ def markdown(summary: dict[str, Any]) -> str:
         f"# Cascade: {' -> '.join(summary['models'])} ({summary['dtype']}; {summary['cpu']})",
         "",
         f"Target precision {target}, delta {summary['delta']} (each stage {summary['delta']}/2 "
-        f"in the cascade); maps: {summary['maps']}; first N items of each split: "
-        f"{summary['limit']}.",
+        f"in the cascade); maps: {summary['maps']}; items of each split: "
+        f"{summary['limit'] or 'all'}.",
         "",
         "| task | judge | accuracy | mass | coverage | precision | decided by stage 1 / 2 / "
         "person | ms per item |",
