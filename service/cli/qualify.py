@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from calibration.qualify import Criteria, Qualification, TaskQualification
-from calibration.tasks import Task, load_task
+from calibration.tasks import Task, load_split, load_task
 from judge.atomicio import write_text
 from service.cli.common import (
     DTYPES,
@@ -127,16 +127,23 @@ def run(args: argparse.Namespace) -> int:
         require_signal=not args.allow_no_signal,
         calibrated=args.calibrated,
     )
+    from tqdm import tqdm
+
     tasks = tasks_of(args)  # before the model loads: a bad task directory fails fast
     engine = load_engine(args, dtype=args.dtype, response_prefix=args.response_prefix)
-    result = qualify_engine(
-        engine,
-        tasks,
-        criteria=criteria,
-        limit=args.limit,
-        fit_limit=args.fit_limit,
-        batch_size=args.batch_size,
-    )
+    # Each task's test items are judged three times and its calibration items once.
+    total = sum(3 * len(load_split(t, "test", args.limit)[0]) for t in tasks)
+    total += sum(len(load_split(t, "calibration", args.fit_limit)[0]) for t in tasks)
+    with tqdm(total=total, desc="qualify", unit="judgment", file=sys.stderr) as bar:
+        result = qualify_engine(
+            engine,
+            tasks,
+            criteria=criteria,
+            limit=args.limit,
+            fit_limit=args.fit_limit,
+            batch_size=args.batch_size,
+            progress=bar.update,
+        )
     print(table(result))
     if args.json:
         write_text(args.json, to_json(result, indent=2) + "\n")
