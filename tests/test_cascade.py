@@ -72,7 +72,7 @@ def test_folds_are_disjoint_and_cover_every_item() -> None:
 def test_each_stage_certifies_at_its_share_of_delta_and_the_second_decides_the_rest() -> None:
     small, large = _pool(2400, seed=0)
     profiles = _fit(small, large)
-    assert [p.name for p in profiles] == ["syn-small", "syn-large"]
+    assert [p.name for p in profiles] == ["syn", "syn-large"]
     assert [p.threshold.delta for p in profiles] == [0.05, 0.05]
     assert [p.fingerprint.model for p in profiles] == ["small", "large"]
     decided_by, choice = cascade_decisions(profiles, [small, large])
@@ -193,4 +193,4 @@ def test_the_readme_cascade_example_runs(judge: Judge) -> None:
     verdict = names["verdict"]
     assert verdict.decided_by in {"smollm2", "gemma3", None}
     assert verdict.stages[0].stage == "smollm2"
-    assert [p.name for p in names["profiles"]] == ["sms-smollm2", "sms-gemma3"]
+    assert [p.name for p in names["profiles"]] == ["sms", "sms-gemma3"]

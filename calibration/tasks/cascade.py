@@ -100,9 +100,11 @@ def fit_cascade(
     dataset_sha256: str,
     settings: FitSettings = DEFAULT_SETTINGS,
 ) -> list[CalibrationProfile]:
-    """One profile per stage (named ``<name>-<stage name>``), fitted as the module says:
-    stage s on the items of fold s that the stages before it escalate, its threshold certified
-    at ``settings.delta`` / S. FitError when a stage is left fewer than ``MIN_EXAMPLES``."""
+    """One profile per stage, fitted as the module says: stage s on the items of fold s that
+    the stages before it escalate, its threshold certified at ``settings.delta`` / S. The
+    first is named ``name``, each later one ``<name>-<stage name>``: what ``judge serve
+    --cascade`` looks up for a request's profile ``name``. FitError when a stage is left
+    fewer than ``MIN_EXAMPLES``."""
     if len(stages) < 1:
         raise FitError("a cascade needs at least one stage")
     labels = stages[0].scores.labels
@@ -127,7 +129,7 @@ def fit_cascade(
             )
         profiles.append(
             fit_labeled(
-                f"{name}-{stage.name}",
+                name if s == 0 else f"{name}-{stage.name}",
                 stage.scores.rows(reach),
                 choices,
                 stage.fingerprint,
