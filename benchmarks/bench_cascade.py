@@ -39,10 +39,10 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-from bench_calibration import cached_scores
+from bench_calibration import cached_scores, evaluate_on
 from benchlib import cpu_flags, cpu_model
 
-from calibration import FitError, FitSettings, candidate_layers, evaluate_policy
+from calibration import FitError, FitSettings, candidate_layers
 from calibration.maps import ProbeSpan
 from calibration.tasks import (
     CascadeStageData,
@@ -91,15 +91,7 @@ def alone(
         dataset_sha256="-",
         settings=settings,
     )
-    ev = evaluate_policy(
-        profile,
-        test.log_probabilities,
-        test.labels,
-        test.choice_mass,
-        n_bootstrap=50,
-        features=test.features_of(profile.feature_layers),
-        span_features=test.span_features_of(profile.span_layers),
-    )
+    ev = evaluate_on(profile, test, n_bootstrap=50)
     return {
         "threshold": profile.threshold.threshold,
         "map": profile.calibration_map.method,

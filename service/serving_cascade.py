@@ -35,7 +35,7 @@ from service.remote_stage import RemoteStage, answer_of
 from service.schemas import JudgeRequest, JudgeResponse
 from service.serving_core import WARM_UP, ServiceCore
 
-__all__ = ["CascadeServing", "is_remote"]
+__all__ = ["CascadeServing", "ServedStage", "is_remote"]
 
 log = logging.getLogger("judge.service")
 
@@ -111,7 +111,8 @@ class _ServedRemote:
         return answer_of(self.response, choices)
 
 
-_Served = _ServedLocal | _ServedRemote
+# One request's view of a later stage (``CascadeServing.plan``).
+ServedStage = _ServedLocal | _ServedRemote
 
 
 class CascadeServing:
@@ -137,13 +138,13 @@ class CascadeServing:
             self.local[name] = _LocalModel(engine)
             log.info("cascade stage %s: model %s, %s pass", name, engine.model_id, engine.dtype)
 
-    def plan(self, request: JudgeRequest) -> list[_Served]:
+    def plan(self, request: JudgeRequest) -> list[ServedStage]:
         """Each later stage for ``request``: a local one's gate opened on its profile
         (``P-NAME``) and checked against its engine; no model work. A missing or mismatched
         profile is refused here, naming ``profile``."""
         config = self.service.config
         overrides = Overrides.of(request)
-        stages: list[_Served] = []
+        stages: list[ServedStage] = []
         for name, target in config.cascade.items():
             profile = None if request.profile is None else f"{request.profile}-{name}"
             if is_remote(target):
@@ -168,7 +169,7 @@ class CascadeServing:
     async def escalate(
         self,
         request: JudgeRequest,
-        stages: list[_Served],
+        stages: list[ServedStage],
         first: tuple[JudgeResponse, StageResult],
         records: list[LoggedDecision],
         deadline: float,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
@@ -32,7 +31,7 @@ from service.schemas import (
     JudgeResponse,
     SharedQuestion,
 )
-from service.serving_cascade import CascadeServing
+from service.serving_cascade import CascadeServing, ServedStage
 from service.serving_core import ServiceCore, Ticket
 
 __all__ = ["JudgeServing"]
@@ -45,7 +44,7 @@ class _Plan:
 
     query: Query
     gate: Gate
-    later: list[Any] | None = None
+    later: list[ServedStage] | None = None
 
 
 class JudgeServing:
