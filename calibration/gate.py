@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from calibration.profile import CalibrationProfile
     from judge.fingerprint import Fingerprint
 
-__all__ = ["Gate", "JudgingEngine", "Overrides"]
+__all__ = ["Gate", "JudgingEngine", "Overrides", "TypedAnswer"]
 
 # The engine's Query, which calibration does not import: any struct with its fields.
 _Query = TypeVar("_Query", bound=msgspec.Struct)
@@ -55,6 +55,19 @@ class JudgingEngine(Protocol):
     def judge(
         self, prompt: str, choices: Sequence[str], *args: Any, **options: Any
     ) -> ScoredJudgment: ...
+
+
+class TypedAnswer(Protocol):
+    """What ``Gate.decide_answer`` reads of a typed answer (``judge.answers.Answer``)."""
+
+    @property
+    def judgment(self) -> ScoredJudgment: ...
+
+    @property
+    def order_spread(self) -> float: ...
+
+    @property
+    def pair(self) -> bool: ...
 
 
 class Overrides(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -190,19 +203,35 @@ class Gate:
         )
         self.check(fingerprint, choices=choices, field=field)
 
-    def decide(self, judgment: ScoredJudgment, *, order_spread: float | None = None) -> Verdict:
+    def decide(
+        self,
+        judgment: ScoredJudgment,
+        *,
+        order_spread: float | None = None,
+        pair: bool = False,
+    ) -> Verdict:
         """The verdict on one judgment; ``order_spread``: how far its listings disagreed (a
-        question asked under several listings of its options)."""
-        return self.policy.decide(judgment, order_spread=order_spread)
+        question asked under several listings of its options); ``pair``: they were a pair's
+        two orders."""
+        return self.policy.decide(judgment, order_spread=order_spread, pair=pair)
+
+    def decide_answer(self, answer: TypedAnswer) -> Verdict:
+        """The verdict on a typed answer (``judge.answers``): its judgment, bounded by how far
+        its listings disagreed; a pair's by its two orders (``position_inconsistent``). What
+        every route that answers typed questions decides with."""
+        return self.policy.decide(
+            answer.judgment, order_spread=answer.order_spread, pair=answer.pair
+        )
 
     def decide_many(
         self,
         judgments: Sequence[ScoredJudgment],
         *,
         order_spreads: Sequence[float] | None = None,
+        pair: bool = False,
     ) -> list[Verdict]:
         """Verdicts on many judgments, in order, computed together per set of choices."""
-        return self.policy.decide_many(judgments, order_spreads=order_spreads)
+        return self.policy.decide_many(judgments, order_spreads=order_spreads, pair=pair)
 
     def judge(
         self,

@@ -18,7 +18,14 @@ rule that is served. A decision accepts only when every gate passes:
   ``max_order_spread`` (``order_sensitive``): an answer that moves with the order in which
   the options were read is the order's, not the model's judgment. The caller passes the spread
   (``decide(judgment, order_spread=...)``); a judgment without one passes this gate. The bound
-  only ever adds escalations, and is the caller's: it leaves ``certified`` as it is.
+  only ever adds escalations, and is the caller's: it leaves ``certified`` as it is;
+* for a pair (``judge.answers``: two candidates judged in both orders; ``decide(...,
+  pair=True)``), the same spread is how far the two orders disagreed on the winner's
+  probability, and above the bound the code is ``position_inconsistent``: the place a
+  candidate was read in, not the candidate, swayed the judge. A pair is bounded even when the
+  caller sets nothing, by ``DEFAULT_MAX_POSITION_SPREAD``: position bias is the main failure
+  of pairwise judging (Zheng et al. 2023, "Judging LLM-as-a-judge"), so the gate is on unless
+  the caller loosens it (``max_order_spread=1`` turns it off).
 
 Which threshold, minimum mass, values and maximum std apply is decided in one place,
 ``make_policy``: the request's value, else the profile's, else the server's default (for
@@ -55,6 +62,7 @@ if TYPE_CHECKING:
     from calibration.profile import CalibrationProfile
 
 __all__ = [
+    "DEFAULT_MAX_POSITION_SPREAD",
     "REASON_CODES",
     "Decision",
     "Gates",
@@ -74,9 +82,17 @@ ReasonCode = Literal[
     "ambiguous_set",
     "high_std",
     "order_sensitive",
+    "position_inconsistent",
 ]
 REASON_CODES: tuple[str, ...] = get_args(ReasonCode)
 ThresholdSource = Literal["request", "profile", "default"]
+
+# The bound on a pair's order spread when the caller sets none: how far apart the two orders'
+# probabilities of one candidate may be. 0.2 is the spread the default threshold (0.9) already
+# allows on raw probabilities (a mean of 0.9 needs both orders at 0.8 or more), so it changes
+# no raw decision at that threshold; it binds where a profile's calibration sharpens the mean,
+# or a lower threshold accepts it, while the two orders disagree by more.
+DEFAULT_MAX_POSITION_SPREAD = 0.2
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,8 +126,8 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     expected_value: float | None = None
     std: float | None = None
     max_std: float | None = None
-    # A question asked under several listings (judge.answers): how far they disagreed, and
-    # the bound in force. None when not given.
+    # A question asked under several listings (judge.answers; a pair's two orders): how far
+    # they disagreed, and the bound in force. None when not given.
     order_spread: float | None = None
     max_order_spread: float | None = None
     # Chosen for the audit sample (``Policy.audit_rate``): a person should label it, whatever
@@ -159,7 +175,8 @@ class Gates:
     expected_value: npt.NDArray[np.float64] | None  # (n,) for a score; None without values
     std: npt.NDArray[np.float64] | None  # (n,) for a score; None without values
     high_std: npt.NDArray[np.bool_]  # (n,) std above max_std; False everywhere without a bound
-    # (n,) order_spread above max_order_spread; False everywhere without both
+    # (n,) order_spread above the bound in force (``Policy.spread_bound``); False everywhere
+    # without a spread or a bound
     order_sensitive: npt.NDArray[np.bool_]
     accepted: npt.NDArray[np.bool_]  # (n,) every gate passed
 
@@ -224,20 +241,29 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         }
         return hashlib.sha256(msgspec.json.encode([pinned, fields])).hexdigest()
 
-    def decide(self, judgment: ScoredJudgment, *, order_spread: float | None = None) -> Verdict:
-        """The decision for one judgment; ``order_spread``: how far its listings disagreed."""
+    def decide(
+        self,
+        judgment: ScoredJudgment,
+        *,
+        order_spread: float | None = None,
+        pair: bool = False,
+    ) -> Verdict:
+        """The decision for one judgment; ``order_spread``: how far its listings disagreed;
+        ``pair``: the listings were a pair's two orders."""
         spreads = None if order_spread is None else [order_spread]
-        return self.decide_many([judgment], order_spreads=spreads)[0]
+        return self.decide_many([judgment], order_spreads=spreads, pair=pair)[0]
 
     def decide_many(
         self,
         judgments: Sequence[ScoredJudgment],
         *,
         order_spreads: Sequence[float] | None = None,
+        pair: bool = False,
     ) -> list[Verdict]:
         """Decisions for many judgments, in order, computed together per set of choices.
 
-        ``order_spreads``: one per judgment (see ``order_sensitive`` in the module docstring).
+        ``order_spreads``: one per judgment (see ``order_sensitive`` in the module docstring);
+        ``pair``: every judgment is a pair's (``position_inconsistent``).
         """
         if order_spreads is not None and len(order_spreads) != len(judgments):
             raise ValueError(f"{len(order_spreads)} order spreads for {len(judgments)} judgments")
@@ -259,12 +285,20 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                 features,
                 spread,
                 sha256=sha256,
+                pair=pair,
                 judgments=[judgments[i] for i in rows],
                 raw_probs=_raw_probs([judgments[i] for i in rows], columns),
             )
             for i, d in zip(rows, decisions, strict=True):
                 out[i] = d
         return [d for d in out if d is not None]
+
+    def spread_bound(self, pair: bool = False) -> float | None:
+        """The bound on an order spread in force: the caller's, else for a pair the default
+        (``DEFAULT_MAX_POSITION_SPREAD``), else none."""
+        if self.max_order_spread is not None or not pair:
+            return self.max_order_spread
+        return DEFAULT_MAX_POSITION_SPREAD
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -306,6 +340,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         order_spread: npt.ArrayLike | None,
         *,
         sha256: str,
+        pair: bool = False,
         judgments: Sequence[ScoredJudgment] | None = None,
         raw_probs: npt.NDArray[np.float64] | None = None,
     ) -> list[Verdict]:
@@ -315,9 +350,10 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         ``features`` and ``order_spread`` (n,) are ``gates``'s. ``raw_probs`` (n, k): the model's probabilities as the judgments carry them
         (None: the exponentials of ``log_probabilities``)."""
         z = np.asarray(log_probabilities, dtype=np.float64)
-        g = self.gates(choices, z, choice_mass, features, order_spread)
+        g = self.gates(choices, z, choice_mass, features, order_spread, pair=pair)
         raw = np.exp(z) if raw_probs is None else raw_probs
         spreads = None if order_spread is None else np.asarray(order_spread, dtype=np.float64)
+        bound = self.spread_bound(pair)
         decisions = []
         for i in range(g.probabilities.shape[0]):
             codes: list[ReasonCode] = []
@@ -354,12 +390,19 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     f"the score's standard deviation {g.std[i]:.4f} is above the maximum "
                     f"{self.max_std:.4f}"
                 )
-            if g.order_sensitive[i]:
-                assert spreads is not None and self.max_order_spread is not None
+            if g.order_sensitive[i] and pair:
+                assert spreads is not None and bound is not None
+                codes.append("position_inconsistent")
+                reasons.append(
+                    f"swapping the candidates moved a probability by {spreads[i]:.4f}, above "
+                    f"the maximum order spread {bound:.4f}"
+                )
+            elif g.order_sensitive[i]:
+                assert spreads is not None and bound is not None
                 codes.append("order_sensitive")
                 reasons.append(
                     f"the order of the options moved a probability by {spreads[i]:.4f}, above "
-                    f"the maximum order spread {self.max_order_spread:.4f}"
+                    f"the maximum order spread {bound:.4f}"
                 )
             scored = g.expected_value is not None and g.std is not None
             judgment = None if judgments is None else judgments[i]
@@ -385,7 +428,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     std=float(g.std[i]) if scored else None,  # type: ignore[index]
                     max_std=self.max_std if scored else None,
                     order_spread=None if spreads is None else float(spreads[i]),
-                    max_order_spread=None if spreads is None else self.max_order_spread,
+                    max_order_spread=None if spreads is None else bound,
                     audit=is_audited(judgment_id, self.audit_rate),
                     judgment_id=judgment_id,
                     tokens_sha256=_carried(judgment, "tokens_sha256"),
@@ -403,11 +446,14 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         choice_mass: npt.ArrayLike | None = None,
         features: npt.ArrayLike | None = None,
         order_spread: npt.ArrayLike | None = None,
+        *,
+        pair: bool = False,
     ) -> Gates:
         """Every gate of the policy for (n, k) log-probabilities, as arrays.
 
         ``features`` (n, m * H) are the hidden states a probe map reads; other maps ignore them.
-        ``order_spread`` (n,) is each judgment's spread across listings of its options.
+        ``order_spread`` (n,) is each judgment's spread across listings of its options;
+        ``pair``: across a pair's two orders (``spread_bound``).
 
         ``decide_many`` turns these into decisions; for large evaluations, ``Gates.accepted``
         and ``Gates.best`` are the decisions without building an object per item.
@@ -448,8 +494,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             spreads = np.asarray(order_spread, dtype=np.float64)
             if spreads.shape != (n,):
                 raise ValueError(f"order_spread must have shape ({n},), got {spreads.shape}")
-            if self.max_order_spread is not None:
-                order_sensitive = spreads > self.max_order_spread
+            bound = self.spread_bound(pair)
+            if bound is not None:
+                order_sensitive = spreads > bound
         return Gates(
             probabilities=probs,
             best=best,

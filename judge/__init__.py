@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from judge.lazy import exports
 
 if TYPE_CHECKING:
-    from judge.answers import ChoiceAnswer, NoulAnswer, ScoreAnswer
+    from judge.answers import ChoiceAnswer, NoulAnswer, PairAnswer, ScoreAnswer
     from judge.engine import (
         DEFAULT_PREFIX_CACHE_MB,
         DEFAULT_RESPONSE_PREFIX,
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from judge.limits import MAX_CHOICES
     from judge.prefix_cache import PrefixCache, PrefixCacheStats
     from judge.protocol import Engine
-    from judge.questions import ChoiceQuestion, NoulQuestion, ScoreQuestion
+    from judge.questions import ChoiceQuestion, NoulQuestion, PairQuestion, ScoreQuestion
     from judge.scores import Score, ValuesError, default_values, score_of
 
 __version__ = "0.1.0"
@@ -57,6 +57,8 @@ _EXPORTS = {
     "ChoiceQuestion": "judge.questions",
     "NoulAnswer": "judge.answers",
     "NoulQuestion": "judge.questions",
+    "PairAnswer": "judge.answers",
+    "PairQuestion": "judge.questions",
     "ScoreAnswer": "judge.answers",
     "ScoreQuestion": "judge.questions",
     "AmbiguousChoicesError": "judge.errors",
@@ -113,6 +115,8 @@ __all__ = [
     "ModelLoadError",
     "NoulAnswer",
     "NoulQuestion",
+    "PairAnswer",
+    "PairQuestion",
     "PrefixCache",
     "PrefixCacheStats",
     "Prepared",

@@ -9,6 +9,7 @@ ordinary judge queries whose prompt is the rendered state, a blank line, then th
     noul    "Is this about billing?"            choices yes / no;      answer: P(yes)
     choice  options {name: description | None}  choices the names;    answer: the name
     score   levels [level, ...] (2-10)          choices "0".."n-1";   answer: sum i * P(i)
+    pair    candidates {name: text} (2)          reads "A" / "B";      answer: the winner's name
 
 (``noul`` is the System One wire format's own name for a yes/no question, kept so that
 requests and answers match other System One servers; its answer is the probability of yes.)
@@ -20,6 +21,15 @@ in the same run as the others, and its probabilities are the mean over the listi
 answer's ``order_spread`` says how far the listings disagreed (the largest difference, across
 listings, in the probability of one option). The choices the model reads stay the same in
 every listing: only the prompt's order changes, so the mean is over the same choice set.
+
+**Pairs.** A pair question compares two candidates against the state and its instructions.
+The model reads them as "Candidate A" and "Candidate B" and answers "A" or "B": the labels
+name places, not candidates, so swapping the candidates (the second listing, asked by default)
+moves both the place and the label a candidate is read under, and the mean over the two
+orders cancels a preference for either. Its probabilities are by candidate name; its
+``order_spread`` is how far the two orders disagreed on the winner's probability, which the
+gate bounds (``position_inconsistent``). Both orders share the state and the instructions in
+one packed row (``Judge.run_shared``), so they cost less than twice one order.
 
 Three steps, so that a server can prepare and schedule the queries itself:
 
@@ -37,7 +47,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
@@ -49,6 +59,7 @@ from judge.questions import (
     MAX_OPTIONS,
     ChoiceQuestion,
     NoulQuestion,
+    PairQuestion,
     Question,
     ScoreQuestion,
     describe,
@@ -68,6 +79,8 @@ __all__ = [
     "DecisionPlan",
     "NoulAnswer",
     "NoulQuestion",
+    "PairAnswer",
+    "PairQuestion",
     "Question",
     "ScoreAnswer",
     "ScoreQuestion",
@@ -92,6 +105,9 @@ class _Answered(msgspec.Struct, frozen=True, kw_only=True):
     judgment: Judgment
     orderings: int  # listings of the options judged (1 unless order="invariant")
     order_spread: float  # largest difference across listings in one choice's probability
+    # A pair's answer: its listings are the candidates' two orders (what the gate bounds as
+    # ``position_inconsistent``).
+    pair: ClassVar[bool] = False
 
 
 class NoulAnswer(_Answered, frozen=True, kw_only=True, tag="noul", tag_field="type"):
@@ -109,7 +125,16 @@ class ScoreAnswer(_Answered, frozen=True, kw_only=True, tag="score", tag_field="
     legend: dict[str, str]  # level index -> its description
 
 
-Answer = NoulAnswer | ChoiceAnswer | ScoreAnswer
+class PairAnswer(_Answered, frozen=True, kw_only=True, tag="pair", tag_field="type"):
+    pair: ClassVar[bool] = True
+    winner: str  # the name of the candidate more probably the better
+    confidence: float  # its probability
+
+
+Answer = NoulAnswer | ChoiceAnswer | ScoreAnswer | PairAnswer
+
+# The labels a pair's candidates are read under, by place: what the model answers with.
+PAIR_LABELS = ("A", "B")
 
 
 def render_state(state: object) -> str:
@@ -128,9 +153,12 @@ class _Asked(msgspec.Struct, frozen=True):
 
     id: str
     question: Question
-    choices: list[str]  # what the model reads, in canonical order
+    choices: list[str]  # the answer's choices, in canonical order (a pair's: its candidates)
     start: int
     count: int  # listings
+    # Per listing, for each choice the model reads, the index in ``choices`` it stands for:
+    # the identity, except for a pair's swapped order, whose "A" is the second candidate.
+    reads: list[list[int]]
 
 
 class DecisionPlan(msgspec.Struct, frozen=True):
@@ -146,9 +174,13 @@ class DecisionPlan(msgspec.Struct, frozen=True):
 
     def field_of(self, index: int, field: str | None) -> str:
         """A field the engine named for ``queries[index]``, as the question's own: its
-        choices are the question's criteria (``questions.<id>.criteria``)."""
-        own = "criteria" if field in (None, "choices") else field
-        return f"questions.{self.question_of(index)}.{own}"
+        choices are the question's criteria (``questions.<id>.criteria``), a pair's its
+        candidates."""
+        qid = self.question_of(index)
+        if field in (None, "choices"):
+            pair = any(a.id == qid and isinstance(a.question, PairQuestion) for a in self.asked)
+            field = "candidates" if pair else "criteria"
+        return f"questions.{qid}.{field}"
 
     def prepare(self, engine: Engine) -> list[Prepared]:
         """Every query prepared by ``engine``; a refusal names the question (``field_of``)."""
@@ -197,12 +229,15 @@ def plan_decisions(
         listings = _listings(question, max_orderings)
         layers = tuple((feature_layers or {}).get(qid, ()))
         spans = tuple((span_layers or {}).get(qid, ()))
-        asked.append(_Asked(qid, question, choices, len(queries), len(listings)))
+        pair = isinstance(question, PairQuestion)
+        # A pair's labels stand for places: listing [1, 0] reads the second candidate as "A".
+        reads = [list(listing) if pair else list(range(len(choices))) for listing in listings]
+        asked.append(_Asked(qid, question, choices, len(queries), len(listings), reads))
         for listing in listings:
             prompt = _prompt(question, listing)
             query = Query(
                 prompt=prompt,
-                choices=choices,
+                choices=list(PAIR_LABELS) if pair else choices,
                 response_prefix=response_prefix,
                 feature_layers=layers,
                 span_layers=spans,
@@ -229,7 +264,7 @@ def _as_question(qid: object, raw: Question | Mapping[str, Any]) -> Question:
             f"a question id must be a non-empty string, got {qid!r}", field="questions"
         )
     try:
-        if isinstance(raw, NoulQuestion | ChoiceQuestion | ScoreQuestion):
+        if isinstance(raw, Question):
             # A Struct's constructor checks no constraints: check a built one as its JSON form.
             raw = msgspec.to_builtins(raw)
         question = msgspec.convert(raw, Question)
@@ -252,6 +287,19 @@ def _choices(qid: str, question: Question) -> list[str]:
         return ["yes", "no"]
     if isinstance(question, ScoreQuestion):
         return [str(i) for i in range(len(question.criteria))]
+    if isinstance(question, PairQuestion):
+        for name, text in question.candidates.items():
+            if not name.strip():
+                raise InvalidQueryError(
+                    f"question {qid!r}: a candidate's name is empty; name both candidates",
+                    field=f"questions.{qid}.candidates",
+                )
+            if not text.strip():
+                raise InvalidQueryError(
+                    f"question {qid!r}: candidate {name!r} is blank; give its text",
+                    field=f"questions.{qid}.candidates",
+                )
+        return list(question.candidates)
     names = list(question.criteria)
     for name in names:
         if not name.strip():
@@ -264,7 +312,7 @@ def _choices(qid: str, question: Question) -> list[str]:
 
 def _listings(question: Question, max_orderings: int) -> list[list[int]]:
     """The orders in which the question's options are listed: indices into its options."""
-    n = 2 if isinstance(question, NoulQuestion) else len(question.criteria)
+    n = 2 if isinstance(question, NoulQuestion | PairQuestion) else len(question.criteria)
     given = list(range(n))
     if question.order == "given" or max_orderings == 1:
         return [given]
@@ -273,7 +321,7 @@ def _listings(question: Question, max_orderings: int) -> list[list[int]]:
         count = min(n, max_orderings)
         shifts = sorted({round(i * n / count) % n for i in range(count)})
         return [given[s:] + given[:s] for s in shifts]
-    return [given, given[::-1]]  # yes/no and no/yes; a scale up and down
+    return [given, given[::-1]]  # yes/no and no/yes; a scale up and down; a pair swapped
 
 
 def _prompt(question: Question, listing: Sequence[int]) -> str:
@@ -285,6 +333,14 @@ def _prompt(question: Question, listing: Sequence[int]) -> str:
             lines.append(f"Criteria: {criteria}")
         words = [["yes", "no"][i] for i in listing]
         lines.append(f"Answer {words[0]} or {words[1]}.")
+    elif isinstance(question, PairQuestion):
+        criteria = describe(question.criteria)
+        if criteria:
+            lines.append(f"Criteria: {criteria}")
+        texts = list(question.candidates.values())
+        for label, i in zip(PAIR_LABELS, listing, strict=True):
+            lines += ["", f"Candidate {label}:", texts[i].strip()]
+        lines += ["", f"Answer {PAIR_LABELS[0]} or {PAIR_LABELS[1]}."]
     elif isinstance(question, ChoiceQuestion):
         names = list(question.criteria)
         lines.append("Options:")
@@ -301,15 +357,23 @@ def _prompt(question: Question, listing: Sequence[int]) -> str:
 
 def _answer(asked: _Asked, judgments: list[Judgment]) -> Answer:
     """The question's answer: the mean over its listings' judgments."""
-    probs = [sum(j.probs[k] for j in judgments) / len(judgments) for k in range(len(asked.choices))]
+    k = len(asked.choices)
+    # Each listing's probabilities by the answer's choices (a pair's swapped order reordered).
+    by_listing = []
+    for judgment, reads in zip(judgments, asked.reads, strict=True):
+        row = [0.0] * k
+        for position, index in enumerate(reads):
+            row[index] = judgment.probs[position]
+        by_listing.append(row)
+    probs = [sum(row[c] for row in by_listing) / len(by_listing) for c in range(k)]
     spread = max(
-        max(j.probs[k] for j in judgments) - min(j.probs[k] for j in judgments)
-        for k in range(len(asked.choices))
+        max(row[c] for row in by_listing) - min(row[c] for row in by_listing) for c in range(k)
     )
     first = judgments[0]
     best = max(range(len(probs)), key=probs.__getitem__)
     judgment = msgspec.structs.replace(
         first,
+        choices=list(asked.choices),
         choice=asked.choices[best],
         confidence=probs[best],
         probs=probs,
@@ -328,6 +392,15 @@ def _answer(asked: _Asked, judgments: list[Judgment]) -> Answer:
     if isinstance(question, NoulQuestion):
         return NoulAnswer(
             noul=probs[0],
+            probabilities=probabilities,
+            judgment=judgment,
+            orderings=len(judgments),
+            order_spread=spread,
+        )
+    if isinstance(question, PairQuestion):
+        return PairAnswer(
+            winner=asked.choices[best],
+            confidence=probs[best],
             probabilities=probabilities,
             judgment=judgment,
             orderings=len(judgments),

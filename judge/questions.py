@@ -1,4 +1,5 @@
-"""The typed questions of a decision request (System One's noul, choice and score), as data.
+"""The typed questions of a decision request (System One's noul, choice and score, and judge's
+pair), as data.
 
 Only the questions' shapes and limits, and how a criterion reads as text: no engine, so the
 wire types (``service.systemone``) and the client use them without loading the engine.
@@ -19,6 +20,7 @@ __all__ = [
     "Criterion",
     "NoulQuestion",
     "Order",
+    "PairQuestion",
     "Question",
     "ScoreQuestion",
     "describe",
@@ -56,7 +58,22 @@ class ScoreQuestion(msgspec.Struct, frozen=True, kw_only=True, tag="score", tag_
     order: Order = "given"
 
 
-Question = NoulQuestion | ChoiceQuestion | ScoreQuestion
+class PairQuestion(msgspec.Struct, frozen=True, kw_only=True, tag="pair", tag_field="type"):
+    """Which of two named candidates (responses, documents) is the better by the instructions
+    and criteria; the answer is the winner's name.
+
+    Asked in both orders by default: which place a candidate is read in sways a small judge
+    (position bias), and the mean over the two orders cancels the sway; ``order="given"``
+    reads the candidates once, in the order given.
+    """
+
+    instructions: Annotated[str, Meta(min_length=1)]
+    candidates: Annotated[dict[str, str], Meta(min_length=2, max_length=2)]
+    criteria: Criterion = None
+    order: Order = "invariant"
+
+
+Question = NoulQuestion | ChoiceQuestion | ScoreQuestion | PairQuestion
 
 
 def describe(criterion: Criterion) -> str:

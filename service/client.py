@@ -670,8 +670,9 @@ class JudgeClient(_Core):
     ) -> SystemOneResponse:
         """``POST /v1/systemone``: typed questions about ``state``, each answered and gated.
 
-        ``questions`` maps an id to a ``SystemOneNoul``, ``SystemOneChoice`` or
-        ``SystemOneScore`` (``service.systemone``), or to its JSON form (``{"type": ...}``).
+        ``questions`` maps an id to a ``SystemOneNoul``, ``SystemOneChoice``,
+        ``SystemOneScore`` or ``SystemOnePair`` (``service.systemone``), or to its JSON form
+        (``{"type": ...}``).
         """
         return self._run(self._systemone(state, questions, model))
 

@@ -27,10 +27,7 @@ from judge import Engine, InvalidQueryError
 from judge.answers import (
     MAX_ORDERINGS,
     Answer,
-    ChoiceQuestion,
-    NoulQuestion,
     Question,
-    ScoreQuestion,
     plan_decisions,
 )
 
@@ -45,7 +42,7 @@ def with_order(
     """``questions``, each without an ``order`` of its own given ``order``."""
     out: dict[str, Question | Mapping[str, Any]] = {}
     for qid, raw in questions.items():
-        if isinstance(raw, NoulQuestion | ChoiceQuestion | ScoreQuestion):
+        if isinstance(raw, Question):
             out[qid] = raw if raw.order == order else msgspec.structs.replace(raw, order=order)
         elif isinstance(raw, Mapping) and "order" not in raw:
             out[qid] = {**raw, "order": order}
@@ -93,7 +90,4 @@ def judge_questions(
         if fingerprint is not None:
             gate.check(fingerprint, choices=asked.choices, field=f"profiles.{asked.id}")
     answers = plan.answers(engine.run_shared(plan.prepare(engine)))
-    return {
-        qid: (answer, gates[qid].decide(answer.judgment, order_spread=answer.order_spread))
-        for qid, answer in answers.items()
-    }
+    return {qid: (answer, gates[qid].decide_answer(answer)) for qid, answer in answers.items()}

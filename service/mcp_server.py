@@ -5,7 +5,7 @@ Three tools, each with a JSON input schema:
     judge           prompt, choices (2 or more), optional profile, system, threshold:
                     the judgment and the policy's decision on it (``JudgeResponse``, as
                     ``POST /judge`` answers), calibrated and certified with a profile
-    decide          state, questions (id -> {"type": "noul" | "choice" | "score", ...}),
+    decide          state, questions (id -> {"type": "noul" | "choice" | "score" | "pair", ...}),
                     optional profiles (id -> name), order, max_orderings: one typed answer
                     per question (``service.decisions``), all in one run of the model
     list_profiles   the profiles in the profiles directory: name, choices, method, threshold
@@ -190,7 +190,10 @@ def create_server(
         'question is {"type": "noul", "instructions": ...} (yes or no: the answer is P(yes)), '
         '{"type": "choice", "instructions": ..., "criteria": {name: description or null}} '
         '(one of the named options), or {"type": "score", "instructions": ..., "criteria": '
-        "[level, ...]} (2-10 levels: the answer is the expected level index). Each answer has "
+        "[level, ...]} (2-10 levels: the answer is the expected level index), or "
+        '{"type": "pair", "instructions": ..., "candidates": {name: text, name: text}} (which '
+        "of two candidates is the better: the answer names the winner, judged in both orders). "
+        "Each answer has "
         "the probabilities, and with a profile the decision to accept or escalate."
     )
 

@@ -22,6 +22,7 @@ from service.logged_features import LoggedFeatures
 from service.serving_core import ServiceCore, Ticket
 from service.systemone import (
     SystemOneAnswer,
+    SystemOnePair,
     SystemOneQuestion,
     SystemOneRequest,
     SystemOneResponse,
@@ -105,7 +106,7 @@ class SystemOneServing:
         records: list[LoggedDecision] = []
         for qid, answer in plan.answers(judgments).items():
             gate = gates[qid]
-            verdict = gate.decide(answer.judgment, order_spread=answer.order_spread)
+            verdict = gate.decide_answer(answer)
             self.service.metrics.decisions.labels(verdict.decision).inc()
             answers[qid] = wire_answer(answer, verdict)
             if self.service.decision_log is not None:
@@ -130,9 +131,13 @@ class SystemOneServing:
 
 def _systemone_field(context: str, qid: str, question: SystemOneQuestion) -> str:
     """The field a 413 names for a question's listing: the state, unless the question's own
-    text (its instructions, or its criteria) is longer."""
-    criteria = len(msgspec.json.encode(question.criteria))
-    instructions = len(question.instructions)
-    if len(context) >= max(instructions, criteria):
-        return "state"
-    return f"questions.{qid}." + ("instructions" if instructions >= criteria else "criteria")
+    text (its instructions, its criteria or a pair's candidates) is longer."""
+    sizes = {
+        "state": len(context),
+        "instructions": len(question.instructions),
+        "criteria": len(msgspec.json.encode(question.criteria)),
+    }
+    if isinstance(question, SystemOnePair):
+        sizes["candidates"] = len(msgspec.json.encode(question.candidates))
+    longest = max(sizes, key=sizes.__getitem__)  # the first of equals: the state
+    return "state" if longest == "state" else f"questions.{qid}.{longest}"

@@ -5,11 +5,14 @@ What the ``systemone-client`` package (0.1.0) sends and reads, plus judge's own 
     request   {"state": <any JSON>, "questions": {id: question}, "model"?: str}
     question  {"type": "noul" | "choice" | "score", "instructions", "criteria"?,
                judge's: "order", "profile", "threshold", "min_choice_mass", "max_order_spread"}
+              judge's extension, {"type": "pair", "instructions", "candidates": {name: text}
+               (two), "criteria"?, ...}: which candidate is the better, both orders by default
     response  {"model", "answers": {id: answer}, "usage": {"input_tokens", "output_tokens"},
                "latency_ms"}
     answer    noul:   {"type": "noul", "noul"}                        P(yes)
               choice: {"type": "choice", "choice", "confidence", "probabilities"}
               score:  {"type": "score", "score", "confidence", "probabilities", "legend"}
+              pair:   {"type": "pair", "winner", "confidence", "probabilities"}
               judge's, on every answer: the Policy's decision (decision, reasons,
               reason_codes, certified, threshold, choice_mass, prediction_set, profile),
               raw_probabilities, orderings and order_spread.
@@ -19,7 +22,8 @@ fields beyond the System One core choose its gate, as on ``POST /judge``: ``prof
 calibration profile fitted for the question's choices (yes/no; the option names; "0".."n-1"
 for a score), ``threshold`` and ``min_choice_mass`` override the profile's or the server's,
 and ``max_order_spread`` escalates an answer whose listings (``order="invariant"``) disagreed
-by more than that (reason code ``order_sensitive``). Probabilities are the calibrated ones
+by more than that (reason code ``order_sensitive``; for a pair, whose two orders are bounded
+by default, ``position_inconsistent``: ``calibration.policy``). Probabilities are the calibrated ones
 when a profile applies (``raw_probabilities``: the model's own, the mean over listings); a
 score's are keyed by level index, "0".."n-1".
 
@@ -44,6 +48,7 @@ from judge.questions import (
     MAX_OPTIONS,
     ChoiceQuestion,
     NoulQuestion,
+    PairQuestion,
     ScoreQuestion,
 )
 from service.bodies import BodyError, _integral, _located, decode_body
@@ -60,6 +65,8 @@ __all__ = [
     "SystemOneChoiceAnswer",
     "SystemOneNoul",
     "SystemOneNoulAnswer",
+    "SystemOnePair",
+    "SystemOnePairAnswer",
     "SystemOneQuestion",
     "SystemOneRequest",
     "SystemOneResponse",
@@ -77,6 +84,7 @@ Criterion = str | dict[str, Any] | None
 # An option's name: what the model answers with, so it holds at least one visible character.
 OptionName = Annotated[str, Meta(min_length=1, pattern=r"\S")]
 QuestionId = Annotated[str, Meta(min_length=1)]
+CandidateText = Annotated[str, Meta(min_length=1, pattern=r"\S")]  # not blank
 
 
 class _Asked(
@@ -128,7 +136,24 @@ class SystemOneScore(_Asked, frozen=True, kw_only=True, tag="score", tag_field="
         )
 
 
-SystemOneQuestion = SystemOneNoul | SystemOneChoice | SystemOneScore
+class SystemOnePair(_Asked, frozen=True, kw_only=True, tag="pair", tag_field="type"):
+    """judge's extension: which of two named candidates is the better by the instructions and
+    criteria; the answer names it. Both orders by default (``judge.answers``, "Pairs")."""
+
+    candidates: Annotated[dict[OptionName, CandidateText], Meta(min_length=2, max_length=2)]
+    criteria: Criterion = None
+    order: Order = "invariant"
+
+    def question(self) -> Question:
+        return PairQuestion(
+            instructions=self.instructions,
+            candidates=self.candidates,
+            criteria=self.criteria,
+            order=self.order,
+        )
+
+
+SystemOneQuestion = SystemOneNoul | SystemOneChoice | SystemOneScore | SystemOnePair
 
 
 class SystemOneRequest(
@@ -185,7 +210,14 @@ class SystemOneScoreAnswer(_Answered, frozen=True, kw_only=True, tag="score", ta
     legend: dict[str, str]  # level index -> its description
 
 
-SystemOneAnswer = SystemOneNoulAnswer | SystemOneChoiceAnswer | SystemOneScoreAnswer
+class SystemOnePairAnswer(_Answered, frozen=True, kw_only=True, tag="pair", tag_field="type"):
+    winner: str  # the name of the candidate more probably the better
+    confidence: float  # its probability
+
+
+SystemOneAnswer = (
+    SystemOneNoulAnswer | SystemOneChoiceAnswer | SystemOneScoreAnswer | SystemOnePairAnswer
+)
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
@@ -257,7 +289,7 @@ def wire_answer(answer: Answer, verdict: Verdict) -> SystemOneAnswer:
     The System One fields are computed from the verdict's probabilities (calibrated when a
     profile applies; the answer's own otherwise), in the question's order of choices.
     """
-    from judge.answers import ChoiceAnswer, NoulAnswer
+    from judge.answers import ChoiceAnswer, NoulAnswer, PairAnswer
 
     order = list(answer.probabilities)
     calibrated = verdict.probabilities
@@ -286,6 +318,8 @@ def wire_answer(answer: Answer, verdict: Verdict) -> SystemOneAnswer:
     best = max(order, key=probs.__getitem__)
     if isinstance(answer, NoulAnswer):
         return SystemOneNoulAnswer(noul=probs["yes"], **common)
+    if isinstance(answer, PairAnswer):
+        return SystemOnePairAnswer(winner=best, confidence=probs[best], **common)
     if isinstance(answer, ChoiceAnswer):
         return SystemOneChoiceAnswer(choice=best, confidence=probs[best], **common)
     return SystemOneScoreAnswer(

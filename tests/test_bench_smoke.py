@@ -343,6 +343,42 @@ def test_bench_prefix_cache_quick(tmp_path: Path) -> None:
 @pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_pairwise_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_pairwise.json"
+    _run("bench_pairwise.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["quick"] is True and result["config"]["limit"] == 12
+    assert [t["task"] for t in result["tasks"]] == ["sst2", "commonsense_qa"]
+    for task in result["tasks"]:
+        assert task["n"] == task["n_calibration"] == 12
+        rows = task["rows"]
+        assert [(r["orders"], r["bound"]) for r in rows] == [
+            ("one", None),
+            ("both", None),
+            ("both", 0.1),
+            ("both", 0.2),
+        ]
+        one, both = rows[0], rows[1]
+        assert len(one["first_place_wins"]) == 1 and len(both["first_place_wins"]) == 2
+        # The given order is read alike in both contenders' runs.
+        assert both["first_place_wins"][0] == one["first_place_wins"][0]
+        assert one["consistent"] is None and 0 <= both["consistent"] <= 1
+        # Both orders share the state and the instructions: fewer than twice the tokens.
+        assert 1 < both["tokens_ratio"] < 2
+        for r in rows:
+            assert 0 <= r["accuracy"] <= 1 and r["ms_per_item"] > 0
+            for name in ("raw", "calibrated"):
+                if r[f"coverage_{name}"] == 0:
+                    assert r[f"precision_{name}"] is None
+        # A bound only ever removes acceptances.
+        for r in rows[2:]:
+            assert r["coverage_raw"] <= both["coverage_raw"]
+            assert r["coverage_calibrated"] <= both["coverage_calibrated"]
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
 def test_bench_order_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_order.json"
     _run("bench_order.py", "--out", str(out))

@@ -175,6 +175,7 @@ def test_the_tools_and_their_schemas(conversation: dict[str, Any]) -> None:
         "NoulQuestion",
         "ChoiceQuestion",
         "ScoreQuestion",
+        "PairQuestion",
     }
     assert "NoulQuestion" in decide_schema["$defs"]
     assert tools["list_profiles"].input_schema.get("required", []) == []

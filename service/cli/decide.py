@@ -7,7 +7,8 @@
 The state is a file (``-``: stdin), read as JSON if it parses and as text otherwise. Each
 question is ``ID=JSON`` on the command line, or an entry of ``--questions FILE`` (a JSON
 object, id -> question); a question is ``judge.answers``'s: ``{"type": "noul" | "choice" |
-"score", "instructions": ..., "criteria": ..., "order": ...}``. ``--profile ID=NAME`` gates
+"score", "instructions": ..., "criteria": ..., "order": ...}``, or a pair, ``{"type": "pair",
+"instructions": ..., "candidates": {name: text, name: text}}``. ``--profile ID=NAME`` gates
 question ID with the profile NAME from ``--profiles-dir``.
 
 Prints one JSON object, id -> answer (the answers of ``POST /v1/systemone``, ``service.systemone``). Everything the
@@ -170,10 +171,12 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     """``judge decide``'s arguments."""
     decide = commands.add_parser(
         "decide",
-        help="answer typed questions (yes/no, one of options, a score) about a state",
+        help="answer typed questions (yes/no, one of options, a score, the better of a pair) "
+        "about a state",
         description="Answer typed questions about one state in one run of the model and "
         "print one JSON object, id -> answer. A question is "
-        '{"type": "noul" | "choice" | "score", "instructions": ..., "criteria": ...}.',
+        '{"type": "noul" | "choice" | "score" | "pair", "instructions": ..., "criteria": ...}; '
+        'a pair\'s "candidates": {name: text, name: text}.',
     )
     decide.add_argument(
         "--state",
