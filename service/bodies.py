@@ -25,7 +25,7 @@ __all__ = ["BodyError", "decode_body"]
 
 T = TypeVar("T")
 
-_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_PATH = re.compile(r" - at (?:`key` in )?`\$\.?([^`]*)`$")  # a map's bad key: the map's field
 _INT_GOT_FLOAT = re.compile(r"Expected `int( \| null)?`, got `float`")  # optional ints too
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]+)`")
 _MISSING = re.compile(r"Object missing required field `([^`]+)`")
@@ -87,6 +87,10 @@ def _member(body: bytes, members: tuple[type[msgspec.Struct], ...]) -> type[msgs
     """The member of a union of Structs whose required keys ``body`` has (a null is absent)."""
     try:
         keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except RecursionError:
+        # Too deep to read the keys: the first member's strict decoding refuses it, naming
+        # the first field it cannot take, as a body of one type is refused.
+        return members[0]
     except msgspec.ValidationError:
         raise BodyError("body", "the body must be a JSON object") from None
     except msgspec.DecodeError as exc:
@@ -115,8 +119,11 @@ def _integral(value: Any) -> Any:
 def _located(message: str) -> tuple[str, str]:
     """The field a msgspec validation message is about, and the message with that field."""
     path = _PATH.search(message)
-    field = path.group(1) if path else ""
+    # msgspec names a map's value "field[...]": the field is the map's (a list keeps its index)
+    field = path.group(1).replace("[...]", "") if path else ""
     text = message[: path.start()] if path else message
+    if path and path.group(0).startswith(" - at `key`"):
+        text = f"a key: {text}"  # the map's key (a name), not one of its values
     named = _UNKNOWN.search(text) or _MISSING.search(text)
     if named:  # an unknown or missing field: name it, not the object that holds it
         field = f"{field}.{named.group(1)}" if field else named.group(1)

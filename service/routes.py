@@ -112,7 +112,13 @@ async def metrics(service: NamedDependency[Service]) -> Response[bytes]:
 
 async def judge(request: AnyRequest, service: NamedDependency[Service]) -> schemas.JudgeResponse:
     ticket = _ticket(service, request)
-    return await service.judging.judge(await _body(request, schemas.JudgeRequest), ticket)
+    # A prompt with choices, or a pair: told apart by the keys the body has.
+    body: schemas.JudgeBody = decode_body(
+        await request.body(), request.headers.get("content-type"), schemas.JudgeBody
+    )
+    if isinstance(body, schemas.PairRequest):
+        return await service.systemone.pair(body, ticket)
+    return await service.judging.judge(body, ticket)
 
 
 async def judge_batch(

@@ -9,7 +9,7 @@ long for the model) comes back as a 4xx from the engine's own errors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
 import msgspec
 from msgspec import Meta
@@ -46,6 +46,7 @@ __all__ = [
     "LabeledExample",
     "LabelsRequest",
     "LabelsResponse",
+    "PairRequest",
     "ProfileName",
     "ProfileSummary",
     "ReadyResponse",
@@ -63,6 +64,12 @@ Choices = Annotated[
 ProfileName = Annotated[str, Meta(pattern=f"^{NAME_PATTERN}$")]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 MAX_BATCH_ITEMS = 256
+# A pair's candidates (``judge.questions.PairQuestion``): two names, each with its text; names
+# and texts hold at least one visible character.
+NonBlank = Annotated[str, Meta(min_length=1, pattern=r"\S")]
+Candidates = Annotated[dict[NonBlank, NonBlank], Meta(min_length=2, max_length=2)]
+# A criterion: free text, or an object whose values describe it ({"what": ...}), or nothing.
+Criterion = str | dict[str, Any] | None
 
 
 class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -99,6 +106,29 @@ class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         )
 
 
+class PairRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /judge`` for a pair: which of two named candidates is the better, by the
+    instructions and criteria, about ``state`` (``judge.answers``, "Pairs"; the System One
+    ``pair`` question with its state). Told apart from a JudgeRequest by its keys
+    (``service.bodies``). Judged in both orders by default; the response's ``choice`` is the
+    winner's name, and the gate bounds how far the two orders disagreed
+    (``max_order_spread``, reason code ``position_inconsistent``)."""
+
+    state: Any  # what both are judged against: a string as it is, any other JSON indented
+    instructions: NonBlank
+    candidates: Candidates
+    criteria: Criterion = None
+    order: Literal["given", "invariant"] = "invariant"  # "given": one order, as given
+    profile: ProfileName | None = None  # fitted for the two names
+    threshold: Probability | None = None
+    min_choice_mass: Probability | None = None
+    max_order_spread: Probability | None = None  # default for a pair: 0.2
+    return_prompt: bool = False  # the first order's prompt
+
+
+JudgeBody = JudgeRequest | PairRequest  # POST /judge: one of the two, by the keys it has
+
+
 class JudgeResponse(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type", tag="judgment"
 ):
@@ -111,7 +141,7 @@ class JudgeResponse(
     decision: Literal["accept", "escalate"]
     reasons: list[str]  # why it escalated, one line each; empty when accepted
     # One per reason, for programs: below_threshold, no_certified_threshold, low_choice_mass,
-    # ambiguous_set, high_std (calibration.Verdict.reason_codes).
+    # ambiguous_set, high_std, position_inconsistent (calibration.Verdict.reason_codes).
     reason_codes: list[ReasonCode]
     threshold: float | None  # the threshold in force; None when the profile has none
     certified: bool  # the threshold is the profile's certified one, with no override
@@ -153,6 +183,11 @@ class JudgeResponse(
     # without a cascade.
     decided_by: str | None = None
     cascade: list[StageResult] | None = None
+    # A pair (PairRequest): the orders judged (2, or 1 with order "given"), how far they
+    # disagreed on a candidate's probability, and the bound in force. Omitted otherwise.
+    orderings: int | None = None
+    order_spread: float | None = None
+    max_order_spread: float | None = None
 
     @classmethod
     def of(
@@ -164,13 +199,15 @@ class JudgeResponse(
         calibration_map: CalibrationMap | None = None,
         feature_layers: Sequence[int] = (),
         return_prompt: bool = False,
+        orderings: int | None = None,
     ) -> Self:
         """The wire form of ``verdict`` on ``judgment``: the one place it is built.
 
         Every decided field is the verdict's; ``judgment`` gives what only the judging knows
         (model, latency, prompt). ``choices`` orders the probabilities (the request's order;
         default: the verdict's, which is the profile's); ``calibration_map`` is the
-        profile's, if one applied.
+        profile's, if one applied; ``orderings``: a pair's orders judged (its spread and the
+        bound are the verdict's).
         """
         order = list(verdict.choices) if choices is None else list(choices)
         probs, raw = verdict.probabilities, verdict.raw_probabilities
@@ -206,6 +243,9 @@ class JudgeResponse(
             max_std=verdict.max_std,
             calibration_method=method,
             feature_layers=list(feature_layers) or None,
+            orderings=orderings,
+            order_spread=verdict.order_spread,
+            max_order_spread=verdict.max_order_spread,
         )
 
 

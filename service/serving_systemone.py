@@ -1,27 +1,32 @@
-"""``POST /v1/systemone``: typed questions about one state (``service.systemone``).
+"""Typed questions about one state: ``POST /v1/systemone`` (``service.systemone``), and a
+pair on ``POST /judge`` (``schemas.PairRequest``).
 
 Served as a shared context is: each question's listings are rendered by
 ``judge.answers.plan_decisions``, prepared within the budget and run as shared rows
-(``ServiceCore.run_rows``); each answer is decided by its own gate, with the question's order
-spread (``Gate.decide(..., order_spread=...)``), and its verdict is logged before the response,
-as a judgment's is: it can be labelled, audited and replayed.
+(``ServiceCore.run_rows``); each answer is decided by its own gate (``Gate.decide_answer``:
+with the question's order spread, a pair's as ``position_inconsistent``), and its verdict is
+logged before the response, as a judgment's is: it can be labelled, audited and replayed. A
+pair on ``POST /judge`` is the one-question request of the same path, answered in a
+judgment's shape.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
-from calibration import Overrides
-from judge import Prepared
-from judge.answers import plan_decisions
+from calibration import Gate, Overrides, Verdict
+from judge import Engine, Judgment, Prepared
+from judge.answers import Answer, plan_decisions
 from service.decision_log import LoggedDecision, replayable_question
 from service.errors import TooLargeError, UnprocessableError
 from service.logged_features import LoggedFeatures
+from service.schemas import JudgeResponse, PairRequest
 from service.serving_core import ServiceCore, Ticket
 from service.systemone import (
-    SystemOneAnswer,
     SystemOnePair,
     SystemOneQuestion,
     SystemOneRequest,
@@ -31,6 +36,9 @@ from service.systemone import (
 )
 
 __all__ = ["SystemOneServing"]
+
+# A pair on POST /judge is asked as this one question; its fields are the request's own.
+_PAIR = "pair"
 
 
 class SystemOneServing:
@@ -44,11 +52,7 @@ class SystemOneServing:
         served (``JudgeServing._shared``).
 
         Everything is checked before any model work: the model's name, how many questions,
-        each question (``judge.answers.plan_decisions``), its gate (the profile against the
-        engine and its choices), and each listing's size against the budget
-        (``ServiceCore.prepare``); every refusal names ``questions.<id>.<field>``. Then the
-        listings run as shared rows, the state computed once where the budget allows; each
-        answer is decided by its own gate and logged before the response.
+        then what ``_decided`` checks. Each refusal names ``questions.<id>.<field>``.
         """
         started = time.perf_counter()
         engine = self.service.engine()
@@ -65,29 +69,82 @@ class SystemOneServing:
                 f"{len(request.questions)} questions, over this server's limit of {limit} "
                 "(--max-questions): split them over several requests",
             )
-        questions = {qid: q.question() for qid, q in request.questions.items()}
-        plan = plan_decisions(request.state, questions)
-        gates = {
-            asked.id: self.service.open_gate(
-                engine,
-                request.questions[asked.id].profile,
-                Overrides.of(request.questions[asked.id]),
-                choices=asked.choices,
-                field=f"questions.{asked.id}.profile",
+        decided, judgments = await self._decided(engine, request.state, request.questions, ticket)
+        return SystemOneResponse(
+            model=engine.model_id,
+            answers={
+                qid: wire_answer(answer, verdict) for qid, (answer, verdict, _) in decided.items()
+            },
+            usage=Usage(input_tokens=sum(j.computed_tokens for j in judgments)),
+            latency_ms=(time.perf_counter() - started) * 1000,
+        )
+
+    async def pair(self, request: PairRequest, ticket: Ticket) -> JudgeResponse:
+        """A pair on ``POST /judge``: the one question ``_decided`` answers, in a judgment's
+        shape (``choice`` is the winner's name). A refusal names the request's own field
+        (``candidates``, ``profile``), not the question's."""
+        engine = self.service.engine()
+        fields = {f: getattr(request, f) for f in SystemOnePair.__struct_fields__}
+        try:
+            decided, _ = await self._decided(
+                engine, request.state, {_PAIR: SystemOnePair(**fields)}, ticket
             )
-            for asked in plan.asked
+        except Exception as exc:
+            field = getattr(exc, "field", None)
+            if isinstance(field, str) and field.startswith(f"questions.{_PAIR}."):
+                exc.field = field.removeprefix(f"questions.{_PAIR}.")  # type: ignore[attr-defined]
+            raise
+        answer, verdict, gate = decided[_PAIR]
+        profile = gate.profile
+        return JudgeResponse.of(
+            answer.judgment,
+            verdict,
+            choices=list(answer.probabilities),  # the request's order of the candidates
+            calibration_map=profile.calibration_map if profile else None,
+            feature_layers=gate.policy.probe_layers,
+            return_prompt=request.return_prompt,
+            orderings=answer.orderings,
+        )
+
+    async def _decided(
+        self,
+        engine: Engine,
+        state: Any,
+        asked: Mapping[str, SystemOneQuestion],
+        ticket: Ticket,
+    ) -> tuple[dict[str, tuple[Answer, Verdict, Gate]], list[Judgment]]:
+        """Each question's answer, its verdict and the gate that gave it, and the judgments
+        of the run; the verdicts are logged before this returns.
+
+        Checked before any model work: each question (``judge.answers.plan_decisions``), its
+        gate (the profile against the engine and its choices), and each listing's size
+        against the budget (``ServiceCore.prepare``); every refusal names
+        ``questions.<id>.<field>``. Then the listings run as shared rows, the state computed
+        once where the budget allows.
+        """
+        questions = {qid: q.question() for qid, q in asked.items()}
+        plan = plan_decisions(state, questions)
+        gates = {
+            a.id: self.service.open_gate(
+                engine,
+                asked[a.id].profile,
+                Overrides.of(asked[a.id]),
+                choices=a.choices,
+                field=f"questions.{a.id}.profile",
+            )
+            for a in plan.asked
         }
         if any(g.feature_layers or g.span_layers for g in gates.values()):
             # A probe reads the pass's hidden states (at the decision point, or their mean
             # over the state, the item): ask for them.
             plan = plan_decisions(
-                request.state,
+                state,
                 questions,
                 feature_layers={qid: g.feature_layers for qid, g in gates.items()},
                 span_layers={qid: g.span_layers for qid, g in gates.items()},
             )
         owners = [plan.question_of(i) for i in range(len(plan.queries))]
-        fields = [_systemone_field(plan.context, q, request.questions[q]) for q in owners]
+        fields = [_systemone_field(plan.context, q, asked[q]) for q in owners]
         ready: list[Prepared] = []
         for i, (field_name, prepared) in enumerate(
             zip(fields, await self.service.prepare(engine, plan.queries, fields), strict=True)
@@ -102,18 +159,17 @@ class SystemOneServing:
                 raise prepared
             ready.append(prepared)
         judgments = await self.service.run_rows(engine, ready, ticket)
-        answers: dict[str, SystemOneAnswer] = {}
+        decided: dict[str, tuple[Answer, Verdict, Gate]] = {}
         records: list[LoggedDecision] = []
         for qid, answer in plan.answers(judgments).items():
             gate = gates[qid]
             verdict = gate.decide_answer(answer)
             self.service.metrics.decisions.labels(verdict.decision).inc()
-            answers[qid] = wire_answer(answer, verdict)
+            decided[qid] = (answer, verdict, gate)
             if self.service.decision_log is not None:
                 kept = None
                 if self.service.config.log_requests:
-                    asked = request.questions[qid]
-                    kept = replayable_question(request.state, qid, asked, gate)
+                    kept = replayable_question(state, qid, asked[qid], gate)
                 features = LoggedFeatures.of(answer.judgment.features, gate.log_layers)
                 records.append(
                     LoggedDecision.of(
@@ -121,12 +177,7 @@ class SystemOneServing:
                     )
                 )
         await self.service.append_to_log(records)
-        return SystemOneResponse(
-            model=engine.model_id,
-            answers=answers,
-            usage=Usage(input_tokens=sum(j.computed_tokens for j in judgments)),
-            latency_ms=(time.perf_counter() - started) * 1000,
-        )
+        return decided, judgments
 
 
 def _systemone_field(context: str, qid: str, question: SystemOneQuestion) -> str:

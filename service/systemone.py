@@ -52,7 +52,7 @@ from judge.questions import (
     ScoreQuestion,
 )
 from service.bodies import BodyError, _integral, _located, decode_body
-from service.schemas import ProfileName
+from service.schemas import Candidates, Criterion, ProfileName
 
 if TYPE_CHECKING:
     from calibration.policy import Verdict
@@ -79,12 +79,9 @@ __all__ = [
 
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Order = Literal["given", "invariant"]
-# A criterion: free text, or an object whose values describe it ({"what": ...}), or nothing.
-Criterion = str | dict[str, Any] | None
 # An option's name: what the model answers with, so it holds at least one visible character.
 OptionName = Annotated[str, Meta(min_length=1, pattern=r"\S")]
 QuestionId = Annotated[str, Meta(min_length=1)]
-CandidateText = Annotated[str, Meta(min_length=1, pattern=r"\S")]  # not blank
 
 
 class _Asked(
@@ -140,7 +137,7 @@ class SystemOnePair(_Asked, frozen=True, kw_only=True, tag="pair", tag_field="ty
     """judge's extension: which of two named candidates is the better by the instructions and
     criteria; the answer names it. Both orders by default (``judge.answers``, "Pairs")."""
 
-    candidates: Annotated[dict[OptionName, CandidateText], Meta(min_length=2, max_length=2)]
+    candidates: Candidates
     criteria: Criterion = None
     order: Order = "invariant"
 
@@ -249,7 +246,7 @@ def decode_request(body: bytes, content_type: str | None) -> SystemOneRequest:
         message = str(exc)
         if exc.status != 400 or "questions" not in message:
             raise
-        if message.endswith("at `key` in `$.questions`"):
+        if exc.field == "questions" and message.startswith("questions: a key:"):
             raise BodyError(
                 "questions", "questions: a question id must be a non-empty string"
             ) from None

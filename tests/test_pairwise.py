@@ -234,6 +234,47 @@ def test_post_systemone_answers_and_gates_a_pair(tmp_path: Path) -> None:
         assert r.status_code == 400 and "questions.p.candidates" in r.text
 
 
+def test_post_judge_takes_a_pair_and_answers_as_a_judgment(tmp_path: Path) -> None:
+    pair_body = {
+        "state": STATE,
+        "instructions": INSTRUCTIONS,
+        "candidates": {"x": "right", "y": "wrong"},
+        "threshold": 0.0,
+        "return_prompt": True,
+    }
+    config = ServiceConfig(profiles_dir=tmp_path)
+    with TestClient(app=create_app(PlaceBiased(), config=config)) as client:
+        for _ in range(600):
+            if client.get("/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        r = client.post("/judge", json=pair_body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["type"] == "judgment" and out["choice"] == "x"
+        assert out["probabilities"] == pytest.approx(BOTH)
+        assert list(out["probabilities"]) == ["x", "y"]
+        assert (out["orderings"], out["order_spread"]) == (2, pytest.approx(0.4))
+        assert out["reason_codes"] == ["position_inconsistent"] and out["max_order_spread"] == 0.2
+        assert read(out["prompt"]) == ("right", "wrong")  # the first order's
+        given = client.post("/judge", json={**pair_body, "order": "given"}).json()
+        assert given["orderings"] == 1 and given["probabilities"]["x"] == pytest.approx(0.9)
+        assert given["decision"] == "accept"
+        # A plain judgment carries none of a pair's fields.
+        plain = client.post("/judge", json={"prompt": "Is it?", "choices": ["yes", "no"]})
+        assert plain.status_code == 200 and "orderings" not in plain.json()
+        # Refusals name the request's own fields.
+        for body, field in (
+            ({**pair_body, "candidates": {"x": "right"}}, "candidates"),
+            ({**pair_body, "candidates": {"x": "right", "y": " "}}, "candidates"),
+            ({**pair_body, "prompt": "Is it?", "choices": ["a", "b"]}, "prompt"),
+            ({**pair_body, "max_order_spread": 2}, "max_order_spread"),
+            ({**pair_body, "profile": "missing"}, "profile"),
+        ):
+            r = client.post("/judge", json=body)
+            assert 400 <= r.status_code < 500 and r.json()["field"] == field, (body, r.text)
+
+
 @pytest.mark.slow
 def test_judge_decide_answers_a_pair(
     monkeypatch: pytest.MonkeyPatch,
