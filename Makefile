@@ -65,6 +65,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_service.py
 	$(BIN)/python benchmarks/bench_scores.py
 	$(BIN)/python benchmarks/bench_order.py
+	$(BIN)/python benchmarks/bench_pairwise.py
 	$(BIN)/python benchmarks/bench_labels.py
 	$(BIN)/python benchmarks/bench_label_free.py
 	$(BIN)/python benchmarks/bench_reliability.py

@@ -59,7 +59,7 @@ from collections.abc import (
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, Self, TypedDict, TypeVar, Unpack
+from typing import Any, Generic, Literal, Self, TypedDict, TypeVar, Unpack
 
 import httpx
 import msgspec
@@ -83,6 +83,7 @@ from service.schemas import (
     LabelResult,
     LabelsRequest,
     LabelsResponse,
+    PairRequest,
     ProfileSummary,
     SharedBatch,
     SharedQuestion,
@@ -107,6 +108,7 @@ __all__ = [
     "LabeledExample",
     "LabelsResponse",
     "LoggedDecision",
+    "PairOptions",
     "ProfileHealth",
     "ProfileSummary",
     "RetryPolicy",
@@ -271,6 +273,18 @@ class JudgeOptions(TypedDict, total=False):
     values: dict[str, float] | None  # a score: a number per choice
     max_std: float | None  # escalate a score whose std is above this
     item_span: tuple[int, int] | None  # the item's [start, end) characters in the prompt
+
+
+class PairOptions(TypedDict, total=False):
+    """``judge_pair``'s keyword arguments: the optional fields of ``PairRequest``."""
+
+    criteria: str | dict[str, Any] | None  # the rubric
+    order: Literal["given", "invariant"]  # "invariant" (default): both orders
+    profile: str | None  # fitted for the two candidates' names
+    threshold: float | None
+    min_choice_mass: float | None
+    max_order_spread: float | None  # escalate when the orders disagree more (default 0.2)
+    return_prompt: bool
 
 
 class FitOptions(TypedDict, total=False):
@@ -458,6 +472,14 @@ class _Core:
         self, prompt: str, choices: Sequence[str], options: JudgeOptions
     ) -> Steps[JudgeResponse]:
         request = JudgeRequest(prompt=prompt, choices=list(choices), **options)
+        return self._call("judge", JudgeResponse, request)
+
+    def _judge_pair(
+        self, state: Any, instructions: str, candidates: Mapping[str, str], options: PairOptions
+    ) -> Steps[JudgeResponse]:
+        request = PairRequest(
+            state=state, instructions=instructions, candidates=dict(candidates), **options
+        )
         return self._call("judge", JudgeResponse, request)
 
     def _judge_batch(self, items: Sequence[JudgeRequest]) -> Steps[list[GateResult]]:
@@ -652,6 +674,17 @@ class JudgeClient(_Core):
         """``POST /judge``: one prompt between ``choices``, and the decision on it."""
         return self._run(self._judge(prompt, choices, options))
 
+    def judge_pair(
+        self,
+        state: Any,
+        instructions: str,
+        candidates: Mapping[str, str],
+        **options: Unpack[PairOptions],
+    ) -> JudgeResponse:
+        """``POST /judge`` with a pair: which of the two named ``candidates`` is the better by
+        ``instructions``, about ``state``, judged in both orders (``choice``: the winner)."""
+        return self._run(self._judge_pair(state, instructions, candidates, options))
+
     def judge_batch(self, items: Sequence[JudgeRequest]) -> list[GateResult]:
         """``POST /judge/batch``: each item's judgment, or its 4xx as an ErrorBody, in order."""
         return self._run(self._judge_batch(items))
@@ -835,6 +868,16 @@ class AsyncJudgeClient(_Core):
     ) -> JudgeResponse:
         """``JudgeClient.judge``, awaited."""
         return await self._run(self._judge(prompt, choices, options))
+
+    async def judge_pair(
+        self,
+        state: Any,
+        instructions: str,
+        candidates: Mapping[str, str],
+        **options: Unpack[PairOptions],
+    ) -> JudgeResponse:
+        """``JudgeClient.judge_pair``, awaited."""
+        return await self._run(self._judge_pair(state, instructions, candidates, options))
 
     async def judge_batch(self, items: Sequence[JudgeRequest]) -> list[GateResult]:
         """``JudgeClient.judge_batch``, awaited."""

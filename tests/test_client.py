@@ -135,6 +135,31 @@ def test_a_score_through_the_client(server: Server, client: JudgeClient) -> None
     assert got.decision == "escalate" and "high_std" in got.reason_codes
 
 
+def test_a_pair_through_the_client(server: Server, client: JudgeClient) -> None:
+    state = "Question: what is the capital of France?"
+    candidates = {"paris": "Paris", "lyon": "Lyon"}
+    got = client.judge_pair(state, "Which answer is right?", candidates, threshold=0.0)
+    body = {
+        "state": state,
+        "instructions": "Which answer is right?",
+        "candidates": candidates,
+        "threshold": 0.0,
+    }
+    same_judgment(got, raw_judgment(server.url, body))
+    assert got.choice in candidates and got.orderings == 2 and got.max_order_spread == 0.2
+    assert got.order_spread is not None
+    assert (got.order_spread > 0.2) == ("position_inconsistent" in got.reason_codes)
+
+    async def both() -> JudgeResponse:
+        async with AsyncJudgeClient(server.url, timeout=120) as c:
+            return await c.judge_pair(
+                state, "Which answer is right?", candidates, order="given", threshold=0.0
+            )
+
+    one = asyncio.run(both())
+    assert one.orderings == 1 and one.order_spread == 0.0
+
+
 def test_batch_keeps_order_and_item_errors(server: Server, client: JudgeClient) -> None:
     items = [
         JudgeRequest(prompt=PROMPTS[1], choices=["spam", "ham"]),
@@ -667,6 +692,7 @@ def test_each_method_sends_its_operation_s_method_and_path() -> None:
 
     calls: list[tuple[str, dict[str, str], Callable[[Any], Any]]] = [
         ("judge", {}, lambda c: c.judge("p", ["a", "b"])),
+        ("judge", {}, lambda c: c.judge_pair("s", "Which?", {"a": "x", "b": "y"})),
         ("judge_batch", {}, lambda c: c.judge_batch([JudgeRequest(prompt="p", choices=["a", "b"])])),
         ("judge_batch", {}, lambda c: c.judge_shared("c", [SharedQuestion(prompt="q", choices=["a", "b"])])),
         ("profiles", {}, lambda c: c.profiles()),
