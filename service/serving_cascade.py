@@ -35,7 +35,15 @@ from service.remote_stage import RemoteStage, answer_of
 from service.schemas import JudgeRequest, JudgeResponse
 from service.serving_core import WARM_UP, ServiceCore
 
-__all__ = ["CascadeServing", "ServedStage", "is_remote"]
+__all__ = [
+    "CascadeServing",
+    "LocalModel",
+    "ServedLocal",
+    "ServedRemote",
+    "ServedStage",
+    "cascaded",
+    "is_remote",
+]
 
 log = logging.getLogger("judge.service")
 
@@ -46,17 +54,19 @@ def is_remote(target: str) -> bool:
 
 
 @dataclass
-class _LocalModel:
+class LocalModel:
+    """A later stage's model, loaded once; its lock lets one item at a time through."""
+
     engine: Engine
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
-class _ServedLocal:
+class ServedLocal:
     """One request's view of a local later stage: its gate, and what it answered."""
 
     name: str
-    model: _LocalModel
+    model: LocalModel
     gate: Gate
     response: JudgeResponse | None = None
     record: LoggedDecision | None = None
@@ -89,7 +99,7 @@ class _ServedLocal:
 
 
 @dataclass
-class _ServedRemote:
+class ServedRemote:
     """One request's view of a remote later stage, and what it answered."""
 
     stage: RemoteStage
@@ -112,7 +122,7 @@ class _ServedRemote:
 
 
 # One request's view of a later stage (``CascadeServing.plan``).
-ServedStage = _ServedLocal | _ServedRemote
+ServedStage = ServedLocal | ServedRemote
 
 
 class CascadeServing:
@@ -120,7 +130,7 @@ class CascadeServing:
 
     def __init__(self, service: ServiceCore) -> None:
         self.service = service
-        self.local: dict[str, _LocalModel] = {}
+        self.local: dict[str, LocalModel] = {}
 
     @property
     def configured(self) -> bool:
@@ -135,7 +145,7 @@ class CascadeServing:
                 continue
             engine = Judge.load(target, dtype=dtype)  # type: ignore[arg-type]
             engine.judge(*WARM_UP)
-            self.local[name] = _LocalModel(engine)
+            self.local[name] = LocalModel(engine)
             log.info("cascade stage %s: model %s, %s pass", name, engine.model_id, engine.dtype)
 
     def plan(self, request: JudgeRequest) -> list[ServedStage]:
@@ -156,14 +166,14 @@ class CascadeServing:
                     min_choice_mass=request.min_choice_mass,
                     api_key=config.api_key,  # a fleet's servers share their key
                 )
-                stages.append(_ServedRemote(remote))
+                stages.append(ServedRemote(remote))
                 continue
             model = self.local[name]
             gate = self.service.open_gate(
                 model.engine, profile, overrides, choices=request.choices, field="profile"
             )
             logs = self.service.decision_log is not None
-            stages.append(_ServedLocal(name, model, gate, logs=logs))
+            stages.append(ServedLocal(name, model, gate, logs=logs))
         return stages
 
     async def escalate(
@@ -178,23 +188,21 @@ class CascadeServing:
         (off the event loop) until one accepts. ``records`` holds this request's records (the
         first stage's, if logged): the later stages' join them, and each carries the
         outcome."""
-        response, part = first
-        parts, answered = [part], [response]
-        decided_by = self.service.config.stage_name if response.decision == "accept" else None
-        if decided_by is None:
-            outcome = await anyio.to_thread.run_sync(
-                functools.partial(
-                    Cascade(stages).judge,
-                    request.prompt,
-                    request.choices,
-                    item_span=request.item_span,
-                    deadline_s=deadline - time.monotonic(),
-                )
-            )
-            decided_by = outcome.decided_by
-            parts += outcome.stages
-            answered += [s.response for s in stages if s.response is not None]
-            records += [s.record for s in stages if isinstance(s, _ServedLocal) and s.record]
+        run = functools.partial(
+            cascaded,
+            self.service.config.stage_name,
+            first,
+            stages,
+            request.prompt,
+            request.choices,
+            item_span=request.item_span,
+            deadline_s=deadline - time.monotonic(),
+        )
+        accepted = first[0].decision == "accept"
+        # Only the later stages' model work goes off the event loop.
+        final = run() if accepted else await anyio.to_thread.run_sync(run)
+        decided_by, parts = final.decided_by, final.cascade or []
+        records += [s.record for s in stages if isinstance(s, ServedLocal) and s.record]
         metrics = self.service.metrics
         metrics.cascade_decisions.labels(decided_by or "person").inc()
         for p in parts:
@@ -202,6 +210,32 @@ class CascadeServing:
                 metrics.cascade_failures.labels(p.stage, p.failure).inc()
         kept = CascadeLog(decided_by=decided_by, stages=parts)
         records[:] = [msgspec.structs.replace(r, cascade=kept) for r in records]
-        # The deciding stage's response, else the last that answered (the strongest judge's
-        # view of an item a person now takes).
-        return msgspec.structs.replace(answered[-1], decided_by=decided_by, cascade=parts)
+        return final
+
+
+def cascaded(
+    first_name: str,
+    first: tuple[JudgeResponse, StageResult],
+    stages: Sequence[ServedStage],
+    prompt: str,
+    choices: Sequence[str],
+    *,
+    item_span: tuple[int, int] | None = None,
+    deadline_s: float | None = None,
+) -> JudgeResponse:
+    """A cascade's response to an item, given its first stage's response and part: where the
+    first stage escalated, the later ``stages`` tried in turn (blocking) until one accepts.
+
+    The deciding stage's response, else the last that answered (the strongest judge's view of
+    an item a person now takes), with ``decided_by`` and every stage's part (``cascade``).
+    What ``judge serve --cascade`` and ``judge ask --cascade`` answer.
+    """
+    response, part = first
+    parts, answered = [part], [response]
+    decided_by = first_name if response.decision == "accept" else None
+    if decided_by is None:
+        outcome = Cascade(stages).judge(prompt, choices, item_span=item_span, deadline_s=deadline_s)
+        decided_by = outcome.decided_by
+        parts += outcome.stages
+        answered += [s.response for s in stages if s.response is not None]
+    return msgspec.structs.replace(answered[-1], decided_by=decided_by, cascade=parts)

@@ -9,17 +9,28 @@ row that holds the state once; then the routes that answer typed questions (``PO
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
 
-from calibration import Gate, Overrides
+from calibration import (
+    CalibrationProfile,
+    FitSettings,
+    Gate,
+    Overrides,
+    fit_profile,
+    make_policy,
+)
 from judge import InvalidQueryError, Judge, Judgment, Query
 from judge.answers import PairAnswer, PairQuestion, decide, plan_decisions
 from judge.packing import pack_rows, row_length
@@ -194,6 +205,18 @@ def test_both_orders_share_one_row_and_cost_less_than_twice_one(cold: Judge) -> 
 # --- the routes --------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def served(tmp_path: Path) -> Iterator[TestClient[Any]]:
+    """The app around the place-biased fake, ready."""
+    config = ServiceConfig(profiles_dir=tmp_path)
+    with TestClient(app=create_app(PlaceBiased(), config=config)) as client:
+        for _ in range(600):
+            if client.get("/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        yield client
+
+
 def test_post_systemone_answers_and_gates_a_pair(tmp_path: Path) -> None:
     body: dict[str, Any] = {
         "state": STATE,
@@ -213,12 +236,7 @@ def test_post_systemone_answers_and_gates_a_pair(tmp_path: Path) -> None:
             },
         },
     }
-    config = ServiceConfig(profiles_dir=tmp_path)
-    with TestClient(app=create_app(PlaceBiased(), config=config)) as client:
-        for _ in range(600):
-            if client.get("/ready").status_code == 200:
-                break
-            time.sleep(0.05)
+    with served(tmp_path) as client:
         r = client.post("/v1/systemone", json=body)
         assert r.status_code == 200, r.text
         answers = r.json()["answers"]
@@ -242,12 +260,7 @@ def test_post_judge_takes_a_pair_and_answers_as_a_judgment(tmp_path: Path) -> No
         "threshold": 0.0,
         "return_prompt": True,
     }
-    config = ServiceConfig(profiles_dir=tmp_path)
-    with TestClient(app=create_app(PlaceBiased(), config=config)) as client:
-        for _ in range(600):
-            if client.get("/ready").status_code == 200:
-                break
-            time.sleep(0.05)
+    with served(tmp_path) as client:
         r = client.post("/judge", json=pair_body)
         assert r.status_code == 200, r.text
         out = r.json()
@@ -273,6 +286,60 @@ def test_post_judge_takes_a_pair_and_answers_as_a_judgment(tmp_path: Path) -> No
         ):
             r = client.post("/judge", json=body)
             assert 400 <= r.status_code < 500 and r.json()["field"] == field, (body, r.text)
+
+
+def pair_profile(name: str = "xy") -> CalibrationProfile:
+    """A temperature profile for candidates named x and y, on synthetic scores with a signal."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 400)
+    logits = np.stack([np.where(y == 0, 1.0, -1.0), np.zeros(400)], axis=1)
+    logits += 0.3 * rng.standard_normal((400, 2))
+    z = logits - np.logaddexp(logits[:, 0], logits[:, 1])[:, None]
+    return fit_profile(
+        name,
+        z,
+        y,
+        ["x", "y"],
+        settings=FitSettings(methods=["temperature"]),
+        dataset="synthetic",
+        dataset_sha256="0" * 64,
+        fingerprint=FakeEngine().fingerprint(),
+    )
+
+
+def test_a_profile_for_the_names_gates_a_pair_on_both_routes(tmp_path: Path) -> None:
+    profile = pair_profile()
+    candidates = {"x": "right", "y": "wrong"}
+    # What the routes must give: the profile's policy on the mean over the orders, bounded.
+    expected = make_policy(profile).decide(judgment_of(BOTH), order_spread=0.4, pair=True)
+    with served(tmp_path) as client:
+        r = client.put(f"/profiles/{profile.name}", content=msgspec.json.encode(profile))
+        assert r.status_code == 200, r.text
+        body = {"state": STATE, "instructions": INSTRUCTIONS, "candidates": candidates}
+        judged = client.post("/judge", json={**body, "profile": profile.name}).json()
+        question = {"type": "pair", **body, "profile": profile.name}
+        del question["state"]
+        answered_ = client.post(
+            "/v1/systemone", json={"state": STATE, "questions": {"p": question}}
+        ).json()["answers"]["p"]
+        # Candidates with other names: the profile does not fit them, named as each route names it.
+        other = {"a": "right", "b": "wrong"}
+        refused = client.post("/judge", json={**body, "candidates": other, "profile": "xy"})
+        assert (refused.status_code, refused.json()["field"]) == (422, "profile")
+        refused = client.post(
+            "/v1/systemone",
+            json={"state": STATE, "questions": {"p": {**question, "candidates": other}}},
+        )
+        assert (refused.status_code, refused.json()["field"]) == (422, "questions.p.profile")
+    for got in (judged, answered_):
+        assert got["profile"] == "xy" and got["raw_probabilities"] == pytest.approx(BOTH)
+        assert got["probabilities"] == pytest.approx(expected.probabilities, abs=1e-12)
+        assert got["probabilities"]["x"] > BOTH["x"]  # the fitted temperature sharpens
+        assert got["decision"] == expected.decision
+        assert got["reason_codes"] == expected.reason_codes
+        assert "position_inconsistent" in got["reason_codes"]
+        assert got["certified"] == expected.certified
+    assert judged["choice"] == answered_["winner"] == "x"
 
 
 @pytest.mark.slow

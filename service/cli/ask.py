@@ -44,6 +44,8 @@ from judge import (
 )
 from judge.atomicio import replacing
 from judge.judgments import check_item_span, item_span_of, validate_choices
+from service.cli import ask_cascade
+from service.cli.ask_cascade import LaterStages
 from service.cli.common import (
     UsageError,
     load_engine,
@@ -102,9 +104,19 @@ class _Item(msgspec.Struct, frozen=True):
     query: Query
 
 
-def _answer(judgment: Judgment, verdict: Verdict, item_id: Scalar | msgspec.UnsetType) -> Answer:
-    """The verdict's wire form (the probabilities in the profile's order), with the line's id."""
-    return msgspec.structs.replace(Answer.of(judgment, verdict), id=item_id)
+def _answer(
+    judgment: Judgment,
+    verdict: Verdict,
+    item_id: Scalar | msgspec.UnsetType,
+    query: Query,
+    later: LaterStages | None,
+) -> Answer:
+    """The verdict's wire form (the probabilities in the profile's order), with the line's id;
+    with a cascade, the cascade's response (``ask_cascade``)."""
+    if later is None:
+        return msgspec.structs.replace(Answer.of(judgment, verdict), id=item_id)
+    response = later.decide(query, judgment, verdict)
+    return Answer(**{f: getattr(response, f) for f in JudgeResponse.__struct_fields__}, id=item_id)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    later = ask_cascade.plan(args, gate.overrides)  # checked before any model loads
     engine = load_engine(
         args,
         profile,
@@ -128,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     # Once, before any item: every item shares the model, dtype, template and system.
     gate.check_engine(engine, system=args.system, choices=args.choice)
     choices = args.choice or gate.choices
+    if later is not None:
+        later.load(args.dtype, choices)
     if args.input is None:
         if choices is None:
             raise UsageError("give the choices (--choice A --choice B) or a --profile")
@@ -137,11 +152,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{exc}") from None
         query = Query(prompt=args.prompt, choices=choices, system=args.system, item_span=span)
         judgment = engine.judge_batch([gate.asks(query)])[0]
-        sys.stdout.write(
-            to_json(_answer(judgment, gate.decide(judgment), msgspec.UNSET), indent=2) + "\n"
-        )
+        answer = _answer(judgment, gate.decide(judgment), msgspec.UNSET, query, later)
+        sys.stdout.write(to_json(answer, indent=2) + "\n")
         return 0
-    return _run_batch(args, engine, gate, profile, choices)
+    return _run_batch(args, engine, gate, profile, choices, later)
 
 
 def _run_batch(
@@ -150,6 +164,7 @@ def _run_batch(
     gate: Gate,
     profile: CalibrationProfile | None,
     choices: list[str] | None,
+    later: LaterStages | None,
 ) -> int:
     from tqdm import tqdm
 
@@ -164,13 +179,15 @@ def _run_batch(
             parsed = [
                 _parse(raw, n, choices, profile, system=args.system, gate=gate) for n, raw in batch
             ]
-            for row in _answer_batch(engine, gate, parsed):
+            for row in _answer_batch(engine, gate, parsed, later):
                 if isinstance(row, Failure):
                     counts["error"] += 1
                     failed.append(row.line)
                 else:
                     counts[row.decision] += 1
                     counts.update(f"reason:{code}" for code in row.reason_codes)
+                    if row.cascade is not None:
+                        counts[f"stage:{row.decided_by or 'person'}"] += 1
                 out.write(to_json(row) + "\n")
             out.flush()
             bar.update(len(batch))
@@ -179,7 +196,10 @@ def _run_batch(
 
 
 def _answer_batch(
-    engine: Engine, gate: Gate, parsed: Sequence[_Item | Failure]
+    engine: Engine,
+    gate: Gate,
+    parsed: Sequence[_Item | Failure],
+    later: LaterStages | None = None,
 ) -> list[Answer | Failure]:
     """Each parsed line's output row, in order; the valid ones judged in one call.
 
@@ -199,7 +219,7 @@ def _answer_batch(
             continue
         result = results[p.line]
         if isinstance(result, Judgment):
-            rows.append(_answer(result, next(decisions), p.id))
+            rows.append(_answer(result, next(decisions), p.id, p.query, later))
         else:
             rows.append(_failure(p.id, p.line, result))
     return rows
@@ -217,6 +237,9 @@ def _summary(counts: Counter[str], failed: Sequence[int]) -> str:
         + (f" ({reasons})" if reasons else "")
         + f", {_plural(counts['error'], 'error')}"
     ]
+    stages = [(k.removeprefix("stage:"), v) for k, v in counts.items() if k.startswith("stage:")]
+    if stages:
+        lines.append("decided by: " + ", ".join(f"{name} {n}" for name, n in stages))
     if failed:
         shown = ", ".join(map(str, failed[:20])) + (", ..." if len(failed) > 20 else "")
         lines.append(
@@ -385,6 +408,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "--batch-size", type=positive_int, default=16, help="with --input: items per batch"
     )
     model_arguments(ask, dtype_help="(default: the profile's, else auto)")
+    ask_cascade.add_arguments(ask)
     ask.add_argument(
         "--response-prefix",
         default=None,

@@ -1,0 +1,179 @@
+"""``judge ask --cascade NAME=MODEL|URL ...``: what the first model escalates goes to the next.
+
+The command's own model is the first stage (``--stage-name``, default "local"), batched and
+decided as without a cascade. Each item it escalates goes to the later stages in turn, as
+``judge serve --cascade`` sends it (``service.serving_cascade.cascaded``): a model loaded
+here (a .gguf, directory or hub id, or a packaged name such as gemma3-270m), decided by its
+own gate, or another judge server (``service.remote_stage``). A later stage judges the prompt
+with its own chat template (not ``--system``) and the command's ``--threshold`` and
+``--min-choice-mass``; ``--stage-profile NAME=FILE`` gives a local stage its profile (for a
+remote one, ``NAME=PROFILE``: the profile's name in that server's store). A stage that fails
+is an escalation with a reason code in the row's ``cascade``, never an error of the line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from calibration import CalibrationProfile, Gate, Overrides, PolicyDefaults, Verdict
+from calibration.cascade import StageAnswer, StageResult
+from service.cli import common
+from service.schemas import JudgeResponse
+
+if TYPE_CHECKING:
+    from judge import Judgment, Query
+    from service.serving_cascade import LocalModel, ServedStage
+
+# The stages' machinery (service.serving_cascade) is the server's: imported where a cascade
+# is asked for, so that `judge ask --help` needs none of the server's packages.
+
+__all__ = ["LaterStages", "add_arguments", "plan"]
+
+
+@dataclass(frozen=True)
+class _Stage:
+    name: str
+    target: str
+    profile: CalibrationProfile | None  # a local stage's
+    remote_profile: str | None  # a remote stage's, by name in its server's store
+
+
+@dataclass(frozen=True)
+class LaterStages:
+    """The later stages, checked before any model loads; ``load`` loads the local ones."""
+
+    first: str
+    stages: list[_Stage]
+    overrides: Overrides
+    models: dict[str, tuple[LocalModel, Gate]]
+
+    def load(self, dtype: str | None, choices: Sequence[str] | None) -> None:
+        """Load each local stage's model and open its gate, checked against the model and
+        ``choices`` (None: the profile's, else any), before any item is judged."""
+        from judge import Judge
+        from service.serving_cascade import LocalModel, is_remote
+
+        for stage in self.stages:
+            if is_remote(stage.target):
+                continue
+            engine = Judge.load(stage.target, dtype=common.profile_dtype(dtype, stage.profile))
+            gate = Gate(stage.profile, overrides=self.overrides, defaults=PolicyDefaults())
+            gate.check_engine(engine, choices=choices, field=f"--stage-profile {stage.name}")
+            self.models[stage.name] = (LocalModel(engine), gate)
+
+    def views(self) -> list[ServedStage]:
+        """One item's view of each later stage (each keeps what it answered)."""
+        from service.remote_stage import RemoteStage
+        from service.serving_cascade import ServedLocal, ServedRemote, is_remote
+
+        views: list[ServedStage] = []
+        for stage in self.stages:
+            if is_remote(stage.target):
+                remote = RemoteStage(
+                    stage.name,
+                    stage.target,
+                    profile=stage.remote_profile,
+                    threshold=self.overrides.threshold,
+                    min_choice_mass=self.overrides.min_choice_mass,
+                    api_key=os.environ.get("JUDGE_API_KEY") or None,
+                )
+                views.append(ServedRemote(remote))
+            else:
+                model, gate = self.models[stage.name]
+                views.append(ServedLocal(stage.name, model, gate))
+        return views
+
+    def decide(self, query: Query, judgment: Judgment, verdict: Verdict) -> JudgeResponse:
+        """The cascade's response to an item the first stage judged: its own where it
+        accepted, else the later stages' (``cascaded``)."""
+        from service.serving_cascade import cascaded
+
+        choices = list(query.choices)
+        response = JudgeResponse.of(judgment, verdict, choices=choices)
+        part = StageResult(
+            stage=self.first,
+            answer=StageAnswer.of(verdict, judgment, choices),
+            latency_ms=judgment.latency_ms,
+        )
+        return cascaded(
+            self.first,
+            (response, part),
+            self.views(),
+            query.prompt,
+            choices,
+            item_span=query.item_span,
+        )
+
+
+def plan(args: argparse.Namespace, overrides: Overrides) -> LaterStages | None:
+    """The later stages ``--cascade`` names, their profiles read; None without a cascade.
+    Refused before any model loads: a stage without a name of its own, a profile for a stage
+    not in the cascade."""
+    given: list[tuple[str, str]] = args.cascade or []
+    if not given:
+        if args.stage_profile:
+            raise common.UsageError("--stage-profile needs --cascade", field="--stage-profile")
+        return None
+    names = [args.stage_name, *(name for name, _ in given)]
+    if len(set(names)) != len(names):
+        raise common.UsageError(
+            f"each stage needs a name of its own (--stage-name and --cascade), got {names}",
+            field="--cascade",
+        )
+    profiles = dict(args.stage_profile or [])
+    unknown = sorted(set(profiles) - {name for name, _ in given})
+    if unknown:
+        raise common.UsageError(
+            f"--stage-profile names {unknown[0]!r}, which is not a --cascade stage",
+            field="--stage-profile",
+        )
+    from service.serving_cascade import is_remote
+
+    stages = []
+    for name, target in given:
+        value = profiles.get(name)
+        remote = is_remote(target)
+        stages.append(
+            _Stage(
+                name=name,
+                target=target,
+                profile=None if remote or value is None else common.load_profile(value),
+                remote_profile=value if remote else None,
+            )
+        )
+    return LaterStages(args.stage_name, stages, overrides, {})
+
+
+def _named(text: str) -> tuple[str, str]:
+    """An argparse type for ``--stage-profile``: ``NAME=FILE`` or ``NAME=PROFILE``."""
+    name, sep, value = text.partition("=")
+    if not (sep and name and value):
+        raise argparse.ArgumentTypeError(f"give NAME=FILE or NAME=PROFILE, got {text!r}")
+    return name, value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cascade's flags on ``judge ask``."""
+    parser.add_argument(
+        "--cascade",
+        type=common.stage,
+        action="append",
+        metavar="NAME=MODEL|URL",
+        help="a later stage, in order: what the stages before it escalate goes to it; a model "
+        "(a .gguf, directory, hub id or packaged name) or another judge server's URL",
+    )
+    parser.add_argument(
+        "--stage-name", default="local", help="this command's model's name as the first stage"
+    )
+    parser.add_argument(
+        "--stage-profile",
+        type=_named,
+        action="append",
+        metavar="NAME=FILE|PROFILE",
+        help="a later stage's profile: a JSON file for a model, a profile's name in the "
+        "server's store for a URL",
+    )
