@@ -1,28 +1,37 @@
-"""A cascade stage on another ``judge serve``: ``POST /judge`` there, under its own profile.
+"""Cascade stages on other servers: another ``judge serve`` (``POST /judge`` there, under its
+own profile), or any server that speaks the System One wire format (``POST /v1/systemone``).
 
     Cascade([LocalStage("smollm2", judge, gate), RemoteStage("big", "http://10.0.0.2:8000",
-             profile="sms_spam-big")])
+             profile="sms_spam-big"), SystemOneStage("hosted", "https://gateway.example/api")])
 
-The remote server judges and decides with its profile; its answer is the stage's
-(``calibration.cascade.StageAnswer``). Nothing here retries: the cascade's deadline bounds the
+A judge server judges and decides with its profile; its answer is the stage's
+(``calibration.cascade.StageAnswer``). A System One server is asked the item as one choice
+question (the prompt as the state, the choices as the options) and answers probabilities; the
+stage decides on them by its own gate (this side's: its threshold and minimum mass, or a
+profile fitted on that server's answers), so any hosted decision model behind such a server is
+a stage without new code. Nothing here retries: the cascade's deadline bounds the
 call (what is left of it is the request's timeout), and a server that does not answer in
 time, or fails, is an escalation with a reason code (``stage_timeout``, ``stage_failed``),
-never an error of the cascade. The remote server does not report tokens, so the answer's
-token counts are None.
+never an error of the cascade. A judge server does not report tokens, so the answer's token
+counts are None; a System One server's ``usage.input_tokens`` is the answer's computed tokens.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
+import msgspec
 
+from calibration import Gate
 from calibration.cascade import StageAnswer
 from service.client import JudgeClient, RetryPolicy
 from service.schemas import JudgeResponse
 
-__all__ = ["RemoteStage", "answer_of"]
+__all__ = ["RemoteStage", "SystemOneStage", "answer_of"]
 
 NO_RETRIES = RetryPolicy(max_retries=0)
 
@@ -94,3 +103,96 @@ def answer_of(r: JudgeResponse, choices: Sequence[str]) -> StageAnswer:
         model=r.model,
         judgment_id=r.judgment_id,
     )
+
+
+class _SystemOneChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """What a System One server answers to a choice question (the core; judge's extension
+    fields are read where present)."""
+
+    choice: str
+    confidence: float
+    probabilities: dict[str, float] | None = None
+    choice_mass: float | None = None  # judge's extension
+
+
+class _Answered(msgspec.Struct, frozen=True, kw_only=True):
+    """A System One server's answer as a judgment a gate decides on (``ScoredJudgment``)."""
+
+    choices: list[str]
+    log_probs: list[float]
+    choice_mass: float
+    model: str
+    computed_tokens: int | None
+
+
+@dataclass(frozen=True)
+class SystemOneStage:
+    """Any System One server as a stage: ``url`` is its root (``POST {url}/v1/systemone``).
+
+    The item is one choice question: ``state`` the prompt, ``criteria`` the choices (no
+    descriptions), ``instructions`` as given. The server's probabilities (else its choice at
+    its confidence, the rest shared evenly) are decided by ``gate``: this side's rule, since
+    the server's own decision, where it gives one, was made under a rule this cascade did not
+    certify. A server that gives no choice mass (only judge's does) passes the mass gate.
+    ``model`` names the server's model where it serves several; ``api_key`` goes as a bearer
+    token; ``timeout_s`` bounds a call when the cascade has no deadline. ``transport`` is
+    httpx's (tests use a mock).
+    """
+
+    name: str
+    url: str
+    gate: Gate = field(default_factory=Gate)
+    instructions: str = "Which option fits?"
+    model: str | None = None
+    api_key: str | None = None
+    timeout_s: float = 60.0
+    transport: httpx.BaseTransport | None = None
+
+    def answer(
+        self,
+        prompt: str,
+        choices: Sequence[str],
+        *,
+        item_span: tuple[int, int] | None,
+        timeout_s: float | None,
+    ) -> StageAnswer:
+        limit = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        question = {"type": "choice", "instructions": self.instructions}
+        body: dict[str, Any] = {
+            "state": prompt,
+            "questions": {"item": {**question, "criteria": dict.fromkeys(choices)}},
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+        try:
+            with httpx.Client(timeout=limit, transport=self.transport) as http:
+                r = http.post(f"{self.url.rstrip('/')}/v1/systemone", json=body, headers=headers)
+        except httpx.TimeoutException as exc:
+            raise TimeoutError(f"{self.url} did not answer within {limit:g} s") from exc
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.url} answered {r.status_code}: {r.text[:300]}")
+        reply = msgspec.json.decode(r.content)
+        answer = msgspec.convert(reply["answers"]["item"], _SystemOneChoice)
+        judgment = _Answered(
+            choices=list(choices),
+            log_probs=[math.log(max(p, 1e-300)) for p in _probabilities(answer, choices)],
+            choice_mass=1.0 if answer.choice_mass is None else answer.choice_mass,
+            model=str(reply.get("model", "")),
+            computed_tokens=(reply.get("usage") or {}).get("input_tokens"),
+        )
+        return StageAnswer.of(self.gate.decide(judgment), judgment, choices)
+
+
+def _probabilities(answer: _SystemOneChoice, choices: Sequence[str]) -> list[float]:
+    """The answer's probability of each choice: its own where it gives them, else its choice at
+    its confidence and the rest shared evenly (all a bare System One answer says)."""
+    if answer.probabilities is not None:
+        missing = [c for c in choices if c not in answer.probabilities]
+        if missing:
+            raise ValueError(f"the answer has no probability for {missing[0]!r}")
+        return [answer.probabilities[c] for c in choices]
+    if answer.choice not in choices:
+        raise ValueError(f"the answer {answer.choice!r} is not one of the choices")
+    rest = (1.0 - answer.confidence) / (len(choices) - 1)
+    return [answer.confidence if c == answer.choice else rest for c in choices]

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import email.utils
 import io
+import json
 import re
 import sys
 import threading
@@ -787,3 +788,86 @@ def test_a_remote_stage_killed_mid_request_or_too_slow_is_an_escalation() -> Non
         verdict = Cascade([RemoteStage("remote", url)]).judge(PROMPTS[0], CHOICES, deadline_s=0.5)
     (stage,) = verdict.stages
     assert stage.failure == "stage_timeout" and "did not answer within" in (stage.error or "")
+
+
+# --- a System One server as a stage (service.remote_stage.SystemOneStage) --------------------
+
+
+def test_a_system_one_stage_is_decided_by_its_own_gate(server: Server) -> None:
+    from calibration import Cascade, Gate, Overrides
+    from service.remote_stage import SystemOneStage
+
+    stage = SystemOneStage("s1", server.url, instructions="Spam or ham?")
+    verdict = Cascade([stage]).judge(PROMPTS[0], CHOICES)
+    (part,) = verdict.stages
+    assert part.failure is None and part.answer is not None
+    # What the server answers the same question directly, decided by this side's gate.
+    question = {
+        "type": "choice",
+        "instructions": "Spam or ham?",
+        "criteria": dict.fromkeys(CHOICES),
+    }
+    with JudgeClient(server.url, timeout=120) as c:
+        direct = c.systemone(PROMPTS[0], {"item": question}).answers["item"]
+    assert part.answer.raw_probabilities == pytest.approx(direct.raw_probabilities, abs=1e-4)
+    assert part.answer.computed_tokens and part.answer.model
+    top = max(direct.raw_probabilities.values())
+    assert part.answer.decision == ("accept" if top >= 0.9 else "escalate")
+    assert verdict.decided_by == ("s1" if top >= 0.9 else None)
+    # A stricter gate on this side escalates what the server would not.
+    strict = SystemOneStage("s1", server.url, gate=Gate(overrides=Overrides(threshold=1.0)))
+    assert Cascade([strict]).judge(PROMPTS[0], CHOICES).decided_by is None
+
+
+def test_a_system_one_stage_reads_a_bare_answer_and_fails_as_an_escalation() -> None:
+    from calibration import Cascade
+    from service.remote_stage import SystemOneStage
+
+    sent: list[dict[str, Any]] = []
+
+    def bare(request: httpx.Request) -> httpx.Response:
+        sent.append({"body": json.loads(request.content), **dict(request.headers)})
+        answer = {"type": "choice", "choice": "ham", "confidence": 0.96}  # no probabilities
+        return httpx.Response(200, json={"model": "hosted-1", "answers": {"item": answer}})
+
+    stage = SystemOneStage(
+        "hosted",
+        "http://s1.test/api/",
+        model="hosted-1",
+        api_key="k",
+        transport=httpx.MockTransport(bare),
+    )
+    verdict = Cascade([stage]).judge("Is this spam? hi", ["spam", "ham", "unsure"])
+    (part,) = verdict.stages
+    assert part.answer is not None and verdict.decided_by == "hosted"
+    assert part.answer.raw_probabilities == pytest.approx(
+        {"spam": 0.02, "ham": 0.96, "unsure": 0.02}
+    )
+    assert part.answer.model == "hosted-1" and part.answer.computed_tokens is None
+    (request,) = sent
+    assert request["body"] == {
+        "state": "Is this spam? hi",
+        "questions": {
+            "item": {
+                "type": "choice",
+                "instructions": "Which option fits?",
+                "criteria": {"spam": None, "ham": None, "unsure": None},
+            }
+        },
+        "model": "hosted-1",
+    }
+    assert request["authorization"] == "Bearer k"
+
+    def down(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(502, text="bad gateway")
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    for handler, failure, words in (
+        (down, "stage_failed", "502"),
+        (slow, "stage_timeout", "within"),
+    ):
+        failing = SystemOneStage("hosted", "http://s1.test", transport=httpx.MockTransport(handler))
+        (part,) = Cascade([failing]).judge("Is this spam? hi", ["spam", "ham"]).stages
+        assert part.failure == failure and part.answer is None and words in (part.error or "")
