@@ -31,6 +31,7 @@ from calibration import Cascade, Gate, Overrides
 from calibration.cascade import StageAnswer, StageResult
 from judge import Engine, Judgment
 from service.decision_log import CascadeLog, LoggedDecision
+from service.logged_features import LoggedFeatures
 from service.remote_stage import RemoteStage, answer_of
 from service.schemas import JudgeRequest, JudgeResponse
 from service.serving_core import WARM_UP, ServiceCore
@@ -94,7 +95,12 @@ class ServedLocal:
             feature_layers=self.gate.policy.probe_layers,
         )
         if self.logs:
-            self.record = LoggedDecision.of(verdict, model=self.model.engine.model_id)
+            # What the log keeps of a first stage's decision it keeps of this one's: with
+            # --log-features, the hidden states a refit of this stage's probe reads.
+            features = LoggedFeatures.of(judgment.features, self.gate.log_layers)
+            self.record = LoggedDecision.of(
+                verdict, model=self.model.engine.model_id, features=features
+            )
         return StageAnswer.of(verdict, judgment, choices)
 
 

@@ -65,6 +65,7 @@ def client(
         profiles_dir=profiles["folder"],
         cascade={"second": str(default_model_path())},
         decision_log=str(log),
+        log_features=True,
     )
     with TestClient(app=create_app(judge, config=config)) as c:
         assert _settled(c).json()["cascade"] == ["local", "second"]
@@ -101,11 +102,13 @@ def test_an_item_the_first_stage_escalates_is_decided_by_the_second(
     assert body["profile"] == "coin-second" and body["choice"] == alone.choice
     assert body["judgment_id"] == second["answer"]["judgment_id"]
     assert first["answer"]["prompt_tokens"] == second["answer"]["prompt_tokens"] > 0
-    # Each stage's decision is logged, each with the cascade's outcome: both stages.
+    # Each stage's decision is logged, each with the cascade's outcome and (--log-features)
+    # the hidden states a refit of that stage's probe would read: both stages.
     for stage in (first, second):
         row = client.get(f"/judgments/{stage['answer']['judgment_id']}").json()
         assert row["cascade"]["decided_by"] == "second"
         assert [s["stage"] for s in row["cascade"]["stages"]] == ["local", "second"]
+        assert row["features"] is not None and row["features"]["width"] == judge.hidden_size
     assert row["profile"] == "coin-second" and row["decision"] == "accept"
     metrics = client.get("/metrics").text
     assert 'judge_cascade_decisions_total{stage="second"}' in metrics
