@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from benchlib import cpu_flags, cpu_model
+from benchlib import decided, judge_machine
 
 from judge.atomicio import write_text
 
@@ -90,8 +88,6 @@ def main() -> None:
 
     from calibration.metrics import accuracy, ece
     from judge import Judge
-    from judge.answers import plan_decisions
-    from judge.packing import pack_rows, row_length
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -99,31 +95,15 @@ def main() -> None:
     items, dropped = load_items(args.data / "commonsense_qa" / "test.jsonl", limit)
     # Off: a question computed twice (once per contender) must not read the first one's state.
     judge = Judge.load(dtype=args.dtype, prefix_cache_mb=0)
-    machine = {
-        "cpu": cpu_model(),
-        "cpu_flags": cpu_flags(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "dtype": judge.dtype,
-        "model": judge.model_id,
-    }
+    machine = judge_machine(judge)
     print(f"# {machine}")
     contenders: list[tuple[str, Order]] = [(n, o) for n in NAMINGS for o in ORDERS]
 
     def ask(row: dict[str, Any], naming: str, order: Order) -> tuple[Any, float, int]:
         """The item's answer, the seconds ``decide``'s steps took, the tokens fed."""
         state = f"Question: {row['question']}"
-        start = time.perf_counter()
-        plan = plan_decisions(state, {"answer": question(row, naming, order)})
-        prepared = [judge.prepare(q) for q in plan.queries]
-        answer = plan.answers(judge.run_shared(prepared))["answer"]
-        seconds = time.perf_counter() - start
-        tries = [p.trie for p in prepared]
-        rows = pack_rows(tries, judge.max_batch_tokens)
-        fed = sum(row_length([tries[i] for i in r]) for r in rows)
-        return answer, seconds, fed
+        answers, _, seconds, fed = decided(judge, state, {"answer": question(row, naming, order)})
+        return answers["answer"], seconds, fed
 
     for row in items[:2]:  # warm-up: first-call costs (allocations, kernels) are not the item's
         for naming, order in contenders:

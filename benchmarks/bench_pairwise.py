@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import sys
 import time
@@ -41,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from benchlib import cpu_flags, cpu_model
+from benchlib import decided, judge_machine
 
 from judge.atomicio import write_text
 
@@ -114,16 +112,7 @@ def main() -> None:
     bounds = [float(b) for b in args.bounds.split(",")]
     # Off: an item computed twice (once per contender) must not read the first one's state.
     judge = Judge.load(args.model, dtype=args.dtype, prefix_cache_mb=0)
-    machine = {
-        "cpu": cpu_model(),
-        "cpu_flags": cpu_flags(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "dtype": judge.dtype,
-        "model": judge.model_id,
-    }
+    machine = judge_machine(judge)
     print(f"# {machine}", flush=True)
     begin = time.perf_counter()
     tasks = []
@@ -159,8 +148,7 @@ def _judge_all(judge: Any, task: str, items: list[dict[str, Any]]) -> dict[Order
     """Each item under both contenders, taking turns: per contender the answers' log-probs
     (n, 2) by candidate, choice mass and spread, each order's P("A") (n, orders), the
     seconds and tokens fed per item."""
-    from judge.answers import PairQuestion, plan_decisions
-    from judge.packing import pack_rows, row_length
+    from judge.answers import PairQuestion
 
     _, instructions = TASKS[task]
 
@@ -168,17 +156,8 @@ def _judge_all(judge: Any, task: str, items: list[dict[str, Any]]) -> dict[Order
         question = PairQuestion(
             instructions=instructions, candidates=item["candidates"], order=order
         )
-        start = time.perf_counter()
-        plan = plan_decisions(item["state"], {"pair": question})
-        prepared = [judge.prepare(q) for q in plan.queries]
-        judgments = judge.run_shared(prepared)
-        answer = plan.answers(judgments)["pair"]
-        seconds = time.perf_counter() - start
-        tries = [p.trie for p in prepared]
-        fed = sum(
-            row_length([tries[i] for i in r]) for r in pack_rows(tries, judge.max_batch_tokens)
-        )
-        return answer, [j.probs[0] for j in judgments], seconds, fed
+        answers, judgments, seconds, fed = decided(judge, item["state"], {"pair": question})
+        return answers["pair"], [j.probs[0] for j in judgments], seconds, fed
 
     for item in items[:2]:  # warm-up: first-call costs are not the item's
         for order in ORDERS:

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the machine's CPU model, and timing side by side.
+"""What the benchmark scripts share: the machine's CPU model, timing side by side, and typed
+questions decided with their cost.
 
 Result files are written with ``atomicio.write_text``, like every other file the project writes.
 """
@@ -10,10 +11,20 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["AVX2", "SIMD", "cpu_flags", "cpu_model", "emulate_avx2", "timed"]
+__all__ = [
+    "AVX2",
+    "SIMD",
+    "cpu_flags",
+    "cpu_model",
+    "decided",
+    "emulate_avx2",
+    "judge_machine",
+    "timed",
+]
 
 # The flag families that decide how fast these benchmarks run: vector width, native bfloat16
 # (avx512_bf16, amx_bf16), AMX. A flag is listed when it starts with one of these.
@@ -70,3 +81,38 @@ def timed(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[flo
             fn()
             times[name].append((time.perf_counter() - start) * 1000)
     return times
+
+
+def judge_machine(judge: Any) -> dict[str, Any]:
+    """Where a benchmark of ``judge`` (a ``judge.Judge``) ran: the CPU and its vector flags,
+    cores, torch and its threads, Python, the model and its dtype."""
+    import torch
+
+    return {
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "dtype": judge.dtype,
+        "model": judge.model_id,
+    }
+
+
+def decided(judge: Any, state: object, questions: Mapping[str, Any]) -> tuple[Any, Any, float, int]:
+    """``decide``'s steps on typed ``questions`` about ``state`` (``judge.answers``): the
+    answers by id, the listings' judgments, the seconds plan, prepare, run and answers took,
+    and the tokens fed to the model (the packed rows: the state once per row)."""
+    from judge.answers import plan_decisions
+    from judge.packing import pack_rows, row_length
+
+    start = time.perf_counter()
+    plan = plan_decisions(state, questions)
+    prepared = [judge.prepare(q) for q in plan.queries]
+    judgments = judge.run_shared(prepared)
+    answers = plan.answers(judgments)
+    seconds = time.perf_counter() - start
+    tries = [p.trie for p in prepared]
+    fed = sum(row_length([tries[i] for i in r]) for r in pack_rows(tries, judge.max_batch_tokens))
+    return answers, judgments, seconds, fed

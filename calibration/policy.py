@@ -390,19 +390,14 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     f"the score's standard deviation {g.std[i]:.4f} is above the maximum "
                     f"{self.max_std:.4f}"
                 )
-            if g.order_sensitive[i] and pair:
+            if g.order_sensitive[i]:
                 assert spreads is not None and bound is not None
-                codes.append("position_inconsistent")
+                # One gate; a pair's listings are its candidates' two orders.
+                codes.append("position_inconsistent" if pair else "order_sensitive")
+                moved = "swapping the candidates" if pair else "the order of the options"
                 reasons.append(
-                    f"swapping the candidates moved a probability by {spreads[i]:.4f}, above "
-                    f"the maximum order spread {bound:.4f}"
-                )
-            elif g.order_sensitive[i]:
-                assert spreads is not None and bound is not None
-                codes.append("order_sensitive")
-                reasons.append(
-                    f"the order of the options moved a probability by {spreads[i]:.4f}, above "
-                    f"the maximum order spread {bound:.4f}"
+                    f"{moved} moved a probability by {spreads[i]:.4f}, above the maximum "
+                    f"order spread {bound:.4f}"
                 )
             scored = g.expected_value is not None and g.std is not None
             judgment = None if judgments is None else judgments[i]

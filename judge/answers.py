@@ -170,17 +170,19 @@ class DecisionPlan(msgspec.Struct, frozen=True):
 
     def question_of(self, index: int) -> str:
         """The id of the question whose listing is ``queries[index]``."""
-        return next(a.id for a in self.asked if a.start <= index < a.start + a.count)
+        return self._asked_of(index).id
+
+    def _asked_of(self, index: int) -> _Asked:
+        return next(a for a in self.asked if a.start <= index < a.start + a.count)
 
     def field_of(self, index: int, field: str | None) -> str:
         """A field the engine named for ``queries[index]``, as the question's own: its
         choices are the question's criteria (``questions.<id>.criteria``), a pair's its
         candidates."""
-        qid = self.question_of(index)
+        asked = self._asked_of(index)
         if field in (None, "choices"):
-            pair = any(a.id == qid and isinstance(a.question, PairQuestion) for a in self.asked)
-            field = "candidates" if pair else "criteria"
-        return f"questions.{qid}.{field}"
+            field = "candidates" if isinstance(asked.question, PairQuestion) else "criteria"
+        return f"questions.{asked.id}.{field}"
 
     def prepare(self, engine: Engine) -> list[Prepared]:
         """Every query prepared by ``engine``; a refusal names the question (``field_of``)."""
