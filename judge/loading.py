@@ -147,11 +147,15 @@ def packaged_model_path(name: str) -> Path:
 
 
 def _cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively and torch dispatches to kernels that use
+    it: a process limited to AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``) on an AVX-512-BF16
+    CPU computes bfloat16 as an AVX2-only CPU does, ~100x slower than float32."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    return capability.startswith("AVX512") and ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
 def resolve_dtype(dtype: DType, device: str) -> torch.dtype:

@@ -6,6 +6,9 @@ import dataclasses
 import hashlib
 import json
 import multiprocessing
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,6 +89,17 @@ def test_auto_is_bfloat16_only_where_the_cpu_computes_it(
     assert resolve_dtype("auto", "cpu") == expected
     # The CPU's flags say nothing about other devices.
     assert resolve_dtype("auto", "mps") == torch.float32
+
+
+def test_auto_is_float32_in_a_process_limited_to_avx2_kernels() -> None:
+    # An AVX-512-BF16 CPU whose process dispatches to AVX2 kernels computes bfloat16 as an
+    # AVX2-only CPU does (~100x slower than float32), so auto must not pick it there.
+    code = "from judge.loading import resolve_dtype; print(resolve_dtype('auto', 'cpu'))"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "torch.float32"
 
 
 @pytest.mark.parametrize(
