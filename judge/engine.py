@@ -56,7 +56,7 @@ from judge.packing import (
     passes,
     row_length,
 )
-from judge.prefix_cache import PrefixCache
+from judge.prefix_cache import PrefixCache, cacheable
 from judge.tokens import PathEncoder
 from judge.trie import build_trie, common_prefix_length
 
@@ -110,7 +110,7 @@ class Judge:
         batch_invariant: bool = True,
         lean: bool = True,
     ) -> None:
-        from judge.decoder import full_attention, lean_decoder, lean_unsupported
+        from judge.decoder import lean_decoder, lean_unsupported
 
         self.model = model
         self.tokenizer = tokenizer
@@ -134,10 +134,10 @@ class Judge:
                 _use_sdpa(model)
         if not (isinstance(prefix_cache_mb, int | float) and prefix_cache_mb >= 0):
             raise ValueError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
-        # None: off (a budget of 0, or a model whose layers keep only a sliding window).
+        # None: off (a budget of 0, or a model with layers that are not attention).
         self.prefix_cache = (
             PrefixCache(int(prefix_cache_mb * 2**20), prefix_cache_block)
-            if prefix_cache_mb > 0 and full_attention(model)
+            if prefix_cache_mb > 0 and cacheable(model.config)
             else None
         )
         self.context_window = _context_window(model, tokenizer)

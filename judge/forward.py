@@ -601,13 +601,20 @@ def _past(
     chains: Sequence[Sequence[Block]],
     device: torch.device,
 ) -> dict[str, DynamicCache]:
-    """The decoder's keyword argument carrying the rows' cached prefixes as its past; none
-    when nothing is cached. transformers 5 renamed ``past_key_values`` to ``cache``."""
-    if cache is None or not any(chains):
+    """The decoder's keyword argument carrying the rows' cached prefixes as its past (empty
+    where nothing is cached); none without a prefix cache. transformers 5 renamed
+    ``past_key_values`` to ``cache``.
+
+    Always a cache of our own, without the model's config: given none, the decoder makes one
+    from its config, whose sliding-window layers keep only their last ``window`` keys and
+    values (Gemma 3), and the prefix cache would store a row's tail as its whole prefix. Ours
+    keeps every key; the mask (``_pack``) hides what a sliding layer may not see."""
+    if cache is None:
         return {}
     past_kv = DynamicCache()
-    for i, (keys, values) in enumerate(cache.assemble(chains)[0]):
-        past_kv.update(keys.to(device), values.to(device), i)
+    if any(chains):
+        for i, (keys, values) in enumerate(cache.assemble(chains)[0]):
+            past_kv.update(keys.to(device), values.to(device), i)
     names = inspect.signature(decoder.forward).parameters
     return {"cache" if "cache" in names else "past_key_values": past_kv}
 

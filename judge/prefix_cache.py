@@ -45,9 +45,23 @@ import msgspec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PrefixCache", "PrefixCacheStats"]
+__all__ = ["ATTENDING_LAYERS", "PrefixCache", "PrefixCacheStats", "cacheable"]
 
 KV = list[tuple["torch.Tensor", "torch.Tensor"]]  # per layer: (keys, values), (heads, t, head_dim)
+
+# Layer types (transformers' ``config.layer_types``) whose state after a prefix is its keys and
+# values. A sliding-window layer's is too: the cache keeps every key, and the pass's mask hides
+# those out of the window (``judge.forward._pack``).
+ATTENDING_LAYERS = frozenset({"full_attention", "sliding_attention"})
+
+
+def cacheable(config: object) -> bool:
+    """Whether a model with ``config`` carries a prefix forward in its keys and values alone,
+    so that the prefix cache can stand in for it: every layer attends to its past, whole or
+    through a sliding window (Gemma 3, Mistral). Another kind of layer (a recurrent state,
+    chunked attention) keeps something a key cache does not."""
+    types = getattr(config, "layer_types", None) or []
+    return all(t in ATTENDING_LAYERS for t in types)
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):

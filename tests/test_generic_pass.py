@@ -6,9 +6,9 @@ mask) take transformers' own decoder with the engine's 4-D mask; every prompt he
 than the window. In float32 and in bfloat16, with the batch-invariant arithmetic (the default),
 an item gets the same bits (probabilities, log-probabilities, choice mass and hidden-state
 features) judged alone, in a batch beside longer and shorter items at its first and last slot,
-and as one of several questions sharing a context; the GPT-2 gets them on a cold and on a warm
-prefix cache too (and in a pass whose rows read cached pasts of other lengths), while the
-windowed models run without the cache, as the README says. Choices
+and as one of several questions sharing a context; each gets them on a cold and on a warm
+prefix cache too (and in a pass whose rows read cached pasts of other lengths), the windowed
+models over cached prefixes longer than their window. Choices
 that share leading tokens ("8", "80", "800") make the pass descend the trie past its root. The
 brute-force reference (``tests/reference.py``) and transformers' own hidden states agree within
 the dtype's rounding.
@@ -175,11 +175,13 @@ def test_a_shared_context_question_gets_its_lone_bits(
         assert_same_bits(got, alone, f"question {i} of a shared context")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@every_model
 def test_a_warm_prefix_cache_gives_the_cold_bits(
-    engines: Callable[[str, str], Engines], dtype: str
+    engines: Callable[[str, str], Engines], kind: str, dtype: str
 ) -> None:
-    plain, cached = engines("gpt2", dtype)
+    """Windowed models too: the cache keeps every key of a prefix longer than the window (a
+    sliding layer's own cache keeps only the window's), and the mask hides the rest."""
+    plain, cached = engines(kind, dtype)
     cache = cached.prefix_cache
     assert cache is not None
     off = [plain.judge_batch([q])[0] for q in ITEMS]
@@ -214,23 +216,6 @@ def test_a_warm_prefix_cache_gives_the_cold_bits(
         assert_same_bits(got, want, f"question {i}, shared context on a warm cache")
     stats = cache.stats()
     assert stats.hits > 0 and stats.tokens_reused > 0
-
-
-@pytest.mark.parametrize("kind", KINDS[1:])
-def test_a_model_with_windowed_layers_runs_without_the_cache(
-    engines: Callable[[str, str], Engines], kind: str
-) -> None:
-    """The README: models whose layers keep only a sliding window run without the cache,
-    whatever ``prefix_cache_mb`` asks; every call computes its whole prompt, in one pass."""
-    plain, cached = engines(kind, "float32")
-    assert cached.prefix_cache is None
-    for q in ITEMS:
-        first, again = cached.judge_batch([q])[0], cached.judge_batch([q])[0]
-        assert first.cached_tokens == again.cached_tokens == 0
-        assert again.computed_tokens == cached.prepare(q).tokens
-        assert_same_bits(again, plain.judge_batch([q])[0], "the cache asked for")
-    questions = [shared_query(CONTEXT, q) for q in ITEMS]
-    assert all(j.forward_passes == 1 for j in cached.judge_batch(questions))  # no head pass
 
 
 @every_model

@@ -199,3 +199,20 @@ def test_a_batch_computes_its_common_head_once(judge: Judge, uncached: Judge) ->
         assert g.computed_tokens < 40
     again = engine.judge_batch([Query(prompt=p + "!", choices=["pass", "fail"]) for p in prompts])
     assert all(r.forward_passes == 1 for r in again)  # the head is cached now
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "expected"),
+    [
+        (None, True),  # no per-layer types: every layer attends (Llama, GPT-2)
+        (["sliding_attention", "full_attention"], True),  # Gemma 3
+        (["linear_attention", "full_attention"], False),  # a recurrent state beside attention
+        (["full_attention", "chunked_attention"], False),
+    ],
+)
+def test_a_model_with_layers_that_do_not_attend_runs_without_the_cache(
+    judge: Judge, monkeypatch: pytest.MonkeyPatch, layer_types: list[str] | None, expected: bool
+) -> None:
+    monkeypatch.setattr(judge.model.config, "layer_types", layer_types, raising=False)
+    engine = cached_judge(judge)
+    assert (engine.prefix_cache is not None) is expected

@@ -1,5 +1,6 @@
 """The second real model, Gemma 3 270M (PyPI chunk packages), as a user loads it by name: exact
-against a brute-force reference, the same bits alone and batched, and `judge qualify` on it.
+against a brute-force reference, the same bits alone and batched and on a warm prefix cache
+past its sliding window, and `judge qualify` on it.
 
 Run by ``make bench-smoke``, which installs its packages (about 250 MB; the first load
 de-quantizes it, a minute or two): ``make test`` stays within its budget without it.
@@ -61,6 +62,28 @@ def test_a_batch_gives_each_item_its_bits_alone(gemma: Judge) -> None:
         assert alone.probs == b.probs and alone.choice_mass == b.choice_mass
     again = gemma.judge_batch(queries[::-1])[::-1]
     assert [a.probs for a in again] == [b.probs for b in batched]
+
+
+def test_a_prefix_longer_than_its_window_is_cached_exactly(gemma: Judge) -> None:
+    """Its sliding layers see 512 keys back: a warm cache holding a longer prefix gives the
+    bits of the cache off, which match the brute-force reference."""
+    assert gemma.prefix_cache is not None and gemma.model.config.sliding_window == 512
+    off = Judge(gemma.model, gemma.tokenizer, model_id=gemma.model_id, prefix_cache_mb=0)
+    head = "A log of the day's messages, in order: " + " ".join(
+        f"message {i} arrived at {i % 24:02d}:{i % 60:02d}." for i in range(80)
+    )
+    queries = [(f"{head}\n\nDid message {n} arrive?", ["yes", "no"]) for n in (3, 70)]
+    gemma.prefix_cache.clear()
+    for i, (prompt, choices) in enumerate(queries):
+        want = off.judge(prompt, choices)
+        assert want.prompt_tokens > 700
+        reference = reference_probabilities(gemma, prompt, choices)
+        assert want.probs == pytest.approx([reference[c] for c in choices], abs=1e-4)
+        cold, warm = gemma.judge(prompt, choices), gemma.judge(prompt, choices)
+        # The second query's cold pass reads the head the first one left.
+        assert (cold.cached_tokens > 512) is (i > 0) and warm.cached_tokens > 512
+        assert cold.probs == warm.probs == want.probs
+        assert cold.choice_mass == warm.choice_mass == want.choice_mass
 
 
 @pytest.mark.skipif(not SMS.exists(), reason="the shared datasets are not beside this checkout")
