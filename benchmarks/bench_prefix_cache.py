@@ -16,7 +16,11 @@ bytes the cache holds. Then over HTTP: ``judge serve`` with the cache off and on
 distinct items (the rubric as the request's system prompt, 2 choices) at concurrency 1 and 16,
 throughput and median latency. Writes ``benchmarks/results/bench_prefix_cache.json``.
 
+``--model gemma3-270m`` runs it on the second model, whose sliding-window layers read the
+cached head like any (the floor's past keeps every key, as the engine's cache does).
+
     python benchmarks/bench_prefix_cache.py [--items 100] [--http-requests 48] [--quick]
+        [--model MODEL]
 """
 
 from __future__ import annotations
@@ -138,7 +142,10 @@ def floor_ms(judge: Judge, prompt_ids: list[int], cached: int, head_kv: list) ->
 
 @torch.inference_mode()
 def head_keys_values(judge: Judge, prompt_ids: list[int]) -> list:
-    out = judge.model.get_decoder()(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    # A cache of our own: the model's would keep only a sliding layer's window (Gemma 3).
+    out = judge.model.get_decoder()(
+        input_ids=torch.tensor([prompt_ids]), use_cache=True, past_key_values=DynamicCache()
+    )
     cache = getattr(out, "cache", None) or out.past_key_values
     return [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -154,12 +161,15 @@ def main() -> None:
         action="store_true",
         help="the model's own decoder instead of the lean pass (the engine before it)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_prefix_cache.json")
+    parser.add_argument("--model", default=None, help="model id, directory or .gguf")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    name = f"_{args.model.replace('/', '_')}" if args.model else ""
+    out_path = args.out or RESULTS / f"bench_prefix_cache{name}.json"
     n_items = 4 if args.quick else args.items
 
     lean = not args.generic
-    off = Judge.load(dtype=args.dtype, prefix_cache_mb=0, system=RUBRIC, lean=lean)
+    off = Judge.load(args.model, dtype=args.dtype, prefix_cache_mb=0, system=RUBRIC, lean=lean)
 
     def cached_engine() -> Judge:
         return Judge(off.model, off.tokenizer, model_id=off.model_id, system=RUBRIC, lean=lean)
@@ -229,15 +239,18 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(),
             "dtype": off.dtype,
             "lean": lean,
+            "model": off.model_id,
+            "decoder_pass": off.decoder_pass,
         },
         "head_tokens": head_tokens,
         "rows": rows,
         "http": []
         if args.quick
-        else http_rows(items(off, 2 * args.http_requests), args.dtype, lean),
+        else http_rows(items(off, 2 * args.http_requests), args.dtype, lean, args.model),
         "quick": args.quick,
     }
     lines = [
+        f"{off.model_id} ({off.decoder_pass} pass). "
         f"Head: {head_tokens} tokens; {n_items} items per choice set; {off.dtype}, "
         f"{torch.get_num_threads()} threads.",
         "",
@@ -263,10 +276,12 @@ def main() -> None:
             for h in result["http"]
         ]
     print("\n".join(lines))
-    write_text(args.out, json.dumps(result, indent=2))
+    write_text(out_path, json.dumps(result, indent=2))
 
 
-def http_rows(texts: list[str], dtype: str, lean: bool = True) -> list[dict[str, Any]]:
+def http_rows(
+    texts: list[str], dtype: str, lean: bool = True, model: str | None = None
+) -> list[dict[str, Any]]:
     """Half the texts at concurrency 1, the other half at 16, so that no level finds another's
     items cached."""
     from bench_service import free_port, load, start_server, stop_server
@@ -276,6 +291,7 @@ def http_rows(texts: list[str], dtype: str, lean: bool = True) -> list[dict[str,
     for mb in (0, 256):
         port = free_port()
         flags = ["--prefix-cache-mb", str(mb)] + ([] if lean else ["--generic-pass"])
+        flags += ["--model", model] if model else []
         server = start_server(port, 16, dtype, flags)
         try:
             url = f"http://127.0.0.1:{port}"
