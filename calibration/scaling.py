@@ -27,6 +27,7 @@ function for serving time.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -35,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy import optimize
 from sklearn import exceptions, model_selection
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from calibration.maps import (
     MAX_ABS_BIAS,
@@ -416,10 +417,19 @@ def fit_calibrator(
     # These problems have a handful of parameters: a multi-threaded BLAS only adds thread
     # hand-offs, which cost 10x the whole fit on a busy machine (measured: 4 s vs 0.28 s for
     # ten fits while the model ran on the other cores).
-    with threadpool_limits(limits=1, user_api="blas"):
+    with _thread_pools().limit(limits=1, user_api="blas"):
         return _fit_calibrator(
             z, labels, methods, cv, random_state, min_improvement_se, probe_inputs
         )
+
+
+@functools.cache
+def _thread_pools() -> ThreadpoolController:
+    """This process's thread pools, found once. ``threadpool_limits`` looks for them in every
+    loaded library on each call: 4 ms in a process with torch loaded, where a whole
+    temperature fit takes about 10. The pools a fit runs on are loaded by this module's own
+    imports (numpy's, scipy's and scikit-learn's), so they are there at the first fit."""
+    return ThreadpoolController()
 
 
 @dataclass(frozen=True)
