@@ -10,7 +10,6 @@ import email.utils
 import io
 import json
 import re
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from server import READY_S, Server, free_port
+from server import READY_S, Server
 from test_service import EXAMPLES
 
 from judge.identity import new_judgment_id
@@ -55,21 +54,10 @@ PROMPTS = [f"Is this SMS spam? {t}" for t in TEXTS]
 CHOICES = ["spam", "ham", "unsure"]
 
 
-def start(profiles: Path) -> Server:
-    port = free_port()
-    command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
-    command += ["--dtype", "float32", "--profiles-dir", str(profiles), "--max-wait-ms", "5"]
-    # A deadline only a hang reaches: how long a judgment takes is this machine's speed.
-    server = Server([*command, "--request-timeout", f"{READY_S:g}"], port)
-    server.wait_ready()
-    return server
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start(tmp_path_factory.mktemp("profiles"))
-    yield s
-    s.stop()
+@pytest.fixture
+def server(model_server: Server) -> Server:
+    """The session's `judge serve` on the real model (tests/conftest.py)."""
+    return model_server
 
 
 @pytest.fixture

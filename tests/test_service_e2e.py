@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,11 +48,10 @@ def start(profiles: Path) -> Server:
     return server
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start(tmp_path_factory.mktemp("profiles"))
-    yield s
-    s.stop()
+@pytest.fixture
+def server(model_server: Server) -> Server:
+    """The session's `judge serve` on the real model (tests/conftest.py)."""
+    return model_server
 
 
 def test_ready_goes_from_503_to_200(server: Server) -> None:

@@ -15,7 +15,6 @@ import io
 import json
 import math
 import re
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
-from server import READY_S, Server, free_port
+from server import Server
 
 from calibration import CalibrationProfile, FitSettings, fit_profile, make_policy
 from judge import Judgment, Query
@@ -460,17 +459,10 @@ def test_our_clients_send_the_wire_request_and_decode_the_answer(app: TestClient
 # --- against the real server, with the real systemone-client ------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    profiles = tmp_path_factory.mktemp("profiles")
-    command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
-    command += ["--dtype", "float32", "--profiles-dir", str(profiles)]
-    # A deadline only a hang reaches: how long a judgment takes is this machine's speed.
-    s = Server([*command, "--request-timeout", f"{READY_S:g}"], port)
-    s.wait_ready()
-    yield s
-    s.stop()
+@pytest.fixture
+def server(model_server: Server) -> Server:
+    """The session's `judge serve` on the real model (tests/conftest.py)."""
+    return model_server
 
 
 def judged(url: str, state: Any, questions: dict[str, Any]) -> dict[str, dict[str, float]]:
