@@ -19,7 +19,8 @@ counts are None; a System One server's ``usage.input_tokens`` is the answer's co
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,21 +61,20 @@ class RemoteStage:
         timeout_s: float | None,
     ) -> JudgeResponse:
         """The remote server's response; TimeoutError when it does not answer in time."""
-        limit = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
         # A client per call: httpx fixes a client's timeout when it is made, and each call
         # has what is left of its own deadline. A connection costs little beside a pass.
-        try:
-            with JudgeClient(self.url, self.api_key, timeout=limit, retries=NO_RETRIES) as client:
-                return client.judge(
-                    prompt,
-                    choices,
-                    profile=self.profile,
-                    threshold=self.threshold,
-                    min_choice_mass=self.min_choice_mass,
-                    item_span=item_span,
-                )
-        except httpx.TimeoutException as exc:
-            raise TimeoutError(f"{self.url} did not answer within {limit:g} s") from exc
+        with (
+            _bounded(self.url, self.timeout_s, timeout_s) as limit,
+            JudgeClient(self.url, self.api_key, timeout=limit, retries=NO_RETRIES) as client,
+        ):
+            return client.judge(
+                prompt,
+                choices,
+                profile=self.profile,
+                threshold=self.threshold,
+                min_choice_mass=self.min_choice_mass,
+                item_span=item_span,
+            )
 
     def answer(
         self,
@@ -86,6 +86,18 @@ class RemoteStage:
     ) -> StageAnswer:
         r = self.call(prompt, choices, item_span=item_span, timeout_s=timeout_s)
         return answer_of(r, choices)
+
+
+@contextmanager
+def _bounded(url: str, own_s: float, left_s: float | None) -> Iterator[float]:
+    """A call's time limit: the stage's own, or what is left of the cascade's deadline where
+    that is less; httpx's timeout within it becomes the TimeoutError a cascade reads as
+    ``stage_timeout``."""
+    limit = own_s if left_s is None else min(left_s, own_s)
+    try:
+        yield limit
+    except httpx.TimeoutException as exc:
+        raise TimeoutError(f"{url} did not answer within {limit:g} s") from exc
 
 
 def answer_of(r: JudgeResponse, choices: Sequence[str]) -> StageAnswer:
@@ -156,7 +168,6 @@ class SystemOneStage:
         item_span: tuple[int, int] | None,
         timeout_s: float | None,
     ) -> StageAnswer:
-        limit = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
         question = {"type": "choice", "instructions": self.instructions}
         body: dict[str, Any] = {
             "state": prompt,
@@ -165,11 +176,11 @@ class SystemOneStage:
         if self.model is not None:
             body["model"] = self.model
         headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
-        try:
-            with httpx.Client(timeout=limit, transport=self.transport) as http:
-                r = http.post(f"{self.url.rstrip('/')}/v1/systemone", json=body, headers=headers)
-        except httpx.TimeoutException as exc:
-            raise TimeoutError(f"{self.url} did not answer within {limit:g} s") from exc
+        with (
+            _bounded(self.url, self.timeout_s, timeout_s) as limit,
+            httpx.Client(timeout=limit, transport=self.transport) as http,
+        ):
+            r = http.post(f"{self.url.rstrip('/')}/v1/systemone", json=body, headers=headers)
         if r.status_code != 200:
             raise RuntimeError(f"{self.url} answered {r.status_code}: {r.text[:300]}")
         reply = msgspec.json.decode(r.content)
