@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from calibration import Gate
+from calibration import Gate, Overrides
 from calibration.cascade import StageAnswer
 from service.client import JudgeClient, RetryPolicy
 from service.schemas import JudgeResponse
@@ -51,6 +51,22 @@ class RemoteStage:
     min_choice_mass: float | None = None
     api_key: str | None = None
     timeout_s: float = 60.0
+
+    @classmethod
+    def under(
+        cls, name: str, url: str, profile: str | None, overrides: Overrides, api_key: str | None
+    ) -> RemoteStage:
+        """The stage as a cascade asks it: under ``profile`` in that server's store, with the
+        ``overrides``' threshold and minimum choice mass (its other fields are the first
+        stage's alone)."""
+        return cls(
+            name,
+            url,
+            profile=profile,
+            threshold=overrides.threshold,
+            min_choice_mass=overrides.min_choice_mass,
+            api_key=api_key,
+        )
 
     def call(
         self,

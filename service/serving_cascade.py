@@ -164,14 +164,8 @@ class CascadeServing:
         for name, target in config.cascade.items():
             profile = None if request.profile is None else f"{request.profile}-{name}"
             if is_remote(target):
-                remote = RemoteStage(
-                    name,
-                    target,
-                    profile=profile,
-                    threshold=request.threshold,
-                    min_choice_mass=request.min_choice_mass,
-                    api_key=config.api_key,  # a fleet's servers share their key
-                )
+                # A fleet's servers share their key.
+                remote = RemoteStage.under(name, target, profile, overrides, config.api_key)
                 stages.append(ServedRemote(remote))
                 continue
             model = self.local[name]

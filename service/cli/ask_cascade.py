@@ -73,13 +73,9 @@ class LaterStages:
         views: list[ServedStage] = []
         for stage in self.stages:
             if is_remote(stage.target):
-                remote = RemoteStage(
-                    stage.name,
-                    stage.target,
-                    profile=stage.remote_profile,
-                    threshold=self.overrides.threshold,
-                    min_choice_mass=self.overrides.min_choice_mass,
-                    api_key=os.environ.get("JUDGE_API_KEY") or None,
+                key = os.environ.get("JUDGE_API_KEY") or None
+                remote = RemoteStage.under(
+                    stage.name, stage.target, stage.remote_profile, self.overrides, key
                 )
                 views.append(ServedRemote(remote))
             else:
