@@ -284,7 +284,13 @@ def test_blocked_attention_is_attention(length: int) -> None:
     values = torch.randn(Hkv, length, D, generator=g)
     want = _by_definition(q, keys, values, seen, 0.3).float()
     junk = torch.randn(Hkv, 1, D, generator=g)
-    blockings = (Blocking(), Blocking(queries=24), Blocking(short=()), Blocking(short=(144, 400)))
+    blockings = (
+        Blocking(),
+        Blocking(queries=24),
+        Blocking(short=()),
+        Blocking(short=(144, 400)),
+        Blocking(tails=tuple(range(4, QUERY_BLOCK))),  # a lane's last block in fewer queries
+    )
     for blocking, attend in [*((b, blocked_attention) for b in blockings), (None, lane_sdpa)]:
         # The bank is the lane, or the lane's keys are gathered from behind another key.
         for first in (0, 1):
@@ -487,7 +493,7 @@ def test_lanes_lay_out_keys_queries_and_calls() -> None:
     B = QUERY_BLOCK
     short = SHORT_CANDIDATES[-1] // B  # blocks that need at most the largest short count
     assert tuple(range(MIN_KEYS, KEY_BLOCK, KEY_STEP)) == SHORT_CANDIDATES
-    assert [(c.first, c.end, c.keys) for c in long.calls] == [
+    assert [(c.start // B, c.stop // B, c.keys) for c in long.calls] == [
         (0, MIN_KEYS // B, MIN_KEYS),  # the first blocks all read MIN_KEYS
         *((i, i + 1, (i + 1) * B) for i in range(MIN_KEYS // B, short)),
         (short, KEY_BLOCK // B, KEY_BLOCK),
@@ -496,6 +502,21 @@ def test_lanes_lay_out_keys_queries_and_calls() -> None:
     blocks24 = Lanes.build([(range(n), range(n), causal)], n, n, Blocking(queries=24))
     assert blocks24.query_index.shape == (1, 1032)  # 43 blocks of 24
     assert all(c.visible.shape[2] == 24 for c in blocks24.calls)
+    # A lane's last, partial block runs in the smallest tail that holds its queries; without
+    # one, in a whole block.
+    tails = Blocking(tails=tuple(range(4, B)))
+    assert [tails.last(r) for r in (1, 3, 4, 17, B - 1)] == [4, 4, 4, 17, B - 1]
+    assert Blocking().last(3) == B
+    for rest, tail in ((3, 4), (17, 17)):
+        m = B + rest
+        seen = torch.ones(m, m, dtype=torch.bool).tril()
+        tailed = Lanes.build([(range(m), range(m), seen)], m, m, tails)
+        layout = [(c.start, c.stop, c.visible.shape[:3], c.keys) for c in tailed.calls]
+        assert layout == [(0, B, (1, 1, B), MIN_KEYS), (B, B + tail, (1, 1, tail), MIN_KEYS)]
+        assert tailed.back.tolist() == list(range(m))  # each fed token's row, in order
+        whole = Lanes.build([(range(m), range(m), seen)], m, m, Blocking())
+        assert [(c.start, c.stop) for c in whole.calls] == [(0, 2 * B)]
+    assert "a lane's last block in 4-31 queries" in tails.describe()
 
 
 # The kernels of an AVX2-only CPU, on any x86 machine: torch's own (ATEN_CPU_CAPABILITY),
