@@ -129,10 +129,11 @@ _MEASURED: dict[tuple[object, ...], Blocking] = {}
 def measured_blocking(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Blocking:
     """The ``Blocking`` under which the fused kernel gives a query the same bits wherever it
     sits, measured on this machine for these head shapes, in ``dtype``, at this number of
-    threads (once per process and shape, ~0.2 s): the first of ``QUERY_CANDIDATES`` whose
+    threads (once per process and shape, ~0.3 s): the first of ``QUERY_CANDIDATES`` whose
     every slot gives the same bits over one and two blocks of ``KEY_BLOCK`` keys, and the
     short key counts at which, too, every slot gives the same bits, and those of ``KEY_BLOCK``
-    keys to every query that may read them (``_short_keys_hold``).
+    keys to every query that may read them (``_short_keys_hold``), and the smaller blocks that
+    give a query the bits of a whole one (``_tails``).
 
     Which short counts hold is the CPU's: on an Intel Xeon every count from 128 to 256 did
     (AVX-512 and AVX2 kernels); on an AMD EPYC only some do (float32: 128 to 192 and 384 up;
@@ -159,7 +160,7 @@ def measured_blocking(heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
         if short != SHORT_CANDIDATES:
             log.info("attention: %s here", Blocking(queries, short).describe())
         reads = (short[:1] or (KEY_BLOCK,)) + (KEY_BLOCK, 2 * KEY_BLOCK)
-        tails = tuple(t for t in range(1, queries) if _tail_holds(block, k, v, t, reads))
+        tails = _tails(block, k, v, reads)
         _MEASURED[key] = Blocking(queries=queries, short=short, tails=tails)
     return _MEASURED[key]
 
@@ -183,23 +184,27 @@ def _slots_hold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int) ->
     )
 
 
-def _tail_holds(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int, reads: Sequence[int]
-) -> bool:
-    """Whether a block of ``t`` queries gives each the bits the whole block ``q`` gives it, at
-    each of ``reads`` key counts: its first ``t`` queries and its last, each seeing from one
-    key to all of them. With AVX2 kernels (and AVX-512 ones, on an AMD EPYC) 4 to 31 of 32 did;
-    1 to 3 did not (those kernels compute a tail of 1-3 rows another way)."""
+def _tails(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: Sequence[int]
+) -> tuple[int, ...]:
+    """The query counts below the block ``q``'s at which a block gives each query the bits the
+    whole block gives it, at each of ``reads`` key counts: its first queries and its last,
+    each seeing from one key to all of them. With AVX2 kernels (and AVX-512 ones, on an AMD
+    EPYC) 4 to 31 of 32 did; 1 to 3 did not (those kernels compute a tail of 1-3 rows another
+    way)."""
     B = q.shape[2]
+    holding = set(range(1, B))
     for keys in reads:
         seen = torch.arange(B) * (keys - 1) // max(B - 1, 1) + 1
         kk, vv = k[:, :, :keys], v[:, :, :keys]
         want = _sdpa(q, kk, vv, seen)
-        for a in (0, B - t):
-            got = _sdpa(q[:, :, a : a + t], kk, vv, seen[a : a + t])
-            if not torch.equal(got, want[:, :, a : a + t]):
-                return False
-    return True
+        for t in sorted(holding):
+            for a in (0, B - t):
+                got = _sdpa(q[:, :, a : a + t], kk, vv, seen[a : a + t])
+                if not torch.equal(got, want[:, :, a : a + t]):
+                    holding.discard(t)
+                    break
+    return tuple(sorted(holding))
 
 
 def _short_keys_hold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int) -> bool:
