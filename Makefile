@@ -60,6 +60,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_cascade.py
 	$(BIN)/python benchmarks/bench_gating.py
 	$(BIN)/python benchmarks/bench_prefix_cache.py
+	$(BIN)/python benchmarks/bench_tails.py
 	$(BIN)/python benchmarks/bench_latency.py
 	$(BIN)/python benchmarks/bench_quality.py
 	$(BIN)/python benchmarks/bench_service.py

@@ -32,8 +32,9 @@ A lane's blocks of queries are grouped by the keys they need, so a long causal l
 pay for the masked half of its keys beyond one block of 512. A lane's last, partial block runs
 in fewer queries where that count is measured to give each query a whole block's bits
 (``Blocking.tails``; 4 to 31 of 32 on an AMD EPYC, AVX-512 and AVX2 kernels alike): a warm call
-that computes 36 tokens over 964 cached ones then attends in 36 queries, not 64 (its
-attention 0.63x, the call 0.87x; a one-token pass 0.91x).
+that computes 35 tokens over ~950 cached ones then attends in 35 queries, not 64 (the call
+0.83x in bfloat16, 0.93x in float32, 0.90x with AVX2 kernels; a one-token pass 0.84-0.93x:
+``benchmarks/bench_tails.py``).
 
 ``lane_sdpa`` is the ordinary arithmetic over the same lanes: one fused call for all lanes,
 keys padded only to a multiple of 64; faster for a batch, and not invariant.
