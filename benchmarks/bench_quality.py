@@ -57,8 +57,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import re
 import sys
@@ -69,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import cpu_model
+from benchlib import judge_machine
 
 from calibration.tasks import (
     LabeledItem,
@@ -394,15 +392,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     judge = Judge.load(dtype=args.dtype)
-    machine = {
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "dtype": judge.dtype,
-        "model": judge.model_id,
-    }
+    machine = judge_machine(judge)
     print(f"# {machine}")
     print(
         f"# at most {args.max_items} items per split (seeded subsample, seed {args.seed}); "

@@ -13,7 +13,8 @@ process, the two blockings taking turns call by call, on the default model:
 
 Prints a table and writes ``benchmarks/results/bench_tails.json``.
 
-    python benchmarks/bench_tails.py [--dtype auto|float32|bfloat16] [--calls 40] [--quick]
+    python benchmarks/bench_tails.py [--dtype auto|float32|bfloat16] [--calls 40] [--threads N]
+        [--quick]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 from bench_prefix_cache import RUBRIC
-from benchlib import cpu_flags, cpu_model
+from benchlib import judge_machine
 
 from judge import Judge
 from judge.atomicio import write_text
@@ -45,10 +46,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--calls", type=int, default=40, help="warm calls per blocking")
+    parser.add_argument("--threads", type=int, help="torch threads (default: one per core)")
     parser.add_argument("--quick", action="store_true", help="4 calls per blocking")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_tails.json")
     args = parser.parse_args()
     calls = 4 if args.quick else args.calls
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     judge = Judge.load(dtype=args.dtype, system=RUBRIC)
     lean = judge._lean
@@ -88,11 +92,8 @@ def main() -> None:
     median = {n: (statistics.median(warm[n]), statistics.median(one[n])) for n in blockings}
     result = {
         "machine": {
-            "cpu": cpu_model(),
-            "flags": cpu_flags(),
+            **judge_machine(judge),
             "capability": str(torch.backends.cpu.get_cpu_capability()),
-            "torch_threads": torch.get_num_threads(),
-            "dtype": judge.dtype,
         },
         "tails": list(blockings["tails"].tails),
         "warm_computed_tokens": computed,
@@ -103,7 +104,7 @@ def main() -> None:
     }
     (w_t, o_t), (w_w, o_w) = median["tails"], median["whole blocks"]
     print(
-        f"{cpu_model()}; kernels {result['machine']['capability']}; {judge.dtype}; "
+        f"{result['machine']['cpu']}; kernels {result['machine']['capability']}; {judge.dtype}; "
         f"tails {blockings['tails'].describe()}; {calls} calls each\n\n"
         "| blocking | warm call ms | one-token pass ms |\n|---|---|---|\n"
         f"| whole blocks | {w_w:.1f} | {o_w:.2f} |\n| tails | {w_t:.1f} | {o_t:.2f} |\n"
