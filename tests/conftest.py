@@ -1,5 +1,6 @@
-"""Session fixtures: the real default model is loaded once for the whole test session, and
-one `judge serve` on it is shared by the modules that only send it requests."""
+"""Session fixtures: the real default model is loaded once for the whole test session (once
+per worker under `make test`'s two), and one `judge serve` on it is shared by the modules
+that only send it requests; each worker's torch runs on its share of the cores."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from cores import share_cores
 from server import READY_S, Server, free_port
 
 from judge import Judge
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    share_cores()
 
 
 @pytest.fixture(scope="session")

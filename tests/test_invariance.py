@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from cores import users_environ
 from torch.nn import functional as F
 
 from calibration.tasks import load_split, load_task, task_prompt
@@ -209,8 +210,13 @@ def test_a_fresh_process_judges_its_first_item_as_it_does_later() -> None:
     angles other bits: 3 fresh processes in 4 judged this item differently the second time."""
     for _ in range(3):
         # The timeout is a watchdog: loading and one pass take seconds, minutes on a busy machine.
+        # The user's threads, not a test worker's share: one thread never showed the fault.
         done = subprocess.run(
-            [sys.executable, "-c", FIRST_PASS], capture_output=True, text=True, timeout=1800
+            [sys.executable, "-c", FIRST_PASS],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env=users_environ(),
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.startswith("True"), done.stdout

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import platform
 import re
 import subprocess
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from cores import shared, users_environ
 from reference import reference_probabilities
 from torch.nn import functional as F
 from transformers import (
@@ -532,20 +532,38 @@ INVARIANCE = (
 )
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernels only")
-def test_the_invariance_holds_with_an_avx2_cpus_kernels() -> None:
-    """The batch-invariance tests of the lean and the generic pass (tiny models) again in a
-    process limited to AVX2 kernels, where a 32-row product and a 32-query attention block
-    gave their last slots other bits: whatever this machine is, the arithmetic is measured for
-    the kernels it runs."""
+def _invariance_in_a_process(selection: str, files: list[str], environ: dict[str, str]) -> None:
+    """The invariance tests ``selection`` of ``files`` (under tests/) in a process of their own."""
     here = Path(__file__).resolve().parent
-    files = [str(here / "test_lean.py"), str(here / "test_generic_pass.py")]
+    paths = [str(here / f) for f in files]
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", INVARIANCE, *files],
-        env={**os.environ, **AVX2},
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection, *paths],
+        env=environ,
         capture_output=True,
         text=True,
         cwd=here.parent,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert re.search(r"(\d+) passed", run.stdout) and " failed" not in run.stdout
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernels only")
+def test_the_invariance_holds_with_an_avx2_cpus_kernels() -> None:
+    """The batch-invariance tests of the lean and the generic pass (tiny models) again in a
+    process limited to AVX2 kernels, where a 32-row product and a 32-query attention block
+    gave their last slots other bits: whatever this machine is, the arithmetic is measured for
+    the kernels it runs. The process runs a user's threads, not a test worker's share."""
+    files = ["test_lean.py", "test_generic_pass.py"]
+    _invariance_in_a_process(INVARIANCE, files, users_environ(**AVX2))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shared(), reason="the suite runs at a user's threads here")
+def test_the_invariance_holds_at_a_users_threads() -> None:
+    """`make test`'s workers each run torch on their share of the cores (tests/cores.py), and
+    a product or an attention call may split its work otherwise on more threads: the
+    batch-invariance tests again, the real model's and the tiny models', in a process with the
+    threads a user's process runs, on this machine's own kernels."""
+    real = "match_lone_ones or features_match_across_batches"
+    files = ["test_lean.py", "test_generic_pass.py", "test_invariance.py"]
+    _invariance_in_a_process(f"{INVARIANCE} or {real}", files, users_environ())
