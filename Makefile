@@ -16,7 +16,7 @@ SHARED_CPU := GOMP_SPINCOUNT=10000
 # Most of the suite runs on one core at a time (imports, server start-ups, fits): two workers,
 # each file whole on one of them (its module fixtures start once), each worker's torch on its
 # share of the cores (tests/cores.py). On 2 cores of an AMD EPYC with AVX2 kernels: 15 min 9 s
-# in one process, 9 min 35 s in two.
+# in one process (pytest alone), 10 min 16 s in two (`make test`).
 TEST_WORKERS ?= 2
 
 .PHONY: install serve run test bench bench-smoke fuzz

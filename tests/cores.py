@@ -19,33 +19,29 @@ _USERS_ENVIRON = {k: v for k, v in os.environ.items() if not k.startswith("PYTES
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
-_share: list[int] = []  # this worker's threads, once share_cores gave it a share
-
 
 def workers() -> int:
     """How many pytest-xdist workers share this machine (1 outside xdist)."""
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 
 
-def share_cores() -> int | None:
-    """In an xdist worker, limit this process's torch and the processes it starts to its share
-    of the cores (unless the thread count was set by hand); return that share, or None where
-    nothing was changed."""
-    if workers() <= 1 or any(name in _USERS_ENVIRON for name in THREAD_VARIABLES):
-        return None
+def shared() -> bool:
+    """Whether this process runs torch on a share of the cores (``share_cores``): in an xdist
+    worker, unless the thread count was set by hand."""
+    return workers() > 1 and not any(name in _USERS_ENVIRON for name in THREAD_VARIABLES)
+
+
+def share_cores() -> None:
+    """Where ``shared``, limit this process's torch and the processes it starts to its share
+    of the cores."""
+    if not shared():
+        return
     share = max(1, (os.cpu_count() or 1) // workers())
     for name in THREAD_VARIABLES:
-        os.environ[name] = str(share)
-    import torch  # after the variables, so a first import of torch starts with them too
+        os.environ[name] = str(share)  # for the processes it starts
+    import torch  # this process's own torch may be running already: its threads are set here
 
     torch.set_num_threads(share)
-    _share[:] = [share]
-    return share
-
-
-def shared() -> bool:
-    """Whether this process runs torch on a share of the cores (``share_cores``)."""
-    return bool(_share)
 
 
 def users_environ(**extra: str) -> dict[str, str]:
