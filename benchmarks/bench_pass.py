@@ -11,6 +11,8 @@ before), each in the batch-invariant arithmetic (the default) and the ordinary o
 - **Weight floor**: a pass reads every decoder weight once; their bytes over the bandwidth of
   reading a 1 GiB tensor in this process is what a one-token pass cannot beat.
 - **One-token pass**: the decoder over one token, as the last step of a warm call is.
+  Beside it, the default pass's products alone over one row (*products alone*): the share
+  of a one-token pass that is its kernels' own, and the bandwidth they read the weights at.
 - **Judgment**: ``Judge.judge`` of a two-choice SMS prompt of about 105 tokens, the prefix
   cache off, and the bare ``model(ids, logits_to_keep=1)`` over the same tokens.
 - **Start-up** (``--startup``): ``Judge.load()`` and a first judgment in a fresh process, with
@@ -65,6 +67,8 @@ PROMPT = (
 )
 CHOICES = ["spam", "ham"]
 ARMS = [("lean", True), ("generic", True), ("lean", False), ("generic", False)]
+# The default pass's products alone over one row, timed in the same rotation as the passes.
+PRODUCTS = "products alone"
 # The goals of issue 31, on every CPU class: a 1-token pass within this multiple of its floor,
 # and a judgment at this share of the matmul peak or more.
 ONE_TOKEN_GOAL = 2.0
@@ -153,6 +157,24 @@ def one_token(judge: Judge, invariant: bool) -> Callable[[], object]:
     return generic
 
 
+def products_alone(judge: Judge) -> Callable[[], object]:
+    """The lean pass's products over one row, layer after layer, as a one-token pass runs
+    them (each on its packed weight, in this arithmetic), and nothing else: how much of a
+    one-token pass is the products' own kernels."""
+    lean = judge._lean
+    assert lean is not None
+    dtype = judge.model.dtype
+    products = [p for layer in lean.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    inputs = [torch.zeros(1, p.weight.shape[1], dtype=dtype) for p in products]
+
+    def run() -> None:
+        with torch.inference_mode():
+            for product, x in zip(products, inputs, strict=True):
+                product(x)
+
+    return run
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
@@ -176,9 +198,10 @@ def bench_passes(base: Judge, reps: int) -> dict[str, Any]:
         with torch.inference_mode():
             return model(ids, logits_to_keep=1)
 
-    one = timed(
-        {name: one_token(j, name.endswith("invariant")) for name, j in judges.items()}, reps
-    )
+    one_fns = {name: one_token(j, name.endswith("invariant")) for name, j in judges.items()}
+    one_fns[PRODUCTS] = products_alone(judges[arm_name("lean", True)])
+    one = timed(one_fns, reps)
+    products = one.pop(PRODUCTS)
     fns: dict[str, Callable[[], object]] = {
         name: functools.partial(j.judge, PROMPT, CHOICES) for name, j in judges.items()
     }
@@ -188,6 +211,7 @@ def bench_passes(base: Judge, reps: int) -> dict[str, Any]:
         "prompt_tokens": prepared.prompt_tokens,
         "computed_tokens": prepared.tokens,
         "one_token_ms": one,
+        "one_token_products_ms": products,
         "judgment_ms": judged,
     }
 
@@ -274,6 +298,17 @@ def main() -> None:
         row |= {"one_token_x_floor": med / one_floor}
         rows.append(row)
         print(f"| {name} | {med:.2f} ({min(times):.2f}) | {med / one_floor:.2f} |")
+    products_ms = statistics.median(passes["one_token_products_ms"])
+    products = {
+        "ms": products_ms,
+        "x_floor": products_ms / one_floor,
+        "read_gb_s": nbytes / products_ms / 1e6,
+    }
+    print(
+        f"| {PRODUCTS} ({arm_name('lean', True)}: one row each) | {products_ms:.2f} "
+        f"({min(passes['one_token_products_ms']):.2f}) | {products['x_floor']:.2f} |"
+    )
+    print(f"(the products read the weights at {products['read_gb_s']:.1f} GB/s)")
     print()
     print(
         f"Judgment: {passes['prompt_tokens']} prompt tokens, {tokens} computed; floor "
@@ -335,6 +370,7 @@ def main() -> None:
         "one_token_flops": one_flops,
         "one_token_floor_ms": one_floor,
         "one_token_bound": one_bound,
+        "one_token_products": products,
         "judgment_flops": judgment_flops,
         "judgment_floor_ms": judgment_floor,
         "judgment_bound": judgment_bound,

@@ -211,6 +211,9 @@ def test_bench_pass_quick(tmp_path: Path) -> None:
     # The roofline: each pass's floor and its bound, the goals met or not.
     assert result["one_token_floor_ms"] > 0 and result["judgment_floor_ms"] > 0
     assert {result["one_token_bound"], result["judgment_bound"]} <= {"arith", "memory"}
+    # The default pass's products alone, one row each: what of a 1-token pass is its kernels.
+    products = result["one_token_products"]
+    assert products["ms"] > 0 and products["x_floor"] > 0 and products["read_gb_s"] > 0
     assert set(result["goals"]) == {"one_token_x_floor", "judgment_share_of_peak"}
     for row in result["rows"]:
         assert row["judgment_ms"] > 0 and row["judgment_x_floor"] > 0
