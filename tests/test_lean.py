@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import platform
 import re
 import subprocess
@@ -547,7 +548,26 @@ def _invariance_in_a_process(selection: str, files: list[str], environ: dict[str
     assert re.search(r"(\d+) passed", run.stdout) and " failed" not in run.stdout
 
 
+def _runs_avx2_kernels() -> bool:
+    """Whether this process runs an AVX2-only CPU's kernels already: it is one (torch
+    dispatches to AVX2 and the CPU has no AVX-512), or the three variables of ``AVX2`` are set."""
+    if str(torch.backends.cpu.get_cpu_capability()) != "AVX2":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    if "avx512f" not in flags:
+        return True
+    return all(os.environ.get(k, "").upper() == v.upper() for k, v in AVX2.items())
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernels only")
+@pytest.mark.skipif(
+    _runs_avx2_kernels(),
+    reason="this process runs AVX2 kernels already: the invariance tests here (and, in `make "
+    "test`'s workers, test_the_invariance_holds_at_a_users_threads) are that run",
+)
 def test_the_invariance_holds_with_an_avx2_cpus_kernels() -> None:
     """The batch-invariance tests of the lean and the generic pass (tiny models) again in a
     process limited to AVX2 kernels, where a 32-row product and a 32-query attention block
