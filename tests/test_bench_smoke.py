@@ -175,6 +175,8 @@ def test_bench_engine_quick(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert set(result) == {"machine", "quick", "reps", "rows", "batch"}
+    # The machine as every CPU benchmark names it: its flags and the kernels torch ran.
+    assert isinstance(result["machine"]["cpu_flags"], list) and result["machine"]["kernels"]
     assert {(r["kind"], r["choices"]) for r in result["rows"]} == {
         (k, n) for k in ("distinct", "shared") for n in (2, 16)
     }
