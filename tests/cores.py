@@ -12,6 +12,7 @@ start their process with the user's environment instead (``users_environ``).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # The environment before any worker changed it, less xdist's own variables: what a user's
 # process would start with.
@@ -47,3 +48,18 @@ def share_cores() -> None:
 def users_environ(**extra: str) -> dict[str, str]:
     """The environment a user's process starts with (no share of the cores), plus ``extra``."""
     return {**_USERS_ENVIRON, **extra}
+
+
+def cpu_flags() -> set[str]:
+    """Every flag on the "flags" lines of /proc/cpuinfo (none where it cannot be read), read
+    independently of the loader's own check."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {
+        flag
+        for line in lines
+        if line.split(":", 1)[0].strip() == "flags"
+        for flag in line.split(":", 1)[1].split()
+    }

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cores import cpu_flags
 
 from judge import Judge, loading
 from judge.errors import ModelLoadError
@@ -117,22 +118,8 @@ def test_auto_on_cuda_asks_the_gpu_not_the_cpu(
     assert resolve_dtype("auto", "cuda") == torch.float32
 
 
-def _cpuinfo_flags() -> set[str]:
-    """Every flag on the "flags" lines of /proc/cpuinfo, read independently of the loader."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return {
-        flag
-        for line in lines
-        if line.split(":", 1)[0].strip() == "flags"
-        for flag in line.split(":", 1)[1].split()
-    }
-
-
 def test_auto_on_this_machine_follows_its_cpu_flags() -> None:
-    flags = _cpuinfo_flags()
+    flags = cpu_flags()
     kernels = str(torch.backends.cpu.get_cpu_capability())  # AVX2 where a process is limited
     native = bool({"avx512_bf16", "amx_bf16"} & flags) and kernels.startswith("AVX512")
     assert loading._cpu_has_bf16() is native
