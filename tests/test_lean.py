@@ -561,6 +561,31 @@ def _runs_avx2_kernels() -> bool:
     return all(os.environ.get(k, "").upper() == v.upper() for k, v in AVX2.items())
 
 
+def test_a_process_runs_avx2_kernels_on_an_avx2_cpu_or_with_all_three_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = sys.modules[__name__]
+    for name in AVX2:
+        monkeypatch.delenv(name, raising=False)
+
+    def machine(capability: str, flags: set[str]) -> None:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        monkeypatch.setattr(module, "cpu_flags", lambda: flags)
+
+    machine("AVX512", {"avx2", "avx512f"})
+    assert not _runs_avx2_kernels()
+    machine("AVX2", {"avx2", "fma"})  # an AVX2-only CPU
+    assert _runs_avx2_kernels()
+    machine("AVX2", set())  # flags unknown: the rerun is not skipped
+    assert not _runs_avx2_kernels()
+    machine("AVX2", {"avx2", "avx512f"})  # torch limited, oneDNN and MKL not
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert not _runs_avx2_kernels()
+    for name, value in AVX2.items():
+        monkeypatch.setenv(name, value)
+    assert _runs_avx2_kernels()
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernels only")
 @pytest.mark.skipif(
     _runs_avx2_kernels(),
