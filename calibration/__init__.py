@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from calibration.errors import (
         CalibrationError,
         FitError,
+        NoCertificateError,
         ProfileError,
         ProfileMismatchError,
         ProfileNotFoundError,
@@ -140,6 +141,7 @@ _EXPORTS = {
     "Probe": "calibration.scaling",
     "ProfileError": "calibration.errors",
     "ProfileMismatchError": "calibration.errors",
+    "NoCertificateError": "calibration.errors",
     "ProfileNotFoundError": "calibration.errors",
     "REASON_CODES": "calibration.policy",
     "ReasonCode": "calibration.policy",
@@ -196,6 +198,7 @@ __all__ = [
     "LabelFree",
     "LocalStage",
     "MetricReport",
+    "NoCertificateError",
     "Overrides",
     "Policy",
     "PolicyDefaults",

@@ -5,6 +5,7 @@
     ├── ProfileError                 a profile file is missing, unreadable or invalid
     │   └── ProfileNotFoundError     no profile by that name
     ├── ProfileMismatchError         a profile does not fit the judgment it is applied to
+    ├── NoCertificateError           a certified threshold overridden where there is none
     └── RuleError                    a decoded value breaks a rule its type cannot state
 
     judge.ValuesError                a score's values or its max_std cannot be used
@@ -23,6 +24,7 @@ from judge.scores import ValuesError
 __all__ = [
     "CalibrationError",
     "FitError",
+    "NoCertificateError",
     "ProfileError",
     "ProfileMismatchError",
     "ProfileNotFoundError",
@@ -52,6 +54,15 @@ class ProfileMismatchError(CalibrationError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field  # which property differs, for the service's error body
+
+
+class NoCertificateError(CalibrationError, ValueError):
+    """A request overrides a certified threshold where there is none (no profile, or one that
+    certified none): accepting there is the explicit opt-in ``uncertified_threshold``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field  # the request's field, for the service's error body
 
 
 class RuleError(CalibrationError):

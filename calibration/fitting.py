@@ -252,7 +252,7 @@ def fit_rule(
         choices=None,
         calibration_map=fit.map,
         threshold=0.0,
-        threshold_source="request",
+        threshold_source="uncertified_request",
         no_threshold_reason=None,
         min_choice_mass=min_choice_mass,
         conformal_quantile=q_hat,
@@ -448,9 +448,10 @@ def labels_for_next_look(
     f = None if features is None else np.asarray(features)[held]
     means = None if span_features is None else np.asarray(span_features)[held]
     x = map_features(profile.calibration_map, f, feature_layers, means)
-    gates = Gate(profile, overrides=Overrides(threshold=0.0)).policy.gates(
-        profile.choices, z, mass, x
-    )
+    # Every gate but the threshold: the profile may have certified none, so the threshold is
+    # opened on the resolved policy rather than overridden (an override needs a certificate).
+    opened = msgspec.structs.replace(Gate(profile).policy, threshold=0.0)
+    gates = opened.gates(profile.choices, z, mass, x)
     return labels_to_certify(
         np.where(gates.accepted, gates.confidence, 0.0),
         gates.best == labels[held],
@@ -720,7 +721,15 @@ def evaluate_policy(
     """
     z, labels = _check(log_probabilities, y, profile.choices, 1)
     mass = check_choice_mass(choice_mass, z.shape[0])
-    overrides = Overrides(threshold=threshold, min_choice_mass=min_choice_mass, max_std=max_std)
+    # An evaluation's threshold is the caller's what-if: an override where the profile certified
+    # one, else the uncertified threshold (an override needs a certificate to override).
+    certified = profile.threshold.threshold is not None
+    overrides = Overrides(
+        threshold=threshold if certified else None,
+        uncertified_threshold=None if certified else threshold,
+        min_choice_mass=min_choice_mass,
+        max_std=max_std,
+    )
     policy, g = served_gates(
         profile, z, mass, features=features, span_features=span_features, overrides=overrides
     )

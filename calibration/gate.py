@@ -73,12 +73,15 @@ class TypedAnswer(Protocol):
 class Overrides(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A request's own settings, over its profile's and the server's defaults. None: not set.
 
-    ``threshold`` and ``min_choice_mass`` in [0, 1]; ``max_std`` >= 0 and ``values`` (a
+    ``threshold`` (a certified threshold's override), ``uncertified_threshold`` (the opt-in to
+    accepting without one) and ``min_choice_mass`` in [0, 1]; ``max_std`` >= 0 and ``values`` (a
     number per choice) for a score; ``max_order_spread`` in [0, 1] bounds how far the listings
     of a question's options may disagree. Checked when the gate opens (``make_policy``).
     """
 
     threshold: float | None = None
+    # The opt-in to accepting where no certified threshold exists (see ``make_policy``).
+    uncertified_threshold: float | None = None
     min_choice_mass: float | None = None
     max_std: float | None = None
     values: dict[str, float] | None = None
@@ -95,7 +98,8 @@ class Gate:
 
     Parameters
     ----------
-    profile : the calibration profile, or None to decide on the raw probabilities.
+    profile : the calibration profile, or None: the raw probabilities, which escalate unless
+        the caller opts in to an uncertified threshold.
     etag : the profile's version where it was read from a store (what its decisions carry);
         None: ``profile.etag``.
     overrides : the request's settings (``Overrides``); None: none.
@@ -121,6 +125,7 @@ class Gate:
         self.policy: Policy = make_policy(
             profile,
             threshold=self.overrides.threshold,
+            uncertified_threshold=self.overrides.uncertified_threshold,
             min_choice_mass=self.overrides.min_choice_mass,
             max_std=self.overrides.max_std,
             values=self.overrides.values,
@@ -304,7 +309,17 @@ class Gate:
     def settings_of(kept: Mapping[str, Any]) -> tuple[Overrides, PolicyDefaults | None]:
         """The overrides and defaults ``settings`` wrote (defaults None where not kept:
         a record from before defaults were logged)."""
-        overrides = msgspec.convert(kept.get("overrides") or {}, Overrides)
+        kept_overrides = dict(kept.get("overrides") or {})
+        if kept.get("profile") is None and "threshold" in kept_overrides:
+            # Kept before 0.x, when a request's threshold applied without a profile: that is
+            # what the opt-in now says (a threshold there is refused).
+            kept_overrides["uncertified_threshold"] = kept_overrides.pop("threshold")
+        overrides = msgspec.convert(kept_overrides, Overrides)
         raw = kept.get("defaults")
+        if raw is not None and "threshold" in raw:
+            # Kept before 0.x, when the server's default threshold accepted uncalibrated
+            # confidence: that is what the opt-in now says, so a replay reopens the same rule.
+            raw = {**raw, "uncertified_threshold": raw["threshold"]}
+            del raw["threshold"]
         defaults = None if raw is None else msgspec.convert(raw, PolicyDefaults)
         return overrides, defaults

@@ -5,8 +5,14 @@ pipeline) goes through ``make_policy(...).decide(...)``, so the rule that is eva
 rule that is served. A decision accepts only when every gate passes:
 
 * the calibrated confidence of the top choice reaches the threshold (``below_threshold``), and
-  a threshold exists at all: a profile that certified none escalates everything
-  (``no_certified_threshold``) unless the caller sets one;
+  a threshold exists at all. No accept without a certificate: a judgment with no profile
+  escalates (``uncalibrated``), and so does one whose profile certified no threshold
+  (``no_certified_threshold``). The one way around it is the loudly named opt-in
+  ``uncertified_threshold`` (a request's, else the server's ``--uncertified-threshold``): where
+  no certified threshold exists, accept at that confidence, with ``certified`` false. A request's
+  ``threshold`` overrides a certified threshold and nothing else: without one it is refused
+  (``NoCertificateError``), since it would turn raw confidence into accepts under a name that
+  does not say so;
 * the choices' share of the model's full next-token distribution reaches the minimum choice
   mass (``low_choice_mass``): a low mass means the model wanted to say something else;
 * with a profile, the conformal prediction set holds one choice (``ambiguous_set``);
@@ -29,7 +35,8 @@ rule that is served. A decision accepts only when every gate passes:
 
 Which threshold, minimum mass, values and maximum std apply is decided in one place,
 ``make_policy``: the request's value, else the profile's, else the server's default (for
-values: the numerals themselves when every choice is one). A decision is ``certified`` when it used
+values: the numerals themselves when every choice is one; for the threshold: none, unless the
+server opted in to an uncertified one). A decision is ``certified`` when it used
 the profile's certified threshold, minimum mass and maximum std unchanged, the rule whose precision
 ``calibration.fitting`` certified; an override is the caller's own choice and carries no
 guarantee.
@@ -52,7 +59,7 @@ import numpy as np
 import numpy.typing as npt
 
 from calibration.conformal import set_membership
-from calibration.errors import ProfileMismatchError, ValuesError
+from calibration.errors import NoCertificateError, ProfileMismatchError, ValuesError
 from calibration.maps import CalibrationMap, Identity, Probe
 from calibration.scored import ScoredJudgment, check_max_std, probe_row
 from calibration.scores import check_values, numeral_values, value_moments
@@ -76,6 +83,7 @@ __all__ = [
 ]
 
 ReasonCode = Literal[
+    "uncalibrated",
     "no_certified_threshold",
     "below_threshold",
     "low_choice_mass",
@@ -86,9 +94,15 @@ ReasonCode = Literal[
 ]
 REASON_CODES: tuple[str, ...] = get_args(ReasonCode)
 ThresholdSource = Literal["request", "profile", "default"]
+# Where a policy's threshold came from: the profile's certificate, a request's override of it,
+# or the opt-in uncertified threshold (the request's, else the server's); "none": no threshold,
+# so nothing is accepted.
+ThresholdOrigin = Literal[
+    "profile", "request", "uncertified_request", "uncertified_default", "none"
+]
 
 # The bound on a pair's order spread when the caller sets none: how far apart the two orders'
-# probabilities of one candidate may be. 0.2 is the spread the default threshold (0.9) already
+# probabilities of one candidate may be. 0.2 is the spread a threshold of 0.9 already
 # allows on raw probabilities (a mean of 0.9 needs both orders at 0.8 or more), so it changes
 # no raw decision at that threshold; it binds where a profile's calibration sharpens the mean,
 # or a lower threshold accepts it, while the two orders disagree by more.
@@ -182,14 +196,20 @@ class Gates:
 
 
 class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
-    """What applies when neither the request nor a profile says otherwise."""
+    """What applies when neither the request nor a profile says otherwise.
 
-    threshold: float = 0.9
+    ``uncertified_threshold``: the server's opt-in to accepting where no certified threshold
+    exists (no profile, or one that certified none), at this raw or calibrated confidence and
+    with no guarantee; None (the default): such judgments escalate.
+    """
+
+    uncertified_threshold: float | None = None
     min_choice_mass: float = 0.0
     max_std: float | None = None  # no bound on a score's std
 
     def __post_init__(self) -> None:
-        check_probability(self.threshold, "threshold")
+        if self.uncertified_threshold is not None:
+            check_probability(self.uncertified_threshold, "uncertified_threshold")
         check_probability(self.min_choice_mass, "min_choice_mass")
         if self.max_std is not None:
             check_max_std(self.max_std)
@@ -204,8 +224,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     choices: list[str] | None  # the profile's choices; None: any choices
     calibration_map: CalibrationMap
     threshold: float | None
-    threshold_source: ThresholdSource
-    no_threshold_reason: str | None  # why the profile certified no threshold
+    threshold_source: ThresholdOrigin
+    no_threshold_reason: str | None  # why there is no threshold: no profile, or no certificate
     min_choice_mass: float
     conformal_quantile: float | None
     certified: bool
@@ -359,10 +379,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             codes: list[ReasonCode] = []
             reasons: list[str] = []
             if self.threshold is None:
-                codes.append("no_certified_threshold")
-                reasons.append(
-                    f"profile {self.profile!r} certifies no threshold: {self.no_threshold_reason}"
-                )
+                codes.append("uncalibrated" if self.profile is None else "no_certified_threshold")
+                reasons.append(str(self.no_threshold_reason))
             elif g.below_threshold[i]:
                 codes.append("below_threshold")
                 reasons.append(
@@ -580,6 +598,7 @@ def make_policy(
     profile: CalibrationProfile | None,
     *,
     threshold: float | None = None,
+    uncertified_threshold: float | None = None,
     min_choice_mass: float | None = None,
     max_std: float | None = None,
     values: Mapping[str, float] | None = None,
@@ -592,6 +611,12 @@ def make_policy(
 
     This is the only place where that precedence is written. ``threshold`` and
     ``min_choice_mass`` are the caller's overrides (None: not set); they must be in [0, 1].
+    ``threshold`` overrides a certified threshold only: where there is none (no profile, or a
+    profile that certified none) it raises ``NoCertificateError``. ``uncertified_threshold``
+    (else ``defaults.uncertified_threshold``) is the opt-in that accepts there anyway, with no
+    guarantee; where a certified threshold exists it does not apply. Without either, a policy
+    with no certified threshold escalates every judgment (``uncalibrated`` without a profile,
+    ``no_certified_threshold`` with one).
     ``values`` (a number per choice) and ``max_std`` (>= 0) are a score's; see
     ``Policy.values_for``. ``max_order_spread`` (in [0, 1]) bounds a judgment's spread across
     listings of its options (``Policy.decide(..., order_spread=...)``); it is the caller's own
@@ -605,20 +630,34 @@ def make_policy(
         max_order_spread = check_probability(max_order_spread, "max_order_spread")
     if threshold is not None:
         threshold = check_probability(threshold, "threshold")
+    if uncertified_threshold is not None:
+        uncertified_threshold = check_probability(uncertified_threshold, "uncertified_threshold")
     if min_choice_mass is not None:
         min_choice_mass = check_probability(min_choice_mass, "min_choice_mass")
     if max_std is not None:
         max_std = check_max_std(max_std)
     checked_values = None if values is None else check_values(values)
     defaults = defaults or PolicyDefaults()
+    certified_threshold = None if profile is None else profile.threshold.threshold
+    if certified_threshold is None and threshold is not None:
+        what = "no profile" if profile is None else f"profile {profile.name!r} certified none"
+        raise NoCertificateError(
+            "threshold",
+            f"threshold {threshold:g} overrides a certified threshold, and there is none "
+            f"({what}); to accept on uncertified confidence anyway, with no guarantee, set "
+            "uncertified_threshold instead",
+        )
+    chosen_threshold, origin, missing = _threshold_in_force(
+        profile, threshold, uncertified_threshold, defaults
+    )
     if profile is None:
         return Policy(
             profile=None,
             choices=None,
             calibration_map=Identity(),
-            threshold=defaults.threshold if threshold is None else threshold,
-            threshold_source="default" if threshold is None else "request",
-            no_threshold_reason=None,
+            threshold=chosen_threshold,
+            threshold_source=origin,
+            no_threshold_reason=missing,
             min_choice_mass=defaults.min_choice_mass
             if min_choice_mass is None
             else min_choice_mass,
@@ -642,8 +681,6 @@ def make_policy(
         chosen_std, std_source = profile.max_std, "profile"
     else:
         chosen_std, std_source = defaults.max_std, "default"
-    certified_threshold = profile.threshold.threshold  # None when the fit certified none
-    chosen_threshold = certified_threshold if threshold is None else threshold
     chosen_mass = profile.min_choice_mass if min_choice_mass is None else min_choice_mass
     return Policy(
         profile=profile.name,
@@ -651,8 +688,8 @@ def make_policy(
         choices=list(profile.choices),
         calibration_map=profile.calibration_map,
         threshold=chosen_threshold,
-        threshold_source="profile" if threshold is None else "request",
-        no_threshold_reason=None if certified_threshold is not None else profile.threshold.reason,
+        threshold_source=origin,
+        no_threshold_reason=missing,
         min_choice_mass=chosen_mass,
         conformal_quantile=profile.conformal_quantile,
         certified=(
@@ -668,3 +705,30 @@ def make_policy(
         max_order_spread=max_order_spread,
         audit_rate=audit_rate,
     )
+
+
+def _threshold_in_force(
+    profile: CalibrationProfile | None,
+    threshold: float | None,
+    uncertified_threshold: float | None,
+    defaults: PolicyDefaults,
+) -> tuple[float | None, ThresholdOrigin, str | None]:
+    """The threshold a policy applies, where it came from, and, when there is none, why (the
+    reason an escalation gives). ``threshold`` is only ever a certified threshold's override
+    (``make_policy`` refuses it otherwise)."""
+    certified = None if profile is None else profile.threshold.threshold
+    if certified is not None:
+        return (certified, "profile", None) if threshold is None else (threshold, "request", None)
+    if uncertified_threshold is not None:
+        return uncertified_threshold, "uncertified_request", None
+    if defaults.uncertified_threshold is not None:
+        return defaults.uncertified_threshold, "uncertified_default", None
+    if profile is None:
+        why = (
+            "no calibration profile, so no certified threshold: fit one on labeled examples "
+            "(judge calibrate) and send its name, or opt in to accepting uncertified "
+            "confidence with uncertified_threshold"
+        )
+    else:
+        why = f"profile {profile.name!r} certifies no threshold: {profile.threshold.reason}"
+    return None, "none", why

@@ -265,7 +265,8 @@ class JudgeOptions(TypedDict, total=False):
 
     system: str | None
     profile: str | None
-    threshold: float | None
+    threshold: float | None  # overrides the profile's certified threshold (none: a 422)
+    uncertified_threshold: float | None  # the opt-in: accept with no certificate
     min_choice_mass: float | None
     response_prefix: str | None
     response_suffix: str | None
@@ -282,6 +283,7 @@ class PairOptions(TypedDict, total=False):
     order: Literal["given", "invariant"]  # "invariant" (default): both orders
     profile: str | None  # fitted for the two candidates' names
     threshold: float | None
+    uncertified_threshold: float | None
     min_choice_mass: float | None
     max_order_spread: float | None  # escalate when the orders disagree more (default 0.2)
     return_prompt: bool
@@ -309,14 +311,15 @@ class FitOptions(TypedDict, total=False):
 class GateOptions(TypedDict, total=False):
     """``gate``'s keyword arguments.
 
-    ``choices`` (default: the profile's), ``profile``, ``threshold``, ``min_choice_mass`` and
-    ``system`` apply to string items; ``batch_size`` (16) items go in one request, at most
+    ``choices`` (default: the profile's), ``profile``, ``threshold``,
+    ``uncertified_threshold``, ``min_choice_mass`` and ``system`` apply to string items; ``batch_size`` (16) items go in one request, at most
     ``concurrency`` (4) requests at a time.
     """
 
     choices: Sequence[str] | None
     profile: str | None
     threshold: float | None
+    uncertified_threshold: float | None
     min_choice_mass: float | None
     system: str | None
     batch_size: int
@@ -582,7 +585,8 @@ class _Core:
         choices = options.get("choices")
         listed = list(choices) if choices is not None else None
         profile = options.get("profile")
-        fields = {k: options.get(k) for k in ("profile", "threshold", "min_choice_mass", "system")}
+        given = ("profile", "threshold", "uncertified_threshold", "min_choice_mass", "system")
+        fields = {k: options.get(k) for k in given}
 
         def request(item: str | JudgeRequest) -> JudgeRequest:
             if isinstance(item, JudgeRequest):

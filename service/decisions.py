@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from calibration import Gate, PolicyDefaults, Verdict
+from calibration import Gate, NoCertificateError, Overrides, PolicyDefaults, Verdict
 from judge import Engine, InvalidQueryError
 from judge.answers import (
     MAX_ORDERINGS,
@@ -31,7 +31,7 @@ from judge.answers import (
     plan_decisions,
 )
 
-__all__ = ["judge_questions", "with_order"]
+__all__ = ["judge_questions", "question_overrides", "with_order"]
 
 Order = Literal["given", "invariant"]
 
@@ -51,6 +51,24 @@ def with_order(
     return out
 
 
+def question_overrides(qid: str, raw: Question | Mapping[str, Any]) -> Overrides:
+    """The gate settings a question's JSON form carries beside the question itself (the
+    System One extension's ``threshold``, ``uncertified_threshold``, ``min_choice_mass``, ...):
+    the engine's question types do not keep them, so they are read here, and a bad one is
+    refused naming ``questions.<id>.<field>``."""
+    if not isinstance(raw, Mapping):
+        return Overrides()
+    given = {f: raw[f] for f in Overrides.__struct_fields__ if f in raw}
+    for field, value in given.items():  # one at a time, so that a refusal names its field
+        try:
+            Gate(None, overrides=msgspec.convert({field: value}, Overrides))
+        except NoCertificateError:
+            pass  # a threshold is refused or not by the question's profile, when its gate opens
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise InvalidQueryError(str(exc), field=f"questions.{qid}.{field}") from None
+    return msgspec.convert(given, Overrides)
+
+
 def judge_questions(
     engine: Engine,
     state: object,
@@ -61,7 +79,8 @@ def judge_questions(
     max_orderings: int = MAX_ORDERINGS,
 ) -> dict[str, tuple[Answer, Verdict]]:
     """Answer ``questions`` about ``state``, each decided by its gate in ``gates`` (by question
-    id), or else by a gate without a profile under ``defaults``.
+    id), or else by a gate without a profile under ``defaults`` and the question's own
+    settings (``question_overrides``).
 
     Every gate is checked against the engine and its question's choices before any model
     work; a probe's hidden-state layers are read for its question.
@@ -74,8 +93,8 @@ def judge_questions(
             f"the questions are {sorted(questions)}",
             field=f"profiles.{unknown[0]}",
         )
-    for qid in questions:
-        gates.setdefault(qid, Gate(None, defaults=defaults))
+    for qid, raw in questions.items():
+        gates.setdefault(qid, Gate(None, overrides=question_overrides(qid, raw), defaults=defaults))
     plan = plan_decisions(
         state,
         questions,

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from calibration import (
     CalibrationProfile,
+    NoCertificateError,
     ProfileError,
     ProfileMismatchError,
     ProfileNotFoundError,
@@ -122,6 +123,7 @@ STATUS: list[tuple[type[Exception], int, str | None]] = [
     (LabelNotAChoiceError, 422, "label"),
     (RelabelError, 409, "label"),
     (ProfileMismatchError, 422, None),
+    (NoCertificateError, 422, None),  # names the field: a threshold with no certificate
     (ProfileError, 400, "profile"),
     (QueueFullError, 503, None),
     (TimeoutError, 503, None),

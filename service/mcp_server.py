@@ -2,7 +2,8 @@
 
 Three tools, each with a JSON input schema:
 
-    judge           prompt, choices (2 or more), optional profile, system, threshold:
+    judge           prompt, choices (2 or more), optional profile, system, threshold,
+                    uncertified_threshold:
                     the judgment and the policy's decision on it (``JudgeResponse``, as
                     ``POST /judge`` answers), calibrated and certified with a profile
     decide          state, questions (id -> {"type": "noul" | "choice" | "score" | "pair", ...}),
@@ -51,7 +52,7 @@ from service.decision_log import (
     replayable_query,
     replayable_question,
 )
-from service.decisions import judge_questions, with_order
+from service.decisions import judge_questions, question_overrides, with_order
 from service.logged_features import LoggedFeatures, log_layers
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
@@ -120,7 +121,8 @@ def create_server(
     judge_about = (
         "Judge a prompt: the probability of each choice, the most probable one, "
         "and the decision to accept it or escalate (with a profile: calibrated, under the "
-        "profile's certified threshold; without: the raw probabilities under threshold 0.9)."
+        "profile's certified threshold; without one, or without a certified threshold, it "
+        "escalates unless uncertified_threshold opts in to accepting with no guarantee)."
     )
 
     def judge_tool(
@@ -141,8 +143,19 @@ def create_server(
             Field(
                 ge=0.0,
                 le=1.0,
-                description="accept at this confidence or above (default: the profile's "
-                "certified threshold, else 0.9); overriding drops the certification",
+                description="accept at this calibrated confidence or above instead of the "
+                "profile's certified threshold (refused where there is none); overriding drops "
+                "the certification",
+            ),
+        ] = None,
+        uncertified_threshold: Annotated[
+            float | None,
+            Field(
+                ge=0.0,
+                le=1.0,
+                description="OPT-IN, NO GUARANTEE: where no certified threshold exists (no "
+                "profile, or one that certified none), accept at this confidence instead of "
+                "escalating",
             ),
         ] = None,
         item: Annotated[
@@ -155,7 +168,8 @@ def create_server(
     ) -> dict[str, Any]:
         fitted, etag = profile_of(profile, "profile") if profile is not None else (None, None)
         with _tool_errors():
-            gate = gate_of(fitted, etag, overrides=Overrides(threshold=threshold))
+            overrides = Overrides(threshold=threshold, uncertified_threshold=uncertified_threshold)
+            gate = gate_of(fitted, etag, overrides=overrides)
             with model_lock:
                 gate.check_engine(engine, system=system, choices=choices)
                 span = None if item is None else item_span_of(prompt, item)
@@ -223,10 +237,12 @@ def create_server(
         ] = MAX_ORDERINGS,
     ) -> dict[str, Any]:
         # Every question's gate: its profile's where it names one, else the defaults alone.
-        gates = {qid: gate_of(None, None) for qid in questions}
-        for qid, name in (profiles or {}).items():
-            fitted, etag = profile_of(name, f"profiles.{qid}")
-            gates[qid] = gate_of(fitted, etag)
+        with _tool_errors():
+            settings = {qid: question_overrides(qid, q) for qid, q in questions.items()}
+            gates = {qid: gate_of(None, None, overrides=settings[qid]) for qid in questions}
+            for qid, name in (profiles or {}).items():
+                fitted, etag = profile_of(name, f"profiles.{qid}")
+                gates[qid] = gate_of(fitted, etag, overrides=settings.get(qid))
         asked: dict[str, Any] = dict(questions)
         if order is not None:
             asked = with_order(asked, order)

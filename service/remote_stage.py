@@ -40,14 +40,15 @@ NO_RETRIES = RetryPolicy(max_retries=0)
 @dataclass(frozen=True)
 class RemoteStage:
     """Another judge server as a stage: its ``url``, the ``profile`` it decides with there
-    (None: its raw probabilities under its own defaults), a request's ``threshold`` and
-    ``min_choice_mass`` overrides, and an API key where it needs one. ``timeout_s`` bounds a
+    (None: its raw probabilities under its own defaults), a request's ``threshold``,
+    ``uncertified_threshold`` and ``min_choice_mass`` overrides, and an API key where it needs one. ``timeout_s`` bounds a
     call when the cascade has no deadline."""
 
     name: str
     url: str
     profile: str | None = None
     threshold: float | None = None
+    uncertified_threshold: float | None = None
     min_choice_mass: float | None = None
     api_key: str | None = None
     timeout_s: float = 60.0
@@ -57,13 +58,14 @@ class RemoteStage:
         cls, name: str, url: str, profile: str | None, overrides: Overrides, api_key: str | None
     ) -> RemoteStage:
         """The stage as a cascade asks it: under ``profile`` in that server's store, with the
-        ``overrides``' threshold and minimum choice mass (its other fields are the first
+        ``overrides``' thresholds and minimum choice mass (its other fields are the first
         stage's alone)."""
         return cls(
             name,
             url,
             profile=profile,
             threshold=overrides.threshold,
+            uncertified_threshold=overrides.uncertified_threshold,
             min_choice_mass=overrides.min_choice_mass,
             api_key=api_key,
         )
@@ -88,6 +90,7 @@ class RemoteStage:
                 choices,
                 profile=self.profile,
                 threshold=self.threshold,
+                uncertified_threshold=self.uncertified_threshold,
                 min_choice_mass=self.min_choice_mass,
                 item_span=item_span,
             )

@@ -77,7 +77,8 @@ class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     choices: Choices
     system: str | None = None
     profile: ProfileName | None = None
-    threshold: Probability | None = None  # overrides the profile's threshold
+    threshold: Probability | None = None  # overrides the profile's certified one (none: 422)
+    uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
     min_choice_mass: Probability | None = None  # overrides the server's default
     response_prefix: str | None = None
     response_suffix: str | None = None
@@ -121,6 +122,7 @@ class PairRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     order: Literal["given", "invariant"] = "invariant"  # "given": one order, as given
     profile: ProfileName | None = None  # fitted for the two names
     threshold: Probability | None = None
+    uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
     min_choice_mass: Probability | None = None
     max_order_spread: Probability | None = None  # default for a pair: 0.2
     return_prompt: bool = False  # the first order's prompt
@@ -285,6 +287,7 @@ class SharedQuestion(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     choices: Choices
     profile: ProfileName | None = None
     threshold: Probability | None = None
+    uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
     min_choice_mass: Probability | None = None
     return_prompt: bool = False
 

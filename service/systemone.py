@@ -4,7 +4,8 @@ What the ``systemone-client`` package (0.1.0) sends and reads, plus judge's own 
 
     request   {"state": <any JSON>, "questions": {id: question}, "model"?: str}
     question  {"type": "noul" | "choice" | "score", "instructions", "criteria"?,
-               judge's: "order", "profile", "threshold", "min_choice_mass", "max_order_spread"}
+               judge's: "order", "profile", "threshold", "uncertified_threshold",
+               "min_choice_mass", "max_order_spread"}
               judge's extension, {"type": "pair", "instructions", "candidates": {name: text}
                (two), "criteria"?, ...}: which candidate is the better, both orders by default
     response  {"model", "answers": {id: answer}, "usage": {"input_tokens", "output_tokens"},
@@ -20,7 +21,9 @@ What the ``systemone-client`` package (0.1.0) sends and reads, plus judge's own 
 A question is ``judge.answers``'s (its prompt, choices and listings are rendered there); the
 fields beyond the System One core choose its gate, as on ``POST /judge``: ``profile`` names a
 calibration profile fitted for the question's choices (yes/no; the option names; "0".."n-1"
-for a score), ``threshold`` and ``min_choice_mass`` override the profile's or the server's,
+for a score), ``threshold`` overrides the profile's certified threshold, ``min_choice_mass`` the
+profile's or the server's, and without a certificate an answer escalates unless the question
+opts in with ``uncertified_threshold`` (``calibration.policy``),
 and ``max_order_spread`` escalates an answer whose listings (``order="invariant"``) disagreed
 by more than that (reason code ``order_sensitive``; for a pair, whose two orders are bounded
 by default, ``position_inconsistent``: ``calibration.policy``). Probabilities are the calibrated ones
@@ -95,7 +98,8 @@ class _Asked(
     instructions: Annotated[str, Meta(min_length=1, pattern=r"\S")]  # not blank
     order: Order = "given"  # "invariant": asked under several listings, the mean answers
     profile: ProfileName | None = None  # fitted for this question's choices
-    threshold: Probability | None = None  # overrides the profile's, else the server's
+    threshold: Probability | None = None  # overrides the profile's certified one (none: 422)
+    uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
     min_choice_mass: Probability | None = None  # overrides the profile's, else the server's
     max_order_spread: Probability | None = None  # escalate when the listings disagree more
 

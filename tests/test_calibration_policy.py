@@ -12,6 +12,7 @@ from fakes import FINGERPRINT, Scored
 from calibration import (
     Decision,
     FitSettings,
+    NoCertificateError,
     PolicyDefaults,
     ProfileMismatchError,
     evaluate_policy,
@@ -57,8 +58,28 @@ def with_threshold(profile: CalibrationProfile, t: float | None) -> CalibrationP
     return msgspec.structs.replace(profile, threshold=result)
 
 
-def test_without_a_profile_the_defaults_apply_and_requests_override() -> None:
-    policy = make_policy(None, defaults=PolicyDefaults(threshold=0.8, min_choice_mass=0.1))
+def test_without_a_profile_nothing_is_accepted() -> None:
+    # No accept without a certificate: confidence 0.999 on raw probabilities still escalates.
+    d = make_policy(None).decide(scored(0.999))
+    assert d.decision == "escalate" and d.reason_codes == ["uncalibrated"]
+    assert d.threshold is None and not d.certified
+    assert "no calibration profile" in d.reasons[0] and "uncertified_threshold" in d.reasons[0]
+    assert PolicyDefaults().uncertified_threshold is None
+
+
+def test_a_threshold_without_a_certificate_is_refused() -> None:
+    # A request's threshold overrides a certified one; with none to override it would be raw
+    # confidence under a quiet name, so it is refused, naming the field and the opt-in.
+    with pytest.raises(NoCertificateError, match="uncertified_threshold") as caught:
+        make_policy(None, threshold=0.9)
+    assert caught.value.field == "threshold"
+
+
+def test_the_uncertified_threshold_is_an_opt_in_that_says_so() -> None:
+    policy = make_policy(
+        None, defaults=PolicyDefaults(uncertified_threshold=0.8, min_choice_mass=0.1)
+    )
+    assert policy.threshold_source == "uncertified_default"
     d = policy.decide(scored(0.85))
     assert d.accepted and d.decision == "accept" and d.reasons == [] and d.reason_codes == []
     assert d.choice == "spam" and d.confidence == pytest.approx(0.85)
@@ -68,16 +89,19 @@ def test_without_a_profile_the_defaults_apply_and_requests_override() -> None:
     low = policy.decide(scored(0.7))
     assert not low.accepted and low.reason_codes == ["below_threshold"]
     assert low.reasons == ["confidence 0.7000 is below the threshold 0.8000"]
-    both = make_policy(None, threshold=0.95, min_choice_mass=0.5).decide(scored(0.9, mass=0.2))
-    assert both.reason_codes == ["below_threshold", "low_choice_mass"]
-    assert both.threshold == 0.95 and both.min_choice_mass == 0.5
-    assert make_policy(None).threshold == PolicyDefaults().threshold == 0.9
+    # The request's opt-in wins over the server's.
+    both = make_policy(None, uncertified_threshold=0.95, min_choice_mass=0.5)
+    assert both.threshold_source == "uncertified_request"
+    decided = both.decide(scored(0.9, mass=0.2))
+    assert decided.reason_codes == ["below_threshold", "low_choice_mass"]
+    assert decided.threshold == 0.95 and decided.min_choice_mass == 0.5
 
 
 def test_the_profile_is_between_request_and_default(profile: CalibrationProfile) -> None:
     certified = with_threshold(profile, 0.7)
-    defaults = PolicyDefaults(threshold=0.99, min_choice_mass=0.3)
-    policy = make_policy(certified, defaults=defaults)
+    defaults = PolicyDefaults(uncertified_threshold=0.99, min_choice_mass=0.3)
+    policy = make_policy(certified, uncertified_threshold=0.5, defaults=defaults)
+    # A certificate wins over every uncertified threshold, the request's and the server's.
     assert policy.threshold == 0.7 and policy.threshold_source == "profile"
     assert policy.min_choice_mass == certified.min_choice_mass == 0.0  # not the default's 0.3
     assert policy.certified
@@ -95,9 +119,12 @@ def test_a_profile_without_a_certified_threshold_escalates_everything(
     assert not d.accepted and d.threshold is None and not d.certified
     assert d.reason_codes[0] == "no_certified_threshold"
     assert d.reasons[0] == "profile 'sms' certifies no threshold: test"
-    # A caller may still choose a threshold of its own; the decision then says it is uncertified.
-    own = Gate(none, overrides=Overrides(threshold=0.5)).decide(scored(0.999))
-    assert "no_certified_threshold" not in own.reason_codes and not own.certified
+    # A threshold cannot override a certificate that is not there; the opt-in can accept,
+    # and the decision says it is uncertified.
+    with pytest.raises(NoCertificateError):
+        Gate(none, overrides=Overrides(threshold=0.5))
+    own = Gate(none, overrides=Overrides(uncertified_threshold=0.5)).decide(scored(0.999))
+    assert own.accepted and own.reason_codes == [] and not own.certified
 
 
 def test_profile_decisions_calibrate_and_use_the_conformal_set(
@@ -132,7 +159,7 @@ def test_decide_many_equals_deciding_one_by_one(profile: CalibrationProfile) -> 
     assert {d.decision for d in many} == {"accept", "escalate"}
     # Without a profile, judgments with different choices are decided in one call too.
     mixed = [scored(0.95), Scored({"a": math.log(0.5), "b": math.log(0.3), "c": math.log(0.2)})]
-    out = make_policy(None).decide_many(mixed)
+    out = make_policy(None, uncertified_threshold=0.9).decide_many(mixed)
     assert out[0].accepted and out[1].choice == "a" and not out[1].accepted
 
 
@@ -145,12 +172,17 @@ def test_wrong_choices_are_refused(profile: CalibrationProfile) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
-    [({"threshold": 1.5}, "threshold"), ({"min_choice_mass": -0.1}, "min_choice_mass")],
+    [
+        ({"uncertified_threshold": 1.5}, "uncertified_threshold"),
+        ({"min_choice_mass": -0.1}, "min_choice_mass"),
+    ],
 )
 def test_overrides_and_defaults_are_validated(kwargs: dict[str, float], name: str) -> None:
     with pytest.raises(ValueError, match=f"{name} must be in"):
         make_policy(
-            None, threshold=kwargs.get("threshold"), min_choice_mass=kwargs.get("min_choice_mass")
+            None,
+            uncertified_threshold=kwargs.get("uncertified_threshold"),
+            min_choice_mass=kwargs.get("min_choice_mass"),
         )
     with pytest.raises(ValueError, match=f"{name} must be in"):
         PolicyDefaults(**kwargs)
@@ -190,7 +222,9 @@ def test_evaluate_policy_counts_what_decide_decides(profile: CalibrationProfile)
 
 def test_a_temperature_map_changes_confidence_not_the_choice() -> None:
     hot = Temperature(temperature=4.0)
-    policy = msgspec.structs.replace(make_policy(None, threshold=0.0), calibration_map=hot)
+    policy = msgspec.structs.replace(
+        make_policy(None, uncertified_threshold=0.0), calibration_map=hot
+    )
     d = policy.decide(scored(0.95))
     assert d.choice == "spam" and 0.5 < d.confidence < 0.95
 
@@ -206,7 +240,7 @@ def test_threshold_results_stay_in_range_on_upload(profile: CalibrationProfile) 
 
 
 def test_an_order_spread_over_the_bound_escalates(profile: CalibrationProfile) -> None:
-    policy = make_policy(None, threshold=0.6, max_order_spread=0.2)
+    policy = make_policy(None, uncertified_threshold=0.6, max_order_spread=0.2)
     assert policy.decide(scored(0.9)).accepted  # no spread given: the gate passes
     calm = policy.decide(scored(0.9), order_spread=0.2)  # at the bound: still accepted
     assert calm.accepted and calm.order_spread == 0.2 and calm.max_order_spread == 0.2
@@ -217,7 +251,7 @@ def test_an_order_spread_over_the_bound_escalates(profile: CalibrationProfile) -
     low = policy.decide(scored(0.45), order_spread=0.9)
     assert low.reason_codes == ["below_threshold", "order_sensitive"]
     # Without a bound, a spread is recorded and decides nothing.
-    free = make_policy(None, threshold=0.5).decide(scored(0.9), order_spread=0.9)
+    free = make_policy(None, uncertified_threshold=0.5).decide(scored(0.9), order_spread=0.9)
     assert free.accepted and free.order_spread == 0.9 and free.max_order_spread is None
     # The bound is the caller's: a profile's certified rule stays certified under it.
     certified = make_policy(profile)

@@ -134,8 +134,8 @@ class _Broken:
 
 def test_a_failing_stage_escalates_to_the_next(judge: Judge) -> None:
     prompt, choices = "Is this SMS spam? WINNER!! Claim your prize now.", ["spam", "ham"]
-    never = LocalStage("never", judge, Gate(overrides=Overrides(threshold=1.0)))
-    always = LocalStage("always", judge, Gate(overrides=Overrides(threshold=0.0)))
+    never = LocalStage("never", judge, Gate(overrides=Overrides(uncertified_threshold=1.0)))
+    always = LocalStage("always", judge, Gate(overrides=Overrides(uncertified_threshold=0.0)))
     verdict = Cascade([_Broken(), never, always]).judge(prompt, choices)
     assert verdict.accepted and verdict.decided_by == "always"
     broken, first, last = verdict.stages
@@ -147,7 +147,7 @@ def test_a_failing_stage_escalates_to_the_next(judge: Judge) -> None:
     assert first.answer.prompt_tokens == last.answer.prompt_tokens
     assert last.answer.prompt_tokens is not None and last.answer.prompt_tokens > 0
     # The same item alone at the deciding stage: the same probabilities.
-    alone = Gate(overrides=Overrides(threshold=0.0)).judge(judge, prompt, choices)
+    alone = Gate(overrides=Overrides(uncertified_threshold=0.0)).judge(judge, prompt, choices)
     assert alone.probabilities == last.answer.probabilities
     # Nobody accepts: a person decides, and every stage says why.
     nobody = Cascade([never]).judge(prompt, choices)
@@ -155,7 +155,7 @@ def test_a_failing_stage_escalates_to_the_next(judge: Judge) -> None:
 
 
 def test_no_stage_starts_after_the_deadline(judge: Judge) -> None:
-    always = LocalStage("always", judge, Gate(overrides=Overrides(threshold=0.0)))
+    always = LocalStage("always", judge, Gate(overrides=Overrides(uncertified_threshold=0.0)))
     verdict = Cascade([always]).judge("Spam? Free prize!", ["spam", "ham"], deadline_s=0.0)
     assert not verdict.accepted
     assert [s.failure for s in verdict.stages] == ["stage_timeout"]

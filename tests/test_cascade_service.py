@@ -115,10 +115,12 @@ def test_an_item_the_first_stage_escalates_is_decided_by_the_second(
 
 
 def test_what_no_stage_accepts_goes_to_a_person(client: TestClient[Any]) -> None:
-    # A request's threshold holds at every stage: at 1.0 nobody accepts.
-    r = client.post("/judge", json={"prompt": SPAM, "choices": CHOICES, "threshold": 1.0})
+    # Without a profile no stage has a certificate, so none accepts: each escalates as
+    # uncalibrated, and the item goes to a person.
+    r = client.post("/judge", json={"prompt": SPAM, "choices": CHOICES})
     body = r.json()
     assert r.status_code == 200 and body["decision"] == "escalate"
+    assert [s["answer"]["reason_codes"] for s in body["cascade"]] == [["uncalibrated"]] * 2
     assert "decided_by" not in body or body["decided_by"] is None
     assert [s["answer"]["decision"] for s in body["cascade"]] == ["escalate", "escalate"]
     # The last stage's view of the item is the response.

@@ -92,9 +92,10 @@ def test_ask_without_a_profile_prints_the_decision_and_the_judgment(
         )
         assert out["raw_probabilities"][choice] == pytest.approx(out["probabilities"][choice])
     assert out["choice"] == expected.choice
-    assert out["threshold"] == PolicyDefaults().threshold
+    # No profile: no certified threshold, so it escalates however confident it is.
+    assert out["threshold"] is None and PolicyDefaults().uncertified_threshold is None
     assert out["profile"] is None and out["prediction_set"] is None and out["certified"] is False
-    assert out["decision"] == ("accept" if out["confidence"] >= 0.9 else "escalate")
+    assert out["decision"] == "escalate" and out["reason_codes"] == ["uncalibrated"]
     assert out["model"] == judge.model_id
     assert loaded_once == [
         {
@@ -164,11 +165,16 @@ def test_threshold_override(
     threshold: str,
     codes: list[str],
 ) -> None:
-    for extra in ([], ["--profile", str(profile_file)]):
-        argv = [PROMPT, "--choice", "ham", "--choice", "spam", "--threshold", threshold]
-        out = _ask(capsys, *argv, *extra)
+    # Without a profile the opt-in sets the threshold; with one, the override.
+    for extra in (
+        ["--uncertified-threshold", threshold],
+        ["--threshold", threshold, "--profile", str(profile_file)],
+    ):
+        out = _ask(capsys, PROMPT, "--choice", "ham", "--choice", "spam", *extra)
         want = list(codes)
-        if extra and len(out["prediction_set"]) != 1:  # a profile also gates on its conformal set
+        if (
+            out["profile"] and len(out["prediction_set"]) != 1
+        ):  # a profile also gates on its conformal set
             want.append("ambiguous_set")
         assert out["reason_codes"] == want
         assert out["decision"] == ("escalate" if want else "accept")
@@ -179,9 +185,18 @@ def test_threshold_override(
 def test_low_choice_mass_escalates(
     loaded_once: list[dict[str, object]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = [PROMPT, "--choice", "spam", "--choice", "ham", "--threshold", "0"]
+    argv = [PROMPT, "--choice", "spam", "--choice", "ham", "--uncertified-threshold", "0"]
     out = _ask(capsys, *argv, "--min-choice-mass", "1")
     assert out["decision"] == "escalate" and out["reason_codes"] == ["low_choice_mass"]
+
+
+def test_a_threshold_without_a_certificate_is_a_usage_error(
+    loaded_once: list[dict[str, object]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --threshold overrides a certificate; with none it would accept raw confidence quietly.
+    assert main(["ask", PROMPT, "--choice", "spam", "--choice", "ham", "--threshold", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "(--threshold)" in err and "give --uncertified-threshold instead" in err
 
 
 @pytest.mark.parametrize(
@@ -390,14 +405,14 @@ def test_serve_passes_its_settings_to_the_app_and_the_loader(
     monkeypatch.setattr(uvicorn, "Server", FakeServer)
     monkeypatch.setattr(Judge, "load", staticmethod(fake_load))
     monkeypatch.delenv("JUDGE_API_KEY", raising=False)
-    argv = ["serve", "--port", "9", "--prefix-cache-mb", "12.5", "--default-threshold", "0.7"]
+    argv = ["serve", "--port", "9", "--prefix-cache-mb", "12.5", "--uncertified-threshold", "0.7"]
     argv += ["--shutdown-timeout", "7", "--max-request-tokens", "1000", "--admission-wait", "0.5"]
     assert main([*argv, "--profiles-dir", str(tmp_path)]) == 0
     assert seen["ran"] and seen["uvicorn"].app == "app" and seen["uvicorn"].port == 9
     assert seen["uvicorn"].timeout_graceful_shutdown == 7
     assert seen["config"].max_request_tokens == 1000 and seen["config"].admission_wait_s == 0.5
     assert seen["config"].api_key is None
-    assert seen["config"].default_threshold == 0.7 and seen["config"].profiles_dir == tmp_path
+    assert seen["config"].uncertified_threshold == 0.7 and seen["config"].profiles_dir == tmp_path
     assert seen["loader"]() == "engine"  # the model loads in the server, with the cache budget
     assert seen["load"]["prefix_cache_mb"] == 12.5
     assert seen["load"]["batch_invariant"] is True  # the default; --batch-variant opts out

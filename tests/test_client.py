@@ -103,8 +103,13 @@ def same_judgment(a: JudgeResponse, b: JudgeResponse) -> None:
 
 def test_judge_equals_a_raw_post(server: Server, client: JudgeClient) -> None:
     assert client.ready()
-    got = client.judge(PROMPTS[0], CHOICES, threshold=0.5, return_prompt=True)
-    body = {"prompt": PROMPTS[0], "choices": CHOICES, "threshold": 0.5, "return_prompt": True}
+    got = client.judge(PROMPTS[0], CHOICES, uncertified_threshold=0.5, return_prompt=True)
+    body = {
+        "prompt": PROMPTS[0],
+        "choices": CHOICES,
+        "uncertified_threshold": 0.5,
+        "return_prompt": True,
+    }
     same_judgment(got, raw_judgment(server.url, body))
     assert got.prompt is not None and PROMPTS[0] in got.prompt
     assert sum(got.probabilities.values()) == pytest.approx(1.0)
@@ -127,12 +132,12 @@ def test_a_score_through_the_client(server: Server, client: JudgeClient) -> None
 def test_a_pair_through_the_client(server: Server, client: JudgeClient) -> None:
     state = "Question: what is the capital of France?"
     candidates = {"paris": "Paris", "lyon": "Lyon"}
-    got = client.judge_pair(state, "Which answer is right?", candidates, threshold=0.0)
+    got = client.judge_pair(state, "Which answer is right?", candidates, uncertified_threshold=0.0)
     body = {
         "state": state,
         "instructions": "Which answer is right?",
         "candidates": candidates,
-        "threshold": 0.0,
+        "uncertified_threshold": 0.0,
     }
     same_judgment(got, raw_judgment(server.url, body))
     assert got.choice in candidates and got.orderings == 2 and got.max_order_spread == 0.2
@@ -142,7 +147,11 @@ def test_a_pair_through_the_client(server: Server, client: JudgeClient) -> None:
     async def both() -> JudgeResponse:
         async with AsyncJudgeClient(server.url, timeout=120) as c:
             return await c.judge_pair(
-                state, "Which answer is right?", candidates, order="given", threshold=0.0
+                state,
+                "Which answer is right?",
+                candidates,
+                order="given",
+                uncertified_threshold=0.0,
             )
 
     one = asyncio.run(both())
@@ -721,7 +730,7 @@ def test_a_remote_stage_decides_what_the_local_one_escalates(
     from service.remote_stage import RemoteStage
 
     judge = Judge.load(dtype="float32")
-    never = LocalStage("local", judge, Gate(overrides=Overrides(threshold=1.0)))
+    never = LocalStage("local", judge, Gate(overrides=Overrides(uncertified_threshold=1.0)))
     verdict = Cascade([never, RemoteStage("remote", server.url)]).judge(PROMPTS[0], CHOICES)
     local, remote = verdict.stages
     assert local.answer is not None and local.answer.decision == "escalate"
@@ -803,12 +812,14 @@ def test_a_system_one_stage_is_decided_by_its_own_gate(server: Server) -> None:
     assert part.answer.decision == ("accept" if top >= 0.9 else "escalate")
     assert verdict.decided_by == ("s1" if top >= 0.9 else None)
     # A stricter gate on this side escalates what the server would not.
-    strict = SystemOneStage("s1", server.url, gate=Gate(overrides=Overrides(threshold=1.0)))
+    strict = SystemOneStage(
+        "s1", server.url, gate=Gate(overrides=Overrides(uncertified_threshold=1.0))
+    )
     assert Cascade([strict]).judge(PROMPTS[0], CHOICES).decided_by is None
 
 
 def test_a_system_one_stage_reads_a_bare_answer_and_fails_as_an_escalation() -> None:
-    from calibration import Cascade
+    from calibration import Cascade, Gate, Overrides
     from service.remote_stage import SystemOneStage
 
     sent: list[dict[str, Any]] = []
@@ -824,6 +835,8 @@ def test_a_system_one_stage_reads_a_bare_answer_and_fails_as_an_escalation() -> 
         model="hosted-1",
         api_key="k",
         transport=httpx.MockTransport(bare),
+        # No profile for a hosted model here: the opt-in lets its 0.96 accept.
+        gate=Gate(overrides=Overrides(uncertified_threshold=0.9)),
     )
     verdict = Cascade([stage]).judge("Is this spam? hi", ["spam", "ham", "unsure"])
     (part,) = verdict.stages

@@ -242,7 +242,10 @@ def test_the_policy_hash_changes_with_every_setting(profile: CalibrationProfile)
         "a map without a profile": msgspec.structs.replace(
             base, profile_etag=None, calibration_map=hotter.calibration_map
         ),
-        "the default threshold": make_policy(None, defaults=PolicyDefaults(threshold=0.8)),
+        "the server's uncertified threshold": make_policy(
+            None, defaults=PolicyDefaults(uncertified_threshold=0.8)
+        ),
+        "the request's uncertified threshold": make_policy(None, uncertified_threshold=0.8),
     }
     hashes = {what: p.sha256 for what, p in changed.items()}
     for what, value in hashes.items():

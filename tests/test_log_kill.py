@@ -91,6 +91,8 @@ def item(rng: random.Random) -> dict[str, Any]:
     return {
         "prompt": f"Is it so? p={rng.choice([0.02, 0.3, 0.6, 0.95, 0.99])}",
         "choices": ["yes", "no"],
+        # No profile here: the opt-in threshold lets raw confidence accept, so both kinds occur.
+        "uncertified_threshold": 0.9,
     }
 
 

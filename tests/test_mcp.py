@@ -166,7 +166,9 @@ def test_the_tools_and_their_schemas(conversation: dict[str, Any]) -> None:
     judge_schema = tools["judge"].input_schema
     assert set(judge_schema["required"]) == {"prompt", "choices"}
     assert judge_schema["properties"]["choices"]["minItems"] == 2
-    assert {"profile", "system", "threshold"} <= set(judge_schema["properties"])
+    assert {"profile", "system", "threshold", "uncertified_threshold"} <= set(
+        judge_schema["properties"]
+    )
     decide_schema = tools["decide"].input_schema
     assert set(decide_schema["required"]) == {"state", "questions"}
     question = decide_schema["properties"]["questions"]["additionalProperties"]
@@ -192,7 +194,8 @@ def test_judge_is_the_engine_s_judgment(conversation: dict[str, Any], judge: Jud
             expected.probabilities[choice], abs=1e-4
         )
     assert sum(out["probabilities"].values()) == pytest.approx(1.0)
-    assert out["decision"] == ("accept" if out["confidence"] >= 0.9 else "escalate")
+    # No profile: no certificate, so it escalates, saying why.
+    assert out["decision"] == "escalate" and out["reason_codes"] == ["uncalibrated"]
 
 
 @pytest.mark.slow

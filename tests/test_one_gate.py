@@ -39,7 +39,7 @@ QUESTION = {"type": "noul", "instructions": "Is this ticket about billing?"}
 CHOICES = ["yes", "no"]
 # The server's defaults, both away from the built-in ones: a route that ignored them would
 # differ in its policy (and, without a profile, in its threshold).
-DEFAULTS = PolicyDefaults(threshold=0.75, min_choice_mass=0.001)
+DEFAULTS = PolicyDefaults(uncertified_threshold=0.75, min_choice_mass=0.001)
 # What every route must agree on, to the bit.
 SAME = (
     "decision",
@@ -131,7 +131,7 @@ def test_every_route_gives_the_same_verdict(
         decision_log=str(log),
         log_requests=True,
         log_features=True,
-        default_threshold=DEFAULTS.threshold,
+        uncertified_threshold=DEFAULTS.uncertified_threshold,
         min_choice_mass=DEFAULTS.min_choice_mass,
     )
     with TestClient(app=create_app(judge, config=config)) as c:
@@ -253,7 +253,8 @@ def test_the_gate_fails_a_route_whose_defaults_differ(
     )
     bare = Gate(None, defaults=DEFAULTS)
     assert Gate(None).sha256 != bare.sha256
-    assert Gate(None, overrides=Overrides(threshold=0.75)).sha256 != bare.sha256  # its source
+    # The same threshold from the request's opt-in, not the server's: its source differs.
+    assert Gate(None, overrides=Overrides(uncertified_threshold=0.75)).sha256 != bare.sha256
 
 
 def test_a_gate_reads_the_engine_s_fingerprint_only_to_check_a_profile(

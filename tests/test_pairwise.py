@@ -137,20 +137,20 @@ def test_a_bad_pair_names_its_candidates(candidates: dict[str, str]) -> None:
 
 def test_the_gate_bounds_a_pair_s_orders_by_default() -> None:
     answer = decide(PlaceBiased(), STATE, {"p": pair({"x": "right", "y": "wrong"})})["p"]
-    verdict = Gate(None, overrides=Overrides(threshold=0.0)).decide_answer(answer)
+    verdict = Gate(None, overrides=Overrides(uncertified_threshold=0.0)).decide_answer(answer)
     assert verdict.decision == "escalate"
     assert verdict.reason_codes == ["position_inconsistent"]
     assert "0.4000" in verdict.reasons[0] and verdict.max_order_spread == 0.2
-    loose = Gate(None, overrides=Overrides(threshold=0.0, max_order_spread=0.5))
+    loose = Gate(None, overrides=Overrides(uncertified_threshold=0.0, max_order_spread=0.5))
     assert loose.decide_answer(answer).decision == "accept"
     # The same spread on a question that is not a pair is bounded only when asked.
     assert (
-        Gate(None, overrides=Overrides(threshold=0.0))
+        Gate(None, overrides=Overrides(uncertified_threshold=0.0))
         .decide(answer.judgment, order_spread=answer.order_spread)
         .decision
         == "accept"
     )
-    bounded = Gate(None, overrides=Overrides(threshold=0.0, max_order_spread=0.1))
+    bounded = Gate(None, overrides=Overrides(uncertified_threshold=0.0, max_order_spread=0.1))
     assert bounded.decide(answer.judgment, order_spread=0.4).reason_codes == ["order_sensitive"]
 
 
@@ -225,13 +225,13 @@ def test_post_systemone_answers_and_gates_a_pair(tmp_path: Path) -> None:
                 "type": "pair",
                 "instructions": INSTRUCTIONS,
                 "candidates": {"x": "right", "y": "wrong"},
-                "threshold": 0.0,
+                "uncertified_threshold": 0.0,
             },
             "loose": {
                 "type": "pair",
                 "instructions": INSTRUCTIONS,
                 "candidates": {"x": "right", "y": "wrong"},
-                "threshold": 0.0,
+                "uncertified_threshold": 0.0,
                 "max_order_spread": 0.5,
             },
         },
@@ -257,7 +257,7 @@ def test_post_judge_takes_a_pair_and_answers_as_a_judgment(tmp_path: Path) -> No
         "state": STATE,
         "instructions": INSTRUCTIONS,
         "candidates": {"x": "right", "y": "wrong"},
-        "threshold": 0.0,
+        "uncertified_threshold": 0.0,
         "return_prompt": True,
     }
     with served(tmp_path) as client:

@@ -63,7 +63,9 @@ def test_serve_command_answers_the_curl_example() -> None:
     shown = json.loads(example.group(1))
     assert set(answer) == set(shown)
     assert set(answer["probabilities"]) == {"spam", "ham"}
-    assert answer["decision"] in ("accept", "escalate")
+    # No profile: the honest default escalates the sure answer, as the README shows.
+    assert answer["decision"] == shown["decision"] == "escalate"
+    assert answer["reason_codes"] == shown["reason_codes"] == ["uncalibrated"]
 
 
 def test_run_command_judges_the_example() -> None:

@@ -119,13 +119,13 @@ def test_high_std_escalates_with_its_own_reason_code() -> None:
     assert "high_std" in REASON_CODES
     torn = scored({"1": 0.5, "5": 0.5})  # std 2
     sure = scored({"1": 0.02, "5": 0.98})  # std 0.56
-    policy = make_policy(None, threshold=0.5, max_std=1.0)
+    policy = make_policy(None, uncertified_threshold=0.5, max_std=1.0)
     d = policy.decide(torn)
     assert not d.accepted and "high_std" in d.reason_codes and d.max_std == 1.0
     assert any("standard deviation 2.0000 is above the maximum 1.0000" in r for r in d.reasons)
     assert policy.decide(sure).accepted
     # No bound, no gate.
-    assert "high_std" not in make_policy(None, threshold=0.5).decide(torn).reason_codes
+    assert "high_std" not in make_policy(None, uncertified_threshold=0.5).decide(torn).reason_codes
 
 
 def test_values_and_max_std_precedence_request_over_profile_over_default(

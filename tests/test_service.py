@@ -98,24 +98,30 @@ def test_judge_matches_the_engine(client: TestClient[Any], judge: Judge) -> None
     assert body["probabilities"] == pytest.approx(body["raw_probabilities"], rel=1e-12, abs=1e-15)
     assert body["choice"] == alone.choice and body["confidence"] == pytest.approx(alone.confidence)
     assert body["prompt"] == alone.prompt and body["model"] == judge.model_id
-    assert body["threshold"] == 0.9 and body["profile"] is None and body["certified"] is False
+    assert body["threshold"] is None and body["profile"] is None and body["certified"] is False
     assert body["prediction_set"] is None and body["temperature"] is None
-    accepted = alone.confidence >= 0.9
-    assert body["decision"] == ("accept" if accepted else "escalate")
-    assert body["reason_codes"] == ([] if accepted else ["below_threshold"])
-    assert len(body["reasons"]) == len(body["reason_codes"])
+    # No profile, no certificate: escalated whatever the confidence, with the code that says so.
+    assert body["decision"] == "escalate" and body["reason_codes"] == ["uncalibrated"]
+    assert len(body["reasons"]) == 1 and "uncertified_threshold" in body["reasons"][0]
 
 
 def test_threshold_routes(client: TestClient[Any]) -> None:
-    _, low = post(client, {"prompt": SPAM, "choices": ["spam", "ham"], "threshold": 0.0})
+    # A threshold with no certificate to override is refused, naming the field and the opt-in.
+    status, refused = post(client, {"prompt": SPAM, "choices": ["spam", "ham"], "threshold": 0.5})
+    assert status == 422 and refused["field"] == "threshold"
+    assert "uncertified_threshold" in refused["detail"]
+    # The opt-in accepts on uncalibrated confidence, and says it is uncertified.
+    opt_in = {"prompt": SPAM, "choices": ["spam", "ham"], "uncertified_threshold": 0.0}
+    _, low = post(client, opt_in)
     assert low["decision"] == "accept" and low["reasons"] == [] and low["reason_codes"] == []
-    _, high = post(client, {"prompt": SPAM, "choices": ["spam", "ham"], "threshold": 1.0})
+    assert low["certified"] is False
+    _, high = post(client, {**opt_in, "uncertified_threshold": 1.0})
     assert high["decision"] == "escalate" and high["reason_codes"] == ["below_threshold"]
     assert "below the threshold 1.0000" in high["reasons"][0]
     assert high["threshold"] == 1.0 and high["certified"] is False
     _, mass = post(
         client,
-        {"prompt": SPAM, "choices": ["spam", "ham"], "threshold": 0.0, "min_choice_mass": 1.0},
+        {**opt_in, "min_choice_mass": 1.0},
     )
     assert mass["decision"] == "escalate" and mass["reason_codes"] == ["low_choice_mass"]
     assert "choice mass" in mass["reasons"][0]
@@ -390,7 +396,11 @@ def test_the_response_is_the_profiles_own_decision(
     """One object decides: the service answers what a Gate says, in Python, directly."""
     profile = decode_profile(client.get("/profiles/sms").content)
     prompts = [SPAM, "Is this SMS spam? See you at 8 for dinner?"]
-    overrides: list[dict[str, float]] = [{}, {"threshold": 0.5}, {"min_choice_mass": 0.5}]
+    overrides: list[dict[str, float]] = [
+        {},
+        {"uncertified_threshold": 0.5},
+        {"min_choice_mass": 0.5},
+    ]
     for prompt in prompts:
         for override in overrides:
             request = {"prompt": prompt, "choices": ["ham", "spam"], "profile": "sms", **override}
@@ -399,7 +409,7 @@ def test_the_response_is_the_profiles_own_decision(
             expected = Gate(
                 profile,
                 overrides=Overrides(
-                    threshold=override.get("threshold"),
+                    uncertified_threshold=override.get("uncertified_threshold"),
                     min_choice_mass=override.get("min_choice_mass"),
                 ),
             ).decide(judge.judge(prompt, ["ham", "spam"]))
@@ -452,9 +462,15 @@ def test_threshold_precedence_and_certification(
         assert body["decision"] == "escalate"
         assert body["reason_codes"][0] == "no_certified_threshold"
         assert "too few examples" in body["reasons"][0]
-        _, body = post(client, {**ask, "profile": "uncertified", "threshold": 0.0})
+        status, body = post(client, {**ask, "profile": "uncertified", "threshold": 0.0})
+        assert status == 422 and body["field"] == "threshold"
+        opt_in = {**ask, "profile": "uncertified", "uncertified_threshold": 0.0}
+        _, body = post(client, opt_in)
         assert body["threshold"] == 0.0 and body["certified"] is False
         assert "no_certified_threshold" not in body["reason_codes"]
+        # Where a certificate exists, the opt-in does not apply: the certified rule does.
+        _, body = post(client, {**opt_in, "profile": "certified"})
+        assert body["threshold"] == 0.6 and body["certified"] is True
     finally:
         for name in profiles:
             client.delete(f"/profiles/{name}")
@@ -601,15 +617,15 @@ def test_not_ready_until_loaded(tmp_path: Path, judge: Judge) -> None:
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
 def test_config_refuses_defaults_outside_0_1(value: float) -> None:
-    with pytest.raises(ValueError, match="default_threshold"):
-        ServiceConfig(default_threshold=value)
+    with pytest.raises(ValueError, match="uncertified_threshold"):
+        ServiceConfig(uncertified_threshold=value)
     with pytest.raises(ValueError, match="min_choice_mass"):
         ServiceConfig(min_choice_mass=value)
 
 
 def test_a_fake_engine_serves_the_same_contract(tmp_path: Path) -> None:
     engine: Engine = SlowEngine(delay=0)  # satisfies the protocol, no type: ignore
-    app = create_app(engine, config=ServiceConfig(profiles_dir=tmp_path, default_threshold=0.4))
+    app = create_app(engine, config=ServiceConfig(profiles_dir=tmp_path, uncertified_threshold=0.4))
     with TestClient(app=app) as c:
         wait_ready(c)
         status, body = post(c, {"prompt": "x", "choices": ["a", "b"]})

@@ -96,7 +96,7 @@ def test_every_route_marks_the_item_and_gives_the_same_verdict(
         profiles_dir=profiles,
         decision_log=str(log),
         log_requests=True,
-        default_threshold=DEFAULTS.threshold,
+        uncertified_threshold=DEFAULTS.uncertified_threshold,
         min_choice_mass=DEFAULTS.min_choice_mass,
     )
     with TestClient(app=create_app(judge, config=config)) as c:

@@ -148,9 +148,9 @@ def test_answers_carry_the_wire_fields_and_the_policy_s(
         "2": "right now",
     }
     for answer in body["answers"].values():
-        # Uniform probabilities are below the server's default threshold (0.9).
-        assert answer["decision"] == "escalate" and answer["reason_codes"] == ["below_threshold"]
-        assert answer["threshold"] == 0.9 and not answer["certified"]
+        # No profile, so no certificate: each answer escalates as uncalibrated.
+        assert answer["decision"] == "escalate" and answer["reason_codes"] == ["uncalibrated"]
+        assert answer["threshold"] is None and not answer["certified"]
         assert answer["profile"] is None and answer["prediction_set"] is None
         assert answer["orderings"] == 1 and answer["order_spread"] == 0.0
         assert answer["raw_probabilities"] == answer["probabilities"]
@@ -162,8 +162,8 @@ def test_answers_carry_the_wire_fields_and_the_policy_s(
 
 def test_a_threshold_per_question_accepts(app: TestClient[Any]) -> None:
     questions = {
-        "low": {**QUESTIONS["billing"], "threshold": 0.4},
-        "high": {**QUESTIONS["billing"], "threshold": 0.6},
+        "low": {**QUESTIONS["billing"], "uncertified_threshold": 0.4},
+        "high": {**QUESTIONS["billing"], "uncertified_threshold": 0.6},
     }
     status, body = ask(app, {"state": "text", "questions": questions})
     assert status == 200, body
@@ -277,16 +277,16 @@ def test_the_served_model_may_be_named(app: TestClient[Any]) -> None:
 
 def test_the_order_spread_bound_escalates_an_order_sensitive_answer(tmp_path: Path) -> None:
     engine = FirstListed()
-    invariant = {**QUESTIONS["billing"], "order": "invariant", "threshold": 0.0}
+    invariant = {**QUESTIONS["billing"], "order": "invariant", "uncertified_threshold": 0.0}
     questions = {
         "bounded": {**invariant, "max_order_spread": 0.1},
         "loose": {**invariant, "max_order_spread": 0.7},
         "unbounded": invariant,
-        "given": {**QUESTIONS["billing"], "threshold": 0.0, "max_order_spread": 0.1},
+        "given": {**QUESTIONS["billing"], "uncertified_threshold": 0.0, "max_order_spread": 0.1},
         "team": {
             **QUESTIONS["team"],
             "order": "invariant",
-            "threshold": 0.0,
+            "uncertified_threshold": 0.0,
             "max_order_spread": 0.5,
         },
     }
@@ -424,7 +424,7 @@ def test_our_clients_send_the_wire_request_and_decode_the_answer(app: TestClient
         return httpx.Response(r.status_code, content=r.content, headers=dict(r.headers))
 
     typed: dict[str, SystemOneQuestion | dict[str, Any]] = {
-        "billing": SystemOneNoul(instructions="Is this about billing?", threshold=0.4),
+        "billing": SystemOneNoul(instructions="Is this about billing?", uncertified_threshold=0.4),
         "team": QUESTIONS["team"],
     }
     with JudgeClient("http://judge.test", transport=httpx.MockTransport(handler)) as client:
@@ -440,7 +440,11 @@ def test_our_clients_send_the_wire_request_and_decode_the_answer(app: TestClient
     assert sent[0]["method"] == "POST" and sent[0]["path"] == "/v1/systemone"
     assert sent[0]["body"]["model"] == "fake" and sent[0]["body"]["state"] == STATE
     assert sent[0]["body"]["questions"] == {
-        "billing": {"type": "noul", "instructions": "Is this about billing?", "threshold": 0.4},
+        "billing": {
+            "type": "noul",
+            "instructions": "Is this about billing?",
+            "uncertified_threshold": 0.4,
+        },
         "team": QUESTIONS["team"],
     }
     assert got.model == "fake" and got.answers["billing"].decision == "accept"

@@ -18,6 +18,7 @@ from typing import Literal
 
 import msgspec
 
+from calibration.template import PromptTemplate
 from judge.scores import ValuesError, check_values
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "load_task",
     "task_item_span",
     "task_prompt",
+    "task_template",
 ]
 
 
@@ -122,14 +124,21 @@ def _jsonl_lines(data: bytes) -> Iterator[tuple[int, str]]:
             yield n, line
 
 
-def task_prompt(task: Task, text: str) -> str:
-    """The prompt for one item: the instruction, the text, then the allowed answers."""
+def task_template(task: Task) -> PromptTemplate:
+    """The task's prompt with the item left out: the instruction, the item, then the allowed
+    answers. A profile fitted on the task keeps it (``CalibrationProfile.template``)."""
     allowed = ", ".join(task.choices)
-    return f"{task.instruction}\n\n{text}\n\nAnswer with one of: {allowed}."
+    return PromptTemplate(
+        before=f"{task.instruction}\n\n", after=f"\n\nAnswer with one of: {allowed}."
+    )
+
+
+def task_prompt(task: Task, text: str) -> str:
+    """The prompt for one item: the task's template around the text."""
+    return task_template(task).render(text)[0]
 
 
 def task_item_span(task: Task, text: str) -> tuple[int, int] | None:
     """Where ``text`` lies in ``task_prompt(task, text)``: its [start, end) characters, the
     item's own span (``Query.item_span``); None for an empty text, which has none."""
-    start = len(task.instruction) + 2
-    return (start, start + len(text)) if text else None
+    return task_template(task).render(text)[1]

@@ -28,6 +28,7 @@ from calibration import (
     CalibrationError,
     CalibrationProfile,
     Gate,
+    NoCertificateError,
     Overrides,
     PolicyDefaults,
     ProfileMismatchError,
@@ -125,9 +126,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         gate = Gate(
             profile,
-            overrides=Overrides(threshold=args.threshold, min_choice_mass=args.min_choice_mass),
+            overrides=Overrides(
+                threshold=args.threshold,
+                uncertified_threshold=args.uncertified_threshold,
+                min_choice_mass=args.min_choice_mass,
+            ),
             defaults=PolicyDefaults(),
         )
+    except NoCertificateError:
+        raise UsageError(
+            f"--threshold {args.threshold:g} overrides a profile's certified threshold, and "
+            "there is none; to accept on uncertified confidence anyway, with no guarantee, "
+            "give --uncertified-threshold instead",
+            field="--threshold",
+        ) from None
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     later = ask_cascade.plan(args, gate.overrides)  # checked before any model loads
@@ -384,8 +396,14 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     ask.add_argument(
         "--threshold",
         type=probability,
-        help="accept at this calibrated confidence or above (default: the profile's certified "
-        "threshold; 0.9 without a profile); overriding drops the certification",
+        help="accept at this calibrated confidence or above instead of the profile's "
+        "certified threshold (refused where there is none); overriding drops the certification",
+    )
+    ask.add_argument(
+        "--uncertified-threshold",
+        type=probability,
+        help="OPT-IN, NO GUARANTEE: where no certified threshold exists (no --profile, or one "
+        "that certified none), accept at this confidence instead of escalating",
     )
     ask.add_argument(
         "--min-choice-mass",

@@ -33,7 +33,7 @@ from service.cli.common import (
     positive_int,
     to_json,
 )
-from service.decisions import judge_questions, with_order
+from service.decisions import judge_questions, question_overrides, with_order
 from service.profiles import ProfileStore
 from service.systemone import wire_answer
 
@@ -61,7 +61,12 @@ def run(args: argparse.Namespace) -> int:
     first = next((profile for profile, _ in profiles.values()), None)
     engine = load_engine(args, first, dtype=args.dtype)
     gates = {
-        qid: Gate(profile, etag=etag, defaults=PolicyDefaults())
+        qid: Gate(
+            profile,
+            etag=etag,
+            overrides=question_overrides(qid, questions[qid]),
+            defaults=PolicyDefaults(),
+        )
         for qid, (profile, etag) in profiles.items()
     }
     judged = judge_questions(

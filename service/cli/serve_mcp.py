@@ -15,8 +15,9 @@ import logging
 import sys
 from pathlib import Path
 
+from calibration import PolicyDefaults
 from judge import DEFAULT_PREFIX_CACHE_MB
-from service.cli.common import DTYPES, UsageError, megabytes
+from service.cli.common import DTYPES, UsageError, megabytes, probability
 
 __all__ = ["add_arguments", "run"]
 
@@ -61,6 +62,13 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "layers, else the probe's candidate layers), so that judge calibrate --from-log can "
         "fit a probe",
     )
+    mcp.add_argument(
+        "--uncertified-threshold",
+        type=probability,
+        default=None,
+        help="OPT-IN, NO GUARANTEE: where no certified threshold exists (no profile, or one "
+        "that certified none), accept at this confidence instead of escalating",
+    )
     mcp.set_defaults(run=run)
 
 
@@ -88,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     server = create_server(
         engine,
         ProfileStore(args.profiles_dir),
+        defaults=PolicyDefaults(uncertified_threshold=args.uncertified_threshold),
         decision_log=decision_log,
         log_requests=args.log_requests,
         log_features=args.log_features,
