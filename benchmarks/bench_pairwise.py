@@ -213,7 +213,7 @@ def _report(
                 accuracy_consistent = float((picks[agree, 0] == y[agree]).mean())
         gates = [None] if order == "given" else [None, *bounds]
         for bound in gates:
-            policy = make_policy(None, threshold=THRESHOLD, max_order_spread=bound)
+            policy = make_policy(None, uncertified_threshold=THRESHOLD, max_order_spread=bound)
             row: dict[str, Any] = {
                 "orders": "one" if order == "given" else "both",
                 "bound": bound,
