@@ -157,6 +157,20 @@ def clopper_pearson_lower(successes: int, trials: int, alpha: float) -> float:
     return float(stats.beta.ppf(alpha, successes, trials - successes + 1))
 
 
+def clopper_pearson_interval(successes: int, trials: int) -> list[float] | None:
+    """The two-sided 95% Clopper-Pearson interval on a binomial proportion (Clopper & Pearson
+    1934): the 0.025 and 0.975 quantiles of its two beta distributions, 0 and 1 at the ends;
+    None for no trials."""
+    if trials == 0:
+        return None
+    from scipy import stats
+
+    k, n = successes, trials
+    low = float(stats.beta.ppf(0.025, k, n - k + 1)) if k else 0.0
+    high = float(stats.beta.ppf(0.975, k + 1, n - k)) if k < n else 1.0
+    return [low, high]
+
+
 def _check_grid(grid: Sequence[float]) -> _FloatArray:
     arr = np.asarray(grid, dtype=np.float64)
     if arr.ndim != 1 or arr.shape[0] == 0:

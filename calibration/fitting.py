@@ -54,9 +54,14 @@ from typing import Any
 import msgspec
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy import stats
 
-from calibration.certify import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
+from calibration.certify import (
+    DEFAULT_GRID,
+    ThresholdResult,
+    clopper_pearson_interval,
+    select_threshold,
+    sequence_start,
+)
 from calibration.conformal import conformal_quantile
 from calibration.errors import FitError
 from calibration.fit_settings import AUTO_METHODS, DEFAULT_METHODS, DEFAULT_SETTINGS, FitSettings
@@ -66,6 +71,7 @@ from calibration.limits import MIN_EXAMPLES, PROBE_SPLIT, SPLIT, certify_share
 from calibration.maps import MAX_PROBE_WEIGHTS, ProbeSpan
 from calibration.metrics import MetricReport, evaluate
 from calibration.monitoring import reference_of
+from calibration.per_class import ClassReport, class_evidence
 from calibration.policy import Gates, Policy
 from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
@@ -662,6 +668,9 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
     method: str = ""  # the profile's calibration method
     # For a probe profile: its temperature-scaling baseline evaluated on the same items.
     baseline: PolicyEvaluation | None = None
+    # Per choice: precision, recall and coverage of the accepted items, with intervals, and
+    # the confusion matrices (``calibration.per_class``).
+    classes: ClassReport | None = None
 
 
 def served_gates(
@@ -736,11 +745,7 @@ def evaluate_policy(
     accepted = g.accepted
     correct = g.best == labels
     m, k = int(accepted.sum()), int(correct[accepted].sum())
-    interval = None
-    if m:
-        low = float(stats.beta.ppf(0.025, k, m - k + 1)) if k else 0.0
-        high = float(stats.beta.ppf(0.975, k + 1, m - k)) if k < m else 1.0
-        interval = [low, high]
+    interval = clopper_pearson_interval(k, m)
     sizes = None if g.membership is None else g.membership.sum(axis=1)
     escalations = {
         "no_certified_threshold": len(labels) if policy.threshold is None else 0,
@@ -787,6 +792,7 @@ def evaluate_policy(
         ),
         signal_prior=prior_source,
         method=profile.calibration_map.method,
+        classes=class_evidence(profile.choices, labels, g.best, accepted),
         baseline=None
         if (base := profile.baseline_profile()) is None
         else evaluate_policy(

@@ -36,9 +36,10 @@ from calibration.policy import Policy, PolicyDefaults, ScoredJudgment, Verdict, 
 
 if TYPE_CHECKING:
     from calibration.profile import CalibrationProfile
+    from calibration.template import PromptTemplate
     from judge.fingerprint import Fingerprint
 
-__all__ = ["Gate", "JudgingEngine", "Overrides", "TypedAnswer"]
+__all__ = ["Gate", "JudgingEngine", "Overrides", "TypedAnswer", "fitted_template"]
 
 # The engine's Query, which calibration does not import: any struct with its fields.
 _Query = TypeVar("_Query", bound=msgspec.Struct)
@@ -91,6 +92,24 @@ class Overrides(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     def of(cls, source: object) -> Overrides:
         """The overrides an object carries as attributes of these names (a request body)."""
         return cls(**{f: getattr(source, f, None) for f in cls.__struct_fields__})
+
+
+def fitted_template(profile: CalibrationProfile | None) -> PromptTemplate:
+    """The prompt template ``profile`` was fitted on: what a request that sends only the item
+    is judged in. A profile fitted on whole prompts, or none, has none: ProfileMismatchError
+    naming ``item``."""
+    if profile is not None and profile.template is not None:
+        return profile.template
+    what = (
+        "no profile"
+        if profile is None
+        else f"profile {profile.name!r} was fitted on whole prompts, not a task's"
+    )
+    raise ProfileMismatchError(
+        "item",
+        f"an item alone needs a profile that carries its prompt template ({what}); send the "
+        "whole prompt and its choices instead",
+    )
 
 
 class Gate:
@@ -208,17 +227,51 @@ class Gate:
         )
         self.check(fingerprint, choices=choices, field=field)
 
+    @property
+    def template(self) -> PromptTemplate | None:
+        """The prompt the profile was fitted on, with the item left out; None: no profile, or
+        one fitted on whole prompts."""
+        return None if self.profile is None else self.profile.template
+
+    def render(self, item: str) -> tuple[str, tuple[int, int] | None]:
+        """The prompt the profile was fitted on, around ``item``, and the item's characters in
+        it (``fitted_template``)."""
+        return fitted_template(self.profile).render(item)
+
+    def outside_template(self, prompt: str, item_span: tuple[int, int] | None) -> bool:
+        """Whether ``prompt``, sent whole, lies outside the template the profile was fitted on
+        (False where the profile has none). Such a prompt must mark its item: without
+        ``item_span`` it is refused (ProfileMismatchError naming ``item_span``), since the
+        certificate's prompts all had one."""
+        template = self.template
+        if template is None:
+            return False
+        if item_span is None:
+            assert self.profile is not None
+            raise ProfileMismatchError(
+                "item_span",
+                f"profile {self.profile.name!r} was fitted on a task's prompts: send only the "
+                "item (it is put in the fitted prompt), or mark the item's characters in the "
+                "prompt with item_span",
+            )
+        return not template.fits(prompt, item_span)
+
     def decide(
         self,
         judgment: ScoredJudgment,
         *,
         order_spread: float | None = None,
         pair: bool = False,
+        outside_template: bool = False,
     ) -> Verdict:
         """The verdict on one judgment; ``order_spread``: how far its listings disagreed (a
         question asked under several listings of its options); ``pair``: they were a pair's
-        two orders."""
-        return self.policy.decide(judgment, order_spread=order_spread, pair=pair)
+        two orders; ``outside_template``: its prompt was not the profile's template around
+        its item (``outside_template``), which the verdict says."""
+        verdict = self.policy.decide(judgment, order_spread=order_spread, pair=pair)
+        if outside_template:
+            return msgspec.structs.replace(verdict, outside_template=True)
+        return verdict
 
     def decide_answer(self, answer: TypedAnswer) -> Verdict:
         """The verdict on a typed answer (``judge.answers``): its judgment, bounded by how far
@@ -241,23 +294,30 @@ class Gate:
     def judge(
         self,
         engine: JudgingEngine,
-        prompt: str,
+        prompt: str | None = None,
         choices: Sequence[str] | None = None,
         *,
+        item: str | None = None,
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
         item_span: tuple[int, int] | None = None,
     ) -> Verdict:
-        """Judge ``prompt`` with ``engine`` and decide: the profile checked against the engine
-        (for this template), the probe's layers read (over ``item_span``, characters of
-        ``prompt`` that hold the item, where it reads means), the choices the profile's unless
-        given.
+        """Judge with ``engine`` and decide: the profile checked against the engine (for this
+        template), the probe's layers read, the choices the profile's unless given.
+
+        Give the ``item`` alone where the profile carries its prompt template (a profile
+        fitted on a task): it is judged in the very prompt the certificate covers, its span
+        marked. Or give the whole ``prompt``, with ``item_span`` (characters of ``prompt``
+        that hold the item) where the profile was fitted on a task or its probe reads means
+        over the item; a prompt that is not the template around its item is decided with
+        ``outside_template`` set.
         """
         return self.judged(
             engine,
             prompt,
             choices,
+            item=item,
             system=system,
             response_prefix=response_prefix,
             response_suffix=response_suffix,
@@ -267,9 +327,10 @@ class Gate:
     def judged(
         self,
         engine: JudgingEngine,
-        prompt: str,
+        prompt: str | None = None,
         choices: Sequence[str] | None = None,
         *,
+        item: str | None = None,
         system: str | None = None,
         response_prefix: str | None = None,
         response_suffix: str | None = None,
@@ -280,6 +341,18 @@ class Gate:
         asked = list(choices) if choices is not None else self.choices
         if asked is None:
             raise ValueError("give the choices: a gate without a profile has none of its own")
+        if (prompt is None) == (item is None):
+            raise ValueError("give the prompt, or the item alone (for a profile fitted on a task)")
+        outside = False
+        if item is not None:
+            if item_span is not None:
+                raise ValueError("an item alone marks its own span: give no item_span with it")
+            prompt, item_span = self.render(item)
+            if system is None and self.template is not None:
+                system = self.template.system
+        else:
+            assert prompt is not None
+            outside = self.outside_template(prompt, item_span)
         template = {
             "system": system,
             "response_prefix": response_prefix,
@@ -294,7 +367,7 @@ class Gate:
             item_span=item_span,
             **template,
         )
-        return judgment, self.decide(judgment)
+        return judgment, self.decide(judgment, outside_template=outside)
 
     def settings(self) -> dict[str, Any]:
         """What reopens this gate (``reopen``): the profile's name, the overrides and the

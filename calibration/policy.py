@@ -156,6 +156,9 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     model_sha256: str | None = None
     policy_sha256: str | None = None
     profile_etag: str | None = None
+    # A full prompt sent to a profile that carries its template (``calibration.template``), and
+    # not that template around its item: the certificate was measured on other prompts.
+    outside_template: bool = False
 
     @property
     def accepted(self) -> bool:

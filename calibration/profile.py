@@ -44,6 +44,7 @@ from calibration.recertify import Recertification
 from calibration.scored import ScoredJudgment, check_max_std, probe_row
 from calibration.scores import check_values, numeral_values
 from calibration.signal import SignalReport
+from calibration.template import PromptTemplate
 from judge import atomicio
 from judge.fingerprint import Fingerprint
 from judge.scores import ValuesError
@@ -157,6 +158,11 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # A profile refitted from its decision log: its look in its lineage's sequence of
     # certifications (``calibration.recertify``), whose threshold.delta is the look's share.
     recertification: Recertification | None = None
+    # The prompt it was fitted on, with the item left out (``calibration.template``): a profile
+    # fitted on a task carries it, so that a request sends only the item. None: fitted on
+    # whole prompts (POST /profiles/{name}/fit, ``fit_profile``), which a caller sends as they
+    # were.
+    template: PromptTemplate | None = None
 
     def __post_init__(self) -> None:
         problems = []

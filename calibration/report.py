@@ -9,6 +9,7 @@ from __future__ import annotations
 from calibration.fitting import PolicyEvaluation
 from calibration.maps import Probe
 from calibration.metrics import Interval, MetricReport
+from calibration.per_class import ClassReport
 from calibration.profile import CalibrationProfile
 from calibration.signal import SignalReport
 
@@ -240,5 +241,52 @@ def evaluation_markdown(evaluation: PolicyEvaluation) -> str:
             f"- escalated {escalated}; by reason (an item may have several): {kinds}",
             sets,
         ]
+        + (["", class_markdown(e.classes)] if e.classes is not None else [])
         + (["", comparison_markdown(e)] if e.baseline is not None else [])
     )
+
+
+def _share(value: float | None, interval: list[float] | None) -> str:
+    if value is None or interval is None:
+        return "n/a"
+    return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
+
+
+def class_markdown(report: ClassReport) -> str:
+    """Each choice's precision, recall and coverage of the accepted items (95% Clopper-Pearson
+    intervals), then the confusion matrices of every item and of the accepted ones."""
+    names = [c.choice for c in report.classes]
+    lines = [
+        "### Per class (the accepted items; 95% Clopper-Pearson intervals)",
+        "",
+        "| class | labelled | accepted as | precision | recall | coverage |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in report.classes:
+        lines.append(
+            f"| {c.choice} | {c.support} | {c.accepted} | "
+            f"{_share(c.precision, c.precision_interval)} | "
+            f"{_share(c.recall, c.recall_interval)} | {_share(c.coverage, c.coverage_interval)} |"
+        )
+    lines += [
+        "",
+        "precision: of the accepted items decided as the class, the share labelled it; recall: "
+        "of the items labelled it, the share accepted as it; coverage: of the items labelled "
+        "it, the share accepted.",
+    ]
+    for title, matrix in (
+        ("every item", report.confusion),
+        ("the accepted items", report.confusion_accepted),
+    ):
+        lines += [
+            "",
+            f"Confusion matrix, {title} (rows: label; columns: the top choice):",
+            "",
+            "| label \\ choice | " + " | ".join(names) + " |",
+            "|---" * (len(names) + 1) + "|",
+        ]
+        lines += [
+            f"| {name} | " + " | ".join(str(n) for n in row) + " |"
+            for name, row in zip(names, matrix, strict=True)
+        ]
+    return "\n".join(lines)

@@ -74,6 +74,7 @@ from service.schemas import (
     ErrorBody,
     FitMethod,
     FitRequest,
+    ItemRequest,
     ItemsBatch,
     JudgeRequest,
     JudgeResponse,
@@ -100,6 +101,8 @@ __all__ = [
     "FitOptions",
     "GateOptions",
     "GateResult",
+    "ItemOptions",
+    "ItemRequest",
     "JudgeClient",
     "JudgeOptions",
     "JudgeRequest",
@@ -274,6 +277,15 @@ class JudgeOptions(TypedDict, total=False):
     values: dict[str, float] | None  # a score: a number per choice
     max_std: float | None  # escalate a score whose std is above this
     item_span: tuple[int, int] | None  # the item's [start, end) characters in the prompt
+
+
+class ItemOptions(TypedDict, total=False):
+    """``judge_item``'s keyword arguments: the optional fields of ``ItemRequest``."""
+
+    threshold: float | None
+    uncertified_threshold: float | None
+    min_choice_mass: float | None
+    return_prompt: bool
 
 
 class PairOptions(TypedDict, total=False):
@@ -477,6 +489,10 @@ class _Core:
         request = JudgeRequest(prompt=prompt, choices=list(choices), **options)
         return self._call("judge", JudgeResponse, request)
 
+    def _judge_item(self, item: str, profile: str, options: ItemOptions) -> Steps[JudgeResponse]:
+        request = ItemRequest(item=item, profile=profile, **options)
+        return self._call("judge", JudgeResponse, request)
+
     def _judge_pair(
         self, state: Any, instructions: str, candidates: Mapping[str, str], options: PairOptions
     ) -> Steps[JudgeResponse]:
@@ -678,6 +694,11 @@ class JudgeClient(_Core):
         """``POST /judge``: one prompt between ``choices``, and the decision on it."""
         return self._run(self._judge(prompt, choices, options))
 
+    def judge_item(self, item: str, profile: str, **options: Unpack[ItemOptions]) -> JudgeResponse:
+        """``POST /judge`` with the item alone: judged in the prompt ``profile`` (one fitted on
+        a task) was fitted on, between its choices, and the decision on it."""
+        return self._run(self._judge_item(item, profile, options))
+
     def judge_pair(
         self,
         state: Any,
@@ -872,6 +893,12 @@ class AsyncJudgeClient(_Core):
     ) -> JudgeResponse:
         """``JudgeClient.judge``, awaited."""
         return await self._run(self._judge(prompt, choices, options))
+
+    async def judge_item(
+        self, item: str, profile: str, **options: Unpack[ItemOptions]
+    ) -> JudgeResponse:
+        """``JudgeClient.judge_item``, awaited."""
+        return await self._run(self._judge_item(item, profile, options))
 
     async def judge_pair(
         self,

@@ -128,7 +128,39 @@ class PairRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     return_prompt: bool = False  # the first order's prompt
 
 
-JudgeBody = JudgeRequest | PairRequest  # POST /judge: one of the two, by the keys it has
+class ItemRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /judge`` with the item alone, for a profile fitted on a task (one that carries
+    its prompt template, ``calibration.template``): the item is put in the very prompt the
+    profile was fitted on, its characters marked, and judged between the profile's choices
+    (in its order). Told apart from a JudgeRequest by its key ``item``."""
+
+    item: str
+    profile: ProfileName | None = None  # needed: a 422 names it when missing
+    threshold: Probability | None = None  # overrides the profile's certified one (none: 422)
+    uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
+    min_choice_mass: Probability | None = None
+    return_prompt: bool = False
+
+    def judge_request(
+        self, prompt: str, item_span: tuple[int, int] | None, choices: list[str], system: str | None
+    ) -> JudgeRequest:
+        """The whole request it stands for: ``prompt``, rendered from the profile's template
+        around the item, with the item's span, and the profile's ``choices``."""
+        return JudgeRequest(
+            prompt=prompt,
+            choices=choices,
+            system=system,
+            profile=self.profile,
+            threshold=self.threshold,
+            uncertified_threshold=self.uncertified_threshold,
+            min_choice_mass=self.min_choice_mass,
+            return_prompt=self.return_prompt,
+            item_span=item_span,
+        )
+
+
+# POST /judge: one of the three, by the keys it has (service.bodies)
+JudgeBody = JudgeRequest | PairRequest | ItemRequest
 
 
 class JudgeResponse(
@@ -190,6 +222,9 @@ class JudgeResponse(
     orderings: int | None = None
     order_spread: float | None = None
     max_order_spread: float | None = None
+    # A full prompt sent to a profile that carries its template, and not that template around
+    # its item (calibration.template): the certificate was measured on other prompts.
+    outside_template: bool = False
 
     @classmethod
     def of(
@@ -248,6 +283,7 @@ class JudgeResponse(
             orderings=orderings,
             order_spread=verdict.order_spread,
             max_order_spread=verdict.max_order_spread,
+            outside_template=verdict.outside_template,
         )
 
 

@@ -15,17 +15,19 @@ import msgspec
 
 from calibration import Gate, Overrides, Verdict
 from calibration.cascade import StageAnswer, StageResult
+from calibration.gate import fitted_template
 from judge import Engine, JudgeError, Judgment, Prepared, Query
 from judge.engine import shared_query
 from judge.scores import check_values
 from service.batcher import DeadlineError, QueueFullError
 from service.decision_log import LoggedDecision, replayable_query
-from service.errors import TooLargeError, error_of
+from service.errors import TooLargeError, UnprocessableError, error_of
 from service.logged_features import LoggedFeatures
 from service.schemas import (
     BatchRequest,
     BatchResponse,
     ErrorBody,
+    ItemRequest,
     ItemsBatch,
     JudgeRequest,
     JudgeResponse,
@@ -45,6 +47,8 @@ class _Plan:
     query: Query
     gate: Gate
     later: list[ServedStage] | None = None
+    # The prompt is not the profile's template around its item (Gate.outside_template).
+    outside_template: bool = False
 
 
 class JudgeServing:
@@ -54,8 +58,9 @@ class JudgeServing:
         self.service = service
         self.cascade = cascade
 
-    async def judge(self, request: JudgeRequest, ticket: Ticket) -> JudgeResponse:
+    async def judge(self, body: JudgeRequest | ItemRequest, ticket: Ticket) -> JudgeResponse:
         engine = self.service.engine()
+        request = self._whole(body)
         query = request.query()
         plan = self._plan(engine, request, query)
         (prepared,) = await self.service.prepare(engine, [plan.query])
@@ -80,6 +85,23 @@ class JudgeServing:
         await self.service.append_to_log(records)
         return BatchResponse(results=list(results))
 
+    def _whole(self, request: JudgeRequest | ItemRequest) -> JudgeRequest:
+        """The whole request an item alone stands for: its profile's template around it (the
+        prompt the profile was fitted on), the item's span marked, the profile's choices. No
+        model work."""
+        if isinstance(request, JudgeRequest):
+            return request
+        if request.profile is None:
+            raise UnprocessableError(
+                "profile",
+                "an item alone is judged in the prompt its profile was fitted on: name the "
+                "profile (one fitted on a task, as judge calibrate --task fits it)",
+            )
+        profile, _ = self.service.store.get_tagged(request.profile)
+        template = fitted_template(profile)
+        prompt, span = template.render(request.item)
+        return request.judge_request(prompt, span, list(profile.choices), template.system)
+
     def _plan(
         self,
         engine: Engine,
@@ -100,8 +122,14 @@ class JudgeServing:
         later = None
         if self.cascade.configured and isinstance(request, JudgeRequest):
             later = self.cascade.plan(request)
+        # A whole prompt to a profile fitted on a task must mark its item, and is flagged when
+        # it is not that task's prompt; a shared question has no item span, so is flagged.
+        if isinstance(request, JudgeRequest):
+            outside = gate.outside_template(request.prompt, request.item_span)
+        else:
+            outside = gate.template is not None
         # A probe, or the log, reads the pass's hidden states.
-        return _Plan(gate.asks(query), gate, later)
+        return _Plan(gate.asks(query), gate, later, outside)
 
     async def _decided(
         self,
@@ -138,7 +166,7 @@ class JudgeServing:
     ) -> tuple[JudgeResponse, Verdict]:
         """The response to one judgment, and the verdict it gives; its decision's log record
         joins ``records``."""
-        verdict = plan.gate.decide(result)
+        verdict = plan.gate.decide(result, outside_template=plan.outside_template)
         self.service.metrics.decisions.labels(verdict.decision).inc()
         if self.service.decision_log is not None:
             logs_request = self.service.config.log_requests

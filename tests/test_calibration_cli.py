@@ -117,6 +117,14 @@ def test_evaluate_measures_the_served_policy(
     assert signal["prior"] == load_profile(profile).signal.prior  # type: ignore[union-attr]
     assert evaluation["threshold"] == load_profile(profile).threshold.threshold
     assert session_model[0]["dtype"] == "float32"  # the profile's dtype
+    # Per class: precision, recall and coverage of the accepted items, and the confusion
+    # matrices, printed and in the JSON.
+    classes = evaluation["classes"]
+    assert [c["choice"] for c in classes["classes"]] == ["ham", "spam"]
+    assert sum(c["support"] for c in classes["classes"]) == 32
+    assert sum(map(sum, classes["confusion"])) == 32
+    assert sum(map(sum, classes["confusion_accepted"])) == evaluation["n_accepted"]
+    assert "### Per class" in out and "Confusion matrix, the accepted items" in out
 
     # An override is evaluated as the service would serve it: every gate, no certification.
     assert main([*args, "--threshold", "1", "--json", str(result)]) == 0

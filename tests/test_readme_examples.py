@@ -9,10 +9,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
 from calibration import FitSettings, fit_profile, save_profile
+from calibration.tasks import load_task, task_item_span, task_prompt, task_template
 from judge import Judge
 from service.cli.main import main
 
@@ -67,6 +69,8 @@ def test_pipeline_example(
         feature_layers=(20,),
     )
     assert (profile.calibration_map.method == "probe") == (method == "probe")
+    # As judge calibrate --task writes it: with the task's prompt, so the example sends items.
+    profile = msgspec.structs.replace(profile, template=task_template(load_task(SMS)))
     save_profile(profile, tmp_path / "profiles" / "sms_spam.json")
     monkeypatch.chdir(tmp_path)
     code = block("### Gating in a pipeline", "python").replace("../shared/data/sms_spam", str(SMS))
@@ -77,12 +81,15 @@ def test_pipeline_example(
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
     assert all(re.match(r"(ham|spam): |to a person \(", line) for line in lines)
-    prompt = namespace["task_prompt"]
     gate = namespace["gate"]
     assert gate.feature_layers == profile.feature_layers
+    task = load_task(SMS)
+    # The item alone is judged in the task's prompt, its span marked: as a whole prompt would be.
     one_by_one = [
-        gate.judge(namespace["j"], prompt(namespace["task"], t)) for t in namespace["inbox"]
+        gate.judge(namespace["j"], task_prompt(task, t), item_span=task_item_span(task, t))
+        for t in namespace["inbox"]
     ]
+    assert not any(v.outside_template for v in one_by_one)
     assert [d.decision for d in namespace["verdicts"]] == [d.decision for d in one_by_one]
     for batched, alone in zip(namespace["verdicts"], one_by_one, strict=True):
         assert batched.confidence == pytest.approx(alone.confidence, abs=1e-4)

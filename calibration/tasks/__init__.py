@@ -1,6 +1,7 @@
 """Labeled tasks: files on disk, and "judge a labeled set, then fit a calibration profile".
 
-    calibration.tasks.files     Task, LabeledItem, load_task, load_split, task_prompt, TaskError
+    calibration.tasks.files     Task, LabeledItem, load_task, load_split, task_prompt, task_template,
+                                TaskError
     calibration.tasks.labeled   LabeledScores, labeled_queries, judge_labeled, judge_task_items,
                     scores_from_judgments, fit_labeled, content_free_prompts,
                     load_prompts, judge_unlabeled, fit_unlabeled

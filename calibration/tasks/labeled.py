@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
@@ -37,6 +38,7 @@ from calibration.tasks.files import (
     task_item_span,
     task_prompt,
 )
+from calibration.template import PromptTemplate
 from judge import Engine, Fingerprint, Judgment, Query
 
 if TYPE_CHECKING:
@@ -403,6 +405,7 @@ def fit_labeled(
     dataset: str,
     dataset_sha256: str,
     settings: FitSettings = DEFAULT_SETTINGS,
+    template: PromptTemplate | None = None,
 ) -> CalibrationProfile:
     """Fit a calibration profile on ``scores``, for the engine that ``fingerprint`` describes.
 
@@ -424,6 +427,9 @@ def fit_labeled(
     settings : FitSettings
         What to certify and how (``calibration.fit_settings``); a score task's ``values`` (a
         task's own) and std bound go there too.
+    template : PromptTemplate, optional
+        The prompt the scores were judged on, with the item left out (a task's:
+        ``task_template``): the profile keeps it, so that a request sends only the item.
     """
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
@@ -433,7 +439,7 @@ def fit_labeled(
             f"scores have {scores.log_probabilities.shape[1]} columns but there are "
             f"{len(choices)} choices"
         )
-    return fit_profile(
+    profile = fit_profile(
         name,
         scores.log_probabilities,
         scores.labels,
@@ -448,6 +454,7 @@ def fit_labeled(
         span_features=scores.span_features,
         span=scores.span,
     )
+    return profile if template is None else msgspec.structs.replace(profile, template=template)
 
 
 def content_free_prompts(task: Task, inputs: Sequence[str] | None = None) -> list[str]:

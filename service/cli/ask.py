@@ -96,13 +96,26 @@ class InputLineError(BadFieldError, ValueError):
         self.field = field  # type: ignore[assignment]  # None: the line as a whole
 
 
-_FIELDS = ("prompt", "choices", "id", "item_span")
+_FIELDS = ("prompt", "item", "choices", "id", "item_span")
 
 
 class _Item(msgspec.Struct, frozen=True):
     id: Scalar
     line: int
     query: Query
+    outside_template: bool = False  # a whole prompt that is not the profile's template
+
+
+def _asked(
+    gate: Gate, prompt: str, item_span: tuple[int, int] | None, *, item_alone: bool
+) -> tuple[str, tuple[int, int] | None, bool]:
+    """The prompt to judge, its item's span and whether it lies outside the profile's
+    template: with ``item_alone``, ``prompt`` is the item, put in the template the profile was
+    fitted on (``Gate.render``); else it is the whole prompt (``Gate.outside_template``)."""
+    if item_alone:
+        rendered, span = gate.render(prompt)
+        return rendered, span, False
+    return prompt, item_span, gate.outside_template(prompt, item_span)
 
 
 def _answer(
@@ -150,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
         response_prefix=args.response_prefix,
         response_suffix=args.response_suffix,
     )
+    # A profile fitted on a task has its system prompt in its template.
+    if args.system is None and gate.template is not None:
+        args.system = gate.template.system
     # Once, before any item: every item shares the model, dtype, template and system.
     gate.check_engine(engine, system=args.system, choices=args.choice)
     choices = args.choice or gate.choices
@@ -162,9 +178,14 @@ def run(args: argparse.Namespace) -> int:
             span = None if args.item is None else item_span_of(args.prompt, args.item)
         except InvalidQueryError as exc:
             raise UsageError(f"--{exc}") from None
-        query = Query(prompt=args.prompt, choices=choices, system=args.system, item_span=span)
+        # With a profile fitted on a task, PROMPT is the item alone, unless --item marks it
+        # inside a whole prompt.
+        alone = gate.template is not None and args.item is None
+        prompt, span, outside = _asked(gate, args.prompt, span, item_alone=alone)
+        query = Query(prompt=prompt, choices=choices, system=args.system, item_span=span)
         judgment = engine.judge_batch([gate.asks(query)])[0]
-        answer = _answer(judgment, gate.decide(judgment), msgspec.UNSET, query, later)
+        verdict = gate.decide(judgment, outside_template=outside)
+        answer = _answer(judgment, verdict, msgspec.UNSET, query, later)
         sys.stdout.write(to_json(answer, indent=2) + "\n")
         return 0
     return _run_batch(args, engine, gate, profile, choices, later)
@@ -223,6 +244,7 @@ def _answer_batch(
         zip((i.line for i in items), engine.judge_each([i.query for i in items]), strict=True)
     )
     judged = [r for r in results.values() if isinstance(r, Judgment)]
+    outside = {i.line for i in items if i.outside_template}
     decisions = iter(gate.decide_many(judged))
     rows: list[Answer | Failure] = []
     for p in parsed:
@@ -231,7 +253,10 @@ def _answer_batch(
             continue
         result = results[p.line]
         if isinstance(result, Judgment):
-            rows.append(_answer(result, next(decisions), p.id, p.query, later))
+            verdict = next(decisions)
+            if p.line in outside:
+                verdict = msgspec.structs.replace(verdict, outside_template=True)
+            rows.append(_answer(result, verdict, p.id, p.query, later))
         else:
             rows.append(_failure(p.id, p.line, result))
     return rows
@@ -338,10 +363,15 @@ def _parse(
                 unknown[0],
                 f"unknown field {unknown[0]!r}; a line has {', '.join(_FIELDS)}",
             )
-        prompt = row.get("prompt")
-        if not isinstance(prompt, str):
-            problem = "is missing" if prompt is None else f"must be a string, got {prompt!r}"
-            raise InputLineError("prompt", f"prompt {problem}")
+        prompt, item = row.get("prompt"), row.get("item")
+        if (prompt is None) == (item is None):
+            raise InputLineError(
+                "prompt", "give a prompt, or an item alone (for a profile fitted on a task)"
+            )
+        given_text = prompt if item is None else item
+        name = "prompt" if item is None else "item"
+        if not isinstance(given_text, str):
+            raise InputLineError(name, f"{name} must be a string, got {given_text!r}")
         choices = row.get("choices")
         if choices is None:  # absent or null: the command line's (or the profile's)
             choices = default_choices
@@ -356,9 +386,12 @@ def _parse(
                 f"profile {profile.name!r} was fitted for choices {profile.choices!r}, not "
                 f"{choices!r}; give the profile's choices (any order) or drop the line's",
             )
-        span = check_item_span(row.get("item_span"), prompt)
-        query = gate.asks(Query(prompt=prompt, choices=choices, system=system, item_span=span))
-        return _Item(item_id, n, query)
+        if item is not None and row.get("item_span") is not None:
+            raise InputLineError("item_span", "an item alone marks its own span: drop item_span")
+        span = None if item is not None else check_item_span(row.get("item_span"), given_text)
+        text, span, outside = _asked(gate, given_text, span, item_alone=item is not None)
+        query = gate.asks(Query(prompt=text, choices=choices, system=system, item_span=span))
+        return _Item(item_id, n, query, outside)
     except UnicodeDecodeError as exc:
         return _failure(item_id, n, InputLineError(None, f"line {n} is not UTF-8 text: {exc}"))
     except (InputLineError, JudgeError, CalibrationError) as exc:

@@ -38,6 +38,7 @@ from calibration.tasks import (
     load_split,
     load_task,
     task_prompt,
+    task_template,
 )
 from judge import Engine
 from judge.atomicio import write_text
@@ -222,6 +223,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         dataset=f"{task.name}/{args.split}",
         dataset_sha256=digest,
         settings=settings,
+        template=task_template(task),  # so that judge ask --profile takes the item alone
     )
     out = args.profiles_dir
     save_profile(profile, out / f"{name}.json")

@@ -1,0 +1,205 @@
+"""A profile is a task: fitted by `judge calibrate --task`, it carries the prompt it was fitted on.
+
+The path a new user takes, on the real default model and the shared sms_spam set:
+``judge calibrate --task ../shared/data/sms_spam`` (its default fit), then the item alone to
+``judge ask --profile``, ``Gate.judge(engine, item=...)``, a JSONL line ``{"item": ...}`` and
+``POST /judge {"profile", "item"}``. Each puts the item in the very prompt the certificate
+covers, marks its span, and decides under the certified rule. A whole prompt must mark its item,
+and one that is not the task's prompt is flagged ``outside_template``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from litestar.testing import TestClient
+from server import wait_app_ready as wait_ready
+
+from calibration import Gate, ProfileMismatchError, load_profile
+from calibration.tasks import load_task, task_item_span, task_prompt, task_template
+from calibration.template import PromptTemplate
+from judge import Judge
+from service import ServiceConfig, create_app
+from service.cli.main import main
+
+SMS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sms_spam"
+WINNER = "WINNER!! Claim your free prize now, text WIN to 80082."
+LATE = "Running late, see you at 7."
+
+needs_data = pytest.mark.skipif(not SMS.exists(), reason="the shared datasets are not here")
+
+
+def test_a_template_renders_the_item_and_marks_it() -> None:
+    template = PromptTemplate(before="Spam?\n\n", after="\n\nAnswer: ham or spam.")
+    prompt, span = template.render("hi there")
+    assert prompt == "Spam?\n\nhi there\n\nAnswer: ham or spam." and span == (7, 15)
+    assert prompt[span[0] : span[1]] == "hi there" and template.fits(prompt, span)
+    assert template.render("") == ("Spam?\n\n\n\nAnswer: ham or spam.", None)
+    assert not template.fits(prompt, None) and not template.fits("Ham?\n\nhi there", (6, 14))
+
+
+@needs_data
+def test_the_task_s_template_is_the_prompt_it_judged() -> None:
+    task = load_task(SMS)
+    for text in (WINNER, LATE, ""):
+        assert task_template(task).render(text) == (
+            task_prompt(task, text),
+            task_item_span(task, text),
+        )
+
+
+@pytest.fixture(scope="module")
+def calibrated(judge: Judge, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``judge calibrate --task ../shared/data/sms_spam``: the default fit, every item."""
+    folder = tmp_path_factory.mktemp("profiles")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Judge, "load", staticmethod(lambda model=None, **options: judge))
+        assert main(["calibrate", "--task", str(SMS), "--profiles-dir", str(folder)]) == 0
+    return folder
+
+
+@needs_data
+def test_calibrate_then_ask_with_the_item_alone_gives_a_certified_decision(
+    calibrated: Path,
+    judge: Judge,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    path = calibrated / "sms_spam.json"
+    profile = load_profile(path)
+    assert profile.template == task_template(load_task(SMS))
+    assert profile.threshold.threshold is not None, profile.threshold.reason
+    monkeypatch.setattr(Judge, "load", staticmethod(lambda model=None, **options: judge))
+    capsys.readouterr()
+    assert main(["ask", "--profile", str(path), WINNER]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["certified"] is True and answer["profile"] == "sms_spam"
+    assert "outside_template" not in answer  # omitted: it is the task's own prompt
+    # The same verdict as the whole prompt, its item marked, decided in Python.
+    task = load_task(SMS)
+    whole = Gate(profile).judge(
+        judge, task_prompt(task, WINNER), item_span=task_item_span(task, WINNER)
+    )
+    alone = Gate(profile).judge(judge, item=WINNER)
+    assert alone.decision == whole.decision == answer["decision"]
+    assert alone.probs == pytest.approx(whole.probs, abs=1e-6)
+    assert answer["probabilities"] == pytest.approx(alone.probabilities, abs=1e-6)
+    assert not alone.outside_template and not whole.outside_template
+
+    # A JSONL line may be an item alone; a whole prompt must mark its item.
+    lines = tmp_path / "in.jsonl"
+    rows = [{"id": "a", "item": LATE}, {"id": "b", "prompt": task_prompt(task, LATE)}]
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    args = ["ask", "--input", str(lines), "--output", str(out), "--profile", str(path)]
+    assert main(args) == 0
+    first, second = (json.loads(line) for line in out.read_text().splitlines())
+    assert first["id"] == "a" and first["certified"] is True
+    assert second["error"]["field"] == "item_span"
+
+
+@needs_data
+def test_a_whole_prompt_must_mark_its_item_and_is_flagged_outside_the_template(
+    calibrated: Path, judge: Judge
+) -> None:
+    gate = Gate(load_profile(calibrated / "sms_spam.json"))
+    with pytest.raises(ProfileMismatchError) as refused:
+        gate.judge(judge, f"Is this spam? {WINNER}")
+    assert refused.value.field == "item_span"
+    other = f"Is this spam?\n\n{WINNER}"
+    verdict = gate.judge(judge, other, item_span=(15, 15 + len(WINNER)))
+    assert verdict.outside_template
+    with pytest.raises(ProfileMismatchError, match="no profile") as no_template:
+        Gate(None).judge(judge, item=WINNER, choices=["ham", "spam"])
+    assert no_template.value.field == "item"
+
+
+@needs_data
+def test_post_judge_takes_the_item_alone(calibrated: Path, judge: Judge) -> None:
+    task = load_task(SMS)
+    config = ServiceConfig(profiles_dir=calibrated)
+    with TestClient(app=create_app(judge, config=config)) as c:
+        wait_ready(c)
+        alone = c.post("/judge", json={"profile": "sms_spam", "item": WINNER})
+        assert alone.status_code == 200, alone.text
+        whole = {
+            "prompt": task_prompt(task, WINNER),
+            "choices": ["spam", "ham"],
+            "profile": "sms_spam",
+            "item_span": list(task_item_span(task, WINNER) or ()),
+        }
+        marked = c.post("/judge", json=whole)
+        body: dict[str, Any] = alone.json()
+        assert body["certified"] is True and "outside_template" not in body
+        assert list(body["probabilities"]) == ["ham", "spam"]  # the profile's choices
+        assert body["probabilities"] == pytest.approx(marked.json()["probabilities"], abs=1e-6)
+        assert body["decision"] == marked.json()["decision"]
+
+        refusals = {
+            "profile": {"item": WINNER},
+            "item_span": {**whole, "item_span": None},
+            "prompt": {**whole, "item": WINNER},  # both shapes' keys
+        }
+        for field, request in refusals.items():
+            r = c.post("/judge", json=request)
+            assert 400 <= r.status_code < 500 and r.json()["field"] == field, (field, r.text)
+        flagged = c.post(
+            "/judge",
+            json={
+                **whole,
+                "prompt": f"Is this spam?\n\n{WINNER}",
+                "item_span": [15, 15 + len(WINNER)],
+            },
+        ).json()
+        assert flagged["outside_template"] is True
+
+
+@needs_data
+def test_the_client_sends_the_item_alone(calibrated: Path, judge: Judge) -> None:
+    from service.client import JudgeClient
+
+    config = ServiceConfig(profiles_dir=calibrated)
+    with TestClient(app=create_app(judge, config=config)) as c:
+        wait_ready(c)
+        raw = c.post("/judge", json={"profile": "sms_spam", "item": LATE}).json()
+
+        def forward(request: httpx.Request) -> httpx.Response:
+            r = c.request(request.method, request.url.path, content=request.content)
+            return httpx.Response(r.status_code, content=r.content, headers=r.headers)
+
+        with JudgeClient("http://judge.test", transport=httpx.MockTransport(forward)) as client:
+            got = client.judge_item(LATE, "sms_spam")
+    assert got.decision == raw["decision"] and got.certified is raw["certified"] is True
+    assert got.probabilities == pytest.approx(raw["probabilities"], abs=1e-9)
+
+
+@needs_data
+def test_the_readme_s_way_to_a_certified_accept(calibrated: Path, judge: Judge) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("To a certified accept in two commands") :]
+    commands = re.search(r"```sh\n(.*?)```", section, re.S)
+    shown = re.search(r"```json\n(.*?)```", section, re.S)
+    assert commands and shown
+    calibrate, curl = commands.group(1).split("\n", 1)
+    # The fixture ran exactly this calibration (from the checkout's parent, as the README's
+    # relative path says).
+    assert shlex.split(calibrate, comments=True)[1:] == [
+        "calibrate",
+        "--task",
+        "../shared/data/sms_spam",
+    ]
+    body = json.loads(shlex.split(curl.replace("\\\n", " "))[-1])
+    with TestClient(app=create_app(judge, config=ServiceConfig(profiles_dir=calibrated))) as c:
+        wait_ready(c)
+        answer = c.post("/judge", json=body).json()
+    example = json.loads(shown.group(1))
+    assert set(answer) == set(example)
+    for field in ("decision", "choice", "certified", "threshold", "profile", "prediction_set"):
+        assert answer[field] == example[field], field
