@@ -41,6 +41,11 @@ class FitSettings(msgspec.Struct, frozen=True, kw_only=True):
         ``fit_calibrator``'s labeled candidates, or "auto" (the default): every labeled method,
         the probe where hidden-state features are given and there are enough examples (else
         the scalar maps, and the profile's note says why the probe was not tried).
+    per_class
+        Also certify a threshold for each predicted class (``calibration.class_certify``):
+        the accepted decisions of each class are at least ``target_precision`` precise, all
+        classes at once with probability at least 1 - ``delta``. The profile then serves that
+        rule instead of the pooled one.
     procedure
         ``select_threshold``'s multiple-testing procedure.
     seed
@@ -57,6 +62,7 @@ class FitSettings(msgspec.Struct, frozen=True, kw_only=True):
     values: Mapping[str, float] | None = None
     max_std: float | None = None
     methods: Sequence[str] | str = "auto"
+    per_class: bool = False
     procedure: str = "fixed_sequence"
     seed: int = 0
     n_bootstrap: int = 1000

@@ -62,6 +62,7 @@ from calibration.certify import (
     select_threshold,
     sequence_start,
 )
+from calibration.class_certify import certify_per_class
 from calibration.conformal import conformal_quantile
 from calibration.errors import FitError
 from calibration.fit_settings import AUTO_METHODS, DEFAULT_METHODS, DEFAULT_SETTINGS, FitSettings
@@ -177,6 +178,8 @@ class FittedRule:
     fit: CalibrationFit
     conformal_quantile: float
     threshold: ThresholdResult
+    # Per class, in the choices' order, with ``settings.per_class``; else None.
+    class_thresholds: list[ThresholdResult] | None
     split: DataSplit
     probabilities: np.ndarray  # (n, k) calibrated probabilities of every example
     held_out: np.ndarray  # indices the map was not fitted on (conformal + certify)
@@ -271,10 +274,14 @@ def fit_rule(
     confidence = np.where(gates.accepted, gates.confidence, 0.0)
     correct = probs.argmax(axis=1) == labels
     start = None
+    best = probs.argmax(axis=1)
     target_precision, delta = settings.target_precision, settings.delta
+    starting: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     if settings.procedure == "fixed_sequence":
         independent = np.concatenate([fit_idx, conformal_idx])
         start_confidence = confidence[independent]
+        start_best = best[independent]
+        start_correct = correct[independent]
         if fit.heldout_probabilities is not None:
             # A probe is sharper on the items it was fitted on than on new ones, so the start
             # is judged on its out-of-fold probabilities there (every gate applied to them).
@@ -283,6 +290,9 @@ def fit_rule(
                 columns, oof, mass[fit_idx]
             )
             start_confidence[: fit_idx.shape[0]] = np.where(g.accepted, g.confidence, 0.0)
+            start_best[: fit_idx.shape[0]] = g.best
+            start_correct[: fit_idx.shape[0]] = g.best == labels[fit_idx]
+        starting = (start_confidence, start_best, start_correct)
         start = sequence_start(
             start_confidence,
             certify_idx.shape[0],
@@ -297,10 +307,24 @@ def fit_rule(
         procedure=settings.procedure,
         start=start,
     )
+    per_class = None
+    if settings.per_class:
+        per_class = certify_per_class(
+            confidence,
+            best,
+            correct,
+            certify_idx,
+            starting,
+            list(columns),
+            target_precision=target_precision,
+            delta=delta,
+            procedure=settings.procedure,
+        )
     return FittedRule(
         fit=fit,
         conformal_quantile=q_hat,
         threshold=threshold,
+        class_thresholds=per_class,
         split=DataSplit(
             fit=int(fit_idx.shape[0]),
             conformal=int(conformal_idx.shape[0]),
@@ -385,6 +409,7 @@ def fit_profile(
             note=base.fit.note,
             conformal_quantile=base.conformal_quantile,
             threshold=base.threshold,
+            class_thresholds=base.class_thresholds,
             metrics_after=evaluate(base.probabilities[held], labels[held], **evidence),
         )
     label_free = None
@@ -408,6 +433,7 @@ def fit_profile(
         cv_nll=rule.fit.cv_nll,
         note=rule.fit.note + rule.skipped,
         threshold=rule.threshold,
+        class_thresholds=rule.class_thresholds,
         conformal_quantile=rule.conformal_quantile,
         split=rule.split,
         metrics_before=evaluate(softmax(z), labels, **evidence),
@@ -647,7 +673,7 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
     n: int
     before: MetricReport  # raw probabilities
     after: MetricReport  # calibrated probabilities
-    threshold: float | None
+    threshold: float | None  # the one threshold; None: none, or one per class
     min_choice_mass: float
     certified: bool  # the profile's certified rule, no overrides
     target_precision: float
@@ -671,6 +697,8 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
     # Per choice: precision, recall and coverage of the accepted items, with intervals, and
     # the confusion matrices (``calibration.per_class``).
     classes: ClassReport | None = None
+    # A threshold per class, where the served rule has one (the profile's choices' order).
+    class_thresholds: list[float | None] | None = None
 
 
 def served_gates(
@@ -748,8 +776,8 @@ def evaluate_policy(
     interval = clopper_pearson_interval(k, m)
     sizes = None if g.membership is None else g.membership.sum(axis=1)
     escalations = {
-        "no_certified_threshold": len(labels) if policy.threshold is None else 0,
-        "below_threshold": 0 if policy.threshold is None else int(g.below_threshold.sum()),
+        "no_certified_threshold": int(np.isnan(g.thresholds).sum()),
+        "below_threshold": int((g.below_threshold & ~np.isnan(g.thresholds)).sum()),
         "low_choice_mass": int(g.low_choice_mass.sum()),
         "ambiguous_set": 0 if sizes is None else int((sizes != 1).sum()),
         "high_std": int(g.high_std.sum()),
@@ -793,6 +821,7 @@ def evaluate_policy(
         signal_prior=prior_source,
         method=profile.calibration_map.method,
         classes=class_evidence(profile.choices, labels, g.best, accepted),
+        class_thresholds=policy.class_thresholds,
         baseline=None
         if (base := profile.baseline_profile()) is None
         else evaluate_policy(

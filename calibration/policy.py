@@ -49,6 +49,7 @@ the engine.
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -186,7 +187,10 @@ class Gates:
     best: npt.NDArray[np.int64]  # (n,) index of the top choice
     confidence: npt.NDArray[np.float64]  # (n,) its probability
     choice_mass: npt.NDArray[np.float64]  # (n,)
-    below_threshold: npt.NDArray[np.bool_]  # (n,) True everywhere when there is no threshold
+    below_threshold: npt.NDArray[np.bool_]  # (n,) True where there is no threshold
+    # (n,) the threshold each item is held to: the policy's, or its top choice's class's;
+    # NaN where there is none (so it escalates)
+    thresholds: npt.NDArray[np.float64]
     low_choice_mass: npt.NDArray[np.bool_]  # (n,)
     membership: npt.NDArray[np.bool_] | None  # (n, k) conformal sets; None without a profile
     expected_value: npt.NDArray[np.float64] | None  # (n,) for a score; None without values
@@ -239,6 +243,12 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     max_std_source: ThresholdSource = "default"
     # Escalate a judgment whose order_spread (given to decide) is above this; None: no bound.
     max_order_spread: float | None = None
+    # A threshold per class (the profile's choices' order), certified per predicted class
+    # (``calibration.class_certify``): a decision of class c is held to class_thresholds[c]
+    # (None: that class certified none, and its decisions escalate, each with its class's
+    # ``class_reasons`` entry). None: the one ``threshold`` for every class.
+    class_thresholds: list[float | None] | None = None
+    class_reasons: list[str | None] | None = None
     # The share of decisions marked ``audit`` (see ``is_audited``): a uniform random sample of
     # all traffic, accepted and escalated alike, for people to label. Without it only
     # escalated items ever get labels, and the precision of accepted items goes unobserved.
@@ -381,13 +391,14 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         for i in range(g.probabilities.shape[0]):
             codes: list[ReasonCode] = []
             reasons: list[str] = []
-            if self.threshold is None:
+            held_to = float(g.thresholds[i])
+            if math.isnan(held_to):
                 codes.append("uncalibrated" if self.profile is None else "no_certified_threshold")
-                reasons.append(str(self.no_threshold_reason))
+                reasons.append(self._no_threshold_reason(int(g.best[i])))
             elif g.below_threshold[i]:
                 codes.append("below_threshold")
                 reasons.append(
-                    f"confidence {g.confidence[i]:.4f} is below the threshold {self.threshold:.4f}"
+                    f"confidence {g.confidence[i]:.4f} is below the threshold {held_to:.4f}"
                 )
             if g.low_choice_mass[i]:
                 codes.append("low_choice_mass")
@@ -435,7 +446,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     prediction_set=members,
                     reasons=reasons,
                     reason_codes=codes,
-                    threshold=self.threshold,
+                    threshold=None if math.isnan(held_to) else held_to,
                     min_choice_mass=self.min_choice_mass,
                     choice_mass=float(g.choice_mass[i]),
                     certified=self.certified,
@@ -454,6 +465,12 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                 )
             )
         return decisions
+
+    def _no_threshold_reason(self, best: int) -> str:
+        """Why a decision of class ``best`` has no threshold to be held to."""
+        if self.class_reasons is not None:
+            return f"profile {self.profile!r} certifies no threshold for {self.class_reasons[best]}"
+        return str(self.no_threshold_reason)
 
     def gates(
         self,
@@ -490,7 +507,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         mass = check_choice_mass(choice_mass, n)
         best = probs.argmax(axis=1)  # (n,)
         confidence = probs[np.arange(n), best]  # (n,)
-        below = np.ones(n, dtype=bool) if self.threshold is None else confidence < self.threshold
+        thresholds = self._item_thresholds(best)
+        below = ~(confidence >= thresholds)  # NaN, no threshold: below every confidence
         low_mass = mass < self.min_choice_mass
         membership = (
             None
@@ -519,6 +537,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             confidence=confidence,
             choice_mass=mass,
             below_threshold=below,
+            thresholds=thresholds,
             low_choice_mass=low_mass,
             membership=membership,
             expected_value=expected,
@@ -527,6 +546,17 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             order_sensitive=order_sensitive,
             accepted=~(below | low_mass | ambiguous | high_std | order_sensitive),
         )
+
+    def _item_thresholds(self, best: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+        """(n,) each item's threshold: its top choice's class's where the policy has one per
+        class (columns in the profile's order), else the one threshold; NaN for none."""
+        if self.class_thresholds is not None:
+            per_class = np.array(
+                [np.nan if t is None else t for t in self.class_thresholds], dtype=np.float64
+            )
+            return per_class[best]
+        one = np.nan if self.threshold is None else self.threshold
+        return np.full(best.shape, one, dtype=np.float64)
 
     def values_for(self, choices: Sequence[str]) -> npt.NDArray[np.float64] | None:
         """The number of each of ``choices`` (k,), or None when the judgment is not a score.
@@ -642,7 +672,13 @@ def make_policy(
     checked_values = None if values is None else check_values(values)
     defaults = defaults or PolicyDefaults()
     certified_threshold = None if profile is None else profile.threshold.threshold
-    if certified_threshold is None and threshold is not None:
+    per_class = None if profile is None else _class_certificates(profile)
+    if per_class is not None:
+        # A profile certified per class serves that rule, where any class certified.
+        has_certificate = any(t is not None for t, _ in per_class)
+    else:
+        has_certificate = certified_threshold is not None
+    if not has_certificate and threshold is not None:
         what = "no profile" if profile is None else f"profile {profile.name!r} certified none"
         raise NoCertificateError(
             "threshold",
@@ -650,8 +686,11 @@ def make_policy(
             f"({what}); to accept on uncertified confidence anyway, with no guarantee, set "
             "uncertified_threshold instead",
         )
+    by_class = (
+        per_class if per_class is not None and has_certificate and threshold is None else None
+    )
     chosen_threshold, origin, missing = _threshold_in_force(
-        profile, threshold, uncertified_threshold, defaults
+        profile, threshold, uncertified_threshold, defaults, has_certificate
     )
     if profile is None:
         return Policy(
@@ -696,8 +735,7 @@ def make_policy(
         min_choice_mass=chosen_mass,
         conformal_quantile=profile.conformal_quantile,
         certified=(
-            certified_threshold is not None
-            and chosen_threshold == certified_threshold
+            (by_class is not None or chosen_threshold == certified_threshold is not None)
             and chosen_mass == profile.min_choice_mass
             and chosen_std == profile.max_std
             and (profile.max_std is None or chosen_values == profile_values)
@@ -707,7 +745,22 @@ def make_policy(
         max_std_source=std_source,
         max_order_spread=max_order_spread,
         audit_rate=audit_rate,
+        class_thresholds=None if by_class is None else [t for t, _ in by_class],
+        class_reasons=None if by_class is None else [r for _, r in by_class],
     )
+
+
+def _class_certificates(
+    profile: CalibrationProfile,
+) -> list[tuple[float | None, str | None]] | None:
+    """Each class's certified threshold, or None and why not, where ``profile`` was certified
+    per class (``calibration.class_certify``); None for a pooled profile."""
+    if profile.class_thresholds is None:
+        return None
+    return [
+        (r.threshold, None if r.threshold is not None else r.reason)
+        for r in profile.class_thresholds
+    ]
 
 
 def _threshold_in_force(
@@ -715,13 +768,19 @@ def _threshold_in_force(
     threshold: float | None,
     uncertified_threshold: float | None,
     defaults: PolicyDefaults,
+    has_certificate: bool,
 ) -> tuple[float | None, ThresholdOrigin, str | None]:
-    """The threshold a policy applies, where it came from, and, when there is none, why (the
-    reason an escalation gives). ``threshold`` is only ever a certified threshold's override
-    (``make_policy`` refuses it otherwise)."""
-    certified = None if profile is None else profile.threshold.threshold
-    if certified is not None:
-        return (certified, "profile", None) if threshold is None else (threshold, "request", None)
+    """The one threshold a policy applies (None where it serves a threshold per class, or has
+    none), where it came from, and, when there is none at all, why (the reason an escalation
+    gives). ``threshold`` is only ever a certified threshold's override (``make_policy``
+    refuses it otherwise)."""
+    if has_certificate:
+        assert profile is not None
+        if threshold is not None:
+            return threshold, "request", None
+        if profile.class_thresholds is not None:
+            return None, "profile", None  # one per class: Policy.class_thresholds
+        return profile.threshold.threshold, "profile", None
     if uncertified_threshold is not None:
         return uncertified_threshold, "uncertified_request", None
     if defaults.uncertified_threshold is not None:

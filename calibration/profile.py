@@ -100,6 +100,8 @@ class Baseline(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     conformal_quantile: Annotated[float, Meta(ge=0.0, le=1.0)]
     threshold: ThresholdResult
     metrics_after: MetricReport  # on the items neither map was fitted on
+    # Its threshold per class, where the profile was certified per class.
+    class_thresholds: list[ThresholdResult] | None = None
 
     def __post_init__(self) -> None:
         problems = _threshold_problems(self.threshold)
@@ -163,6 +165,12 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # whole prompts (POST /profiles/{name}/fit, ``fit_profile``), which a caller sends as they
     # were.
     template: PromptTemplate | None = None
+    # A threshold certified per predicted class (``calibration.class_certify``), in the
+    # choices' order, each at threshold.delta / k so that every class holds at once with
+    # probability 1 - threshold.delta. Where present the profile serves it: a decision of
+    # class c is accepted at class_thresholds[c].threshold (None: never), instead of the pooled
+    # ``threshold``, which is kept for comparison. None: the pooled rule.
+    class_thresholds: list[ThresholdResult] | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -198,6 +206,14 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
                 f"{self.n_examples}"
             )
         problems += _threshold_problems(self.threshold)
+        if self.class_thresholds is not None:
+            if len(self.class_thresholds) != len(self.choices):
+                problems.append(
+                    f"class_thresholds has {len(self.class_thresholds)} entries for "
+                    f"{len(self.choices)} choices"
+                )
+            for c, result in enumerate(self.class_thresholds):
+                problems += [f"class_thresholds[{c}].{p}" for p in _threshold_problems(result)]
         for method, value in self.cv_nll.items():
             if not (math.isfinite(value) and value >= 0):
                 problems.append(f"cv_nll[{method!r}] must be a finite number >= 0, got {value!r}")
@@ -291,6 +307,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             note=b.note,
             conformal_quantile=b.conformal_quantile,
             threshold=b.threshold,
+            class_thresholds=b.class_thresholds,
             metrics_after=b.metrics_after,
             baseline=None,
         )

@@ -83,6 +83,30 @@ def _threshold_line(profile: CalibrationProfile) -> str:
     return f"**no certified threshold**: {t.reason}; every item escalates unless a caller sets one"
 
 
+def class_certificate_lines(profile: CalibrationProfile) -> list[str]:
+    """The per-class certificate, a line per class (``calibration.class_certify``); none for a
+    pooled profile."""
+    if profile.class_thresholds is None:
+        return []
+    delta = profile.threshold.delta
+    lines = [
+        f"- **served per class** (each class's accepted decisions >= "
+        f"{profile.threshold.target_precision} precise, every class at once with probability "
+        f">= {1 - delta:.2f}: delta {delta:g} / {len(profile.choices)} each); the pooled "
+        "threshold above is kept for comparison only"
+    ]
+    for choice, t in zip(profile.choices, profile.class_thresholds, strict=True):
+        if t.threshold is None:
+            lines.append(f"  - {choice}: **none certified**, its decisions escalate: {t.reason}")
+        else:
+            lines.append(
+                f"  - {choice}: accept at >= **{t.threshold:.3f}**; on its {t.n} certify "
+                f"decisions, coverage {t.coverage:.3f}, precision {t.precision:.4f}, lower bound "
+                f"{t.precision_lower_bound:.4f}"
+            )
+    return lines
+
+
 def _map_line(profile: CalibrationProfile) -> str:
     m = profile.calibration_map
     if isinstance(m, Probe):
@@ -133,7 +157,13 @@ def comparison_markdown(evaluation: PolicyEvaluation) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, x in ((f"{e.method} (the profile)", e), (f"{b.method} (baseline)", b)):
-        threshold = "none" if x.threshold is None else f"{x.threshold:.3f}"
+        threshold = (
+            "per class"
+            if x.class_thresholds is not None
+            else "none"
+            if x.threshold is None
+            else f"{x.threshold:.3f}"
+        )
         precision = "-" if x.precision is None else f"{x.precision:.4f}"
         lines.append(
             f"| {name} | {x.after.accuracy.value:.3f} | {x.after.nll.value:.3f} | "
@@ -182,6 +212,7 @@ def profile_markdown(
     )
     parts += [
         f"- routing: {_threshold_line(profile)}",
+        *class_certificate_lines(profile),
         f"- conformal (LAC, alpha {profile.conformal_alpha}): {quantile}",
         f"- created {profile.created_at}",
     ]
@@ -212,7 +243,21 @@ def profile_markdown(
 
 def evaluation_markdown(evaluation: PolicyEvaluation) -> str:
     e = evaluation
-    threshold = "none (no certified threshold)" if e.threshold is None else f"{e.threshold:.3f}"
+    if e.class_thresholds is not None:
+        threshold = (
+            "per class ("
+            + ", ".join(
+                f"{c.choice} {'none' if t is None else f'{t:.3f}'}"
+                for c, t in zip(
+                    e.classes.classes if e.classes else [], e.class_thresholds, strict=False
+                )
+            )
+            + ")"
+        )
+    elif e.threshold is None:
+        threshold = "none (no certified threshold)"
+    else:
+        threshold = f"{e.threshold:.3f}"
     if e.precision is None:
         precision = "n/a (nothing accepted)"
     else:

@@ -419,6 +419,8 @@ class FitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     delta: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.1
     alpha: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.1
     method: FitMethod = "auto"
+    # Certify a threshold per predicted class too, and serve that rule (calibration.class_certify)
+    per_class: bool = False
 
 
 class CalibrationMapSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

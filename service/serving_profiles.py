@@ -144,6 +144,7 @@ class ProfileServing:
                 delta=request.delta,
                 alpha=request.alpha,
                 methods=_FIT_METHODS[request.method],
+                per_class=request.per_class,
             ),
         )
         try:

@@ -266,3 +266,19 @@ def test_a_probe_on_too_few_examples_is_refused_before_loading(
     err = capsys.readouterr().err
     assert "method probe needs at least 100 labeled examples" in err and "has 60" in err
     assert session_model == [] and list(tmp_path.iterdir()) == []
+
+
+@needs_data
+def test_calibrate_per_class_writes_a_threshold_per_class(
+    session_model: list[dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["calibrate", "--task", str(SMS), "--limit", "48", "--per-class"]
+    assert main([*args, "--profiles-dir", str(tmp_path)]) == 0
+    profile = load_profile(tmp_path / "sms_spam.json")
+    assert profile.class_thresholds is not None and len(profile.class_thresholds) == 2
+    assert all(
+        t.delta == pytest.approx(profile.threshold.delta / 2) for t in profile.class_thresholds
+    )
+    out = capsys.readouterr().out
+    assert "served per class" in out and "  - ham:" in out and "  - spam:" in out
+    assert "served per class" in (tmp_path / "sms_spam.report.md").read_text()

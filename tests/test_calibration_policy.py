@@ -278,3 +278,86 @@ def test_order_sensitive_is_a_reason_code() -> None:
     from calibration import REASON_CODES
 
     assert "order_sensitive" in REASON_CODES
+
+
+def per_class(
+    profile: CalibrationProfile, ham: float | None, spam: float | None
+) -> CalibrationProfile:
+    """``profile`` certified per class: ham's decisions at ``ham``, spam's at ``spam``."""
+    results = [
+        msgspec.structs.replace(
+            profile.threshold,
+            threshold=t,
+            feasible=t is not None,
+            reason="ok"
+            if t is not None
+            else f"class {c!r} (3 certify items decided as it): too few",
+        )
+        for c, t in zip(CHOICES, (ham, spam), strict=True)
+    ]
+    return msgspec.structs.replace(profile, class_thresholds=results)
+
+
+def test_a_profile_certified_per_class_holds_each_class_to_its_own_threshold(
+    profile: CalibrationProfile,
+) -> None:
+    gate = Gate(per_class(with_threshold(profile, 0.5), 0.6, 0.95))
+    assert gate.policy.certified and gate.policy.threshold is None
+    # Both decisions at confidence 0.8 (the map is the profile's, so compare calibrated ones).
+    ham, spam = gate.decide_many([scored(0.0001), scored(0.9999)])
+    assert ham.choice == "ham" and spam.choice == "spam"
+    assert ham.threshold == 0.6 and spam.threshold == 0.95  # each decision's own
+    middling = gate.policy.gates(CHOICES, np.log([[0.2, 0.8], [0.8, 0.2]]))
+    assert list(middling.thresholds) == [{0: 0.6, 1: 0.95}[int(b)] for b in middling.best]
+    # A class that certified nothing escalates its decisions, saying which class.
+    none = Gate(per_class(with_threshold(profile, 0.5), 0.6, None))
+    d = none.decide(scored(0.9999))
+    assert d.decision == "escalate" and d.reason_codes[0] == "no_certified_threshold"
+    assert "class 'spam'" in d.reasons[0] and d.threshold is None
+    assert none.decide(scored(0.0001)).threshold == 0.6
+
+
+def test_overriding_a_per_class_rule_holds_every_class_to_one_uncertified_threshold(
+    profile: CalibrationProfile,
+) -> None:
+    gate = Gate(
+        per_class(with_threshold(profile, 0.5), 0.6, 0.95), overrides=Overrides(threshold=0.7)
+    )
+    assert gate.policy.class_thresholds is None and gate.policy.threshold == 0.7
+    assert not gate.policy.certified
+    # A profile whose classes all certified nothing has no certificate at all.
+    empty = per_class(with_threshold(profile, 0.5), None, None)
+    with pytest.raises(NoCertificateError):
+        Gate(empty, overrides=Overrides(threshold=0.7))
+    assert Gate(empty, overrides=Overrides(uncertified_threshold=0.7)).policy.threshold == 0.7
+
+
+def test_a_profile_s_class_thresholds_match_its_choices(profile: CalibrationProfile) -> None:
+    good = per_class(profile, 0.6, None)
+    data = msgspec.to_builtins(good)
+    data["class_thresholds"] = data["class_thresholds"][:1]
+    with pytest.raises(Exception, match="class_thresholds has 1 entries for 2 choices"):
+        msgspec.convert(data, CalibrationProfile)
+
+
+def test_fit_profile_certifies_per_class_when_asked(profile: CalibrationProfile) -> None:
+    rng = np.random.default_rng(4)
+    z = rng.normal(0, 4, size=(600, 2))
+    p = np.exp(z) / np.exp(z).sum(1, keepdims=True)  # a calibrated, sharp judge
+    y = (rng.random(600) > p[:, 0]).astype(int)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    fitted = fit_profile(
+        "sms",
+        logp,
+        y,
+        CHOICES,
+        fingerprint=FINGERPRINT,
+        dataset="d",
+        dataset_sha256="0",
+        settings=FitSettings(n_bootstrap=20, per_class=True),
+    )
+    assert fitted.class_thresholds is not None and len(fitted.class_thresholds) == 2
+    for result in fitted.class_thresholds:
+        assert result.delta == pytest.approx(fitted.threshold.delta / 2)  # Bonferroni
+        assert result.threshold is not None, result.reason
+    assert Gate(fitted).policy.class_thresholds == [t.threshold for t in fitted.class_thresholds]

@@ -83,6 +83,13 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "--delta", type=open_probability, default=0.1, help="allowed failure probability"
     )
     fit.add_argument(
+        "--per-class",
+        action="store_true",
+        help="certify a threshold per predicted class (each class's accepted decisions at least "
+        "the target precise, every class at once with probability 1 - delta) and serve that "
+        "rule; a class that certifies none escalates its decisions",
+    )
+    fit.add_argument(
         "--alpha", type=open_probability, default=0.1, help="conformal miscoverage level"
     )
     fit.add_argument(
@@ -149,6 +156,7 @@ def fit_settings(
         values=values,
         max_std=max_std,
         methods=_methods(args),
+        per_class=getattr(args, "per_class", False),
     )
 
 
@@ -176,7 +184,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     # Here, as each command's fitting and plotting: `judge --help` runs without scipy.
     from calibration.fitting import held_out_examples
     from calibration.reliability import reliability_diagram
-    from calibration.report import metrics_table, profile_markdown, signal_markdown
+    from calibration.report import (
+        class_certificate_lines,
+        metrics_table,
+        profile_markdown,
+        signal_markdown,
+    )
     from calibration.scaling import softmax
 
     task = load_task(args.task)
@@ -271,6 +284,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(f"threshold: {t.threshold:.3f}, coverage {t.coverage:.3f} (on the certify split)")
     else:
         print(f"no certified threshold: {t.reason}")
+    for line in class_certificate_lines(profile):
+        print(line.replace("**", ""))
     print(f"wrote {out / name}.json, .report.md, .reliability.png")
     return 0
 
