@@ -19,8 +19,9 @@ only through the fixed map, so no independence is needed). ``tests/test_gating_s
 shows the family-wise failure rate below delta on synthetic judges.
 
 A class with too few decided items, or too little precision, certifies nothing: its decisions
-escalate (``no_certified_threshold``), they are not pooled into the others. Its result says
-about how many labels it would need.
+escalate (``no_certified_threshold``), they are not pooled into the others. Its result's reason
+says about how many labels in all would likely certify it (``labels_to_certify``, on its own
+certify decisions, with their share of the labels).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from calibration.certify import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
+from calibration.recertify import labels_to_certify
 
 __all__ = ["certify_per_class"]
 
@@ -87,8 +89,21 @@ def certify_per_class(
             start=start,
         )
         if result.threshold is None:
-            reason = f"class {choice!r} ({int(mine.shape[0])} certify items decided as it): "
-            result = msgspec.structs.replace(result, reason=reason + result.reason)
+            # About how many labels would certify it: this class's certify decisions are
+            # ``mine`` of the ``confidence.shape[0]`` labelled items, so that is their share.
+            needed = labels_to_certify(
+                confidence[mine],
+                correct[mine],
+                target_precision=target_precision,
+                delta=share,
+                certify_share=mine.shape[0] / confidence.shape[0],
+                given=int(confidence.shape[0]),
+            )
+            reason = (
+                f"class {choice!r} ({int(mine.shape[0])} certify items decided as it): "
+                f"{result.reason}; labels needed: {needed.reason}"
+            )
+            result = msgspec.structs.replace(result, reason=reason)
         results.append(result)
     return results
 
