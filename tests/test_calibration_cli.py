@@ -279,6 +279,9 @@ def test_calibrate_per_class_writes_a_threshold_per_class(
     assert all(
         t.delta == pytest.approx(profile.threshold.delta / 2) for t in profile.class_thresholds
     )
+    # A class that certified nothing says about how many labels would.
+    for t in profile.class_thresholds:
+        assert t.threshold is not None or "labels needed: " in t.reason
     out = capsys.readouterr().out
     assert "served per class" in out and "  - ham:" in out and "  - spam:" in out
     assert "served per class" in (tmp_path / "sms_spam.report.md").read_text()
