@@ -13,6 +13,7 @@ settings without loading the fitter.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import msgspec
 
@@ -33,7 +34,9 @@ class FitSettings(msgspec.Struct, frozen=True, kw_only=True):
         The conformal set covers the label with probability at least 1 - ``alpha``.
     min_choice_mass
         The served rule escalates a judgment whose choices hold less of the model's
-        probability than this; the certificate covers the rule with that gate.
+        probability than this; the certificate covers the rule with that gate. "auto" (the
+        default): chosen from the labels where a gate raises the coverage certified on the
+        items the certificate does not rest on (``calibration.mass_gate``), else 0.
     values, max_std
         A score task's number per choice and the bound on a score's std (the ``high_std``
         gate); None for a plain choice task.
@@ -58,7 +61,7 @@ class FitSettings(msgspec.Struct, frozen=True, kw_only=True):
     target_precision: float = 0.9
     delta: float = 0.1
     alpha: float = 0.1
-    min_choice_mass: float = 0.0
+    min_choice_mass: float | Literal["auto"] = "auto"
     values: Mapping[str, float] | None = None
     max_std: float | None = None
     methods: Sequence[str] | str = "auto"

@@ -70,6 +70,7 @@ from calibration.gate import Gate, Overrides
 from calibration.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.limits import MIN_EXAMPLES, PROBE_SPLIT, SPLIT, certify_share
 from calibration.maps import MAX_PROBE_WEIGHTS, ProbeSpan
+from calibration.mass_gate import choose_min_choice_mass
 from calibration.metrics import MetricReport, evaluate
 from calibration.monitoring import reference_of
 from calibration.per_class import ClassReport, class_evidence
@@ -180,6 +181,8 @@ class FittedRule:
     threshold: ThresholdResult
     # Per class, in the choices' order, with ``settings.per_class``; else None.
     class_thresholds: list[ThresholdResult] | None
+    min_choice_mass: float  # the settings', or the one chosen (``calibration.mass_gate``)
+    mass_note: str  # for the profile's note: which minimum was chosen and why; "" if given
     split: DataSplit
     probabilities: np.ndarray  # (n, k) calibrated probabilities of every example
     held_out: np.ndarray  # indices the map was not fitted on (conformal + certify)
@@ -230,7 +233,7 @@ def fit_rule(
     )
     probe = "probe" in methods
     mass = check_choice_mass(choice_mass, z.shape[0])
-    min_choice_mass = check_probability(settings.min_choice_mass, "min_choice_mass")
+    chosen_mass = settings.min_choice_mass
     columns = [str(j) for j in range(z.shape[1])] if choices is None else list(choices)
     values = None if settings.values is None else check_values(settings.values, columns)
     max_std = None if settings.max_std is None else check_max_std(settings.max_std)
@@ -253,26 +256,43 @@ def fit_rule(
     x = map_features(fit.map, f, feature_layers, means)  # (n, slots*H) for a probe, else None
     probs = fit.map.apply(z, x)  # (n, k)
     q_hat = conformal_quantile(probs[conformal_idx], labels[conformal_idx], settings.alpha)
+    correct = probs.argmax(axis=1) == labels
+
     # The served rule accepts an item only if every gate passes; an item that another gate
     # escalates gets confidence 0 here, so the certificate covers exactly that rule. The gates
     # are the served policy's own, with the threshold left open.
-    open_gates = Policy(
-        profile=None,
-        choices=None,
-        calibration_map=fit.map,
-        threshold=0.0,
-        threshold_source="uncertified_request",
-        no_threshold_reason=None,
-        min_choice_mass=min_choice_mass,
-        conformal_quantile=q_hat,
-        certified=False,
-        values=values,
-        max_std=max_std,
-        max_std_source="profile",
-    )
+    def open_at(min_choice_mass: float) -> Policy:
+        return Policy(
+            profile=None,
+            choices=None,
+            calibration_map=fit.map,
+            threshold=0.0,
+            threshold_source="uncertified_request",
+            no_threshold_reason=None,
+            min_choice_mass=min_choice_mass,
+            conformal_quantile=q_hat,
+            certified=False,
+            values=values,
+            max_std=max_std,
+            max_std_source="profile",
+        )
+
+    mass_note = ""
+    if chosen_mass == "auto":
+        # Chosen on the fit and conformal splits: the certify split does not depend on it.
+        ungated = open_at(0.0).gates(columns, z, mass, x)
+        independent = np.concatenate([fit_idx, conformal_idx])
+        chosen_mass, mass_note = choose_min_choice_mass(
+            np.where(ungated.accepted, ungated.confidence, 0.0)[independent],
+            correct[independent],
+            mass[independent],
+            target_precision=settings.target_precision,
+            delta=settings.delta,
+        )
+    min_choice_mass = check_probability(chosen_mass, "min_choice_mass")
+    open_gates = open_at(min_choice_mass)
     gates = open_gates.gates(columns, z, mass, x)
     confidence = np.where(gates.accepted, gates.confidence, 0.0)
-    correct = probs.argmax(axis=1) == labels
     start = None
     best = probs.argmax(axis=1)
     target_precision, delta = settings.target_precision, settings.delta
@@ -325,6 +345,8 @@ def fit_rule(
         conformal_quantile=q_hat,
         threshold=threshold,
         class_thresholds=per_class,
+        min_choice_mass=min_choice_mass,
+        mass_note=mass_note,
         split=DataSplit(
             fit=int(fit_idx.shape[0]),
             conformal=int(conformal_idx.shape[0]),
@@ -399,7 +421,10 @@ def fit_profile(
             z,
             labels,
             choice_mass,
-            settings=msgspec.structs.replace(settings, methods=DEFAULT_METHODS),
+            # The same gate as the profile's: the baseline is served under the profile's mass.
+            settings=msgspec.structs.replace(
+                settings, methods=DEFAULT_METHODS, min_choice_mass=rule.min_choice_mass
+            ),
             choices=choices,
             probe_split=True,
         )
@@ -431,7 +456,8 @@ def fit_profile(
         n_examples=len(labels),
         calibration_map=rule.fit.map,
         cv_nll=rule.fit.cv_nll,
-        note=rule.fit.note + rule.skipped,
+        note=rule.fit.note + rule.skipped + rule.mass_note,
+        min_choice_mass=rule.min_choice_mass,
         threshold=rule.threshold,
         class_thresholds=rule.class_thresholds,
         conformal_quantile=rule.conformal_quantile,
@@ -526,7 +552,6 @@ def _profile(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         values=None if values is None else check_values(values, choices),
         max_std=None if max_std is None else check_max_std(max_std),
-        min_choice_mass=check_probability(settings.min_choice_mass, "min_choice_mass"),
         conformal_alpha=settings.alpha,
         **fitted,
     )
@@ -657,6 +682,10 @@ def fit_label_free_profile(
         metrics_before=None,
         metrics_after=None,
         label_free=LabelFree(method=method, n_inputs=n, source=source, prior=prior),  # type: ignore[arg-type]
+        # No labels to choose a gate by: the settings' minimum, none for "auto".
+        min_choice_mass=0.0
+        if settings.min_choice_mass == "auto"
+        else check_probability(settings.min_choice_mass, "min_choice_mass"),
         signal=None,
         # The inputs the prior was estimated on: the map saw them, but only through their
         # mean, so their calibrated confidence is close to that of new inputs.
