@@ -173,6 +173,9 @@ def create_server(
             with model_lock:
                 gate.check_engine(engine, system=system, choices=choices)
                 span = None if item is None else item_span_of(prompt, item)
+                # A profile fitted on a task: the prompt must mark its item, and is flagged
+                # when it is not the task's prompt (as POST /judge does).
+                outside = gate.outside_template(prompt, span)
                 judgment = engine.judge(
                     prompt,
                     choices,
@@ -181,7 +184,7 @@ def create_server(
                     span_layers=gate.span_layers,
                     item_span=span,
                 )
-            verdict = gate.decide(judgment)
+            verdict = gate.decide(judgment, outside_template=outside)
             kept = None
             if log_requests:
                 query = Query(prompt=prompt, choices=list(choices), system=system, item_span=span)
