@@ -157,6 +157,31 @@ def clopper_pearson_lower(successes: int, trials: int, alpha: float) -> float:
     return float(stats.beta.ppf(alpha, successes, trials - successes + 1))
 
 
+def untested(
+    *, target_precision: float, delta: float, procedure: str, method: str, reason: str
+) -> ThresholdResult:
+    """A result with no threshold because nothing could be tested (no labels; no item of a
+    class), saying why."""
+    return ThresholdResult(
+        feasible=False,
+        threshold=None,
+        target_precision=target_precision,
+        delta=delta,
+        coverage=0.0,
+        precision=None,
+        precision_lower_bound=None,
+        n_accepted=0,
+        n=0,
+        best_certified_precision=0.0,
+        grid_size=len(DEFAULT_GRID),
+        tested=0,
+        start=None,
+        procedure=procedure,
+        method=method,
+        reason=reason,
+    )
+
+
 def clopper_pearson_interval(successes: int, trials: int) -> list[float] | None:
     """The two-sided 95% Clopper-Pearson interval on a binomial proportion (Clopper & Pearson
     1934): the 0.025 and 0.975 quantiles of its two beta distributions, 0 and 1 at the ends;

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from calibration.certify import DEFAULT_GRID, ThresholdResult, select_threshold, sequence_start
+from calibration.certify import ThresholdResult, select_threshold, sequence_start, untested
 from calibration.recertify import labels_to_certify
 
 __all__ = ["certify_per_class"]
@@ -112,20 +112,9 @@ def _none_decided(
     choice: str, target_precision: float, delta: float, procedure: str
 ) -> ThresholdResult:
     """The result for a class no certify item was decided as: nothing to test."""
-    return ThresholdResult(
-        feasible=False,
-        threshold=None,
+    return untested(
         target_precision=target_precision,
         delta=delta,
-        coverage=0.0,
-        precision=None,
-        precision_lower_bound=None,
-        n_accepted=0,
-        n=0,
-        best_certified_precision=0.0,
-        grid_size=len(DEFAULT_GRID),
-        tested=0,
-        start=None,
         procedure=procedure,
         method="nothing tested",
         reason=f"class {choice!r}: no certify item was decided as it, so nothing vouches for "

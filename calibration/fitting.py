@@ -56,11 +56,11 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from calibration.certify import (
-    DEFAULT_GRID,
     ThresholdResult,
     clopper_pearson_interval,
     select_threshold,
     sequence_start,
+    untested,
 )
 from calibration.class_certify import certify_per_class
 from calibration.conformal import conformal_quantile
@@ -641,20 +641,9 @@ def fit_label_free_profile(
         f"label-free profile ({method} calibration on {n} unlabeled inputs): with no labels, "
         "no threshold can be certified"
     )
-    threshold = ThresholdResult(
-        feasible=False,
-        threshold=None,
+    threshold = untested(
         target_precision=settings.target_precision,
         delta=settings.delta,
-        coverage=0.0,
-        precision=None,
-        precision_lower_bound=None,
-        n_accepted=0,
-        n=0,
-        best_certified_precision=0.0,
-        grid_size=len(DEFAULT_GRID),
-        tested=0,
-        start=None,
         procedure="none",
         method="none: no labels",
         reason=no_labels,
