@@ -446,7 +446,7 @@ def fit_profile(
             "ignored, then a temperature fitted on their labels (batch_temperature)",
             prior=rule.fit.prior,
         )
-    return _profile(
+    profile = _profile(
         name,
         choices,
         fingerprint,
@@ -483,6 +483,15 @@ def fit_profile(
         ),
         recertification=recertification,
     )
+    # Per class, on the items the map was not fitted on, under the rule as served (its own
+    # gates on the calibrated probabilities): the evidence the report shows beside the metrics.
+    served = msgspec.structs.replace(Gate(profile).policy, calibration_map=Identity())
+    held_mass = None if choice_mass is None else np.asarray(choice_mass)[held]
+    g = served.gates(
+        list(choices), np.log(np.clip(rule.probabilities[held], 1e-300, 1.0)), held_mass
+    )
+    evidence_by_class = class_evidence(list(choices), labels[held], g.best, g.accepted)
+    return msgspec.structs.replace(profile, class_evidence=evidence_by_class)
 
 
 def labels_for_next_look(

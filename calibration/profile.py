@@ -40,6 +40,7 @@ from calibration.label_free import LabelFree
 from calibration.maps import BiasTemperature, CalibrationMap, Identity, Probe, Temperature
 from calibration.metrics import MetricReport
 from calibration.monitoring import Reference
+from calibration.per_class import ClassReport
 from calibration.recertify import Recertification
 from calibration.scored import ScoredJudgment, check_max_std, probe_row
 from calibration.scores import check_values, numeral_values
@@ -171,6 +172,10 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # class c is accepted at class_thresholds[c].threshold (None: never), instead of the pooled
     # ``threshold``, which is kept for comparison. None: the pooled rule.
     class_thresholds: list[ThresholdResult] | None = None
+    # Per class, on the examples the map was not fitted on, under the rule as served: precision,
+    # recall and coverage of the accepted ones and the confusion matrices
+    # (``calibration.per_class``). None for a label-free profile and older files.
+    class_evidence: ClassReport | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -232,6 +232,14 @@ def profile_markdown(
             "",
             metrics_table(profile.metrics_before, profile.metrics_after),
         ]
+        if profile.class_evidence is not None:
+            parts += [
+                "",
+                "The examples the map was not fitted on, under the rule as served (the "
+                "threshold was certified on part of them, so this is evidence, not a test):",
+                "",
+                class_markdown(profile.class_evidence),
+            ]
         if profile.baseline is not None:
             parts += ["", _baseline_markdown(profile)]
     else:

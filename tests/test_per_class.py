@@ -66,3 +66,24 @@ def test_bad_input_is_refused_by_name() -> None:
         class_evidence(["a", "b"], [0, 1], [0, 2], [True, True])
     with pytest.raises(ValueError, match="alike"):
         class_evidence(["a", "b"], [0, 1], [0], [True, True])
+
+
+def test_a_fitted_profile_and_its_report_carry_the_evidence_per_class() -> None:
+    from fakes import FINGERPRINT
+
+    from calibration import fit_profile
+    from calibration.report import profile_markdown
+
+    rng = np.random.default_rng(5)
+    z = rng.normal(0, 3, size=(300, 2))
+    y = (rng.random(300) > np.exp(z[:, 0]) / np.exp(z).sum(1)).astype(int)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    profile = fit_profile(
+        "p", logp, y, ["ham", "spam"], fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"
+    )
+    evidence = profile.class_evidence
+    assert evidence is not None
+    held = profile.split.conformal + profile.split.certify  # the examples not fitted on
+    assert sum(c.support for c in evidence.classes) == held
+    assert sum(map(sum, evidence.confusion)) == held
+    assert "### Per class" in profile_markdown(profile)
