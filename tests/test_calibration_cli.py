@@ -281,7 +281,9 @@ def test_calibrate_per_class_writes_a_threshold_per_class(
     )
     # A class that certified nothing says about how many labels would.
     for t in profile.class_thresholds:
-        assert t.threshold is not None or "labels needed: " in t.reason
+        assert t.threshold is not None or any(
+            said in t.reason for said in ("labels needed: ", "no certify item was decided as it")
+        )
     out = capsys.readouterr().out
     assert "served per class" in out and "  - ham:" in out and "  - spam:" in out
     assert "served per class" in (tmp_path / "sms_spam.report.md").read_text()

@@ -408,16 +408,24 @@ def test_the_page_shows_what_post_judge_says(browser: Any, server: Server, tmp_p
     page.screenshot(tmp_path / "playground.png")
 
     # With the profile: calibrated and raw bars differ, as the server's numbers do.
-    assert page.submit(PROMPT, ["ham", "spam"], profile="sms", threshold="0.6") == "done"
-    status, body = judged(
-        server, {"prompt": PROMPT, "choices": ["ham", "spam"], "profile": "sms", "threshold": 0.6}
-    )
+    assert page.submit(PROMPT, ["ham", "spam"], profile="sms") == "done"
+    status, body = judged(server, {"prompt": PROMPT, "choices": ["ham", "spam"], "profile": "sms"})
     assert status == 200
     same_numbers(page.bars(), body)
     assert page.find("#decision").text.lower() == body["decision"]
-    assert page.find("#threshold-used").text.startswith("0.600")
     assert page.find("#profile-used").text.startswith("sms")
     assert not page.find("#rendered-prompt-box").is_displayed()
+    # A threshold overrides the profile's certified one; where it certified none, the page
+    # shows the server's 422, which names the opt-in.
+    overridden = page.submit(PROMPT, ["ham", "spam"], profile="sms", threshold="0.6")
+    status, body = judged(
+        server, {"prompt": PROMPT, "choices": ["ham", "spam"], "profile": "sms", "threshold": 0.6}
+    )
+    if status == 200:
+        assert overridden == "done" and page.find("#threshold-used").text.startswith("0.600")
+    else:
+        assert status == 422 and overridden == "error"
+        assert "uncertified_threshold" in page.find("#error-detail").text
     assert_no_csp_violations(browser)
 
 
