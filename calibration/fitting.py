@@ -516,8 +516,11 @@ def labels_for_next_look(
     means = None if span_features is None else np.asarray(span_features)[held]
     x = map_features(profile.calibration_map, f, feature_layers, means)
     # Every gate but the threshold: the profile may have certified none, so the threshold is
-    # opened on the resolved policy rather than overridden (an override needs a certificate).
-    opened = msgspec.structs.replace(Gate(profile).policy, threshold=0.0)
+    # opened on the resolved policy rather than overridden (an override needs a certificate),
+    # and for every class alike (a per-class profile's own thresholds would stay in force).
+    opened = msgspec.structs.replace(
+        Gate(profile).policy, threshold=0.0, class_thresholds=None, class_reasons=None
+    )
     gates = opened.gates(profile.choices, z, mass, x)
     return labels_to_certify(
         np.where(gates.accepted, gates.confidence, 0.0),

@@ -361,3 +361,20 @@ def test_fit_profile_certifies_per_class_when_asked(profile: CalibrationProfile)
         assert result.delta == pytest.approx(fitted.threshold.delta / 2)  # Bonferroni
         assert result.threshold is not None, result.reason
     assert Gate(fitted).policy.class_thresholds == [t.threshold for t in fitted.class_thresholds]
+
+
+def test_labels_for_the_next_look_open_every_class_s_threshold(
+    profile: CalibrationProfile,
+) -> None:
+    from calibration.fitting import labels_for_next_look
+
+    rng = np.random.default_rng(0)  # the fixture's examples
+    z = rng.normal(0, 3, size=(400, 2))
+    p = np.exp(z / 2) / np.exp(z / 2).sum(1, keepdims=True)
+    y = (rng.random(400) > p[:, 0]).astype(int)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    pooled = with_threshold(profile, None)
+    # The estimate reads every gate but the threshold: a class's own threshold (or its lack
+    # of one) is opened too, so a per-class profile asks what the pooled one does.
+    split = per_class(pooled, 0.99, None)
+    assert labels_for_next_look(split, logp, y) == labels_for_next_look(pooled, logp, y)
