@@ -256,7 +256,10 @@ def fit_rule(
     x = map_features(fit.map, f, feature_layers, means)  # (n, slots*H) for a probe, else None
     probs = fit.map.apply(z, x)  # (n, k)
     q_hat = conformal_quantile(probs[conformal_idx], labels[conformal_idx], settings.alpha)
-    correct = probs.argmax(axis=1) == labels
+    best = probs.argmax(axis=1)
+    correct = best == labels
+    # Items the certify split does not depend on: they choose the mass gate and the starts.
+    independent = np.concatenate([fit_idx, conformal_idx])
 
     # The served rule accepts an item only if every gate passes; an item that another gate
     # escalates gets confidence 0 here, so the certificate covers exactly that rule. The gates
@@ -281,7 +284,6 @@ def fit_rule(
     if chosen_mass == "auto":
         # Chosen on the fit and conformal splits: the certify split does not depend on it.
         ungated = open_at(0.0).gates(columns, z, mass, x)
-        independent = np.concatenate([fit_idx, conformal_idx])
         chosen_mass, mass_note = choose_min_choice_mass(
             np.where(ungated.accepted, ungated.confidence, 0.0)[independent],
             correct[independent],
@@ -294,11 +296,9 @@ def fit_rule(
     gates = open_gates.gates(columns, z, mass, x)
     confidence = np.where(gates.accepted, gates.confidence, 0.0)
     start = None
-    best = probs.argmax(axis=1)
     target_precision, delta = settings.target_precision, settings.delta
     starting: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     if settings.procedure == "fixed_sequence":
-        independent = np.concatenate([fit_idx, conformal_idx])
         start_confidence = confidence[independent]
         start_best = best[independent]
         start_correct = correct[independent]

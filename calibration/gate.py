@@ -112,6 +112,11 @@ def fitted_template(profile: CalibrationProfile | None) -> PromptTemplate:
     )
 
 
+def _flagged(verdict: Verdict, outside_template: bool) -> Verdict:
+    """``verdict``, saying its prompt lay outside the profile's fitted template where it did."""
+    return msgspec.structs.replace(verdict, outside_template=True) if outside_template else verdict
+
+
 class Gate:
     """A profile (or none) under a request's overrides and a server's defaults, ready to decide.
 
@@ -269,9 +274,7 @@ class Gate:
         two orders; ``outside_template``: its prompt was not the profile's template around
         its item (``outside_template``), which the verdict says."""
         verdict = self.policy.decide(judgment, order_spread=order_spread, pair=pair)
-        if outside_template:
-            return msgspec.structs.replace(verdict, outside_template=True)
-        return verdict
+        return _flagged(verdict, outside_template)
 
     def decide_answer(self, answer: TypedAnswer) -> Verdict:
         """The verdict on a typed answer (``judge.answers``): its judgment, bounded by how far
@@ -287,9 +290,16 @@ class Gate:
         *,
         order_spreads: Sequence[float] | None = None,
         pair: bool = False,
+        outside_templates: Sequence[bool] | None = None,
     ) -> list[Verdict]:
-        """Verdicts on many judgments, in order, computed together per set of choices."""
-        return self.policy.decide_many(judgments, order_spreads=order_spreads, pair=pair)
+        """Verdicts on many judgments, in order, computed together per set of choices;
+        ``outside_templates``: one per judgment, as ``decide``'s ``outside_template``."""
+        verdicts = self.policy.decide_many(judgments, order_spreads=order_spreads, pair=pair)
+        if outside_templates is None:
+            return verdicts
+        if len(outside_templates) != len(verdicts):
+            raise ValueError(f"{len(outside_templates)} flags for {len(verdicts)} judgments")
+        return [_flagged(v, o) for v, o in zip(verdicts, outside_templates, strict=True)]
 
     def judge(
         self,

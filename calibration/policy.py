@@ -672,10 +672,10 @@ def make_policy(
     checked_values = None if values is None else check_values(values)
     defaults = defaults or PolicyDefaults()
     certified_threshold = None if profile is None else profile.threshold.threshold
-    per_class = None if profile is None else _class_certificates(profile)
+    per_class = None if profile is None else profile.class_thresholds
     if per_class is not None:
         # A profile certified per class serves that rule, where any class certified.
-        has_certificate = any(t is not None for t, _ in per_class)
+        has_certificate = any(r.threshold is not None for r in per_class)
     else:
         has_certificate = certified_threshold is not None
     if not has_certificate and threshold is not None:
@@ -745,22 +745,11 @@ def make_policy(
         max_std_source=std_source,
         max_order_spread=max_order_spread,
         audit_rate=audit_rate,
-        class_thresholds=None if by_class is None else [t for t, _ in by_class],
-        class_reasons=None if by_class is None else [r for _, r in by_class],
+        class_thresholds=None if by_class is None else [r.threshold for r in by_class],
+        class_reasons=None
+        if by_class is None
+        else [None if r.threshold is not None else r.reason for r in by_class],
     )
-
-
-def _class_certificates(
-    profile: CalibrationProfile,
-) -> list[tuple[float | None, str | None]] | None:
-    """Each class's certified threshold, or None and why not, where ``profile`` was certified
-    per class (``calibration.class_certify``); None for a pooled profile."""
-    if profile.class_thresholds is None:
-        return None
-    return [
-        (r.threshold, None if r.threshold is not None else r.reason)
-        for r in profile.class_thresholds
-    ]
 
 
 def _threshold_in_force(

@@ -95,14 +95,21 @@ def test_calibrate_then_ask_with_the_item_alone_gives_a_certified_decision(
 
     # A JSONL line may be an item alone; a whole prompt must mark its item.
     lines = tmp_path / "in.jsonl"
-    rows = [{"id": "a", "item": LATE}, {"id": "b", "prompt": task_prompt(task, LATE)}]
+    other = f"Is this spam?\n\n{LATE}"  # marked, but not the task's prompt
+    rows = [
+        {"id": "a", "item": LATE},
+        {"id": "b", "prompt": task_prompt(task, LATE)},
+        {"id": "c", "prompt": other, "item_span": [15, 15 + len(LATE)]},
+    ]
     lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
     args = ["ask", "--input", str(lines), "--output", str(out), "--profile", str(path)]
     assert main(args) == 0
-    first, second = (json.loads(line) for line in out.read_text().splitlines())
+    first, second, third = (json.loads(line) for line in out.read_text().splitlines())
     assert first["id"] == "a" and first["certified"] is True
+    assert "outside_template" not in first
     assert second["error"]["field"] == "item_span"
+    assert third["id"] == "c" and third["outside_template"] is True
 
 
 @needs_data

@@ -243,9 +243,12 @@ def _answer_batch(
     results = dict(
         zip((i.line for i in items), engine.judge_each([i.query for i in items]), strict=True)
     )
-    judged = [r for r in results.values() if isinstance(r, Judgment)]
-    outside = {i.line for i in items if i.outside_template}
-    decisions = iter(gate.decide_many(judged))
+    judged = [(r, i) for i in items if isinstance(r := results[i.line], Judgment)]
+    decisions = iter(
+        gate.decide_many(
+            [r for r, _ in judged], outside_templates=[i.outside_template for _, i in judged]
+        )
+    )
     rows: list[Answer | Failure] = []
     for p in parsed:
         if isinstance(p, Failure):
@@ -253,10 +256,7 @@ def _answer_batch(
             continue
         result = results[p.line]
         if isinstance(result, Judgment):
-            verdict = next(decisions)
-            if p.line in outside:
-                verdict = msgspec.structs.replace(verdict, outside_template=True)
-            rows.append(_answer(result, verdict, p.id, p.query, later))
+            rows.append(_answer(result, next(decisions), p.id, p.query, later))
         else:
             rows.append(_failure(p.id, p.line, result))
     return rows
