@@ -14,10 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
 from calibration import CalibrationProfile, fit_profile, make_policy, save_profile
+from calibration.template import PromptTemplate
 from judge import Judge
 from judge.answers import decide
 from service.cli.main import main, parser
@@ -89,6 +91,13 @@ CALLS: dict[str, tuple[str, dict[str, Any]]] = {
         "decide",
         {"state": "text", "questions": QUESTIONS, "profiles": {"team": "sms"}},
     ),
+    # A profile fitted on a task: the prompt must mark its item, and is flagged when it is not
+    # the task's prompt.
+    "task_unmarked": ("judge", {"prompt": PROMPT, "choices": ["spam", "ham"], "profile": "task"}),
+    "task_outside": (
+        "judge",
+        {"prompt": PROMPT, "choices": ["spam", "ham"], "profile": "task", "item": "WINNER!!"},
+    ),
 }
 
 
@@ -97,6 +106,10 @@ def profiles(judge: Judge) -> dict[str, CalibrationProfile]:
     return {
         "sms": _profile("sms", ["spam", "ham"], judge),
         "yn": _profile("yn", ["yes", "no"], judge),
+        "task": msgspec.structs.replace(
+            _profile("task", ["spam", "ham"], judge),
+            template=PromptTemplate(before="Spam?\n\n", after="\n\nAnswer: spam or ham."),
+        ),
     }
 
 
@@ -243,7 +256,7 @@ def test_list_profiles(
     conversation: dict[str, Any], profiles: dict[str, CalibrationProfile]
 ) -> None:
     rows = {row["name"]: row for row in _data(conversation["list_profiles"])["profiles"]}
-    assert set(rows) == {"sms", "yn"}
+    assert set(rows) == set(profiles)
     profile = profiles["sms"]
     assert rows["sms"]["choices"] == ["spam", "ham"]
     assert rows["sms"]["method"] == profile.calibration_map.method
@@ -259,6 +272,7 @@ def test_list_profiles(
         ("unknown_profile", "profile:"),
         ("bad_question", "questions.q1.criteria"),
         ("mismatched_profile", "profiles.team"),
+        ("task_unmarked", "item_span:"),
     ],
 )
 def test_a_bad_call_is_a_tool_error_naming_the_field(
@@ -295,3 +309,11 @@ def test_the_readme_s_client_configuration_starts_judge_mcp() -> None:
     assert server["command"] == "judge"
     args = parser().parse_args(server["args"])
     assert args.command == "mcp" and args.profiles_dir == Path("profiles")
+
+
+@pytest.mark.slow
+@needs_sdk
+def test_a_prompt_outside_the_profile_s_task_is_flagged(conversation: dict[str, Any]) -> None:
+    out = _data(conversation["task_outside"])
+    assert out["profile"] == "task" and out["outside_template"] is True
+    assert "outside_template" not in _data(conversation["judge_profile"])
