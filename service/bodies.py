@@ -9,7 +9,8 @@ whole.
 A union of Structs (``schemas.BatchRequest``: ``ItemsBatch | SharedBatch``) is told apart by
 the keys the body has: the one member whose required fields the body has (not as null) is
 decoded, strictly; a body that has two members' keys, or none, is refused, naming the first
-member's first required field.
+member's first required field. ``decode_each`` does the same for each element of a list read
+raw (a batch's items), naming the element (``items[2].prompt``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from __future__ import annotations
 import re
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
 import msgspec
 
-__all__ = ["BodyError", "decode_body"]
+__all__ = ["BodyError", "decode_body", "decode_each"]
 
 T = TypeVar("T")
 
@@ -81,6 +83,21 @@ def decode_body(body: bytes, content_type: str | None, type_: Any) -> Any:
         raise BodyError(*_located(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise BodyError("body", f"the body is not valid JSON: {exc}") from None
+
+
+def decode_each(raws: Sequence[msgspec.Raw], type_: Any, field: str) -> list[Any]:
+    """Each of ``raws`` decoded as ``decode_body`` decodes a body, or a BodyError that names the
+    element and its field at fault (``items[2].prompt``)."""
+    decoded = []
+    for i, raw in enumerate(raws):
+        try:
+            decoded.append(decode_body(bytes(raw), None, type_))
+        except BodyError as exc:
+            own = exc.field if exc.field != "body" else ""
+            where = f"{field}[{i}]" + (f".{own}" if own else "")
+            text = str(exc).removeprefix(f"{own}: ") if own else str(exc)
+            raise BodyError(where, f"{where}: {text.replace('the body', 'the item')}") from None
+    return decoded
 
 
 def _member(body: bytes, members: tuple[type[msgspec.Struct], ...]) -> type[msgspec.Struct]:

@@ -70,6 +70,7 @@ from service.health import ProfileHealth
 from service.operations import BY_NAME, Operation
 from service.schemas import (
     MAX_BATCH_ITEMS,
+    BatchItem,
     BatchResponse,
     ErrorBody,
     FitMethod,
@@ -324,8 +325,10 @@ class GateOptions(TypedDict, total=False):
     """``gate``'s keyword arguments.
 
     ``choices`` (default: the profile's), ``profile``, ``threshold``,
-    ``uncertified_threshold``, ``min_choice_mass`` and ``system`` apply to string items; ``batch_size`` (16) items go in one request, at most
-    ``concurrency`` (4) requests at a time.
+    ``uncertified_threshold``, ``min_choice_mass`` and ``system`` apply to string items: with
+    no choices, a profile fitted on a task gets each string as the item alone, in its own
+    prompt. ``batch_size`` (16) items go in one request, at most ``concurrency`` (4) requests
+    at a time.
     """
 
     choices: Sequence[str] | None
@@ -501,8 +504,9 @@ class _Core:
         )
         return self._call("judge", JudgeResponse, request)
 
-    def _judge_batch(self, items: Sequence[JudgeRequest]) -> Steps[list[GateResult]]:
-        response = yield from self._exchange(BY_NAME["judge_batch"], ItemsBatch(items=list(items)))
+    def _judge_batch(self, items: Sequence[BatchItem]) -> Steps[list[GateResult]]:
+        raws = [msgspec.Raw(msgspec.json.encode(item)) for item in items]
+        response = yield from self._exchange(BY_NAME["judge_batch"], ItemsBatch(items=raws))
         return _batch_results(response, len(items))
 
     def _judge_shared(
@@ -603,25 +607,37 @@ class _Core:
         profile = options.get("profile")
         given = ("profile", "threshold", "uncertified_threshold", "min_choice_mass", "system")
         fields = {k: options.get(k) for k in given}
+        # With no choices given, a profile fitted on a task (one that carries its prompt) gets
+        # each string as the item alone, judged in that prompt (ItemRequest).
+        alone = False
 
-        def request(item: str | JudgeRequest) -> JudgeRequest:
+        def request(item: str | JudgeRequest) -> BatchItem:
             if isinstance(item, JudgeRequest):
                 return item
             if not isinstance(item, str):
                 raise TypeError(
                     f"gate items must be str or JudgeRequest, got {type(item).__name__}: {item!r}"
                 )
+            if alone:  # the profile's prompt has its own system prompt
+                own = {k: v for k, v in fields.items() if k != "system"}
+                return ItemRequest(item=item, **own)  # type: ignore[arg-type]
             assert listed is not None
             return JudgeRequest(prompt=item, choices=listed, **fields)  # type: ignore[arg-type]
 
         pending: deque[tuple[list[Any], Any]] = deque()
 
         def send(chunk: list[Any]) -> Generator[_GateStep, Any, None]:
-            nonlocal listed
+            nonlocal listed, alone
             if listed is None and any(isinstance(i, str) for i in chunk):
                 if profile is None:
                     raise ValueError("choices: give the choices, or a profile to take them from")
-                listed = (yield _Call(self._profile(profile))).choices
+                fitted = yield _Call(self._profile(profile))
+                listed, alone = fitted.choices, fitted.template is not None
+                if alone and fields["system"] is not None:
+                    raise ValueError(
+                        f"system: profile {profile!r} was fitted on a task, whose prompt has its "
+                        "own system prompt; give choices to send whole prompts instead"
+                    )
             steps = self._judge_batch([request(item) for item in chunk])
             pending.append((chunk, (yield _Spawn(steps))))
 
@@ -710,8 +726,10 @@ class JudgeClient(_Core):
         ``instructions``, about ``state``, judged in both orders (``choice``: the winner)."""
         return self._run(self._judge_pair(state, instructions, candidates, options))
 
-    def judge_batch(self, items: Sequence[JudgeRequest]) -> list[GateResult]:
-        """``POST /judge/batch``: each item's judgment, or its 4xx as an ErrorBody, in order."""
+    def judge_batch(self, items: Sequence[BatchItem]) -> list[GateResult]:
+        """``POST /judge/batch``: each item's judgment, or its 4xx as an ErrorBody, in order.
+        An item is a whole ``JudgeRequest`` or an ``ItemRequest`` (the item alone, for a
+        profile fitted on a task)."""
         return self._run(self._judge_batch(items))
 
     def judge_shared(
@@ -910,7 +928,7 @@ class AsyncJudgeClient(_Core):
         """``JudgeClient.judge_pair``, awaited."""
         return await self._run(self._judge_pair(state, instructions, candidates, options))
 
-    async def judge_batch(self, items: Sequence[JudgeRequest]) -> list[GateResult]:
+    async def judge_batch(self, items: Sequence[BatchItem]) -> list[GateResult]:
         """``JudgeClient.judge_batch``, awaited."""
         return await self._run(self._judge_batch(items))
 

@@ -126,11 +126,21 @@ def create_server(
     )
 
     def judge_tool(
-        prompt: Annotated[str, Field(min_length=1, description="the question or item to judge")],
+        prompt: Annotated[
+            str | None,
+            Field(
+                min_length=1,
+                description="the question or item to judge (omit it to send the item alone to "
+                "a profile fitted on a task)",
+            ),
+        ] = None,
         choices: Annotated[
-            list[str],
-            Field(min_length=2, description="the answers to choose from, two or more"),
-        ],
+            list[str] | None,
+            Field(
+                min_length=2,
+                description="the answers to choose from, two or more (default: the profile's)",
+            ),
+        ] = None,
         profile: Annotated[
             str | None,
             Field(description="a calibration profile's name (see list_profiles)"),
@@ -161,18 +171,26 @@ def create_server(
         item: Annotated[
             str | None,
             Field(
-                description="the item's own text inside the prompt (its first occurrence), for "
-                "a profile whose probe reads the mean over the item"
+                description="without a prompt: the item alone, judged in the very prompt its "
+                "profile was fitted on (a profile fitted on a task; see list_profiles). With a "
+                "prompt: the item's own text inside it (its first occurrence), which a profile "
+                "fitted on a task needs"
             ),
         ] = None,
     ) -> dict[str, Any]:
         fitted, etag = profile_of(profile, "profile") if profile is not None else (None, None)
         with _tool_errors():
+            if prompt is None:
+                # The item alone: rendered in its profile's prompt, its span marked by
+                # construction, between the profile's choices (as POST /judge's ItemRequest).
+                prompt, span, choices, system = _item_alone(fitted, item, choices, system)
+            else:
+                choices = choices if choices is not None else _choices_of(fitted)
+                span = None if item is None else item_span_of(prompt, item)
             overrides = Overrides(threshold=threshold, uncertified_threshold=uncertified_threshold)
             gate = gate_of(fitted, etag, overrides=overrides)
             with model_lock:
                 gate.check_engine(engine, system=system, choices=choices)
-                span = None if item is None else item_span_of(prompt, item)
                 # A profile fitted on a task: the prompt must mark its item, and is flagged
                 # when it is not the task's prompt (as POST /judge does).
                 outside = gate.outside_template(prompt, span)
@@ -288,6 +306,8 @@ def create_server(
                     "method": p.calibration_map.method,
                     "threshold": p.threshold.threshold,
                     "model": p.fingerprint.model,
+                    # fitted on a task: judge takes the item alone
+                    "task": p.template is not None,
                 }
             )
         return {"profiles": rows}
@@ -306,6 +326,36 @@ def create_server(
         ),
     ]
     return MCPServer(name="judge", instructions=INSTRUCTIONS, tools=tools)
+
+
+def _item_alone(
+    fitted: CalibrationProfile | None,
+    item: str | None,
+    choices: list[str] | None,
+    system: str | None,
+) -> tuple[str, tuple[int, int] | None, list[str], str | None]:
+    """The prompt, item span, choices and system prompt an item alone stands for, or a
+    ToolError naming the argument that is missing or does not fit."""
+    if item is None:
+        raise ToolError("prompt: give a prompt (with choices), or an item alone with its profile")
+    if fitted is None or fitted.template is None:
+        raise ToolError(
+            "profile: an item alone is judged in the prompt its profile was fitted on: name a "
+            "profile fitted on a task (list_profiles says which are), or give the whole prompt"
+        )
+    if choices is not None and sorted(choices) != sorted(fitted.choices):
+        raise ToolError(f"choices: an item alone is judged between its profile's {fitted.choices}")
+    if system is not None:
+        raise ToolError("system: an item alone is judged in its profile's prompt, system included")
+    prompt, span = fitted.template.render(item)
+    return prompt, span, list(fitted.choices), fitted.template.system
+
+
+def _choices_of(fitted: CalibrationProfile | None) -> list[str]:
+    """A prompt's default choices: its profile's, or a ToolError naming ``choices``."""
+    if fitted is None:
+        raise ToolError("choices: give the choices (two or more), or a profile to take them from")
+    return list(fitted.choices)
 
 
 @contextlib.contextmanager

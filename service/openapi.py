@@ -100,7 +100,6 @@ _EXAMPLES: dict[str, dict[str, Any]] = {
     "judge": {
         "prompt": f"Is this SMS spam? {_SPAM[0]}",
         "choices": ["spam", "ham"],
-        "threshold": 0.8,
     },
     "judge_batch": {
         "context": f"SMS: {_HAM[0]}",
@@ -229,7 +228,8 @@ def openapi_document(*, secured: bool) -> dict[str, Any]:
 
 
 def _batch_items(components: dict[str, Any]) -> None:
-    """A batch item's own schema: a JudgeRequest whose choices may repeat.
+    """A batch item's own schema: a whole request (a JudgeRequest whose choices may repeat)
+    or an item alone (an ItemRequest), told apart by their keys (``schemas.BatchItem``).
 
     The engine, not the schema, refuses repeated choices (msgspec cannot check uniqueItems),
     and a batch answers each item's refusal in its place: the request is accepted (200) with
@@ -237,11 +237,14 @@ def _batch_items(components: dict[str, Any]) -> None:
     """
     item = copy.deepcopy(components["JudgeRequest"])
     del item["properties"]["choices"]["uniqueItems"]
-    item["title"] = "BatchItem"
+    item["title"] = "BatchJudgeRequest"
     item["description"] = "A JudgeRequest in a batch: repeated choices are refused in its place"
-    components["BatchItem"] = item
+    components["BatchJudgeRequest"] = item
     components["ItemsBatch"]["properties"]["items"]["items"] = {
-        "$ref": _REF.format(name="BatchItem")
+        "oneOf": [
+            {"$ref": _REF.format(name="BatchJudgeRequest")},
+            {"$ref": _REF.format(name="ItemRequest")},
+        ]
     }
 
 

@@ -30,7 +30,7 @@ from litestar.types import ControllerRouterHandler
 import service.schemas as schemas
 from calibration import CalibrationProfile
 from calibration.profile import current_format
-from service.bodies import decode_body
+from service.bodies import decode_body, decode_each
 from service.decision_log import LoggedDecision
 from service.errors import BadFieldError, TooLargeError
 from service.frontdoor import MODEL, PUBLIC
@@ -54,12 +54,15 @@ async def _body(request: AnyRequest, type_: type[T]) -> T:
     return decode_body(await request.body(), request.headers.get("content-type"), type_)
 
 
-async def _batch_body(request: AnyRequest) -> schemas.BatchRequest:
-    """The batch's body: one of its shapes, chosen by the keys it has (``service.bodies``)."""
+async def _batch_body(request: AnyRequest) -> list[schemas.BatchItem] | schemas.SharedBatch:
+    """The batch's body: one of its shapes, chosen by the keys it has, and its items each
+    decoded as a whole request or an item alone, by theirs (``service.bodies``)."""
     batch: schemas.BatchRequest = decode_body(
         await request.body(), request.headers.get("content-type"), schemas.BatchRequest
     )
-    return batch
+    if isinstance(batch, schemas.SharedBatch):
+        return batch
+    return decode_each(batch.items, schemas.BatchItem, "items")
 
 
 def _ticket(service: Service, request: AnyRequest, limit_s: float | None = None) -> Ticket:

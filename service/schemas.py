@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from judge import Judgment, Query
 
 __all__ = [
+    "BatchItem",
     "BatchRequest",
     "BatchResponse",
     "CalibrationMapSummary",
@@ -37,6 +38,7 @@ __all__ = [
     "ErrorResponse",
     "FitMethod",
     "FitRequest",
+    "ItemRequest",
     "ItemsBatch",
     "JudgeRequest",
     "JudgeResponse",
@@ -293,12 +295,22 @@ class JudgeResponse(
 # says so; a body with both or neither shape's keys is a 400 that names ``items``.
 
 
+# One of a batch's items: a whole request, or an item alone for a profile fitted on a task;
+# told apart by the keys it has, as POST /judge's bodies are (``service.bodies.decode_each``).
+BatchItem = JudgeRequest | ItemRequest
+
+
 class ItemsBatch(
     msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
 ):
-    """Independent requests, each judged (or refused) on its own."""
+    """Independent requests, each judged (or refused) on its own.
 
-    items: Annotated[list[JudgeRequest], Meta(max_length=MAX_BATCH_ITEMS)]
+    msgspec tells the members of a union of Structs apart by a tag only, and a batch item has
+    none: so ``items`` are read raw here and each is decoded as a ``BatchItem`` by its keys
+    (``service.bodies.decode_each``), before any work; the schema says what each may be
+    (``service.openapi``)."""
+
+    items: Annotated[list[msgspec.Raw], Meta(max_length=MAX_BATCH_ITEMS)]
     context: None = None  # the other shape's keys: absent, or null
     questions: None = None
 

@@ -24,13 +24,13 @@ from service.decision_log import LoggedDecision, replayable_query
 from service.errors import TooLargeError, UnprocessableError, error_of
 from service.logged_features import LoggedFeatures
 from service.schemas import (
-    BatchRequest,
+    BatchItem,
     BatchResponse,
     ErrorBody,
     ItemRequest,
-    ItemsBatch,
     JudgeRequest,
     JudgeResponse,
+    SharedBatch,
     SharedQuestion,
 )
 from service.serving_cascade import CascadeServing, ServedStage
@@ -74,11 +74,15 @@ class JudgeServing:
         await self.service.append_to_log(records)
         return response
 
-    async def judge_batch(self, request: BatchRequest, ticket: Ticket) -> BatchResponse:
+    async def judge_batch(
+        self, request: Sequence[BatchItem] | SharedBatch, ticket: Ticket
+    ) -> BatchResponse:
+        """A batch: its items (each decoded already, ``service.bodies.decode_each``), or
+        questions about one shared context."""
         engine = self.service.engine()
         records: list[LoggedDecision] = []
-        if isinstance(request, ItemsBatch):
-            items = await self._items(engine, request.items, ticket, records)
+        if not isinstance(request, SharedBatch):
+            items = await self._items(engine, request, ticket, records)
             await self.service.append_to_log(records)
             return BatchResponse(results=list(items))
         results = await self._shared(engine, request.context, request.questions, ticket, records)
@@ -189,35 +193,29 @@ class JudgeServing:
     async def _items(
         self,
         engine: Engine,
-        items: Sequence[JudgeRequest],
+        items: Sequence[BatchItem],
         ticket: Ticket,
         records: list[LoggedDecision],
     ) -> list[JudgeResponse | ErrorBody]:
-        """A batch's items: each planned, all prepared in one trip to a worker thread, then
-        each judged; an item refused on the way gets its error in its place."""
-        plans: list[_Plan | Exception] = []
+        """A batch's items: each made whole (an item alone in its profile's prompt) and
+        planned, all prepared in one trip to a worker thread, then each judged; an item
+        refused on the way gets its error in its place."""
+        plans: list[tuple[JudgeRequest, _Plan] | Exception] = []
         for item in items:
             try:
-                plans.append(self._plan(engine, item, item.query()))
+                whole = self._whole(item)
+                plans.append((whole, self._plan(engine, whole, whole.query())))
             except Exception as exc:  # _item decides: a 4xx in its place, else it fails all
                 plans.append(exc)
-        planned = [p for p in plans if isinstance(p, _Plan)]
-        prepared = iter(await self.service.prepare(engine, [p.query for p in planned]))
-        staged = [p if isinstance(p, Exception) else (p, next(prepared)) for p in plans]
-        return list(
-            await asyncio.gather(
-                *(
-                    self._item(engine, item, s, ticket, records)
-                    for item, s in zip(items, staged, strict=True)
-                )
-            )
-        )
+        planned = [p for p in plans if not isinstance(p, Exception)]
+        prepared = iter(await self.service.prepare(engine, [p.query for _, p in planned]))
+        staged = [p if isinstance(p, Exception) else (*p, next(prepared)) for p in plans]
+        return list(await asyncio.gather(*(self._item(engine, s, ticket, records) for s in staged)))
 
     async def _item(
         self,
         engine: Engine,
-        item: JudgeRequest,
-        staged: tuple[_Plan, Prepared | JudgeError | TooLargeError] | Exception,
+        staged: tuple[JudgeRequest, _Plan, Prepared | JudgeError | TooLargeError] | Exception,
         ticket: Ticket,
         records: list[LoggedDecision],
     ) -> JudgeResponse | ErrorBody:
@@ -228,7 +226,7 @@ class JudgeServing:
         try:
             if isinstance(staged, Exception):
                 raise staged
-            plan, prepared = staged
+            item, plan, prepared = staged
             if not isinstance(prepared, Prepared):
                 raise prepared
             result = await self.service.batcher.judge(

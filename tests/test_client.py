@@ -54,6 +54,12 @@ PROMPTS = [f"Is this SMS spam? {t}" for t in TEXTS]
 CHOICES = ["spam", "ham", "unsure"]
 
 
+def sent_items(request: httpx.Request) -> list[JudgeRequest]:
+    """The whole requests a batch sent (each item is read raw, then decoded by its keys)."""
+    raws = msgspec.json.decode(request.content, type=ItemsBatch).items
+    return [msgspec.json.decode(raw, type=JudgeRequest) for raw in raws]
+
+
 @pytest.fixture
 def server(model_server: Server) -> Server:
     """The session's `judge serve` on the real model (tests/conftest.py)."""
@@ -488,7 +494,7 @@ class BatchServer:
         self.lock = threading.Lock()
 
     def answer(self, request: httpx.Request) -> httpx.Response:
-        items = msgspec.json.decode(request.content, type=ItemsBatch).items
+        items = sent_items(request)
         if any(i.prompt == self.fail_on for i in items):
             return httpx.Response(500, json={"status_code": 500, "detail": "Internal Server Error"})
         results: list[JudgeResponse | ErrorBody] = [
@@ -505,7 +511,7 @@ class BatchServer:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            items = msgspec.json.decode(request.content, type=ItemsBatch).items
+            items = sent_items(request)
             time.sleep(self.delay(items))
             return self.answer(request)
         finally:
@@ -517,7 +523,7 @@ class BatchServer:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            items = msgspec.json.decode(request.content, type=ItemsBatch).items
+            items = sent_items(request)
             await asyncio.sleep(self.delay(items))
             return self.answer(request)
         finally:

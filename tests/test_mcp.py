@@ -98,6 +98,19 @@ CALLS: dict[str, tuple[str, dict[str, Any]]] = {
         "judge",
         {"prompt": PROMPT, "choices": ["spam", "ham"], "profile": "task", "item": "WINNER!!"},
     ),
+    # The item alone, judged in the task's prompt; and that prompt sent whole, item marked.
+    "task_alone": ("judge", {"item": "WINNER!!", "profile": "task"}),
+    "task_whole": (
+        "judge",
+        {
+            "prompt": "Spam?\n\nWINNER!!\n\nAnswer: spam or ham.",
+            "choices": ["spam", "ham"],
+            "profile": "task",
+            "item": "WINNER!!",
+        },
+    ),
+    "alone_without_task": ("judge", {"item": "WINNER!!", "profile": "sms"}),
+    "nothing_to_judge": ("judge", {"choices": ["spam", "ham"]}),
 }
 
 
@@ -177,9 +190,11 @@ def test_the_tools_and_their_schemas(conversation: dict[str, Any]) -> None:
     assert set(tools) == {"judge", "decide", "list_profiles"}
     assert all(tool.description for tool in tools.values())
     judge_schema = tools["judge"].input_schema
-    assert set(judge_schema["required"]) == {"prompt", "choices"}
-    assert judge_schema["properties"]["choices"]["minItems"] == 2
-    assert {"profile", "system", "threshold", "uncertified_threshold"} <= set(
+    # A prompt with choices, or an item alone to a profile fitted on a task: neither required.
+    assert judge_schema.get("required", []) == []
+    choices = judge_schema["properties"]["choices"]["anyOf"]
+    assert {"type": "null"} in choices and any(c.get("minItems") == 2 for c in choices)
+    assert {"prompt", "item", "profile", "system", "threshold", "uncertified_threshold"} <= set(
         judge_schema["properties"]
     )
     decide_schema = tools["decide"].input_schema
@@ -273,6 +288,8 @@ def test_list_profiles(
         ("bad_question", "questions.q1.criteria"),
         ("mismatched_profile", "profiles.team"),
         ("task_unmarked", "item_span:"),
+        ("alone_without_task", "profile:"),
+        ("nothing_to_judge", "prompt:"),
     ],
 )
 def test_a_bad_call_is_a_tool_error_naming_the_field(
@@ -317,3 +334,15 @@ def test_a_prompt_outside_the_profile_s_task_is_flagged(conversation: dict[str, 
     out = _data(conversation["task_outside"])
     assert out["profile"] == "task" and out["outside_template"] is True
     assert "outside_template" not in _data(conversation["judge_profile"])
+
+
+@pytest.mark.slow
+@needs_sdk
+def test_the_item_alone_is_judged_in_its_profile_s_prompt(conversation: dict[str, Any]) -> None:
+    alone, whole = _data(conversation["task_alone"]), _data(conversation["task_whole"])
+    assert "outside_template" not in alone and "outside_template" not in whole
+    assert list(alone["probabilities"]) == ["spam", "ham"]  # the profile's choices
+    assert alone["probabilities"] == pytest.approx(whole["probabilities"], abs=1e-6)
+    assert alone["decision"] == whole["decision"] and alone["profile"] == "task"
+    rows = {r["name"]: r for r in _data(conversation["list_profiles"])["profiles"]}
+    assert rows["task"]["task"] is True and rows["sms"]["task"] is False

@@ -27,6 +27,7 @@ from calibration.template import PromptTemplate
 from judge import Judge
 from service import ServiceConfig, create_app
 from service.cli.main import main
+from service.schemas import ErrorBody
 
 SMS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sms_spam"
 WINNER = "WINNER!! Claim your free prize now, text WIN to 80082."
@@ -166,6 +167,77 @@ def test_post_judge_takes_the_item_alone(calibrated: Path, judge: Judge) -> None
             },
         ).json()
         assert flagged["outside_template"] is True
+
+
+@needs_data
+def test_a_batch_takes_items_alone(calibrated: Path, judge: Judge) -> None:
+    task = load_task(SMS)
+    whole = {
+        "prompt": task_prompt(task, WINNER),
+        "choices": ["spam", "ham"],
+        "profile": "sms_spam",
+        "item_span": list(task_item_span(task, WINNER) or ()),
+    }
+    config = ServiceConfig(profiles_dir=calibrated)
+    with TestClient(app=create_app(judge, config=config)) as c:
+        wait_ready(c)
+        single = c.post("/judge", json={"profile": "sms_spam", "item": LATE}).json()
+        items = [
+            {"profile": "sms_spam", "item": LATE},
+            whole,
+            {"profile": "no_such_profile", "item": LATE},  # refused in its place
+            {"item": LATE},  # no profile: refused in its place, naming it
+        ]
+        r = c.post("/judge/batch", json={"items": items})
+        assert r.status_code == 200, r.text
+        alone, marked, missing, unnamed = r.json()["results"]
+        assert alone["probabilities"] == pytest.approx(single["probabilities"], abs=1e-6)
+        assert alone["decision"] == single["decision"] and alone["certified"] is True
+        assert "outside_template" not in alone and "outside_template" not in marked
+        assert list(marked["probabilities"]) == ["spam", "ham"]  # a whole request's own order
+        assert missing["type"] == "error" and missing["status_code"] == 404
+        assert unnamed["type"] == "error" and unnamed["field"] == "profile"
+
+        # An item of neither shape, or of both, refuses the batch before any work, naming it.
+        for bad, field in (
+            ({"choices": ["spam", "ham"]}, "items[1].prompt"),
+            ({**whole, "item": LATE}, "items[1].prompt"),
+            ({"item": 7, "profile": "sms_spam"}, "items[1].item"),
+            (42, "items[1]"),
+        ):
+            r = c.post("/judge/batch", json={"items": [items[0], bad]})
+            assert r.status_code == 400 and r.json()["field"] == field, (bad, r.text)
+
+
+@needs_data
+def test_the_client_gates_items_alone(calibrated: Path, judge: Judge) -> None:
+    from service.client import ItemRequest, JudgeClient
+
+    config = ServiceConfig(profiles_dir=calibrated)
+    with TestClient(app=create_app(judge, config=config)) as c:
+        wait_ready(c)
+        raw = [
+            c.post("/judge", json={"profile": "sms_spam", "item": t}).json() for t in (LATE, WINNER)
+        ]
+        sent: list[bytes] = []
+
+        def forward(request: httpx.Request) -> httpx.Response:
+            sent.append(request.content)
+            r = c.request(request.method, request.url.path, content=request.content)
+            return httpx.Response(r.status_code, content=r.content, headers=r.headers)
+
+        with JudgeClient("http://judge.test", transport=httpx.MockTransport(forward)) as client:
+            gated = list(client.gate([LATE, WINNER], profile="sms_spam"))
+            batch = client.judge_batch([ItemRequest(item=LATE, profile="sms_spam")])
+            with pytest.raises(ValueError, match="system"):
+                list(client.gate([LATE], profile="sms_spam", system="You are terse."))
+    # The strings went out as items alone, and came back as the single requests do.
+    assert b'"item":' in sent[-3] and b'"prompt":' not in sent[-3]
+    for (item, result), single in zip(gated, raw, strict=True):
+        assert not isinstance(result, ErrorBody) and result.certified is True, item
+        assert result.probabilities == pytest.approx(single["probabilities"], abs=1e-6)
+    assert not isinstance(batch[0], ErrorBody)
+    assert batch[0].probabilities == pytest.approx(raw[0]["probabilities"], abs=1e-6)
 
 
 @needs_data

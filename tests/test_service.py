@@ -1139,10 +1139,17 @@ def test_the_openapi_paths_are_the_operation_table() -> None:
             {"$ref": "#/components/schemas/SharedBatch"},
         ]
     }
-    # A batch answers an item's repeated choices in its place (200), so its items may repeat.
+    # A batch answers an item's repeated choices in its place (200), so its items may repeat;
+    # an item is a whole request or an item alone, as POST /judge's bodies are.
     schemas = document["components"]["schemas"]
     assert schemas["JudgeRequest"]["properties"]["choices"]["uniqueItems"] is True
-    assert "uniqueItems" not in schemas["BatchItem"]["properties"]["choices"]
+    assert "uniqueItems" not in schemas["BatchJudgeRequest"]["properties"]["choices"]
+    assert schemas["ItemsBatch"]["properties"]["items"]["items"] == {
+        "oneOf": [
+            {"$ref": "#/components/schemas/BatchJudgeRequest"},
+            {"$ref": "#/components/schemas/ItemRequest"},
+        ]
+    }
 
 
 @pytest.mark.parametrize(
