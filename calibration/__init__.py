@@ -68,7 +68,6 @@ if TYPE_CHECKING:
     )
     from calibration.policy import (
         REASON_CODES,
-        Decision,
         Policy,
         PolicyDefaults,
         ReasonCode,
@@ -123,7 +122,6 @@ _EXPORTS = {
     "Cascade": "calibration.cascade",
     "CascadeVerdict": "calibration.cascade",
     "DataSplit": "calibration.profile",
-    "Decision": "calibration.policy",
     "FitError": "calibration.errors",
     "FitSettings": "calibration.fit_settings",
     "Gate": "calibration.gate",
@@ -189,7 +187,6 @@ __all__ = [
     "Cascade",
     "CascadeVerdict",
     "DataSplit",
-    "Decision",
     "FitError",
     "FitSettings",
     "Gate",

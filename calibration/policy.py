@@ -1,8 +1,8 @@
 """The gate: one policy turns a judgment into a decision, accept or escalate, with its reasons.
 
-Every caller that decides (the HTTP service, ``judge ask``, ``judge evaluate``, a Python
-pipeline) goes through ``make_policy(...).decide(...)``, so the rule that is evaluated is the
-rule that is served. A decision accepts only when every gate passes:
+Every caller that decides (the HTTP service, the MCP tools, ``judge ask``, ``judge evaluate``,
+a Python pipeline) opens a ``calibration.gate.Gate``, whose one ``make_policy`` call builds
+this rule, so the rule that is evaluated is the rule that is served. A decision accepts only when every gate passes:
 
 * the calibrated confidence of the top choice reaches the threshold (``below_threshold``), and
   a threshold exists at all. No accept without a certificate: a judgment with no profile
@@ -72,7 +72,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_POSITION_SPREAD",
     "REASON_CODES",
-    "Decision",
     "Gates",
     "Policy",
     "PolicyDefaults",
@@ -175,8 +174,6 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
         """The model's own probabilities by choice, in ``choices`` order."""
         return dict(zip(self.choices, self.raw_probs, strict=True))
 
-
-Decision = Verdict  # the name before the gate (0.x): the same record
 
 
 @dataclass(frozen=True)
@@ -304,7 +301,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         groups: dict[tuple[str, ...], list[int]] = {}
         for i, j in enumerate(judgments):
             groups.setdefault(tuple(j.choices), []).append(i)
-        out: list[Decision | None] = [None] * len(judgments)
+        out: list[Verdict | None] = [None] * len(judgments)
         for order, rows in groups.items():
             choices, columns = self._columns(order)
             z = np.array([judgments[i].log_probs for i in rows], dtype=np.float64)  # (n, k)

@@ -103,11 +103,6 @@ class CalibrationFit(msgspec.Struct, frozen=True, kw_only=True):
     heldout_probabilities: list[list[float]] | None = None
 
 
-def _mean_nll(z: _FloatArray, labels: _IntArray, beta: float, bias: _FloatArray | None) -> float:
-    s = beta * z if bias is None else beta * z + bias
-    return float(-_log_softmax(s)[np.arange(z.shape[0]), labels].mean())
-
-
 def _fit_beta(z: _FloatArray, labels: _IntArray) -> float:
     z_true = z[np.arange(z.shape[0]), labels]
 

@@ -63,7 +63,6 @@ from judge.trie import build_trie, common_prefix_length
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from judge.answers import Answer
     from judge.loading import DType
 
 __all__ = [
@@ -324,19 +323,6 @@ class Judge:
         start = time.perf_counter()
         prepared = [self.prepare(shared_query(context, _as_query(q))) for q in questions]
         return self._score(self._rows(prepared), start)
-
-    def decide(
-        self, state: object, questions: Mapping[str, Any], *, max_orderings: int | None = None
-    ) -> dict[str, Answer]:
-        """Typed questions about one ``state`` (``judge.answers``), the state computed once.
-
-        ``questions`` maps an id to a ``NoulQuestion``, ``ChoiceQuestion`` or ``ScoreQuestion``
-        (or its JSON form); returns each id's typed answer.
-        """
-        from judge.answers import MAX_ORDERINGS, decide
-
-        orderings = MAX_ORDERINGS if max_orderings is None else max_orderings
-        return dict(decide(self, state, questions, max_orderings=orderings))
 
     def prepare(self, query: Query | Mapping[str, Any]) -> Prepared:
         """``query`` validated, rendered and tokenized for ``run``: every check, no model work.

@@ -11,7 +11,9 @@ may hand in a loaded engine or a fake. This module only wires the pieces togethe
     service.bodies    strict decoding of request bodies
     service.schemas   request and response bodies (msgspec Structs)
     service.openapi   the OpenAPI document, derived from the table, every status of each
-    service.serving   what the endpoints do: profile checks, the policy, the batcher, fitting
+    service.serving   the Service the endpoints call: the shared core (ServiceCore: engine,
+                      store, gates, batcher) and its judging, System One, profile, feedback
+                      and cascade families
     service.batcher   model work on one thread, single judgments coalesced into batches
     service.profiles  profiles on disk, one JSON file each
     service.errors    every error's status code and body, in one table

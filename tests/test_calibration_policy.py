@@ -10,11 +10,11 @@ import pytest
 from fakes import FINGERPRINT, Scored
 
 from calibration import (
-    Decision,
     FitSettings,
     NoCertificateError,
     PolicyDefaults,
     ProfileMismatchError,
+    Verdict,
     evaluate_policy,
     fit_profile,
     make_policy,
@@ -192,7 +192,7 @@ def test_overrides_and_defaults_are_validated(kwargs: dict[str, float], name: st
 
 def test_decisions_are_plain_data(profile: CalibrationProfile) -> None:
     d = Gate(profile).decide(scored(0.9))
-    assert msgspec.json.decode(msgspec.json.encode(d), type=Decision) == d
+    assert msgspec.json.decode(msgspec.json.encode(d), type=Verdict) == d
     assert b"accepted" not in msgspec.json.encode(d)  # a property, derived from decision
 
 

@@ -14,8 +14,9 @@ judge check --profile P --log L               a profile's health from the log (e
 judge replay ID --log L                       re-run a logged decision on today's model
 judge calibrate --from-log L --profile P      refit a profile on its audited decisions
 
-Every command runs the model, so each needs the server's dependencies: without them (the
-client's install, ``pip install judge``) it stops with one line that says to install them.
+Every command needs the server's dependencies (the engine, the fitters, the decision log's
+readers): without them (the client's install, ``pip install judge``) it stops with one line
+that says to install them.
 ``judge --help`` and ``judge COMMAND --help`` need none of them.
 """
 
