@@ -175,7 +175,6 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
         return dict(zip(self.choices, self.raw_probs, strict=True))
 
 
-
 @dataclass(frozen=True)
 class Gates:
     """A policy's gates over n items, as arrays (see ``Policy.gates``)."""

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from judge import attention
+import judge.attention as attention
 from judge.attention import Lanes
 from judge.batch_invariant import (
     ORDINARY,

@@ -1,11 +1,12 @@
 """The shape of the code: no import circle among the project's modules (counting imports made
-only for the type checker), and no class so long that it holds several jobs.
+only for the type checker and those a function makes when it runs), and no class so long that
+it holds several jobs.
 
 A circle makes the order of imports matter and hides which module is the lower layer (the
 house style: ``service`` over ``calibration`` and ``judge``; ``calibration`` works on arrays).
-The walk reads each module's own import statements (module level, and inside ``if
-TYPE_CHECKING:``), not the imports a function makes when it runs, and finds strongly connected
-components of the graph.
+An import deferred into a function is still a dependency: it only moves the circle from import
+time to run time. The walk reads every import statement of each module, wherever it stands,
+and finds strongly connected components of the graph.
 """
 
 from __future__ import annotations
@@ -28,27 +29,15 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(tree: ast.Module, known: set[str]) -> set[str]:
-    """The project modules a module imports at its top level or for the type checker."""
+    """The project modules a module imports anywhere: at its top level, for the type checker,
+    or inside a function."""
     found: set[str] = set()
-
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.If):
-                visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-                for handler in node.handlers:
-                    visit(handler.body)
-                visit(node.orelse)
-                visit(node.finalbody)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module)
-                found.update(f"{node.module}.{alias.name}" for alias in node.names)
-
-    visit(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found & known
 
 
@@ -104,6 +93,11 @@ def test_no_import_circle_among_the_project_s_modules() -> None:
     }
     assert len(graph) > 50  # the walk found the project
     assert _circles(graph) == []
+
+
+def test_an_import_inside_a_function_counts() -> None:
+    tree = ast.parse("def run():\n    from service.cli import log\n")
+    assert _imports(tree, {"service.cli", "service.cli.log"}) == {"service.cli", "service.cli.log"}
 
 
 def test_the_walk_finds_a_circle() -> None:

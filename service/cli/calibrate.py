@@ -17,11 +17,10 @@ import argparse
 import hashlib
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from calibration import MIN_EXAMPLES
-from calibration.fit_settings import FitSettings
 from calibration.maps import Probe, ProbeSpan
 from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
 from calibration.profile import NAME_PATTERN, save_profile
@@ -44,6 +43,7 @@ from judge import Engine
 from judge.atomicio import write_text
 from service.cli.common import (
     UsageError,
+    fit_settings,
     load_engine,
     load_profile,
     open_probability,
@@ -140,24 +140,6 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     ev.add_argument("--report", type=Path, help="also write a markdown report here")
     ev.add_argument("--json", type=Path, help="also write the evaluation as JSON here")
     ev.set_defaults(run=run_evaluate)
-
-
-def fit_settings(
-    args: argparse.Namespace, *, values: Mapping[str, float] | None, max_std: float | None
-) -> FitSettings:
-    """``judge calibrate``'s --target-precision, --delta, --alpha and --method/--methods as
-    the fit's settings, with a score task's ``values`` and std bound: the one reading of them
-    for each of its fits (``--task``, ``--unlabeled`` here, ``--from-log`` in
-    ``service.cli.log``)."""
-    return FitSettings(
-        target_precision=args.target_precision,
-        delta=args.delta,
-        alpha=args.alpha,
-        values=values,
-        max_std=max_std,
-        methods=_methods(args),
-        per_class=getattr(args, "per_class", False),
-    )
 
 
 def _std_bound(text: str) -> float:
@@ -420,16 +402,3 @@ def _judge_items(
             span_layers=span_layers,
             span=span,
         )
-
-
-def _methods(args: argparse.Namespace) -> Sequence[str] | str:
-    """--method or --methods as ``fit_profile``'s methods; "auto" when neither is given."""
-    if args.method is not None and args.methods is not None:
-        raise UsageError("give --method or --methods, not both")
-    if args.methods is not None:
-        return list(args.methods)
-    if args.method in (None, "auto"):
-        return "auto"
-    if args.method == "bias_temperature":
-        return ["temperature", "bias_temperature"]
-    return [args.method]

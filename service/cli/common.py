@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast, get_args
 
 import msgspec
 
+from calibration.fit_settings import FitSettings
 from judge import DEFAULT_RESPONSE_PREFIX, DEFAULT_RESPONSE_SUFFIX, Judge
 from judge.limits import DType
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPES",
     "UsageError",
+    "fit_settings",
     "load_engine",
     "load_profile",
     "model_arguments",
@@ -211,3 +214,34 @@ def to_json(value: object, *, indent: int = 0) -> str:
     """``value`` as JSON text (Structs, dicts, numbers); indented when ``indent`` > 0."""
     data = msgspec.json.encode(value)
     return (msgspec.json.format(data, indent=indent) if indent else data).decode()
+
+
+def fit_settings(
+    args: argparse.Namespace, *, values: Mapping[str, float] | None, max_std: float | None
+) -> FitSettings:
+    """``judge calibrate``'s --target-precision, --delta, --alpha and --method/--methods as
+    the fit's settings, with a score task's ``values`` and std bound: the one reading of them
+    for each of its fits (``--task`` and ``--unlabeled`` in ``service.cli.calibrate``,
+    ``--from-log`` in ``service.cli.log``)."""
+    return FitSettings(
+        target_precision=args.target_precision,
+        delta=args.delta,
+        alpha=args.alpha,
+        values=values,
+        max_std=max_std,
+        methods=_methods(args),
+        per_class=getattr(args, "per_class", False),
+    )
+
+
+def _methods(args: argparse.Namespace) -> Sequence[str] | str:
+    """--method or --methods as ``fit_profile``'s methods; "auto" when neither is given."""
+    if args.method is not None and args.methods is not None:
+        raise UsageError("give --method or --methods, not both")
+    if args.methods is not None:
+        return list(args.methods)
+    if args.method in (None, "auto"):
+        return "auto"
+    if args.method == "bias_temperature":
+        return ["temperature", "bias_temperature"]
+    return [args.method]

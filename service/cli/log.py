@@ -29,6 +29,7 @@ import numpy as np
 
 from service.cli.common import (
     UsageError,
+    fit_settings,
     model_arguments,
     open_probability,
     positive_int,
@@ -273,7 +274,6 @@ def run_from_log(args: argparse.Namespace) -> int:
     from calibration.fitting import labels_for_next_look
     from calibration.profile import NAME_PATTERN
     from calibration.recertify import Recertification
-    from service.cli.calibrate import fit_settings
     from service.decision_log import mask_target
 
     if args.profile is None:
