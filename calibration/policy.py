@@ -159,6 +159,12 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     # A full prompt sent to a profile that carries its template (``calibration.template``), and
     # not that template around its item: the certificate was measured on other prompts.
     outside_template: bool = False
+    # The profile's calibration map that made ``probs`` (None without a profile): its method,
+    # a scalar map's temperature (a probe has none: it reads hidden states rather than
+    # rescaling) and the layers a probe reads. A response is built from this record alone.
+    calibration_method: str | None = None
+    temperature: float | None = None
+    feature_layers: list[int] | None = None
 
     @property
     def accepted(self) -> bool:
@@ -383,6 +389,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         raw = np.exp(z) if raw_probs is None else raw_probs
         spreads = None if order_spread is None else np.asarray(order_spread, dtype=np.float64)
         bound = self.spread_bound(pair)
+        method, temperature, layers = self._map_record()
         decisions = []
         for i in range(g.probabilities.shape[0]):
             codes: list[ReasonCode] = []
@@ -458,9 +465,21 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     model_sha256=_carried(judgment, "model_sha256"),
                     policy_sha256=sha256,
                     profile_etag=self.profile_etag,
+                    calibration_method=method,
+                    temperature=temperature,
+                    feature_layers=layers,
                 )
             )
         return decisions
+
+    def _map_record(self) -> tuple[str | None, float | None, list[int] | None]:
+        """What a verdict says of the map: its method, a scalar map's temperature and a
+        probe's layers; all None without a profile (the identity map is no calibration)."""
+        if self.profile is None:
+            return None, None, None
+        method = self.calibration_map.method
+        temperature = None if method == "probe" else self.calibration_map.temperature
+        return method, temperature, list(self.probe_layers) or None
 
     def _no_threshold_reason(self, best: int) -> str:
         """Why a decision of class ``best`` has no threshold to be held to."""

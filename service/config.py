@@ -351,12 +351,6 @@ class ServiceConfig:
         )
         object.__setattr__(self, "policy_defaults", defaults)  # frozen: set once, here
 
-    def audit_rate_for(self, profile: str | None) -> float:
-        """The audit rate of decisions made with ``profile`` (None: without one)."""
-        if profile is not None and profile in self.audit_rates:
-            return self.audit_rates[profile]
-        return self.audit_rate
-
     @property
     def engine_options(self) -> dict[str, int]:
         """What the engine is built with (``Judge.load(..., **engine_options)``) so that it

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -53,7 +53,8 @@ from service.decision_log import (
     replayable_question,
 )
 from service.decisions import judge_questions, question_overrides, with_order
-from service.logged_features import LoggedFeatures, log_layers
+from service.gate_context import GateContext
+from service.logged_features import LoggedFeatures
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
 from service.systemone import wire_answer
@@ -77,6 +78,8 @@ def create_server(
     decision_log: DecisionLog | None = None,
     log_requests: bool = False,
     log_features: bool = False,
+    audit_rate: float = 0.0,
+    audit_rates: Mapping[str, float] | None = None,
 ) -> MCPServer:
     """An MCP server whose tools judge with ``engine`` and gate with ``store``'s profiles.
 
@@ -84,9 +87,19 @@ def create_server(
     the tool answers, as the HTTP service appends its own (``LoggedDecision.of``): it can then
     be labelled, audited, counted in its profile's health and (with ``log_requests``, which
     keeps the prompt or state) replayed, and (with ``log_features``, which keeps the hidden
-    states) refit a probe. A log that cannot be written fails the call.
+    states) refit a probe. A log that cannot be written fails the call. Gates are opened as
+    the HTTP service opens them (``service.gate_context``): ``audit_rate`` (and per profile,
+    ``audit_rates``) marks that share of decisions for people to label.
     """
     defaults = defaults or PolicyDefaults()
+    gates = GateContext(
+        store,
+        defaults,
+        audit_rate=audit_rate,
+        audit_rates=dict(audit_rates or {}),
+        logging=decision_log is not None,
+        log_features=log_features,
+    )
     model_lock = threading.Lock()
 
     def keep(rows: list[LoggedDecision]) -> None:
@@ -101,19 +114,10 @@ def create_server(
                 "not served: retry later"
             ) from None
 
-    def gate_of(fitted: CalibrationProfile | None, etag: str | None, **options: Any) -> Gate:
-        """A call's gate, reading the hidden states the log keeps (``log_features``)."""
-        layers: tuple[int, ...] = ()
-        if fitted is not None and decision_log is not None:
-            layers = log_layers(
-                fitted.feature_layers, fitted.fingerprint.num_layers, enabled=log_features
-            )
-        return Gate(fitted, etag=etag, defaults=defaults, log_layers=layers, **options)
-
-    def profile_of(name: str, field: str) -> tuple[CalibrationProfile, str]:
-        """The profile and its ETag (the version a decision carries)."""
+    def gate_of(name: str | None, field: str, overrides: Overrides | None = None) -> Gate:
+        """A call's gate (``GateContext.open``), a missing profile a ToolError naming ``field``."""
         try:
-            return store.get_tagged(name)
+            return gates.open(name, overrides)
         except ProfileError as exc:
             names = ", ".join(store.names()) or "none"
             raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
@@ -178,8 +182,10 @@ def create_server(
             ),
         ] = None,
     ) -> dict[str, Any]:
-        fitted, etag = profile_of(profile, "profile") if profile is not None else (None, None)
         with _tool_errors():
+            overrides = Overrides(threshold=threshold, uncertified_threshold=uncertified_threshold)
+            gate = gate_of(profile, "profile", overrides)
+            fitted = gate.profile
             if prompt is None:
                 # The item alone: rendered in its profile's prompt, its span marked by
                 # construction, between the profile's choices (as POST /judge's ItemRequest).
@@ -187,8 +193,6 @@ def create_server(
             else:
                 choices = choices if choices is not None else _choices_of(fitted)
                 span = None if item is None else item_span_of(prompt, item)
-            overrides = Overrides(threshold=threshold, uncertified_threshold=uncertified_threshold)
-            gate = gate_of(fitted, etag, overrides=overrides)
             with model_lock:
                 gate.check_engine(engine, system=system, choices=choices)
                 # A profile fitted on a task: the prompt must mark its item, and is flagged
@@ -215,8 +219,6 @@ def create_server(
                 judgment,
                 verdict,
                 choices=choices,
-                calibration_map=fitted.calibration_map if fitted is not None else None,
-                feature_layers=gate.policy.probe_layers,
             )
         return _plain(response)
 
@@ -260,10 +262,12 @@ def create_server(
         # Every question's gate: its profile's where it names one, else the defaults alone.
         with _tool_errors():
             settings = {qid: question_overrides(qid, q) for qid, q in questions.items()}
-            gates = {qid: gate_of(None, None, overrides=settings[qid]) for qid in questions}
-            for qid, name in (profiles or {}).items():
-                fitted, etag = profile_of(name, f"profiles.{qid}")
-                gates[qid] = gate_of(fitted, etag, overrides=settings.get(qid))
+            names = profiles or {}
+            for qid in names.keys() - questions.keys():
+                raise ToolError(f"profiles.{qid}: there is no question {qid!r} to gate")
+            gates = {
+                qid: gate_of(names.get(qid), f"profiles.{qid}", settings[qid]) for qid in questions
+            }
         asked: dict[str, Any] = dict(questions)
         if order is not None:
             asked = with_order(asked, order)

@@ -25,7 +25,6 @@ from calibration.signal import SignalReport
 from judge.limits import MAX_CHOICES
 
 if TYPE_CHECKING:
-    from calibration.maps import CalibrationMap
     from calibration.policy import Verdict
     from judge import Judgment, Query
 
@@ -235,22 +234,19 @@ class JudgeResponse(
         verdict: Verdict,
         *,
         choices: Sequence[str] | None = None,
-        calibration_map: CalibrationMap | None = None,
-        feature_layers: Sequence[int] = (),
         return_prompt: bool = False,
         orderings: int | None = None,
     ) -> Self:
         """The wire form of ``verdict`` on ``judgment``: the one place it is built.
 
-        Every decided field is the verdict's; ``judgment`` gives what only the judging knows
-        (model, latency, prompt). ``choices`` orders the probabilities (the request's order;
-        default: the verdict's, which is the profile's); ``calibration_map`` is the
-        profile's, if one applied; ``orderings``: a pair's orders judged (its spread and the
-        bound are the verdict's).
+        Every decided field is the verdict's, the calibration map's method, temperature and
+        probe layers included; ``judgment`` gives what only the judging knows (model, latency,
+        prompt). ``choices`` orders the probabilities (the request's order; default: the
+        verdict's, which is the profile's); ``orderings``: a pair's orders judged (its spread
+        and the bound are the verdict's).
         """
         order = list(verdict.choices) if choices is None else list(choices)
         probs, raw = verdict.probabilities, verdict.raw_probabilities
-        method = calibration_map.method if calibration_map is not None else None
         return cls(
             choice=verdict.choice,
             confidence=verdict.confidence,
@@ -261,10 +257,7 @@ class JudgeResponse(
             reason_codes=list(verdict.reason_codes),
             threshold=verdict.threshold,
             certified=verdict.certified,
-            # A probe has no temperature: it reads hidden states rather than rescaling.
-            temperature=None
-            if calibration_map is None or method == "probe"
-            else calibration_map.temperature,
+            temperature=verdict.temperature,
             choice_mass=verdict.choice_mass,
             prediction_set=verdict.prediction_set,
             profile=verdict.profile,
@@ -280,8 +273,8 @@ class JudgeResponse(
             expected_value=verdict.expected_value,
             std=verdict.std,
             max_std=verdict.max_std,
-            calibration_method=method,
-            feature_layers=list(feature_layers) or None,
+            calibration_method=verdict.calibration_method,
+            feature_layers=verdict.feature_layers,
             orderings=orderings,
             order_spread=verdict.order_spread,
             max_order_spread=verdict.max_order_spread,

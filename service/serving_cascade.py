@@ -86,13 +86,10 @@ class ServedLocal:
                 self.model.engine, prompt, choices, item_span=item_span
             )
         assert isinstance(judgment, Judgment)  # an engine's, not a bare ScoredJudgment
-        profile = self.gate.profile
         self.response = JudgeResponse.of(
             judgment,
             verdict,
             choices=choices,
-            calibration_map=profile.calibration_map if profile else None,
-            feature_layers=self.gate.policy.probe_layers,
         )
         if self.logs:
             # What the log keeps of a first stage's decision it keeps of this one's: with

@@ -62,12 +62,12 @@ from service.errors import (
     TooLargeError,
 )
 from service.frontdoor import Admission
-from service.logged_features import log_layers
+from service.gate_context import GateContext
 from service.metrics import ServiceMetrics
 from service.profiles import ProfileStore
 
 if TYPE_CHECKING:
-    from calibration.profile import CalibrationProfile
+    pass
 
 __all__ = ["ServiceCore", "Ticket"]
 
@@ -121,6 +121,15 @@ class ServiceCore:
                     max_age_days=config.log_max_age_days, max_rows=config.log_max_rows
                 ),
             )
+        # Every gate is opened through this, as the MCP server opens its own (one context).
+        self.gates = GateContext(
+            self.store,
+            config.policy_defaults,
+            audit_rate=config.audit_rate,
+            audit_rates=config.audit_rates,
+            logging=self.decision_log is not None,
+            log_features=config.log_features,
+        )
         self.batcher = Batcher(
             lambda prepared: self.engine().run(prepared),
             max_batch_size=config.max_batch_size,
@@ -298,19 +307,8 @@ class ServiceCore:
         and this server's defaults and audit rate; the profile checked against the engine
         (for ``template``'s system and response prefix and suffix) and ``choices``. A
         refusal names ``field`` where given. No model work, no tokenizing."""
-        profile = etag = None
         try:
-            if name is not None:
-                # The ETag of the very bytes decoded: what GET /profiles/{name} answers.
-                profile, etag = self.store.get_tagged(name)
-            gate = Gate(
-                profile,
-                etag=etag,
-                overrides=overrides,
-                defaults=self.config.policy_defaults,
-                audit_rate=self.config.audit_rate_for(name),
-                log_layers=self.log_layers(profile),
-            )
+            gate = self.gates.open(name, overrides)
             gate.check_engine(
                 engine,
                 system=template.system if template else None,
@@ -324,18 +322,6 @@ class ServiceCore:
                 exc.field = field  # type: ignore[attr-defined]
             raise
         return gate
-
-    def log_layers(self, profile: CalibrationProfile | None) -> tuple[int, ...]:
-        """The hidden-state layers the log keeps of a decision under ``profile``: with
-        ``--log-features`` and a log, a probe's own, else the candidate layers of the model it
-        was fitted on (the gate checks it is this one); else none."""
-        if profile is None or self.decision_log is None:
-            return ()
-        return log_layers(
-            profile.feature_layers,
-            profile.fingerprint.num_layers,
-            enabled=self.config.log_features,
-        )
 
     async def run_rows(
         self, engine: Engine, ready: Sequence[Prepared], ticket: Ticket

@@ -179,13 +179,10 @@ class JudgeServing:
             records.append(
                 LoggedDecision.of(verdict, model=engine.model_id, request=kept, features=features)
             )
-        profile = plan.gate.profile
         response = JudgeResponse.of(
             result,
             verdict,
             choices=request.choices,  # the verdict keeps the profile's order; this, the request's
-            calibration_map=profile.calibration_map if profile else None,
-            feature_layers=plan.gate.policy.probe_layers,
             return_prompt=request.return_prompt,
         )
         return response, verdict

@@ -94,14 +94,11 @@ class SystemOneServing:
             if isinstance(field, str) and field.startswith(f"questions.{_PAIR}."):
                 exc.field = field.removeprefix(f"questions.{_PAIR}.")  # type: ignore[attr-defined]
             raise
-        answer, verdict, gate = decided[_PAIR]
-        profile = gate.profile
+        answer, verdict, _gate = decided[_PAIR]
         return JudgeResponse.of(
             answer.judgment,
             verdict,
             choices=list(answer.probabilities),  # the request's order of the candidates
-            calibration_map=profile.calibration_map if profile else None,
-            feature_layers=gate.policy.probe_layers,
             return_prompt=request.return_prompt,
             orderings=answer.orderings,
         )

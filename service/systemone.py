@@ -194,6 +194,11 @@ class _Answered(msgspec.Struct, frozen=True, kw_only=True):
     policy_sha256: str | None = None
     profile_etag: str | None = None
     audit: bool = False
+    # The profile's calibration map, as on a judgment: its method, a scalar map's temperature,
+    # a probe's layers (None without a profile).
+    calibration_method: str | None = None
+    temperature: float | None = None
+    feature_layers: list[int] | None = None
 
 
 class SystemOneNoulAnswer(_Answered, frozen=True, kw_only=True, tag="noul", tag_field="type"):
@@ -315,6 +320,9 @@ def wire_answer(answer: Answer, verdict: Verdict) -> SystemOneAnswer:
         "policy_sha256": verdict.policy_sha256,
         "profile_etag": verdict.profile_etag,
         "audit": verdict.audit,
+        "calibration_method": verdict.calibration_method,
+        "temperature": verdict.temperature,
+        "feature_layers": verdict.feature_layers,
     }
     best = max(order, key=probs.__getitem__)
     if isinstance(answer, NoulAnswer):

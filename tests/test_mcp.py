@@ -346,3 +346,40 @@ def test_the_item_alone_is_judged_in_its_profile_s_prompt(conversation: dict[str
     assert alone["decision"] == whole["decision"] and alone["profile"] == "task"
     rows = {r["name"]: r for r in _data(conversation["list_profiles"])["profiles"]}
     assert rows["task"]["task"] is True and rows["sms"]["task"] is False
+
+
+@needs_sdk
+def test_mcp_decisions_enter_the_audit_sample(
+    judge: Judge, profiles_dir: Path, tmp_path: Path
+) -> None:
+    """`judge mcp --audit-rate` marks that share of the tools' decisions for people to label,
+    per profile as `judge serve` does: here every decision under `sms`, none of the rest."""
+    import asyncio
+
+    from service.cli.serve import audit_rates
+    from service.decision_log import open_log
+    from service.mcp_server import create_server
+    from service.profiles import ProfileStore
+
+    args = parser().parse_args(["mcp", "--audit-rate", "0", "--audit-rate", "sms=1"])
+    assert audit_rates(args.audit_rate) == {"audit_rate": 0.0, "audit_rates": {"sms": 1.0}}
+    log = open_log(str(tmp_path / "decisions.db"))
+    server = create_server(
+        judge, ProfileStore(profiles_dir), decision_log=log, **audit_rates(args.audit_rate)
+    )
+
+    def tool(name: str, arguments: dict[str, Any]) -> Any:
+        result: Any = asyncio.run(server.call_tool(name, arguments))
+        assert not result.is_error, result.content
+        return result.structured_content
+
+    sms = tool("judge", {"prompt": PROMPT, "choices": ["spam", "ham"], "profile": "sms"})
+    plain = tool("judge", {"prompt": PROMPT, "choices": ["spam", "ham"]})
+    decided = tool(
+        "decide", {"state": STATE, "questions": QUESTIONS, "profiles": {"billing": "yn"}}
+    )
+    assert sms["audit"] is True and not plain.get("audit")
+    assert not any(a.get("audit") for a in decided.values())
+    audited = log.decisions(audit=True)
+    assert [r.judgment_id for r in audited] == [sms["judgment_id"]]
+    log.close()

@@ -40,7 +40,8 @@ CHOICES = ["yes", "no"]
 # The server's defaults, both away from the built-in ones: a route that ignored them would
 # differ in its policy (and, without a profile, in its threshold).
 DEFAULTS = PolicyDefaults(uncertified_threshold=0.75, min_choice_mass=0.001)
-# What every route must agree on, to the bit.
+# What every route must agree on, to the bit: every field of the decision's record that does
+# not name this one judgment (its id, its latency, the audit draw made from its id).
 SAME = (
     "decision",
     "reasons",
@@ -48,11 +49,17 @@ SAME = (
     "policy_sha256",
     "tokens_sha256",
     "model_sha256",
+    "profile",
     "profile_etag",
     "probabilities",
     "raw_probabilities",
     "threshold",
     "certified",
+    "choice_mass",
+    "prediction_set",
+    "calibration_method",
+    "temperature",
+    "feature_layers",
 )
 
 
@@ -175,7 +182,7 @@ def test_every_route_gives_the_same_verdict(
             # /judge, the batch item, the shared question and the System One answer.
             assert health.json()["n_decisions"] == 4
 
-    pytest.importorskip("mcp")
+    # The MCP server too: `make install` brings its SDK, so this runs under `make test`.
     from service.mcp_server import create_server
 
     mcp_log = tmp_path / "mcp-decisions.db"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from calibration import PolicyDefaults
 from judge import DEFAULT_PREFIX_CACHE_MB
-from service.cli.common import DTYPES, UsageError, megabytes, probability
+from service.cli.common import DTYPES, UsageError, audit_rate, megabytes, probability
+from service.cli.serve import audit_rates
 
 __all__ = ["add_arguments", "run"]
 
@@ -63,6 +64,15 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "fit a probe",
     )
     mcp.add_argument(
+        "--audit-rate",
+        type=audit_rate,
+        action="append",
+        default=None,
+        metavar="[PROFILE=]RATE",
+        help="mark this share of decisions (of PROFILE's, or of all) audit: true, a uniform "
+        "sample for people to label, as judge serve --audit-rate does; repeat for each profile",
+    )
+    mcp.add_argument(
         "--uncertified-threshold",
         type=probability,
         default=None,
@@ -100,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         decision_log=decision_log,
         log_requests=args.log_requests,
         log_features=args.log_features,
+        **audit_rates(args.audit_rate or []),
     )
     try:
         server.run("stdio")

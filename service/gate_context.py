@@ -1,0 +1,67 @@
+"""A server's side of a gate: the one place the HTTP service and the MCP server open one.
+
+A route's gate (``calibration.gate.Gate``) is a stored profile's version (by name, with its
+ETag), the request's ``Overrides`` over the server's ``PolicyDefaults``, the server's audit rate
+for that profile (``--audit-rate [PROFILE=]RATE``: the share of decisions marked for people to
+label, accepted and escalated alike) and the hidden-state layers its decision log keeps
+(``service.logged_features``). Both servers hold one ``GateContext`` and open every gate
+through it, so a decision made over MCP is drawn into the audit sample, and logs its layers,
+as one made over HTTP does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from calibration.gate import Gate, Overrides
+from calibration.policy import PolicyDefaults
+from service.logged_features import log_layers
+
+if TYPE_CHECKING:
+    from calibration import CalibrationProfile
+    from service.profiles import ProfileStore
+
+__all__ = ["GateContext"]
+
+
+@dataclass(frozen=True)
+class GateContext:
+    """What a server brings to each gate it opens."""
+
+    store: ProfileStore
+    defaults: PolicyDefaults = field(default_factory=PolicyDefaults)
+    audit_rate: float = 0.0  # every profile's, and no profile's
+    audit_rates: Mapping[str, float] = field(default_factory=dict)  # by profile name
+    logging: bool = False  # a decision log is kept
+    log_features: bool = False  # and it keeps hidden states (--log-features)
+
+    def audit_rate_for(self, name: str | None) -> float:
+        """The share of decisions under profile ``name`` marked for audit."""
+        if name is not None and name in self.audit_rates:
+            return self.audit_rates[name]
+        return self.audit_rate
+
+    def log_layers(self, profile: CalibrationProfile | None) -> tuple[int, ...]:
+        """The hidden-state layers the log keeps of a decision under ``profile``: with
+        ``--log-features`` and a log, a probe's own, else the candidate layers of the model it
+        was fitted on (the gate checks it is this one); else none."""
+        if profile is None or not self.logging:
+            return ()
+        return log_layers(
+            profile.feature_layers, profile.fingerprint.num_layers, enabled=self.log_features
+        )
+
+    def open(self, name: str | None, overrides: Overrides | None = None) -> Gate:
+        """The gate of a request naming profile ``name`` (None: the defaults alone): the
+        stored version and its ETag. Raises the store's ProfileError; no model work."""
+        profile, etag = self.store.get_tagged(name) if name is not None else (None, None)
+        return Gate(
+            profile,
+            etag=etag,
+            overrides=overrides,
+            defaults=self.defaults,
+            audit_rate=self.audit_rate_for(name),
+            log_layers=self.log_layers(profile),
+        )
