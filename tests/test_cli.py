@@ -116,7 +116,7 @@ def test_ask_with_a_profile_uses_its_choices_dtype_and_policy(
     profile_file: Path,
 ) -> None:
     out = _ask(capsys, PROMPT, "--profile", str(profile_file))
-    assert set(out) == ANSWER_KEYS
+    assert set(out) == ANSWER_KEYS | {"calibration_method"}  # the profile's map
     judgment = judge.judge(PROMPT, profile.choices)
     reference = make_policy(profile).decide(judgment)
     assert out["profile"] == "sms" and out["certified"] == reference.certified
@@ -305,7 +305,9 @@ def _check_batch_output(out: str, expected: list[dict[str, Any]], judge: Judge) 
             assert row["error"]["field"] == want["field"]
             assert row["error"]["detail"]
         else:
-            assert set(row) == ANSWER_KEYS | {"id"}
+            # With a profile, the response names its map's method, as POST /judge's does.
+            mapped = {"calibration_method"} if row["profile"] is not None else set()
+            assert set(row) == ANSWER_KEYS | {"id"} | mapped
             raw = row["raw_probabilities"]
             reference = judge.judge(want["prompt"], list(raw))
             for choice, p in reference.probabilities.items():
