@@ -1,4 +1,5 @@
-"""A server's side of a gate: the one place the HTTP service and the MCP server open one.
+"""A server's side of a gate: the one place the HTTP service and the MCP server open one, and
+settle what it decides.
 
 A route's gate (``calibration.gate.Gate``) is a stored profile's version (by name, with its
 ETag), the request's ``Overrides`` over the server's ``PolicyDefaults``, the server's audit rate
@@ -6,18 +7,23 @@ for that profile (``--audit-rate [PROFILE=]RATE``: the share of decisions marked
 label, accepted and escalated alike) and the hidden-state layers its decision log keeps
 (``service.logged_features``). Both servers hold one ``GateContext`` and open every gate
 through it, so a decision made over MCP is drawn into the audit sample, and logs its layers,
-as one made over HTTP does.
+as one made over HTTP does. After the gate, ``GateContext.settle`` turns each verdict into its
+decision-log record, with the request that replays it and the hidden states it keeps, on
+every route (``POST /judge`` and its batches, shared questions, System One and pairs, a
+cascade's local stage, MCP's ``judge`` and ``decide``): tests/test_structure.py checks that no
+other module builds one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from calibration.gate import Gate, Overrides
-from calibration.policy import PolicyDefaults
-from service.logged_features import log_layers
+from calibration.policy import PolicyDefaults, Verdict
+from service.decision_log import LoggedDecision
+from service.logged_features import LoggedFeatures, log_layers
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
@@ -36,6 +42,7 @@ class GateContext:
     audit_rates: Mapping[str, float] = field(default_factory=dict)  # by profile name
     logging: bool = False  # a decision log is kept
     log_features: bool = False  # and it keeps hidden states (--log-features)
+    log_requests: bool = False  # and it keeps what replays each decision (--log-requests)
 
     def audit_rate_for(self, name: str | None) -> float:
         """The share of decisions under profile ``name`` marked for audit."""
@@ -65,3 +72,24 @@ class GateContext:
             audit_rate=self.audit_rate_for(name),
             log_layers=self.log_layers(profile),
         )
+
+    def settle(
+        self,
+        verdict: Verdict,
+        gate: Gate,
+        *,
+        model: str,
+        features: Mapping[int, Sequence[float]] | None,
+        request: Callable[[], dict[str, Any]] | None = None,
+    ) -> LoggedDecision | None:
+        """The decision-log record of ``verdict``, given by ``gate`` on a judgment of
+        ``model`` whose hidden states are ``features``; None when no log is kept.
+
+        The record keeps the gate's logged layers of ``features`` and, when requests are
+        logged, what ``request`` returns (a replayable query or question: asked for only then,
+        as building one renders the prompt's text)."""
+        if not self.logging:
+            return None
+        kept = request() if self.log_requests and request is not None else None
+        logged = LoggedFeatures.of(features, gate.log_layers)
+        return LoggedDecision.of(verdict, model=model, request=kept, features=logged)

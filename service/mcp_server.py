@@ -24,6 +24,7 @@ The MCP SDK is the ``mcp`` extra (``pip install 'judge[mcp]'``), imported only h
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
@@ -54,7 +55,6 @@ from service.decision_log import (
 )
 from service.decisions import judge_questions, question_overrides, with_order
 from service.gate_context import GateContext
-from service.logged_features import LoggedFeatures
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
 from service.systemone import wire_answer
@@ -84,7 +84,7 @@ def create_server(
     """An MCP server whose tools judge with ``engine`` and gate with ``store``'s profiles.
 
     With ``decision_log``, every decision of ``judge`` and ``decide`` is appended to it before
-    the tool answers, as the HTTP service appends its own (``LoggedDecision.of``): it can then
+    the tool answers, as the HTTP service appends its own (``GateContext.settle``): it can then
     be labelled, audited, counted in its profile's health and (with ``log_requests``, which
     keeps the prompt or state) replayed, and (with ``log_features``, which keeps the hidden
     states) refit a probe. A log that cannot be written fails the call. Gates are opened as
@@ -92,18 +92,20 @@ def create_server(
     ``audit_rates``) marks that share of decisions for people to label.
     """
     defaults = defaults or PolicyDefaults()
-    gates = GateContext(
+    context = GateContext(
         store,
         defaults,
         audit_rate=audit_rate,
         audit_rates=dict(audit_rates or {}),
         logging=decision_log is not None,
         log_features=log_features,
+        log_requests=log_requests,
     )
     model_lock = threading.Lock()
 
-    def keep(rows: list[LoggedDecision]) -> None:
+    def keep(records: list[LoggedDecision | None]) -> None:
         """Append the call's decisions before it answers; a failed write fails the call."""
+        rows = [r for r in records if r is not None]
         if decision_log is None or not rows:
             return
         try:
@@ -117,7 +119,7 @@ def create_server(
     def gate_of(name: str | None, field: str, overrides: Overrides | None = None) -> Gate:
         """A call's gate (``GateContext.open``), a missing profile a ToolError naming ``field``."""
         try:
-            return gates.open(name, overrides)
+            return context.open(name, overrides)
         except ProfileError as exc:
             names = ", ".join(store.names()) or "none"
             raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
@@ -207,13 +209,17 @@ def create_server(
                     item_span=span,
                 )
             verdict = gate.decide(judgment, outside_template=outside)
-            kept = None
-            if log_requests:
-                query = Query(prompt=prompt, choices=list(choices), system=system, item_span=span)
-                kept = replayable_query(query, gate)
-            features = LoggedFeatures.of(judgment.features, gate.log_layers)
+            query = Query(prompt=prompt, choices=list(choices), system=system, item_span=span)
             keep(
-                [LoggedDecision.of(verdict, model=engine.model_id, request=kept, features=features)]
+                [
+                    context.settle(
+                        verdict,
+                        gate,
+                        model=engine.model_id,
+                        features=judgment.features,
+                        request=functools.partial(replayable_query, query, gate),
+                    )
+                ]
             )
             response = JudgeResponse.of(
                 judgment,
@@ -280,14 +286,20 @@ def create_server(
                 defaults=defaults,
                 max_orderings=max_orderings,
             )
-        rows = []
-        for qid, (answer, verdict) in judged.items():
-            kept = replayable_question(state, qid, asked[qid], gates[qid]) if log_requests else None
-            features = LoggedFeatures.of(answer.judgment.features, gates[qid].log_layers)
-            rows.append(
-                LoggedDecision.of(verdict, model=engine.model_id, request=kept, features=features)
-            )
-        keep(rows)
+        keep(
+            [
+                context.settle(
+                    verdict,
+                    gates[qid],
+                    model=engine.model_id,
+                    features=answer.judgment.features,
+                    request=functools.partial(
+                        replayable_question, state, qid, asked[qid], gates[qid]
+                    ),
+                )
+                for qid, (answer, verdict) in judged.items()
+            ]
+        )
         return _plain({qid: wire_answer(a, v) for qid, (a, v) in judged.items()})
 
     list_about = (

@@ -31,7 +31,7 @@ from calibration import Cascade, Gate, Overrides
 from calibration.cascade import StageAnswer, StageResult
 from judge import Engine, Judgment
 from service.decision_log import CascadeLog, LoggedDecision
-from service.logged_features import LoggedFeatures
+from service.gate_context import GateContext
 from service.remote_stage import RemoteStage, answer_of
 from service.schemas import JudgeRequest, JudgeResponse
 from service.serving_core import WARM_UP, ServiceCore
@@ -69,9 +69,9 @@ class ServedLocal:
     name: str
     model: LocalModel
     gate: Gate
+    context: GateContext | None = None  # the server's (None: no log, as in judge ask)
     response: JudgeResponse | None = None
     record: LoggedDecision | None = None
-    logs: bool = False
 
     def answer(
         self,
@@ -91,12 +91,12 @@ class ServedLocal:
             verdict,
             choices=choices,
         )
-        if self.logs:
-            # What the log keeps of a first stage's decision it keeps of this one's: with
-            # --log-features, the hidden states a refit of this stage's probe reads.
-            features = LoggedFeatures.of(judgment.features, self.gate.log_layers)
-            self.record = LoggedDecision.of(
-                verdict, model=self.model.engine.model_id, features=features
+        # What the log keeps of a first stage's decision it keeps of this one's (with
+        # --log-features, the hidden states a refit of this stage's probe reads), but not its
+        # request: the first stage's record replays the request.
+        if self.context is not None:
+            self.record = self.context.settle(
+                verdict, self.gate, model=self.model.engine.model_id, features=judgment.features
             )
         return StageAnswer.of(verdict, judgment, choices)
 
@@ -169,8 +169,7 @@ class CascadeServing:
             gate = self.service.open_gate(
                 model.engine, profile, overrides, choices=request.choices, field="profile"
             )
-            logs = self.service.decision_log is not None
-            stages.append(ServedLocal(name, model, gate, logs=logs))
+            stages.append(ServedLocal(name, model, gate, self.service.gates))
         return stages
 
     async def escalate(

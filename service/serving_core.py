@@ -129,6 +129,7 @@ class ServiceCore:
             audit_rates=config.audit_rates,
             logging=self.decision_log is not None,
             log_features=config.log_features,
+            log_requests=config.log_requests,
         )
         self.batcher = Batcher(
             lambda prepared: self.engine().run(prepared),

@@ -22,7 +22,6 @@ from judge.scores import check_values
 from service.batcher import DeadlineError, QueueFullError
 from service.decision_log import LoggedDecision, replayable_query
 from service.errors import TooLargeError, UnprocessableError, error_of
-from service.logged_features import LoggedFeatures
 from service.schemas import (
     BatchItem,
     BatchResponse,
@@ -172,13 +171,15 @@ class JudgeServing:
         joins ``records``."""
         verdict = plan.gate.decide(result, outside_template=plan.outside_template)
         self.service.metrics.decisions.labels(verdict.decision).inc()
-        if self.service.decision_log is not None:
-            logs_request = self.service.config.log_requests
-            kept = replayable_query(plan.query, plan.gate) if logs_request else None
-            features = LoggedFeatures.of(result.features, plan.gate.log_layers)
-            records.append(
-                LoggedDecision.of(verdict, model=engine.model_id, request=kept, features=features)
-            )
+        record = self.service.gates.settle(
+            verdict,
+            plan.gate,
+            model=engine.model_id,
+            features=result.features,
+            request=lambda: replayable_query(plan.query, plan.gate),
+        )
+        if record is not None:
+            records.append(record)
         response = JudgeResponse.of(
             result,
             verdict,

@@ -12,6 +12,7 @@ judgment's shape.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -23,7 +24,6 @@ from judge import Engine, Judgment, Prepared
 from judge.answers import Answer, plan_decisions
 from service.decision_log import LoggedDecision, replayable_question
 from service.errors import TooLargeError, UnprocessableError
-from service.logged_features import LoggedFeatures
 from service.schemas import JudgeResponse, PairRequest
 from service.serving_core import ServiceCore, Ticket
 from service.systemone import (
@@ -163,16 +163,15 @@ class SystemOneServing:
             verdict = gate.decide_answer(answer)
             self.service.metrics.decisions.labels(verdict.decision).inc()
             decided[qid] = (answer, verdict, gate)
-            if self.service.decision_log is not None:
-                kept = None
-                if self.service.config.log_requests:
-                    kept = replayable_question(state, qid, asked[qid], gate)
-                features = LoggedFeatures.of(answer.judgment.features, gate.log_layers)
-                records.append(
-                    LoggedDecision.of(
-                        verdict, model=engine.model_id, request=kept, features=features
-                    )
-                )
+            record = self.service.gates.settle(
+                verdict,
+                gate,
+                model=engine.model_id,
+                features=answer.judgment.features,
+                request=functools.partial(replayable_question, state, qid, asked[qid], gate),
+            )
+            if record is not None:
+                records.append(record)
         await self.service.append_to_log(records)
         return decided, judgments
 

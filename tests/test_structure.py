@@ -1,6 +1,6 @@
 """The shape of the code: no import circle among the project's modules (counting imports made
-only for the type checker and those a function makes when it runs), and no class so long that
-it holds several jobs.
+only for the type checker and those a function makes when it runs), no class so long that
+it holds several jobs, and one builder each for a decision's log record and its response.
 
 A circle makes the order of imports matter and hides which module is the lower layer (the
 house style: ``service`` over ``calibration`` and ``judge``; ``calibration`` works on arrays).
@@ -122,3 +122,58 @@ def test_no_class_is_over_400_lines() -> None:
         and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
     ]
     assert long == []
+
+
+def _calls(tree: ast.Module, target: str) -> bool:
+    """Whether ``tree`` calls ``target``: a name (``LoggedDecision``, a constructor) or a
+    dotted attribute of one (``LoggedDecision.of``), however the module imported it."""
+    owner, _, attribute = target.partition(".")
+
+    def named(node: ast.expr, name: str) -> bool:
+        return (isinstance(node, ast.Name) and node.id == name) or (
+            isinstance(node, ast.Attribute) and node.attr == name
+        )
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if attribute:
+            if isinstance(f, ast.Attribute) and f.attr == attribute and named(f.value, owner):
+                return True
+        elif named(f, owner):
+            return True
+    return False
+
+
+def _callers(target: str) -> set[str]:
+    """The project modules that call ``target``."""
+    return {
+        name
+        for name, path in _modules().items()
+        if _calls(ast.parse(path.read_text(encoding="utf-8")), target)
+    }
+
+
+def test_one_module_builds_a_decision_s_log_record() -> None:
+    """Every route settles its verdict through ``GateContext.settle``, so the record of a
+    decision (what it keeps of the request and of the hidden states) cannot differ by route
+    (it had five copies, and MCP's missed the audit rate)."""
+    assert _callers("LoggedDecision") == set()  # built by its classmethod, LoggedDecision.of
+    assert _callers("LoggedDecision.of") == {"service.gate_context"}
+
+
+def test_one_module_builds_a_response() -> None:
+    """A response is shaped from the judgment and the verdict alone, in ``JudgeResponse.of``
+    (``judge ask`` once printed fewer fields than ``POST /judge`` for the same profile)."""
+    assert _callers("JudgeResponse") == set()  # only its classmethod builds one
+    assert "service.serving_judge" in _callers("JudgeResponse.of")  # the walk sees the routes
+
+
+def test_the_caller_walk_finds_calls() -> None:
+    """The walk itself: a constructor by name or through its module, a classmethod; a type
+    passed as an argument is not a call of it."""
+    tree = ast.parse("import d\nd.LoggedDecision(a=1)\nd.LoggedDecision.of(v)\n")
+    assert _calls(tree, "LoggedDecision") and _calls(tree, "LoggedDecision.of")
+    tree = ast.parse("msgspec.json.Decoder(LoggedDecision)\nLoggedDecision.replace(x)\n")
+    assert not _calls(tree, "LoggedDecision") and not _calls(tree, "LoggedDecision.of")
