@@ -24,12 +24,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import msgspec
 
 from calibration.gate import Gate, JudgingEngine
-from calibration.policy import Verdict
+from calibration.policy import ScoredJudgment, Verdict
 
 __all__ = [
     "Cascade",
@@ -38,6 +38,7 @@ __all__ = [
     "Stage",
     "StageAnswer",
     "StageFailure",
+    "StageItem",
     "StageResult",
 ]
 
@@ -106,20 +107,22 @@ class CascadeVerdict(msgspec.Struct, frozen=True, kw_only=True):
         return self.decision == "accept"
 
 
+class StageItem(NamedTuple):
+    """What each stage is asked: the prompt (each stage renders it in its own chat template),
+    the choices in the cascade's order, and where the item stands in the prompt."""
+
+    prompt: str
+    choices: Sequence[str]
+    item_span: tuple[int, int] | None = None
+
+
 class Stage(Protocol):
     """A judge the cascade can hand an item to: a local engine and gate, or a remote server."""
 
     @property
     def name(self) -> str: ...
 
-    def answer(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        item_span: tuple[int, int] | None,
-        timeout_s: float | None,
-    ) -> StageAnswer:
+    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
         """Judge and decide; raise when the stage cannot (the cascade escalates)."""
         ...
 
@@ -133,16 +136,13 @@ class LocalStage:
     engine: JudgingEngine
     gate: Gate
 
-    def answer(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        item_span: tuple[int, int] | None,
-        timeout_s: float | None,
-    ) -> StageAnswer:
-        judgment, verdict = self.gate.judged(self.engine, prompt, choices, item_span=item_span)
-        return StageAnswer.of(verdict, judgment, choices)
+    def judged(self, item: StageItem) -> tuple[ScoredJudgment, Verdict]:
+        """The stage's judgment of ``item`` and its gate's verdict."""
+        return self.gate.judged(self.engine, item.prompt, item.choices, item_span=item.item_span)
+
+    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
+        judgment, verdict = self.judged(item)
+        return StageAnswer.of(verdict, judgment, item.choices)
 
 
 class Cascade:
@@ -167,6 +167,7 @@ class Cascade:
         """Hand the item to each stage in turn until one accepts; ``deadline_s``: seconds from
         now after which no stage starts (a remote stage gets what is left as its timeout)."""
         start = time.monotonic()
+        item = StageItem(prompt, choices, item_span)
         results: list[StageResult] = []
         for stage in self.stages:
             left = None if deadline_s is None else deadline_s - (time.monotonic() - start)
@@ -182,7 +183,7 @@ class Cascade:
                 continue
             began = time.monotonic()
             try:
-                answer = stage.answer(prompt, choices, item_span=item_span, timeout_s=left)
+                answer = stage.answer(item, timeout_s=left)
             except TimeoutError as exc:
                 results.append(_failed(stage.name, "stage_timeout", exc, began))
                 continue

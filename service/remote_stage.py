@@ -28,7 +28,7 @@ import httpx
 import msgspec
 
 from calibration import Gate, Overrides
-from calibration.cascade import StageAnswer
+from calibration.cascade import StageAnswer, StageItem
 from service.client import JudgeClient, RetryPolicy
 from service.schemas import JudgeResponse
 
@@ -70,14 +70,7 @@ class RemoteStage:
             api_key=api_key,
         )
 
-    def call(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        item_span: tuple[int, int] | None,
-        timeout_s: float | None,
-    ) -> JudgeResponse:
+    def call(self, item: StageItem, *, timeout_s: float | None) -> JudgeResponse:
         """The remote server's response; TimeoutError when it does not answer in time."""
         # A client per call: httpx fixes a client's timeout when it is made, and each call
         # has what is left of its own deadline. A connection costs little beside a pass.
@@ -86,25 +79,17 @@ class RemoteStage:
             JudgeClient(self.url, self.api_key, timeout=limit, retries=NO_RETRIES) as client,
         ):
             return client.judge(
-                prompt,
-                choices,
+                item.prompt,
+                item.choices,
                 profile=self.profile,
                 threshold=self.threshold,
                 uncertified_threshold=self.uncertified_threshold,
                 min_choice_mass=self.min_choice_mass,
-                item_span=item_span,
+                item_span=item.item_span,
             )
 
-    def answer(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        item_span: tuple[int, int] | None,
-        timeout_s: float | None,
-    ) -> StageAnswer:
-        r = self.call(prompt, choices, item_span=item_span, timeout_s=timeout_s)
-        return answer_of(r, choices)
+    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
+        return answer_of(self.call(item, timeout_s=timeout_s), item.choices)
 
 
 @contextmanager
@@ -179,17 +164,11 @@ class SystemOneStage:
     timeout_s: float = 60.0
     transport: httpx.BaseTransport | None = None
 
-    def answer(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        item_span: tuple[int, int] | None,
-        timeout_s: float | None,
-    ) -> StageAnswer:
+    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
         question = {"type": "choice", "instructions": self.instructions}
+        choices = item.choices
         body: dict[str, Any] = {
-            "state": prompt,
+            "state": item.prompt,
             "questions": {"item": {**question, "criteria": dict.fromkeys(choices)}},
         }
         if self.model is not None:

@@ -28,7 +28,7 @@ import anyio.to_thread
 import msgspec
 
 from calibration import Cascade, Gate, Overrides
-from calibration.cascade import StageAnswer, StageResult
+from calibration.cascade import LocalStage, StageAnswer, StageItem, StageResult
 from judge import Engine, Judgment
 from service.decision_log import CascadeLog, LoggedDecision
 from service.gate_context import GateContext
@@ -73,24 +73,11 @@ class ServedLocal:
     response: JudgeResponse | None = None
     record: LoggedDecision | None = None
 
-    def answer(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        item_span: tuple[int, int] | None,
-        timeout_s: float | None,
-    ) -> StageAnswer:
+    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
         with self.model.lock:
-            judgment, verdict = self.gate.judged(
-                self.model.engine, prompt, choices, item_span=item_span
-            )
+            judgment, verdict = LocalStage(self.name, self.model.engine, self.gate).judged(item)
         assert isinstance(judgment, Judgment)  # an engine's, not a bare ScoredJudgment
-        self.response = JudgeResponse.of(
-            judgment,
-            verdict,
-            choices=choices,
-        )
+        self.response = JudgeResponse.of(judgment, verdict, choices=item.choices)
         # What the log keeps of a first stage's decision it keeps of this one's (with
         # --log-features, the hidden states a refit of this stage's probe reads), but not its
         # request: the first stage's record replays the request.
@@ -98,7 +85,7 @@ class ServedLocal:
             self.record = self.context.settle(
                 verdict, self.gate, model=self.model.engine.model_id, features=judgment.features
             )
-        return StageAnswer.of(verdict, judgment, choices)
+        return StageAnswer.of(verdict, judgment, item.choices)
 
 
 @dataclass
@@ -112,16 +99,9 @@ class ServedRemote:
     def name(self) -> str:
         return self.stage.name
 
-    def answer(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        item_span: tuple[int, int] | None,
-        timeout_s: float | None,
-    ) -> StageAnswer:
-        self.response = self.stage.call(prompt, choices, item_span=item_span, timeout_s=timeout_s)
-        return answer_of(self.response, choices)
+    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
+        self.response = self.stage.call(item, timeout_s=timeout_s)
+        return answer_of(self.response, item.choices)
 
 
 # One request's view of a later stage (``CascadeServing.plan``).

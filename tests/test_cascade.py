@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 
 from calibration import Cascade, FitError, FitSettings, Gate, LocalStage, Overrides
-from calibration.cascade import StageAnswer
+from calibration.cascade import StageAnswer, StageItem
 from calibration.tasks import (
     CascadeStageData,
     LabeledScores,
@@ -121,14 +120,7 @@ def test_stages_must_score_the_same_items_and_each_needs_enough() -> None:
 class _Broken:
     name = "broken"
 
-    def answer(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        item_span: tuple[int, int] | None,
-        timeout_s: float | None,
-    ) -> StageAnswer:
+    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
         raise ConnectionError("the server at 127.0.0.1:9 is down")
 
 
