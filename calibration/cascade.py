@@ -28,6 +28,7 @@ from typing import Literal, NamedTuple, Protocol
 
 import msgspec
 
+from calibration.carry import carry
 from calibration.gate import Gate, JudgingEngine
 from calibration.policy import ScoredJudgment, Verdict
 
@@ -66,18 +67,12 @@ class StageAnswer(msgspec.Struct, frozen=True, kw_only=True):
     def of(cls, verdict: Verdict, judgment: object, choices: Sequence[str]) -> StageAnswer:
         """A local stage's answer: ``verdict`` on ``judgment`` (an engine's ``Judgment``)."""
         probs, raw = verdict.probabilities, verdict.raw_probabilities
-        return cls(
-            decision=verdict.decision,
-            choice=verdict.choice,
-            confidence=verdict.confidence,
+        return carry(
+            verdict,
+            cls,
             probabilities={c: probs[c] for c in choices},
             raw_probabilities={c: raw[c] for c in choices},
-            reason_codes=list(verdict.reason_codes),
-            threshold=verdict.threshold,
-            certified=verdict.certified,
-            profile=verdict.profile,
             model=str(getattr(judgment, "model", "")),
-            judgment_id=verdict.judgment_id,
             prompt_tokens=getattr(judgment, "prompt_tokens", None),
             computed_tokens=getattr(judgment, "computed_tokens", None),
         )

@@ -306,16 +306,8 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         b = self.baseline
         if b is None:
             return None
-        return msgspec.structs.replace(
-            self,
-            calibration_map=b.calibration_map,
-            note=b.note,
-            conformal_quantile=b.conformal_quantile,
-            threshold=b.threshold,
-            class_thresholds=b.class_thresholds,
-            metrics_after=b.metrics_after,
-            baseline=None,
-        )
+        # A Baseline's fields are the profile's own, by name.
+        return msgspec.structs.replace(self, **msgspec.structs.asdict(b), baseline=None)
 
     def _score_problems(self) -> list[str]:
         problems = []

@@ -69,6 +69,7 @@ from urllib.parse import unquote, urlsplit
 
 import msgspec
 
+from calibration.carry import carry
 from calibration.cascade import StageResult
 from service.logged_features import LoggedFeatures
 
@@ -212,26 +213,17 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
         """
         if verdict.judgment_id is None:
             raise ValueError("a verdict without a judgment id cannot be logged")
-        return cls(
+        return carry(
+            verdict,
+            cls,
             judgment_id=verdict.judgment_id,
             created_at=time.time() if created_at is None else created_at,
             model=model,
             model_sha256=verdict.model_sha256 or "",
             tokens_sha256=verdict.tokens_sha256 or "",
             policy_sha256=verdict.policy_sha256 or "",
-            profile=verdict.profile,
-            profile_etag=verdict.profile_etag,
-            choices=list(verdict.choices),
-            log_probs=list(verdict.raw_log_probs),
-            choice_mass=verdict.choice_mass,
+            log_probs=verdict.raw_log_probs,
             probabilities=verdict.probabilities,
-            choice=verdict.choice,
-            confidence=verdict.confidence,
-            decision=verdict.decision,
-            reason_codes=list(verdict.reason_codes),
-            threshold=verdict.threshold,
-            certified=verdict.certified,
-            audit=verdict.audit,
             request=request,
             features=features,
         )

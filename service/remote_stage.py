@@ -28,6 +28,7 @@ import httpx
 import msgspec
 
 from calibration import Gate, Overrides
+from calibration.carry import carry
 from calibration.cascade import StageAnswer, StageItem
 from service.client import JudgeClient, RetryPolicy
 from service.schemas import JudgeResponse
@@ -106,18 +107,14 @@ def _bounded(url: str, own_s: float, left_s: float | None) -> Iterator[float]:
 
 def answer_of(r: JudgeResponse, choices: Sequence[str]) -> StageAnswer:
     """A stage's answer from a judge server's response (``choices``: the cascade's order)."""
-    return StageAnswer(
-        decision=r.decision,
-        choice=r.choice,
-        confidence=r.confidence,
+    return carry(
+        r,
+        StageAnswer,
         probabilities={c: r.probabilities[c] for c in choices},
         raw_probabilities={c: r.raw_probabilities[c] for c in choices},
-        reason_codes=list(r.reason_codes),
-        threshold=r.threshold,
-        certified=r.certified,
-        profile=r.profile,
-        model=r.model,
-        judgment_id=r.judgment_id,
+        # What a remote server computed is its own; these stay None (not said).
+        prompt_tokens=None,
+        computed_tokens=None,
     )
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 import msgspec
 from msgspec import Meta
 
+from calibration.carry import carry
 from calibration.cascade import StageResult
 from calibration.certify import ThresholdResult
 from calibration.label_free import LabelFree
@@ -247,38 +248,19 @@ class JudgeResponse(
         """
         order = list(verdict.choices) if choices is None else list(choices)
         probs, raw = verdict.probabilities, verdict.raw_probabilities
-        return cls(
-            choice=verdict.choice,
-            confidence=verdict.confidence,
+        return carry(
+            verdict,
+            cls,
             probabilities={c: probs[c] for c in order},
             raw_probabilities={c: raw[c] for c in order},
-            decision=verdict.decision,
-            reasons=list(verdict.reasons),
-            reason_codes=list(verdict.reason_codes),
-            threshold=verdict.threshold,
-            certified=verdict.certified,
-            temperature=verdict.temperature,
-            choice_mass=verdict.choice_mass,
-            prediction_set=verdict.prediction_set,
-            profile=verdict.profile,
             model=judgment.model,
             latency_ms=judgment.latency_ms,
             judgment_id=verdict.judgment_id or judgment.judgment_id,
             tokens_sha256=verdict.tokens_sha256 or judgment.tokens_sha256,
             model_sha256=verdict.model_sha256 or judgment.model_sha256,
             policy_sha256=verdict.policy_sha256 or "",
-            profile_etag=verdict.profile_etag,
-            audit=verdict.audit,
             prompt=judgment.prompt if return_prompt else None,
-            expected_value=verdict.expected_value,
-            std=verdict.std,
-            max_std=verdict.max_std,
-            calibration_method=verdict.calibration_method,
-            feature_layers=verdict.feature_layers,
             orderings=orderings,
-            order_spread=verdict.order_spread,
-            max_order_spread=verdict.max_order_spread,
-            outside_template=verdict.outside_template,
         )
 
 

@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from calibration import CalibrationError, CalibrationProfile, FitError, ProfileError
+from calibration.carry import carry
 from calibration.fit_settings import FitSettings
 from calibration.fitting import resolve_methods
 from calibration.maps import CalibrationMap, Probe
@@ -166,19 +167,11 @@ class ProfileServing:
             except ProfileError:
                 continue  # an unreadable file is not a profile; GET /profiles/{name} says why
             summaries.append(
-                ProfileSummary(
-                    name=p.name,
+                carry(
+                    p,
+                    ProfileSummary,
                     model=p.fingerprint.model,
-                    choices=p.choices,
                     calibration_map=_map_summary(p.calibration_map),
-                    threshold=p.threshold,
-                    metrics_after=p.metrics_after,
-                    n_examples=p.n_examples,
-                    created_at=p.created_at,
-                    signal=p.signal,
-                    label_free=p.label_free,
-                    values=p.values,
-                    max_std=p.max_std,
                 )
             )
         return summaries
