@@ -15,16 +15,20 @@ family of their operation.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import anyio.to_thread
 
 from judge import Engine
 from service.config import ServiceConfig
-from service.serving_cascade import CascadeServing
 from service.serving_core import ServiceCore, Ticket
 from service.serving_feedback import FeedbackServing
 from service.serving_judge import JudgeServing
 from service.serving_profiles import ProfileServing
 from service.serving_systemone import SystemOneServing
+
+if TYPE_CHECKING:
+    from service.serving_cascade import CascadeServing
 
 __all__ = ["Service", "Ticket"]
 
@@ -34,7 +38,13 @@ class Service(ServiceCore):
 
     def __init__(self, config: ServiceConfig) -> None:
         super().__init__(config)
-        self.cascade = CascadeServing(self)
+        # A cascade's machinery (its stages, remote ones' client) is imported only with one:
+        # a request without a cascade neither imports nor calls it (tests/test_structure.py).
+        self.cascade: CascadeServing | None = None
+        if config.cascade:
+            from service.serving_cascade import CascadeServing
+
+            self.cascade = CascadeServing(self)
         self.judging = JudgeServing(self, self.cascade)
         self.systemone = SystemOneServing(self)
         self.profiles = ProfileServing(self)
@@ -42,5 +52,5 @@ class Service(ServiceCore):
 
     async def load_more(self, engine: Engine) -> None:
         """The cascade's local stages, in this server's dtype, off the event loop."""
-        if self.cascade.configured:
+        if self.cascade is not None:
             await anyio.to_thread.run_sync(self.cascade.load, engine.dtype)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import anyio.to_thread
 import msgspec
 
-from calibration import Cascade, Gate, Overrides
+from calibration import Cascade, Gate, Overrides, Verdict
 from calibration.cascade import LocalStage, StageAnswer, StageItem, StageResult
 from judge import Engine, Judgment
 from service.decision_log import CascadeLog, LoggedDecision
@@ -115,10 +115,6 @@ class CascadeServing:
         self.service = service
         self.local: dict[str, LocalModel] = {}
 
-    @property
-    def configured(self) -> bool:
-        return bool(self.service.config.cascade)
-
     def load(self, dtype: str) -> None:
         """Load and warm each local later stage (blocking; at start-up, before ready)."""
         from judge import Judge
@@ -156,12 +152,12 @@ class CascadeServing:
         self,
         request: JudgeRequest,
         stages: list[ServedStage],
-        first: tuple[JudgeResponse, StageResult],
+        first: tuple[Judgment, Verdict, JudgeResponse],
         records: list[LoggedDecision],
         deadline: float,
     ) -> JudgeResponse:
-        """The first stage's response and part; where it escalated, the later stages tried
-        (off the event loop) until one accepts. ``records`` holds this request's records (the
+        """The first stage's judgment, verdict and response; where it escalated, the later
+        stages tried (off the event loop) until one accepts. ``records`` holds this request's records (the
         first stage's, if logged): the later stages' join them, and each carries the
         outcome."""
         run = functools.partial(
@@ -169,12 +165,10 @@ class CascadeServing:
             self.service.config.stage_name,
             first,
             stages,
-            request.prompt,
-            request.choices,
-            item_span=request.item_span,
+            StageItem(request.prompt, request.choices, request.item_span),
             deadline_s=deadline - time.monotonic(),
         )
-        accepted = first[0].decision == "accept"
+        accepted = first[1].decision == "accept"
         # Only the later stages' model work goes off the event loop.
         final = run() if accepted else await anyio.to_thread.run_sync(run)
         decided_by, parts = final.decided_by, final.cascade or []
@@ -191,26 +185,32 @@ class CascadeServing:
 
 def cascaded(
     first_name: str,
-    first: tuple[JudgeResponse, StageResult],
+    first: tuple[Judgment, Verdict, JudgeResponse],
     stages: Sequence[ServedStage],
-    prompt: str,
-    choices: Sequence[str],
+    item: StageItem,
     *,
-    item_span: tuple[int, int] | None = None,
     deadline_s: float | None = None,
 ) -> JudgeResponse:
-    """A cascade's response to an item, given its first stage's response and part: where the
-    first stage escalated, the later ``stages`` tried in turn (blocking) until one accepts.
+    """A cascade's response to an item, given its first stage's judgment, verdict and
+    response: where the first stage escalated, the later ``stages`` tried in turn (blocking)
+    until one accepts.
 
     The deciding stage's response, else the last that answered (the strongest judge's view of
     an item a person now takes), with ``decided_by`` and every stage's part (``cascade``).
     What ``judge serve --cascade`` and ``judge ask --cascade`` answer.
     """
-    response, part = first
+    judgment, verdict, response = first
+    part = StageResult(
+        stage=first_name,
+        answer=StageAnswer.of(verdict, judgment, item.choices),
+        latency_ms=judgment.latency_ms,
+    )
     parts, answered = [part], [response]
     decided_by = first_name if response.decision == "accept" else None
     if decided_by is None:
-        outcome = Cascade(stages).judge(prompt, choices, item_span=item_span, deadline_s=deadline_s)
+        outcome = Cascade(stages).judge(
+            item.prompt, item.choices, item_span=item.item_span, deadline_s=deadline_s
+        )
         decided_by = outcome.decided_by
         parts += outcome.stages
         answered += [s.response for s in stages if s.response is not None]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from calibration import Gate, Overrides, Verdict
-from calibration.cascade import StageAnswer, StageResult
 from calibration.gate import fitted_template
 from judge import Engine, JudgeError, Judgment, Prepared, Query
 from judge.engine import shared_query
@@ -32,8 +32,11 @@ from service.schemas import (
     SharedBatch,
     SharedQuestion,
 )
-from service.serving_cascade import CascadeServing, ServedStage
 from service.serving_core import ServiceCore, Ticket
+
+if TYPE_CHECKING:
+    # A cascade's machinery is imported only by a server that has one (service.serving).
+    from service.serving_cascade import CascadeServing, ServedStage
 
 __all__ = ["JudgeServing"]
 
@@ -53,7 +56,7 @@ class _Plan:
 class JudgeServing:
     """Judgments: one, a batch of independent items, or questions about one shared context."""
 
-    def __init__(self, service: ServiceCore, cascade: CascadeServing) -> None:
+    def __init__(self, service: ServiceCore, cascade: CascadeServing | None) -> None:
         self.service = service
         self.cascade = cascade
 
@@ -123,7 +126,7 @@ class JudgeServing:
             engine, request.profile, overrides, template=query, choices=request.choices
         )
         later = None
-        if self.cascade.configured and isinstance(request, JudgeRequest):
+        if self.cascade is not None and isinstance(request, JudgeRequest):
             later = self.cascade.plan(request)
         # A whole prompt to a profile fitted on a task must mark its item, and is flagged when
         # it is not that task's prompt; a shared question has no item span, so is flagged.
@@ -146,15 +149,11 @@ class JudgeServing:
         """``_respond``, and with a cascade the later stages where this engine escalated."""
         if plan.later is None:
             return self._respond(engine, result, request, plan, records)[0]
+        assert self.cascade is not None  # later stages are planned only with one
         mine: list[LoggedDecision] = []
         response, verdict = self._respond(engine, result, request, plan, mine)
-        part = StageResult(
-            stage=self.service.config.stage_name,
-            answer=StageAnswer.of(verdict, result, request.choices),
-            latency_ms=result.latency_ms,
-        )
         final = await self.cascade.escalate(
-            request, plan.later, (response, part), mine, ticket.deadline
+            request, plan.later, (result, verdict, response), mine, ticket.deadline
         )
         records += mine
         return final

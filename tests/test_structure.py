@@ -1,6 +1,7 @@
 """The shape of the code: no import circle among the project's modules (counting imports made
 only for the type checker and those a function makes when it runs), no class so long that
-it holds several jobs, and one builder each for a decision's log record and its response.
+it holds several jobs, one builder each for a decision's log record and its response, and a
+cascade's machinery out of the way of a server without one.
 
 A circle makes the order of imports matter and hides which module is the lower layer (the
 house style: ``service`` over ``calibration`` and ``judge``; ``calibration`` works on arrays).
@@ -12,7 +13,13 @@ and finds strongly connected components of the graph.
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("judge", "calibration", "service")
@@ -180,3 +187,64 @@ def test_the_caller_walk_finds_calls() -> None:
     assert _calls(ast.parse("carry(verdict, LoggedDecision, model=m)\n"), "LoggedDecision")
     tree = ast.parse("msgspec.json.Decoder(LoggedDecision)\nLoggedDecision.replace(x)\n")
     assert not _calls(tree, "LoggedDecision") and not _calls(tree, "LoggedDecision.of")
+
+
+# In a fresh interpreter: a server (on the fake engine) starts and answers one POST /judge,
+# every call on every thread traced; it prints the project's cascade modules it imported and
+# the project files it called into.
+_TRACE = """
+import json, sys, threading
+from litestar.testing import TestClient
+from fakes import FakeEngine
+from server import wait_app_ready
+from service import ServiceConfig, create_app
+
+called = set()
+
+def trace(frame, event, arg):
+    if event == "call":
+        called.add(frame.f_code.co_filename)
+
+config = ServiceConfig(cascade=json.loads(sys.argv[1]))
+threading.setprofile(trace)
+sys.setprofile(trace)
+with TestClient(app=create_app(FakeEngine(), config=config)) as client:
+    wait_app_ready(client)
+    r = client.post("/judge", json={"prompt": "Spam? hi", "choices": ["spam", "ham"]})
+    assert r.status_code == 200, r.text
+sys.setprofile(None)
+threading.setprofile(None)
+modules = ["service.serving_cascade", "service.remote_stage"]
+print(json.dumps({"imported": [m for m in modules if m in sys.modules],
+                  "called": sorted(called)}))
+"""
+
+CASCADE_FILES = ("service/serving_cascade.py", "service/remote_stage.py", "calibration/cascade.py")
+
+
+def _traced(cascade: dict[str, str]) -> tuple[list[str], set[str]]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    out = subprocess.run(
+        [sys.executable, "-c", _TRACE, json.dumps(cascade)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    files = {f for f in CASCADE_FILES if any(c.endswith(f) for c in seen["called"])}
+    return seen["imported"], files
+
+
+@pytest.mark.parametrize("cascade", [False, True], ids=["no cascade", "a cascade"])
+def test_a_request_without_a_cascade_neither_imports_nor_calls_it(cascade: bool) -> None:
+    """``serving_cascade.py`` was read on every ``POST /judge``; with a cascade configured (a
+    remote stage that is down: the item escalates to it) the same trace sees all three."""
+    imported, called = _traced({"big": "http://127.0.0.1:9"} if cascade else {})
+    if cascade:
+        assert imported == ["service.serving_cascade", "service.remote_stage"]
+        assert called == set(CASCADE_FILES)
+    else:
+        assert imported == [] and called == set()

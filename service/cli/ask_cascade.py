@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from calibration import CalibrationProfile, Gate, Overrides, PolicyDefaults, Verdict
-from calibration.cascade import StageAnswer, StageResult
 from service.cli import common
 from service.schemas import JudgeResponse
 
@@ -86,23 +85,12 @@ class LaterStages:
     def decide(self, query: Query, judgment: Judgment, verdict: Verdict) -> JudgeResponse:
         """The cascade's response to an item the first stage judged: its own where it
         accepted, else the later stages' (``cascaded``)."""
+        from calibration.cascade import StageItem
         from service.serving_cascade import cascaded
 
-        choices = list(query.choices)
-        response = JudgeResponse.of(judgment, verdict, choices=choices)
-        part = StageResult(
-            stage=self.first,
-            answer=StageAnswer.of(verdict, judgment, choices),
-            latency_ms=judgment.latency_ms,
-        )
-        return cascaded(
-            self.first,
-            (response, part),
-            self.views(),
-            query.prompt,
-            choices,
-            item_span=query.item_span,
-        )
+        item = StageItem(query.prompt, list(query.choices), query.item_span)
+        response = JudgeResponse.of(judgment, verdict, choices=item.choices)
+        return cascaded(self.first, (judgment, verdict, response), self.views(), item)
 
 
 def plan(args: argparse.Namespace, overrides: Overrides) -> LaterStages | None:
