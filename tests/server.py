@@ -7,7 +7,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -38,24 +38,14 @@ class Server:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
-    def wait_ready(self, timeout: float = READY_S) -> None:
-        self.wait_ready_with({}, timeout)
+    def wait_ready(self, headers: dict[str, str] | None = None, timeout: float = READY_S) -> None:
+        """Until ``/ready`` answers 200 (``headers``: a key the server needs); each status
+        it answered on the way is kept in ``ready_statuses``."""
 
-    def wait_ready_with(self, headers: dict[str, str], timeout: float = READY_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"server exited: {self.output()}")
-            try:
-                status = httpx.get(f"{self.url}/ready", headers=headers, timeout=5).status_code
-            except httpx.TransportError:
-                time.sleep(0.1)
-                continue
-            self.ready_statuses.append(status)
-            if status == 200:
-                return
-            time.sleep(0.05)
-        raise AssertionError("server never became ready")
+        def exited() -> str | None:
+            return None if self.process.poll() is None else f"server exited: {self.output()}"
+
+        wait_url_ready(self.url, headers, exited=exited, seen=self.ready_statuses, timeout=timeout)
 
     def stop(self, wait_s: float = 30) -> None:
         """SIGTERM, then SIGKILL if it has not exited within ``wait_s``."""
@@ -73,11 +63,47 @@ class Server:
         return self.process.stdout.read().decode(errors="replace")[-4000:]
 
 
-def wait_app_ready(client: Any) -> None:
-    """Poll an in-process app's ``/ready`` (a litestar TestClient) until it answers 200, for
-    up to 600 tries 0.05 s apart; the assertion says what ``/ready`` last answered."""
-    for _ in range(600):
-        if client.get("/ready").status_code == 200:
+def wait_url_ready(
+    url: str,
+    headers: dict[str, str] | None = None,
+    *,
+    exited: Callable[[], str | None] = lambda: None,
+    seen: list[int] | None = None,
+    timeout: float = READY_S,
+) -> None:
+    """Poll a live server's ``/ready`` at ``url`` until it answers 200: the one poll every
+    test of a served process uses. ``exited`` says why the server is gone (None while it
+    runs); ``seen`` collects each status answered; ``timeout`` is a watchdog, not a speed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gone = exited()
+        if gone is not None:
+            raise AssertionError(gone)
+        try:
+            status = httpx.get(f"{url}/ready", headers=headers, timeout=5).status_code
+        except httpx.TransportError:
+            time.sleep(0.1)
+            continue
+        if seen is not None:
+            seen.append(status)
+        if status == 200:
             return
         time.sleep(0.05)
-    raise AssertionError(f"the app never became ready: {client.get('/ready').json()}")
+    raise AssertionError(f"the server at {url} did not become ready within {timeout:.0f} s")
+
+
+def settled(client: Any, headers: dict[str, str] | None = None) -> Any:
+    """An in-process app's (a litestar TestClient's) ``/ready`` once loading is over, ready
+    or failed: the one poll every in-process test uses (``READY_S``: a watchdog)."""
+    deadline = time.monotonic() + READY_S
+    while (ready := client.get("/ready", headers=headers)).json()["status"] == "loading":
+        assert time.monotonic() < deadline, "the app never finished loading"
+        time.sleep(0.05)
+    return ready
+
+
+def wait_app_ready(client: Any, headers: dict[str, str] | None = None) -> Any:
+    """``settled``, which must be ready; returns the client, for chaining."""
+    ready = settled(client, headers)
+    assert ready.status_code == 200, f"the app never became ready: {ready.json()}"
+    return client

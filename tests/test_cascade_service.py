@@ -3,7 +3,6 @@ counts who decided; the real model at both stages."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from litestar.testing import TestClient
-from server import READY_S
+from server import settled
 
 from calibration import CalibrationProfile, Gate, fit_profile, save_profile
 from judge import Judge
@@ -68,17 +67,8 @@ def client(
         log_features=True,
     )
     with TestClient(app=create_app(judge, config=config)) as c:
-        assert _settled(c).json()["cascade"] == ["local", "second"]
+        assert settled(c).json()["cascade"] == ["local", "second"]
         yield c
-
-
-def _settled(c: TestClient[Any]) -> Any:
-    """/ready once loading is over, ready or failed (a watchdog bound, not a speed)."""
-    start = time.monotonic()
-    while (ready := c.get("/ready")).json()["status"] == "loading":
-        assert time.monotonic() - start < READY_S, "the app never finished loading"
-        time.sleep(0.05)
-    return ready
 
 
 def test_an_item_the_first_stage_escalates_is_decided_by_the_second(
@@ -146,7 +136,7 @@ def test_a_batch_item_cascades_too_and_a_missing_stage_profile_is_refused(
 def test_the_ready_line_waits_for_every_stage(tmp_path: Path, judge: Judge) -> None:
     config = ServiceConfig(profiles_dir=tmp_path, cascade={"gone": str(tmp_path / "no.gguf")})
     with TestClient(app=create_app(judge, config=config)) as c:
-        ready = _settled(c)
+        ready = settled(c)
         assert ready.status_code == 503 and ready.json()["status"] == "failed"
         assert "no.gguf" in ready.json()["detail"]
 

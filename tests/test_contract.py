@@ -141,7 +141,7 @@ def run_contract(
     finally:
         del os.environ["JUDGE_API_KEY"]
     try:
-        server.wait_ready_with({"Authorization": f"Bearer {KEY}"})
+        server.wait_ready({"Authorization": f"Bearer {KEY}"})
         for extra in runs:
             schemathesis(st, server.url, max_examples, extra)
     finally:

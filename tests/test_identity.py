@@ -26,6 +26,7 @@ import pytest
 import torch
 from fakes import FakeEngine, Scored, judgment_of
 from litestar.testing import TestClient
+from server import wait_app_ready
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from calibration import (
@@ -296,11 +297,7 @@ def test_a_profile_s_etag_is_the_etag_of_its_saved_bytes(
 def fake_client(tmp_path: Path) -> Iterator[TestClient[Any]]:
     app = create_app(FakeEngine(), config=ServiceConfig(profiles_dir=tmp_path))
     with TestClient(app=app) as c:
-        for _ in range(200):
-            if c.get("/ready").status_code == 200:
-                break
-            time.sleep(0.05)
-        yield c
+        yield wait_app_ready(c)
 
 
 def test_responses_carry_the_identity_and_the_profile_s_etag(

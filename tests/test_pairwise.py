@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
+from server import wait_app_ready
 
 from calibration import (
     CalibrationProfile,
@@ -210,11 +210,7 @@ def served(tmp_path: Path) -> Iterator[TestClient[Any]]:
     """The app around the place-biased fake, ready."""
     config = ServiceConfig(profiles_dir=tmp_path)
     with TestClient(app=create_app(PlaceBiased(), config=config)) as client:
-        for _ in range(600):
-            if client.get("/ready").status_code == 200:
-                break
-            time.sleep(0.05)
-        yield client
+        yield wait_app_ready(client)
 
 
 def test_post_systemone_answers_and_gates_a_pair(tmp_path: Path) -> None:

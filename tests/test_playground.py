@@ -3,13 +3,11 @@ against a real server (with an API key) on the default model."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,14 +18,13 @@ import numpy as np
 import pytest
 from fakes import FakeEngine
 from litestar.testing import TestClient
-from server import READY_S, Server, free_port
+from server import READY_S, Server, free_port, wait_app_ready
 from test_reliability import live
 from test_service import EXAMPLES, NUM_LAYERS, FeatureEngine, H, probe_profile
 
 from calibration.reliability import reliability_diagram
 from judge import atomicio
 from service import ServiceConfig, create_app
-from service.client import JudgeClient
 from service.playground import STATIC
 
 KEY = "playground-key"
@@ -145,10 +142,7 @@ def test_a_probe_profile_is_shown_by_its_layers_not_a_temperature(tmp_path: Path
     with TestClient(app=create_app(engine, config=ServiceConfig(profiles_dir=tmp_path))) as c:
         r = c.put("/profiles/probe", content=msgspec.json.encode(profile))
         assert r.status_code == 200, r.text
-        for _ in range(200):
-            if c.get("/ready").status_code == 200:
-                break
-            time.sleep(0.05)
+        wait_app_ready(c)
         probed = c.post(
             "/judge", json={"prompt": "x", "choices": ["yes", "no"], "profile": "probe"}
         )
@@ -194,7 +188,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         env.setenv("JUDGE_API_KEY", KEY)  # the server process inherits it; argv shows no key
         s = Server([*command, *options], port)
     try:
-        wait_ready(s)
+        s.wait_ready(auth())
         fit = {
             "choices": ["spam", "ham"],
             "examples": [{"prompt": p, "label": y} for p, y in EXAMPLES],
@@ -205,19 +199,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield s
     finally:
         s.stop()
-
-
-def wait_ready(s: Server) -> None:
-    """``Server.wait_ready``, with the key that /ready needs on this server."""
-    deadline = time.monotonic() + READY_S
-    with JudgeClient(s.url, api_key=KEY) as client:
-        while time.monotonic() < deadline:
-            if s.process.poll() is not None:
-                raise AssertionError(f"server exited: {s.output()}")
-            with contextlib.suppress(TimeoutError):
-                client.wait_ready(timeout=1)
-                return
-    raise AssertionError("server never became ready")
 
 
 def auth() -> dict[str, str]:

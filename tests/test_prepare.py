@@ -8,7 +8,6 @@ mechanics that need no model (a fit's many examples, a refused engine).
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 from fakes import FakeEngine
 from litestar.testing import TestClient
+from server import settled
 from server import wait_app_ready as wait_ready
 
 import judge.forward
@@ -214,10 +214,6 @@ def test_the_service_refuses_an_engine_with_another_budget(tmp_path: Path) -> No
     engine.max_batch_tokens = 8192
     app = create_app(engine, config=ServiceConfig(profiles_dir=tmp_path, max_batch_tokens=4096))
     with TestClient(app=app) as c:
-        for _ in range(200):
-            r = c.get("/ready")
-            if r.json()["status"] != "loading":
-                break
-            time.sleep(0.02)
+        r = settled(c)
         assert r.status_code == 503 and r.json()["status"] == "failed"
         assert "max_batch_tokens=4096" in r.json()["detail"]

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import uvicorn
 from fakes import FakeEngine
-from server import free_port
+from server import free_port, wait_url_ready
 
 from judge import Judgment, Prepared, Query
 from service import ServiceConfig, create_app
@@ -120,14 +120,7 @@ def live(
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     try:
-        deadline = time.monotonic() + HANG_S  # a busy machine starts slowly
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/ready", headers=headers).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the server did not become ready within {HANG_S:.0f} s")
-            time.sleep(0.05)
+        wait_url_ready(url, headers, timeout=HANG_S)  # a busy machine starts slowly
         yield url
     finally:
         server.should_exit = True

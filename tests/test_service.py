@@ -495,10 +495,7 @@ def test_api_key(judge: Judge, tmp_path: Path) -> None:
             r = c.post("/judge", content=content, headers={"content-type": "application/json"})
             assert r.status_code == 401 and r.json() == refused
         auth = {"Authorization": "Bearer s3cret"}
-        for _ in range(600):
-            if c.get("/ready", headers=auth).status_code == 200:
-                break
-            time.sleep(0.05)
+        wait_ready(c, auth)
         r = c.post("/judge", json={"prompt": SPAM, "choices": ["spam", "ham"]}, headers=auth)
         assert r.status_code == 200
         r = c.post("/judge", json={"prompt": SPAM, "choices": ["spam", "ham"]})

@@ -248,3 +248,51 @@ def test_a_request_without_a_cascade_neither_imports_nor_calls_it(cascade: bool)
         assert called == set(CASCADE_FILES)
     else:
         assert imported == [] and called == set()
+
+
+def _polls_ready(tree: ast.Module) -> list[int]:
+    """Lines of loops that poll ``/ready``: a ``get`` of a path ending in ``/ready`` (a
+    literal or an f-string) and a ``sleep``, in one loop."""
+
+    def named(call: ast.Call, name: str) -> bool:
+        f = call.func
+        return (isinstance(f, ast.Attribute) and f.attr == name) or (
+            isinstance(f, ast.Name) and f.id == name
+        )
+
+    def ready_path(node: ast.expr) -> bool:
+        if isinstance(node, ast.JoinedStr) and node.values:
+            node = node.values[-1]
+        return (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.endswith("/ready")
+        )
+
+    lines = []
+    for loop in ast.walk(tree):
+        if not isinstance(loop, ast.For | ast.While):
+            continue
+        calls = [n for n in ast.walk(loop) if isinstance(n, ast.Call)]
+        asks = any(named(c, "get") and c.args and ready_path(c.args[0]) for c in calls)
+        if asks and any(named(c, "sleep") for c in calls):
+            lines.append(loop.lineno)
+    return lines
+
+
+def test_the_ready_poll_lives_once_in_the_tests() -> None:
+    """Waiting for a server lives in tests/server.py (``wait_app_ready``, ``settled``,
+    ``wait_url_ready``, ``Server.wait_ready``): it had grown six copies, each with its own
+    bound, some too short for a slow machine."""
+    copies = {
+        path.name: lines
+        for path in (ROOT / "tests").glob("*.py")
+        if path.name != "server.py"
+        and (lines := _polls_ready(ast.parse(path.read_text(encoding="utf-8"))))
+    }
+    assert copies == {}
+    assert _polls_ready(ast.parse((ROOT / "tests" / "server.py").read_text())) != []
+    looped = 'while c.get(f"{url}/ready").status_code != 200:\n    time.sleep(0.1)\n'
+    assert _polls_ready(ast.parse(looped)) == [1]
+    listed = 'for path in ("/ready", "/metrics"):\n    assert c.get(path).status_code == 200\n'
+    assert _polls_ready(ast.parse(listed)) == []

@@ -15,7 +15,6 @@ import io
 import json
 import math
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pytest
 from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
 from server import Server
+from server import wait_app_ready as ready
 
 from calibration import CalibrationProfile, FitSettings, fit_profile, make_policy
 from judge import Judgment, Query
@@ -101,14 +101,6 @@ def _position(prompt: str, choice: str) -> int:
 def serve(engine: FakeEngine, tmp_path: Path, **options: Any) -> TestClient[Any]:
     config = ServiceConfig(profiles_dir=tmp_path, **options)
     return TestClient(app=create_app(engine, config=config))
-
-
-def ready(client: TestClient[Any]) -> TestClient[Any]:
-    for _ in range(600):
-        if client.get("/ready").status_code == 200:
-            return client
-        time.sleep(0.05)
-    raise AssertionError("the app never became ready")
 
 
 @pytest.fixture
