@@ -76,6 +76,7 @@ bench: install bench-cpu
 	$(BIN)/python benchmarks/bench_prefix_cache.py
 	$(BIN)/python benchmarks/bench_latency.py
 	$(BIN)/python benchmarks/bench_quality.py
+	$(BIN)/python benchmarks/bench_grammar.py
 	$(BIN)/python benchmarks/bench_service.py
 	$(BIN)/python benchmarks/bench_scores.py
 	$(BIN)/python benchmarks/bench_order.py

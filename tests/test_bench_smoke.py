@@ -497,3 +497,17 @@ def test_bench_cascade_quick(tmp_path: Path) -> None:
     assert set(row["alone"]) == {"smollm2", "gemma3-270m"}
     assert row["guarantee"]["resamples"] == 5
     assert row["cascade"]["ms_per_item"] >= row["alone"]["smollm2"]["ms_per_item"]
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+def test_bench_grammar_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_grammar.json"
+    _run("bench_grammar.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["quick"] is True and result["tasks"]
+    for task in result["tasks"]:
+        assert 0.0 <= task["tv_mean"] <= task["tv_max"] <= 1.0
+        assert task["positions"] >= task["nodes"] >= 1
+        for item in task["items"]:
+            assert sum(item["canonical"]) == pytest.approx(1.0, abs=1e-6)
