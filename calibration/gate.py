@@ -279,10 +279,15 @@ class Gate:
     def decide_answer(self, answer: TypedAnswer) -> Verdict:
         """The verdict on a typed answer (``judge.answers``): its judgment, bounded by how far
         its listings disagreed; a pair's by its two orders (``position_inconsistent``). What
-        every route that answers typed questions decides with."""
-        return self.policy.decide(
+        every route that answers typed questions decides with.
+
+        Under a profile fitted on a task the verdict says ``outside_template``: a typed
+        question is asked in its own prompt (``judge.answers``), never the task's, so the
+        certificate was measured on other prompts."""
+        verdict = self.policy.decide(
             answer.judgment, order_spread=answer.order_spread, pair=answer.pair
         )
+        return _flagged(verdict, self.template is not None)
 
     def decide_many(
         self,

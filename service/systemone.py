@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from calibration.carry import carry
 from calibration.policy import ReasonCode
 from judge.questions import (
     MAX_LEVELS,
@@ -199,6 +200,9 @@ class _Answered(msgspec.Struct, frozen=True, kw_only=True):
     calibration_method: str | None = None
     temperature: float | None = None
     feature_layers: list[int] | None = None
+    # Under a profile fitted on a task: a typed question is asked in its own prompt, never
+    # the task's, so the certificate was measured on other prompts (as on a judgment).
+    outside_template: bool = False
 
 
 class SystemOneNoulAnswer(_Answered, frozen=True, kw_only=True, tag="noul", tag_field="type"):
@@ -300,40 +304,28 @@ def wire_answer(answer: Answer, verdict: Verdict) -> SystemOneAnswer:
     order = list(answer.probabilities)
     calibrated = verdict.probabilities
     probs = {c: calibrated[c] for c in order}
-    common: dict[str, Any] = {
+    # Every field of _Answered is the verdict's of the same name, but these (the verdict's
+    # choice, confidence and probabilities are in the profile's order, and a noul has none).
+    answered: dict[str, Any] = {
         "probabilities": probs,
         "raw_probabilities": dict(answer.probabilities),
-        "decision": verdict.decision,
-        "reasons": list(verdict.reasons),
-        "reason_codes": list(verdict.reason_codes),
-        "certified": verdict.certified,
-        "threshold": verdict.threshold,
-        "choice_mass": verdict.choice_mass,
-        "prediction_set": verdict.prediction_set,
-        "profile": verdict.profile,
         "orderings": answer.orderings,
         "order_spread": answer.order_spread,
-        "max_order_spread": verdict.max_order_spread,
-        "judgment_id": verdict.judgment_id,
-        "tokens_sha256": verdict.tokens_sha256,
-        "model_sha256": verdict.model_sha256,
-        "policy_sha256": verdict.policy_sha256,
-        "profile_etag": verdict.profile_etag,
-        "audit": verdict.audit,
-        "calibration_method": verdict.calibration_method,
-        "temperature": verdict.temperature,
-        "feature_layers": verdict.feature_layers,
     }
     best = max(order, key=probs.__getitem__)
     if isinstance(answer, NoulAnswer):
-        return SystemOneNoulAnswer(noul=probs["yes"], **common)
+        return carry(verdict, SystemOneNoulAnswer, noul=probs["yes"], **answered)
     if isinstance(answer, PairAnswer):
-        return SystemOnePairAnswer(winner=best, confidence=probs[best], **common)
+        return carry(verdict, SystemOnePairAnswer, winner=best, confidence=probs[best], **answered)
     if isinstance(answer, ChoiceAnswer):
-        return SystemOneChoiceAnswer(choice=best, confidence=probs[best], **common)
-    return SystemOneScoreAnswer(
+        return carry(
+            verdict, SystemOneChoiceAnswer, choice=best, confidence=probs[best], **answered
+        )
+    return carry(
+        verdict,
+        SystemOneScoreAnswer,
         score=sum(int(c) * p for c, p in probs.items()),
         confidence=probs[best],
         legend=dict(answer.legend),
-        **common,
+        **answered,
     )

@@ -282,3 +282,25 @@ def test_the_readme_s_way_to_a_certified_accept(calibrated: Path, judge: Judge) 
     assert set(answer) == set(example)
     for field in ("decision", "choice", "certified", "threshold", "profile", "prediction_set"):
         assert answer[field] == example[field], field
+
+
+@needs_data
+def test_a_typed_question_under_a_task_profile_is_flagged_outside_the_template(
+    calibrated: Path, judge: Judge
+) -> None:
+    """A System One question is asked in its own prompt, never the task's: under a profile
+    fitted on a task its answer says the certificate was measured on other prompts."""
+    config = ServiceConfig(profiles_dir=calibrated)
+    question = {
+        "type": "choice",
+        "instructions": "Is this SMS spam?",
+        "criteria": {"spam": None, "ham": None},
+    }
+    with TestClient(app=create_app(judge, config=config)) as c:
+        wait_ready(c)
+        asked = {"state": WINNER, "questions": {"gated": {**question, "profile": "sms_spam"}}}
+        r = c.post("/v1/systemone", json=asked)
+        assert r.status_code == 200, r.text
+        assert r.json()["answers"]["gated"]["outside_template"] is True
+        bare = c.post("/v1/systemone", json={"state": WINNER, "questions": {"bare": question}})
+        assert bare.json()["answers"]["bare"]["outside_template"] is False
