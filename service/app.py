@@ -5,7 +5,8 @@ a loader for the real model (so the server answers /health and /ready while it l
 may hand in a loaded engine or a fake. This module only wires the pieces together:
 
     service.config    ServiceConfig, the server's settings, checked once
-    service.frontdoor before routing: API key, admission, read timeout, clients that leave
+    service.frontdoor before routing: API key, a malformed path parameter or header,
+                      admission, read timeout, clients that leave
     service.operations the table of operations: routes, OpenAPI, metric labels, client paths
     service.routes    the endpoints, thin, registered from the table
     service.bodies    strict decoding of request bodies
@@ -24,9 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from litestar import Litestar
 from litestar.di import Provide
@@ -36,7 +36,7 @@ from litestar.utils import normalize_path
 from judge import Engine
 from service.config import ServiceConfig
 from service.errors import exception_handlers
-from service.frontdoor import FrontDoor
+from service.frontdoor import FrontDoor, Route
 from service.routes import ROUTES
 from service.serving import Service
 
@@ -84,17 +84,20 @@ def create_app(
     )
 
     @functools.lru_cache(maxsize=4096)  # bounded: paths come from clients
-    def route_opt(path: str, method: str) -> Mapping[str, Any]:
-        """The options of the route that will handle this request; empty when none will."""
+    def route(path: str, method: str) -> Route:
+        """The route that will handle this request: its options and path parameters, as the
+        router finds them for the handler; no options when no route will."""
         try:
-            handler = app.asgi_router.handle_routing(path=normalize_path(path), method=method)[1]
+            _, handler, _, parameters, _ = app.asgi_router.handle_routing(
+                path=normalize_path(path), method=method
+            )
         except HTTPException:  # no such path or method: Litestar answers it, after the key
-            return {}
-        return handler.opt
+            return Route({}, {})
+        return Route(handler.opt, parameters)
 
     app.asgi_handler = FrontDoor(
         app.asgi_handler,
-        route_opt=route_opt,
+        route=route,
         metrics=service.metrics,
         admission=service.admission,
         api_key=config.api_key,

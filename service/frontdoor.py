@@ -6,6 +6,10 @@ before the app reads, parses or routes anything:
 - **API key** (when set), on every path but the public ones (``/health``, the playground), so
   that unknown paths answer 401 like known ones and routes cannot be enumerated without the
   key. ``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235).
+- **What the schema refuses before the body**: a path parameter that breaks its pattern, or a
+  malformed X-Request-Timeout (``Operation.refusal`` of the route's operation), is a 400 naming
+  it, before admission and before the body is read: neither a full server (503) nor a body over
+  the size limit (413) can answer for it.
 - **Admission.** A request that needs the model (a route with ``opt={MODEL: True}``) takes
   one of ``max_queue`` slots before its body is read. When none is free it waits at the door,
   unread, for up to ``admission_wait_s``, then gets a 503 with Retry-After. Clients that retry
@@ -32,17 +36,30 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.metrics import ServiceMetrics
 
-__all__ = ["MODEL", "PUBLIC", "REPLICA_HEADER", "Admission", "FrontDoor", "bearer_token"]
+if TYPE_CHECKING:
+    from service.operations import Operation
+
+__all__ = [
+    "MODEL",
+    "OPERATION",
+    "PUBLIC",
+    "REPLICA_HEADER",
+    "Admission",
+    "FrontDoor",
+    "Route",
+    "bearer_token",
+]
 
 PUBLIC = "public"  # route opt: no API key needed
 MODEL = "model"  # route opt: needs the model, so it is admitted through the slots
+OPERATION = "operation"  # route opt: the service.operations.Operation the route serves
 CLIENT_CLOSED = 499  # the status recorded for a client that left before its response
 REPLICA_HEADER = "X-Judge-Replica"
 
@@ -89,6 +106,13 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+class Route(NamedTuple):
+    """The route that will handle a request, as the app's router finds it."""
+
+    opt: Mapping[str, Any]  # its options; empty when no route will handle the request
+    parameters: Mapping[str, Any]  # its path parameters, as the router parsed them
+
+
 @dataclass
 class _Exchange:
     """What happened to one request so far."""
@@ -106,7 +130,7 @@ class FrontDoor:
         self,
         app: ASGIApp,
         *,
-        route_opt: Callable[[str, str], Mapping[str, Any]],
+        route: Callable[[str, str], Route],
         metrics: ServiceMetrics,
         admission: Admission,
         api_key: str | None,
@@ -117,7 +141,7 @@ class FrontDoor:
         # This process, unless the caller names it otherwise: one process is one replica.
         name = replica or f"{socket.gethostname()}:{os.getpid()}"
         self._replica = (REPLICA_HEADER.lower().encode(), name.encode("latin-1"))
-        self.route_opt = route_opt
+        self.route = route
         self.metrics = metrics
         self.admission = admission
         self.key = api_key
@@ -148,7 +172,8 @@ class FrontDoor:
     async def _handle(
         self, scope: Scope, receive: Receive, send: Send, exchange: _Exchange
     ) -> None:
-        opt = self.route_opt(scope["path"], str(scope.get("method", "")))
+        route = self.route(scope["path"], str(scope.get("method", "")))
+        opt = route.opt
         if self.key is not None and not opt.get(PUBLIC) and not self._authorized(scope):
             await _reply(
                 send,
@@ -158,6 +183,13 @@ class FrontDoor:
                 {"WWW-Authenticate": "Bearer"},
             )
             return
+        operation: Operation | None = opt.get(OPERATION)
+        if operation is not None:
+            refused = operation.refusal(route.parameters, _headers(scope))
+            if refused is not None:
+                field, detail = refused
+                await _reply(send, 400, detail, field, {})
+                return
         if not opt.get(MODEL):
             await self._run(scope, receive, send, exchange)
             return
@@ -252,6 +284,14 @@ class FrontDoor:
                 "body",
                 {"Connection": "close"},
             )
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    """The request's headers by lowercased name; the first of a repeated one, as the app reads."""
+    out: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        out.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return out
 
 
 async def _call(app: ASGIApp, scope: Scope, receive: Any, send: Send) -> None:

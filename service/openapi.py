@@ -20,9 +20,8 @@ from typing import Any
 import msgspec
 
 import judge
-from calibration.profile import NAME_PATTERN
 from service.frontdoor import REPLICA_HEADER
-from service.operations import BY_NAME, OPERATIONS, TIMEOUT_HEADER
+from service.operations import BY_NAME, OPERATIONS, PARAMETER_PATTERN, TIMEOUT_HEADER
 from service.schemas import ErrorResponse, ReadyResponse
 
 __all__ = ["TIMEOUT_HEADER", "openapi_document"]
@@ -31,7 +30,8 @@ SCHEME = "BearerAuth"
 _REF = "#/components/schemas/{name}"
 
 _ERRORS = {
-    400: "The body (or a header) is malformed or breaks the schema; `field` names it",
+    400: "The body, a header or a path parameter is malformed or breaks the schema; `field` "
+    "names it. A path parameter or header is checked first, before the body is read",
     401: "Missing or wrong API key",
     404: "No such profile, or no logged decision with that id (or the server keeps no "
     "decision log: --decision-log)",
@@ -158,7 +158,7 @@ def openapi_document(*, secured: bool) -> dict[str, Any]:
                 "name": name,
                 "in": "path",
                 "required": True,
-                "schema": {"type": "string", "pattern": f"^{NAME_PATTERN}$"},
+                "schema": {"type": "string", "pattern": PARAMETER_PATTERN},
             }
             for name in op.parameters
         ]

@@ -5,6 +5,7 @@
     service.openapi  the OpenAPI document's paths: summary, bodies, statuses, operationId
     service.metrics  the route label of a request: the path template of its operation
     service.client   each call's method and path
+    service.frontdoor what each refuses before its body: a malformed path parameter or header
 
 This module imports no Litestar: the client uses it. A path is an OpenAPI template,
 ``/profiles/{name}``, each ``{parameter}`` one path segment.
@@ -12,13 +13,14 @@ This module imports no Litestar: the client uses it. A path is an OpenAPI templa
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote
 
-from calibration.profile import CalibrationProfile
+from calibration.profile import NAME_PATTERN, CalibrationProfile
 from service.decision_log import LoggedDecision
 from service.health import ProfileHealth
 from service.schemas import (
@@ -37,9 +39,22 @@ from service.schemas import (
 )
 from service.systemone import SystemOneRequest, SystemOneResponse
 
-__all__ = ["BY_NAME", "OPERATIONS", "TIMEOUT_HEADER", "Operation", "allowed", "paths", "route_of"]
+__all__ = [
+    "BY_NAME",
+    "OPERATIONS",
+    "PARAMETER_PATTERN",
+    "TIMEOUT_HEADER",
+    "Operation",
+    "allowed",
+    "paths",
+    "request_timeout",
+    "route_of",
+]
 
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens the server's deadline, never lengthens
+# Every path parameter (a profile's name, a logged decision's id) is a name of this pattern: the
+# OpenAPI document declares it for each, and the front door refuses a value that breaks it.
+PARAMETER_PATTERN = f"^{NAME_PATTERN}$"
 
 Method = Literal["GET", "HEAD", "POST", "PUT", "DELETE"]
 # A success body: a type msgspec encodes, None (no body), "text" (Prometheus) or "object" (JSON)
@@ -68,6 +83,32 @@ class Operation:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parameters", tuple(_PARAMETER.findall(self.path)))
+        if (self.parameters or self.model) and 400 not in self.errors:
+            raise ValueError(
+                f"{self.name}: the front door answers a malformed path parameter or "
+                f"{TIMEOUT_HEADER} with 400 (see refusal), so its errors must list 400"
+            )
+
+    def refusal(
+        self, parameters: Mapping[str, str], headers: Mapping[str, str]
+    ) -> tuple[str, str] | None:
+        """What the schema refuses in a request's path parameters or headers, before its body:
+        ``(field, detail)`` for the first fault, None if none. ``headers``: names lowercased.
+
+        The front door answers it with a 400 before admission and before reading the body,
+        so that neither a full server (503) nor an oversized body (413) hides it.
+        """
+        for name in self.parameters:
+            value = parameters.get(name, "")
+            if not re.fullmatch(PARAMETER_PATTERN, value):
+                return name, f"path parameter {name} must match {PARAMETER_PATTERN}, got {value!r}"
+        raw = headers.get(TIMEOUT_HEADER.lower())
+        if self.model and raw is not None:  # the operations that take the header
+            try:
+                request_timeout(raw)
+            except ValueError as e:
+                return TIMEOUT_HEADER, str(e)
+        return None
 
     @property
     def operation_id(self) -> str:
@@ -109,12 +150,12 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("profiles", "GET", "/profiles", "List calibration profiles",
               ok=(200, list[ProfileSummary])),
     Operation("profile", "GET", "/profiles/{name}", "One calibration profile",
-              ok=(200, CalibrationProfile), errors=(404,)),
+              ok=(200, CalibrationProfile), errors=(400, 404)),
     Operation("put_profile", "PUT", "/profiles/{name}",
               "Store a calibration profile under its name", body=CalibrationProfile,
               ok=(200, CalibrationProfile), errors=(*_BODY_ERRORS, 412, 422)),
     Operation("delete_profile", "DELETE", "/profiles/{name}", "Delete a calibration profile",
-              ok=(204, None), errors=(404, 412)),
+              ok=(204, None), errors=(400, 404, 412)),
     # Fitting judges every example: sent twice, it would do all of that twice.
     Operation("fit", "POST", "/profiles/{name}/fit",
               "Fit a profile on labeled examples and store it", body=FitRequest,
@@ -123,10 +164,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("profile_health", "GET", "/profiles/{name}/health",
               "A profile's health from the decision log: audited precision against its "
               "certificate, drift from its calibration data, the model",
-              ok=(200, ProfileHealth), errors=(404,)),
+              ok=(200, ProfileHealth), errors=(400, 404)),
     Operation("judgment", "GET", "/judgments/{judgment_id}",
               "A logged decision, with its label if it has one", ok=(200, LoggedDecision),
-              errors=(404,)),
+              errors=(400, 404)),
     Operation("label", "POST", "/judgments/{judgment_id}/label",
               "The true label of a logged decision (feedback)", body=LabelRequest,
               ok=(200, LabelResult), errors=(*_BODY_ERRORS, 404, 409, 422)),
@@ -139,6 +180,17 @@ OPERATIONS: tuple[Operation, ...] = (
 )  # fmt: skip
 
 BY_NAME: Mapping[str, Operation] = {op.name: op for op in OPERATIONS}
+
+
+def request_timeout(raw: str) -> float:
+    """The seconds an X-Request-Timeout header gives; ValueError unless a finite number > 0."""
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{TIMEOUT_HEADER} must be a number of seconds > 0, got {raw!r}")
+    return seconds
 
 
 def paths(operations: Iterable[Operation] = OPERATIONS) -> dict[str, list[Operation]]:

@@ -9,13 +9,13 @@ The ``service`` argument is the app's one ``Service``, injected by the app (see
 one is refused with a 4xx that names the field before any work; errors raised here become
 responses in ``service.errors``. Route options tell the front door (``service.frontdoor``)
 what a route needs: ``PUBLIC`` routes need no API key, ``MODEL`` routes take an admission
-slot.
+slot, and ``OPERATION`` is the route's operation, whose malformed path parameters and headers
+the front door refuses before anything else (``Operation.refusal``).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,10 +33,17 @@ from calibration.profile import current_format
 from service.bodies import decode_body, decode_each
 from service.decision_log import LoggedDecision
 from service.errors import BadFieldError, TooLargeError
-from service.frontdoor import MODEL, PUBLIC
+from service.frontdoor import MODEL, OPERATION, PUBLIC
 from service.health import ProfileHealth
 from service.openapi import openapi_document
-from service.operations import OPERATIONS, TIMEOUT_HEADER, Operation, allowed, paths
+from service.operations import (
+    OPERATIONS,
+    TIMEOUT_HEADER,
+    Operation,
+    allowed,
+    paths,
+    request_timeout,
+)
 from service.playground import PLAYGROUND_ROUTES
 from service.profiles import parse_etags
 from service.serving import Service, Ticket
@@ -66,15 +73,15 @@ async def _batch_body(request: AnyRequest) -> list[schemas.BatchItem] | schemas.
 
 
 def _ticket(service: Service, request: AnyRequest, limit_s: float | None = None) -> Ticket:
+    """The request's deadline. The front door has refused a malformed X-Request-Timeout
+    already (``Operation.refusal``); the handler still refuses one on its own."""
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None:
         return service.ticket(None, limit_s)
     try:
-        timeout = float(raw)
-    except ValueError:
-        timeout = math.nan
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise BadFieldError(TIMEOUT_HEADER, f"must be a number of seconds > 0, got {raw!r}")
+        timeout = request_timeout(raw)
+    except ValueError as e:
+        raise BadFieldError(TIMEOUT_HEADER, str(e)) from None
     return service.ticket(timeout, limit_s)
 
 
@@ -271,7 +278,8 @@ def _handler(op: Operation) -> HTTPRouteHandler:
         op.route,
         http_method=[HttpMethod(op.method)],
         status_code=op.ok[0],
-        opt=_opt(op.public, op.model),
+        # The operation itself: the front door refuses what its schema refuses (see refusal).
+        opt={**_opt(op.public, op.model), OPERATION: op},
         name=op.name,
         include_in_schema=False,  # the document is service.openapi's
         **_EXTRA.get(op.name, {}),

@@ -450,6 +450,40 @@ def test_admission_waits_at_the_door_then_refuses_without_reading_the_body(
         assert httpx.get(f"{url}/health").status_code == 200  # not behind the door
 
 
+def test_at_capacity_a_request_the_schema_refuses_is_still_a_400_naming_the_field(
+    tmp_path: Path,
+) -> None:
+    # The first request holds the only place until the test lets it go. A path parameter or
+    # header the schema refuses is answered before admission: a 400 naming it, not the 503 a
+    # request that waited at the door would get.
+    engine = GatedEngine()
+    fit = {"choices": ["spam", "ham"], "examples": [{"prompt": "x", "label": "spam"}] * 10}
+    refused = [
+        ("/profiles/)/fit", fit, {}, "name"),
+        ("/judge", BODY, {"X-Request-Timeout": "soon"}, "X-Request-Timeout"),
+        ("/judge/batch", {"items": [BODY]}, {"X-Request-Timeout": "-1"}, "X-Request-Timeout"),
+    ]
+    with live(engine, tmp_path, max_queue=1, admission_wait_s=0.3, max_batch_size=1) as url:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, f"{url}/judge", json=BODY, timeout=HANG_S)
+            try:
+                wait_until(engine.started.is_set, "the first request is on the model")
+                answers = [
+                    httpx.post(f"{url}{path}", json=body, headers=headers, timeout=HANG_S)
+                    for path, body, headers, _ in refused
+                ]
+                first_still_running = not first.done()
+                # A schema-valid request still waits its turn, and is refused at the door.
+                busy = httpx.post(f"{url}/profiles/ok/fit", json=fit, timeout=HANG_S)
+            finally:
+                engine.gate.set()
+            assert first.result().status_code == 200
+        for r, (path, _, _, field) in zip(answers, refused, strict=True):
+            assert r.status_code == 400 and r.json()["field"] == field, (path, r.text)
+        assert first_still_running
+        assert busy.status_code == 503
+
+
 def test_a_body_that_does_not_arrive_in_time_gets_408(tmp_path: Path) -> None:
     with live(TimedEngine(0.0), tmp_path, read_timeout_s=0.3) as url:
         host, port = url.removeprefix("http://").split(":")
