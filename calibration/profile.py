@@ -465,7 +465,12 @@ def current_format(data: bytes | str) -> bytes:
     data = data.encode() if isinstance(data, str) else data
     try:
         if msgspec.json.decode(data, type=_Version).format_version == 2:
-            return msgspec.json.encode(_nest_fingerprint(msgspec.json.decode(data)))
+            old = msgspec.json.decode(data)
+            # Format 2 kept the fingerprint's fields at the top level; a body that says 2 but
+            # nests a fingerprint is not one, and is left for the version check to refuse
+            # (rebuilding its fingerprint from absent fields named the wrong problem).
+            if isinstance(old, dict) and "fingerprint" not in old:
+                return msgspec.json.encode(_nest_fingerprint(old))
     except (msgspec.ValidationError, msgspec.DecodeError):
         pass
     return data

@@ -373,3 +373,14 @@ def test_matching_configuration_passes_in_any_choice_order(profile: CalibrationP
     scaled = {c: np.exp(v / t) for c, v in logits.items()}
     assert calibrated == pytest.approx({c: v / sum(scaled.values()) for c, v in scaled.items()})
     assert max(calibrated, key=calibrated.__getitem__) == "ham"
+
+
+def test_a_format_2_body_with_a_nested_fingerprint_is_left_for_the_version_check() -> None:
+    """make fuzz: a body saying format 2 with a format-3 fingerprint object was rebuilt as if
+    flat, and refused as ``fingerprint.model: missing`` rather than by its version."""
+    from calibration.profile import current_format
+
+    nested = msgspec.json.encode({"format_version": 2, "fingerprint": {"model": "m"}, "x": 1})
+    assert current_format(nested) == nested
+    flat = msgspec.json.decode(current_format(msgspec.json.encode({"format_version": 2})))
+    assert flat["format_version"] == 3 and flat["fingerprint"] == {}
