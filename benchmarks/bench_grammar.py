@@ -43,14 +43,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 def run_task(judge: Any, task: Any, limit: int) -> dict[str, Any]:
     """Both distributions for the first ``limit`` test items of ``task``, and their summary."""
     from calibration.tasks import load_split, task_prompt
-    from judge.grammar import GrammarVocabulary, grammar_probabilities
-    from judge.judgments import json_escape
+    from judge.grammar import GrammarVocabulary, choice_targets, grammar_probabilities
 
     items, _ = load_split(task, "test", limit)
     choices = list(task.choices)
-    suffix = judge.response_suffix
     tree = GrammarVocabulary.of(judge.tokenizer).tree(
-        tuple((json_escape(c) + suffix).encode() for c in choices)
+        choice_targets(choices, judge.response_suffix)
     )
     per_choice = tree.determining_tokens()
 

@@ -48,6 +48,7 @@ __all__ = [
     "GrammarTree",
     "GrammarVocabulary",
     "bytes_to_unicode",
+    "choice_targets",
     "grammar_probabilities",
     "masked_distribution",
     "token_bytes",
@@ -244,6 +245,12 @@ class GrammarVocabulary:
         )
 
 
+def choice_targets(choices: Sequence[str], suffix: str) -> tuple[bytes, ...]:
+    """Each choice's text as the model writes it after the response prefix: JSON-escaped,
+    then the response suffix, in UTF-8 (a ``GrammarTree``'s targets)."""
+    return tuple((json_escape(c) + suffix).encode() for c in choices)
+
+
 _VOCABULARIES: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, GrammarVocabulary] = (
     weakref.WeakKeyDictionary()
 )
@@ -276,9 +283,9 @@ def masked_distribution(
         path, output, logp = stack.pop()
         node = tree.nodes[output]
         lp = np.asarray(next_logprobs(path), dtype=np.float64)  # (V,)
-        norm = _logsumexp(lp[sorted(node.allowed)])
+        norm = float(np.logaddexp.reduce(lp[sorted(node.allowed)]))
         for choice, tokens in node.determines.items():
-            probs[choice] += math.exp(logp + _logsumexp(lp[list(tokens)]) - norm)
+            probs[choice] += math.exp(logp + float(np.logaddexp.reduce(lp[list(tokens)])) - norm)
         for child, tokens in node.children.items():
             for t in tokens:
                 stack.append(((*path, t), child, logp + float(lp[t]) - norm))
@@ -318,7 +325,7 @@ def grammar_probabilities(
     suffix = judge.response_suffix if response_suffix is None else response_suffix
     endings = [json_escape(c) + suffix for c in prepared.choices]
     prompt_ids = PathEncoder(judge.tokenizer).encode_paths(prepared.prompt, endings).prompt_ids
-    tree = GrammarVocabulary.of(judge.tokenizer).tree(tuple(e.encode() for e in endings))
+    tree = GrammarVocabulary.of(judge.tokenizer).tree(choice_targets(prepared.choices, suffix))
     device = judge.model.device
 
     @torch.inference_mode()
@@ -329,8 +336,3 @@ def grammar_probabilities(
 
     probs = masked_distribution(tree, next_logprobs, max_positions)
     return dict(zip(prepared.choices, probs.tolist(), strict=True))
-
-
-def _logsumexp(x: np.ndarray) -> float:
-    m = float(np.max(x))
-    return m + math.log(float(np.sum(np.exp(x - m))))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,10 +37,10 @@ from judge.errors import AmbiguousChoicesError
 from judge.grammar import (
     GrammarVocabulary,
     bytes_to_unicode,
+    choice_targets,
     grammar_probabilities,
     masked_distribution,
 )
-from judge.judgments import json_escape
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 ITEMS_PER_SET = 2
@@ -186,7 +186,7 @@ class Engine:
     pieces: list[bytes]
     eos: set[int]
 
-    def matcher(self, targets: list[bytes], forcing: bool) -> Any:
+    def matcher(self, targets: Sequence[bytes], forcing: bool) -> Any:
         """The engine's matcher for "one of ``targets``", as a user writes that grammar (one
         literal per choice, suffix included). ``forcing=False`` turns off llguidance's default
         of tokenizing bytes the grammar forces canonically (its ``no_forcing`` option): the mask
@@ -231,8 +231,8 @@ def _walk(judge: Judge, engine: Engine, prompt: str, choices: list[str]) -> Walk
     ``GrammarTree`` on the way; the model's logits come from plain forward passes."""
     import torch
 
-    targets = [(json_escape(c) + judge.response_suffix).encode() for c in choices]
-    tree = GrammarVocabulary.of(judge.tokenizer).tree(tuple(targets))
+    targets = choice_targets(choices, judge.response_suffix)
+    tree = GrammarVocabulary.of(judge.tokenizer).tree(targets)
     prompt_ids = judge.tokenizer(judge.render(prompt), add_special_tokens=False).input_ids
 
     def logprobs(path: tuple[int, ...]) -> np.ndarray:
