@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         TokenizerRoundTripError,
         TooFewChoicesError,
         TooManyChoicesError,
+        TooManyPathsError,
     )
     from judge.fingerprint import Fingerprint
     from judge.limits import MAX_CHOICES
@@ -88,6 +89,7 @@ _EXPORTS = {
     "TokenizerRoundTripError": "judge.errors",
     "TooFewChoicesError": "judge.errors",
     "TooManyChoicesError": "judge.errors",
+    "TooManyPathsError": "judge.errors",
     "ValuesError": "judge.scores",
     "default_values": "judge.scores",
     "score_of": "judge.scores",
@@ -129,6 +131,7 @@ __all__ = [
     "TokenizerRoundTripError",
     "TooFewChoicesError",
     "TooManyChoicesError",
+    "TooManyPathsError",
     "ValuesError",
     "__version__",
     "default_values",

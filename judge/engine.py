@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import math
 import os
 import re
 import time
@@ -35,7 +34,8 @@ from judge.errors import (
     PromptTooLongError,
     TokenizerRoundTripError,
 )
-from judge.fingerprint import Fingerprint, sha256_text
+from judge.fingerprint import CHOICE_PATHS, ChoicePaths, Fingerprint, sha256_text
+from judge.grammar import GrammarVocabulary, choice_targets
 from judge.identity import new_judgment_id, tokens_sha256
 from judge.judgments import (
     Judgment,
@@ -58,7 +58,7 @@ from judge.packing import (
 )
 from judge.prefix_cache import PrefixCache, cacheable
 from judge.tokens import PathEncoder
-from judge.trie import build_trie, common_prefix_length
+from judge.trie import build_trie, common_prefix_length, logsumexp
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -108,6 +108,7 @@ class Judge:
         prefix_cache_block: int = 32,
         batch_invariant: bool = True,
         lean: bool = True,
+        choice_paths: ChoicePaths = "canonical",
     ) -> None:
         from judge.decoder import lean_decoder, lean_unsupported
 
@@ -141,6 +142,15 @@ class Judge:
         )
         self.context_window = _context_window(model, tokenizer)
         self._encoder = PathEncoder(tokenizer)
+        # Which token paths spell a choice: the tokenizer's own one ("canonical", the trie)
+        # or every path a grammar engine's mask allows ("grammar", judge.grammar).
+        if choice_paths not in CHOICE_PATHS:
+            raise ValueError(
+                f"choice_paths must be one of {', '.join(CHOICE_PATHS)}, got {choice_paths!r}"
+            )
+        self.choice_paths: ChoicePaths = choice_paths
+        # Read the vocabulary now: a tokenizer that is not byte-level fails here, not later.
+        self._grammar = GrammarVocabulary.of(tokenizer) if choice_paths == "grammar" else None
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
         # A plain-text prompt gets the BOS token the tokenizer would add by default.
@@ -222,6 +232,7 @@ class Judge:
             system_sha256=sha256_text(self.system if system is None else system),
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
+            choice_paths=self.choice_paths,
         )
 
     def render(
@@ -334,15 +345,7 @@ class Judge:
         choices, prompt, suffix, endings = self._rendered(query)
         encoded = self._encoder.encode_paths(prompt, endings)
 
-        longest = max(len(p) for p in encoded.paths)
-        if self.context_window is not None and longest > self.context_window:
-            raise PromptTooLongError(
-                f"the prompt with the response prefix and the longest choice is {longest} tokens, "
-                f"but the model's context window is {self.context_window}; shorten the prompt "
-                f"by at least {longest - self.context_window} tokens (it is never truncated, "
-                "so the decision point is never cut away)",
-                field=self.count_tokens(query).largest,
-            )
+        self._check_window(max(len(p) for p in encoded.paths), query)
         failures = self._encoder.round_trip_failures(prompt, endings, encoded)
         if failures:
             i = failures[0]
@@ -354,7 +357,15 @@ class Judge:
                 "its encode (a byte-level BPE), or avoid the characters it normalizes",
                 field=_round_trip_field(self.tokenizer, query, suffix, choices),
             )
-        trie = build_trie(encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length)
+        if self._grammar is None:
+            trie = build_trie(
+                encoded.paths, encoded.prompt_ids, choices, shared=encoded.head_length
+            )
+        else:
+            tree = self._grammar.tree(choice_targets(choices, suffix))
+            trie = tree.packed(encoded.prompt_ids)
+            # A path of short tokens can run deeper than the longest canonical one.
+            self._check_window(len(trie.context) + max(trie.tree_depths, default=0), query)
         layers = check_feature_layers(query.feature_layers, self.num_layers)
         item_span = check_item_span(query.item_span, query.prompt)
         span_layers = check_feature_layers(query.span_layers, self.num_layers, "span_layers")
@@ -365,6 +376,18 @@ class Judge:
         tokens = tokens_sha256(encoded.prompt_ids, encoded.paths)
         n = len(encoded.prompt_ids)
         return Prepared(choices, prompt, n, trie, tokens, layers, span_layers, item_span)
+
+    def _check_window(self, longest: int, query: Query) -> None:
+        """Raise PromptTooLongError, naming the largest field, when ``longest`` tokens (the
+        deepest position the pass reads) do not fit the model's context window."""
+        if self.context_window is not None and longest > self.context_window:
+            raise PromptTooLongError(
+                f"the prompt with the response prefix and the longest choice is {longest} tokens, "
+                f"but the model's context window is {self.context_window}; shorten the prompt "
+                f"by at least {longest - self.context_window} tokens (it is never truncated, "
+                "so the decision point is never cut away)",
+                field=self.count_tokens(query).largest,
+            )
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         """Judge prepared queries, each in a row of its own, in passes within the budget.
@@ -444,12 +467,8 @@ class Judge:
     def _result(
         self, prepared: Prepared, scores: Any, latency_ms: float, passes: int = 1
     ) -> Judgment:
-        # log P(choice) = sum over the scored nodes on its path of the restricted log-softmax.
-        node_logprobs = [z - _logsumexp(z) for z in scores.node_logits]
-        logps = np.array(
-            [sum(node_logprobs[n][k] for n, k in steps) for steps in prepared.trie.choice_steps]
-        )
-        probs = np.exp(logps - _logsumexp(logps))
+        logps = prepared.trie.choice_logprobs(scores.node_logits)
+        probs = np.exp(logps - logsumexp(logps))
         best = int(np.argmax(probs))
         return Judgment(
             choice=prepared.choices[best],
@@ -537,11 +556,6 @@ def _as_query(item: Query | Mapping[str, Any]) -> Query:
         path = re.search(r"at `\$\.(\w+)", str(exc))
         field = path.group(1) if path else None
         raise InvalidQueryError(f"invalid query: {exc}", field=field) from exc
-
-
-def _logsumexp(x: np.ndarray) -> float:
-    m = float(np.max(x))
-    return m + math.log(float(np.sum(np.exp(x - m))))
 
 
 def _use_sdpa(model: PreTrainedModel) -> None:

@@ -7,7 +7,8 @@
     │   ├── ChoiceTypeError
     │   ├── EmptyChoiceError
     │   ├── DuplicateChoiceError
-    │   └── AmbiguousChoicesError
+    │   ├── AmbiguousChoicesError
+    │   └── TooManyPathsError
     ├── InvalidQueryError            a query is not a prompt string with a list of choices
     ├── PromptTooLongError           prompt + response prefix + choice exceeds the context window
     ├── TokenizerRoundTripError      the tokenizer does not encode the rendered text back to itself
@@ -34,6 +35,7 @@ __all__ = [
     "TokenizerRoundTripError",
     "TooFewChoicesError",
     "TooManyChoicesError",
+    "TooManyPathsError",
 ]
 
 
@@ -75,6 +77,11 @@ class DuplicateChoiceError(ChoicesError):
 
 class AmbiguousChoicesError(ChoicesError):
     """One choice's token path is a prefix of another's, so decoding could not tell them apart."""
+
+
+class TooManyPathsError(ChoicesError):
+    """The grammar-exact tree of these choices has more token paths than one judgment reads
+    (``judge.grammar.MAX_POSITIONS``): choices that share a long prefix."""
 
 
 class InvalidQueryError(JudgeError, TypeError):

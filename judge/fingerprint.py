@@ -10,12 +10,18 @@ the first field that differs. Plain data and no torch, so ``calibration`` import
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated
+from typing import Annotated, Literal, get_args
 
 import msgspec
 from msgspec import Meta
 
-__all__ = ["Fingerprint", "sha256_text"]
+__all__ = ["CHOICE_PATHS", "ChoicePaths", "Fingerprint", "sha256_text"]
+
+# Which token paths spell a choice (``Judge(choice_paths=...)``): the tokenizer's canonical
+# one, or every path a grammar engine's mask allows (``judge.grammar``). The numbers differ, so
+# a profile fitted with one holds only for the same.
+ChoicePaths = Literal["canonical", "grammar"]
+CHOICE_PATHS: tuple[ChoicePaths, ...] = get_args(ChoicePaths)
 
 
 def sha256_text(text: str | None) -> str | None:
@@ -38,6 +44,8 @@ class Fingerprint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # The shape of the hidden states ``feature_layers`` read; None for an engine without them.
     num_layers: Annotated[int, Meta(ge=1)] | None = None
     hidden_size: Annotated[int, Meta(ge=1)] | None = None
+    # Profiles from before the grammar-exact mode were all fitted on canonical paths.
+    choice_paths: ChoicePaths = "canonical"
 
     def first_difference(self, other: Fingerprint) -> str | None:
         """The name of the first field whose value differs from ``other``'s; None if equal."""

@@ -18,9 +18,13 @@ bytes, so its mask depends on the bytes alone; but the model's distribution ther
 the token path that reached it, so each token path to a node is a position to read
 (``GrammarTree.positions``).
 
-This module is the reference: ``grammar_probabilities`` evaluates the tree with one plain
-forward pass per position, and ``tests/test_grammar.py`` checks its masks and its numbers
-against a real grammar engine. It is not wired into the engine's one-pass scoring.
+``GrammarTree.packed`` lays those positions out as a ``ChoiceTrie`` after the prompt's own
+tokens: every token path to a node is a tree token of the one packed pass, every node's
+allowed tokens are its scored children, and each child slot leads to a choice or to a deeper
+position, so ``ChoiceTrie.choice_logprobs`` sums every path. That is the engine's grammar-exact
+mode (``Judge(choice_paths="grammar")``). ``grammar_probabilities`` is the reference: it
+evaluates the tree with one plain forward pass per position, and ``tests/test_grammar.py``
+checks its masks and numbers, and the engine's, against a real grammar engine.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from judge.errors import AmbiguousChoicesError
+from judge.errors import AmbiguousChoicesError, EmptyContextError, TooManyPathsError
 from judge.judgments import Query, json_escape
+from judge.trie import ChoiceTrie
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -54,9 +59,10 @@ __all__ = [
     "token_bytes",
 ]
 
-# Token paths to tree nodes one judgment may read; past it, grammar_probabilities raises.
-# Choices that share a long prefix multiply the paths (every way to spell the prefix), and
-# each path costs a forward pass here (a position of its own in a packed pass).
+# Token paths to tree nodes one judgment may read; past it, TooManyPathsError. Choices that
+# share a long prefix multiply the paths (every way to spell the prefix), and each path is a
+# position of its own in the packed pass (a forward pass of its own in the reference). The
+# shared sets need at most 9 (benchmarks/RESULTS.md, "Grammar-exact cost").
 MAX_POSITIONS = 512
 
 
@@ -152,6 +158,66 @@ class GrammarTree:
             for child, tokens in node.children.items():
                 count[child] += count[output] * len(tokens)
         return count
+
+    def packed(self, context: Sequence[int], max_positions: int = MAX_POSITIONS) -> ChoiceTrie:
+        """The tree as one packed pass after ``context`` (the prompt's own tokens, ending at
+        the decision point): a position per token path to a node, breadth first, each node's
+        allowed tokens its scored children. Raises TooManyPathsError past ``max_positions``
+        and EmptyContextError for an empty context, before any model work."""
+        self.check_positions(max_positions)
+        if not context:
+            raise EmptyContextError(
+                "the rendered prompt has no token before the decision point; "
+                "give a non-empty prompt or a response prefix"
+            )
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        node_positions: list[int] = []
+        node_children: list[list[int]] = []
+        slot_next: list[list[int]] = []
+        # (output, where its logits are read, depth); a position's index among the scored
+        # nodes is its place in this queue, so parents come before children.
+        queue = [(b"", -1, 0)]
+        for output, at, depth in queue:
+            node = self.nodes[output]
+            children: list[int] = []
+            nexts: list[int] = []
+            for choice, ids in node.determines.items():
+                children += ids
+                nexts += [-1 - choice] * len(ids)
+            for child, ids in node.children.items():
+                for token in ids:
+                    tokens.append(token)
+                    parents.append(at)
+                    depths.append(depth + 1)
+                    children.append(token)
+                    nexts.append(len(queue))
+                    queue.append((child, len(tokens) - 1, depth + 1))
+            node_positions.append(at)
+            node_children.append(children)
+            slot_next.append(nexts)
+        return ChoiceTrie(
+            context=list(context),
+            tree_tokens=tokens,
+            tree_parents=parents,
+            tree_depths=depths,
+            node_positions=node_positions,
+            node_children=node_children,
+            slot_next=slot_next,
+        )
+
+    def check_positions(self, max_positions: int) -> None:
+        """Raise TooManyPathsError when reading the tree takes more than ``max_positions``."""
+        total = sum(self.positions.values())
+        if total > max_positions:
+            raise TooManyPathsError(
+                f"the choices' grammar needs the model's distribution at {total} token paths, "
+                f"over the limit of max_positions={max_positions}: shorten the prefix the "
+                "choices share, or judge them on their canonical paths "
+                "(choice_paths='canonical')",
+                field="choices",
+            )
 
     def determining_tokens(self) -> list[int]:
         """Per choice, how many (node, token) pairs settle on it, summed over the nodes."""
@@ -267,16 +333,10 @@ def masked_distribution(
     prompt and the generated token ``path``. At each node the step's distribution is that,
     restricted to the node's allowed tokens and renormalised: what applying the grammar's
     mask to the logits and sampling does. A choice collects the probability of every path
-    that determines it. Raises ValueError when the tree has more than ``max_positions``
-    token paths to its nodes, before any model work.
+    that determines it. Raises TooManyPathsError (a ValueError) when the tree has more than
+    ``max_positions`` token paths to its nodes, before any model work.
     """
-    total = sum(tree.positions.values())
-    if total > max_positions:
-        raise ValueError(
-            f"the choices' grammar needs the model's distribution at {total} token paths, "
-            f"over the limit of max_positions={max_positions}: shorten the prefix the "
-            "choices share, or raise the limit"
-        )
+    tree.check_positions(max_positions)
     probs = np.zeros(len(tree.targets))
     stack: list[tuple[tuple[int, ...], bytes, float]] = [((), b"", 0.0)]
     while stack:

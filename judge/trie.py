@@ -1,4 +1,4 @@
-"""The token trie over the choices' canonical tokenizations.
+"""The token trie over the choices' canonical tokenizations, and how any scored tree is read.
 
 Constrained decoding over a set of token paths emits a choice with probability equal to the
 product, over the *branching* nodes on its path, of the model's softmax restricted to that
@@ -6,16 +6,24 @@ node's children. Nodes with a single child contribute a factor of one, so only t
 decision point) and the branching nodes need logits, and only the tokens leading to a
 branching node need to be fed to the model. This module works that out from token ids alone;
 it knows nothing of torch.
+
+A ``ChoiceTrie`` is also the packed form of the grammar-exact tree (``judge.grammar``), where
+a choice is reached by many token paths: each scored node's slots say where each child token
+leads (a deeper scored node, or a choice), and ``ChoiceTrie.choice_logprobs`` sums every path,
+which for the canonical trie is its one path per choice.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 from judge.errors import AmbiguousChoicesError, EmptyContextError
 
-__all__ = ["ChoiceTrie", "build_trie", "common_prefix_length"]
+__all__ = ["ChoiceTrie", "build_trie", "common_prefix_length", "logsumexp"]
 
 
 @dataclass(frozen=True)
@@ -33,12 +41,14 @@ class ChoiceTrie:
     tree_parents: list[int]
     # Depth below the decision point, 1 for the first token after the context.
     tree_depths: list[int]
-    # Scored nodes, the root first: where its logits are read (index into tree_tokens, -1
-    # for the last context token) and the token ids of its children.
+    # Scored nodes, the root first and every parent before its children: where its logits are
+    # read (index into tree_tokens, -1 for the last context token) and the token ids of its
+    # children.
     node_positions: list[int]
     node_children: list[list[int]]
-    # For each choice, the (scored node, child slot) pairs along its path.
-    choice_steps: list[list[tuple[int, int]]] = field(repr=False)
+    # Per scored node, per child slot, where that token leads: the index of the next scored
+    # node on its way (always a later one), or ``-1 - i`` where it settles on choice i.
+    slot_next: list[list[int]]
     # The [start, end) context tokens whose hidden states are averaged (the item's own text,
     # ``Query.item_span``); None: no mean is asked for.
     span: tuple[int, int] | None = None
@@ -46,6 +56,55 @@ class ChoiceTrie:
     @property
     def packed_length(self) -> int:
         return len(self.context) + len(self.tree_tokens)
+
+    @property
+    def choice_steps(self) -> list[list[tuple[int, int]]]:
+        """For each choice, the (scored node, child slot) pairs along its one path. Raises
+        ValueError for a tree where a choice has several paths (the grammar-exact tree)."""
+        steps: list[list[tuple[int, int]] | None] = [None] * self.n_choices
+        stack: list[tuple[int, list[tuple[int, int]]]] = [(0, [])]
+        while stack:
+            node, path = stack.pop()
+            for k, target in enumerate(self.slot_next[node]):
+                if target >= 0:
+                    stack.append((target, [*path, (node, k)]))
+                elif steps[-1 - target] is not None:
+                    raise ValueError(f"choice {-1 - target} has more than one token path")
+                else:
+                    steps[-1 - target] = [*path, (node, k)]
+        return [s or [] for s in steps]
+
+    @property
+    def n_choices(self) -> int:
+        return 1 + max(-1 - t for slots in self.slot_next for t in slots)
+
+    def choice_logprobs(self, node_logits: Sequence[np.ndarray]) -> np.ndarray:
+        """log P(choice) under decoding masked to this tree, from each scored node's logits of
+        its children (``node_logits[n]``, in ``node_children[n]`` order).
+
+        Each node's logits are log-softmaxed over its children (the mask), and the
+        probability that reaches a node flows down each slot: the sum over every path to a
+        choice of the product of its steps. A target reached once takes its one path's sum
+        of steps as is, so the canonical trie's numbers are the plain sums along its paths,
+        in the same order of additions as ever.
+        """
+        reach: list[float | None] = [None] * len(self.node_positions)
+        reach[0] = 0.0
+        out: list[float | None] = [None] * self.n_choices
+        for n, z in enumerate(node_logits):
+            above = reach[n]
+            if above is None:  # no path reaches it (it cannot happen in a built tree)
+                continue
+            lp = z - logsumexp(z)
+            for k, target in enumerate(self.slot_next[n]):
+                x = above + float(lp[k])
+                if target >= 0:
+                    old = reach[target]
+                    reach[target] = x if old is None else float(np.logaddexp(old, x))
+                else:
+                    old = out[-1 - target]
+                    out[-1 - target] = x if old is None else float(np.logaddexp(old, x))
+        return np.array([-math.inf if x is None else x for x in out])
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
@@ -140,17 +199,21 @@ def build_trie(
             node_positions.append(packed[id(node)])
             node_children.append(list(node.children))
 
-    child_slot = [{token: k for k, token in enumerate(c)} for c in node_children]
-    choice_steps: list[list[tuple[int, int]]] = []
-    for path in paths:
-        steps = []
-        node = top
-        for token in path[root:]:
-            slot = slots.get(id(node))
-            if slot is not None:
-                steps.append((slot, child_slot[slot][token]))
-            node = node.children[token]
-        choice_steps.append(steps)
+    # Each scored node's slots: follow the child down its single-child run to the next scored
+    # node or to the choice that ends there.
+    slot_next: list[list[int]] = []
+    scored = [top] + [node for node, _, _ in order[1:] if id(node) in slots]
+    for node in scored:
+        nexts = []
+        for child in node.children.values():
+            while id(child) not in slots and child.end is None:
+                (child,) = child.children.values()
+            if id(child) in slots:
+                nexts.append(slots[id(child)])
+            else:
+                assert child.end is not None
+                nexts.append(-1 - child.end)
+        slot_next.append(nexts)
 
     return ChoiceTrie(
         context=list(paths[0][:root]),
@@ -159,8 +222,13 @@ def build_trie(
         tree_depths=tree_depths,
         node_positions=node_positions,
         node_children=node_children,
-        choice_steps=choice_steps,
+        slot_next=slot_next,
     )
+
+
+def logsumexp(x: np.ndarray) -> float:
+    m = float(np.max(x))
+    return m + math.log(float(np.sum(np.exp(x - m))))
 
 
 def _first_end(node: _Node) -> int:

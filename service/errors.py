@@ -45,7 +45,13 @@ from calibration import (
     RuleError,
     ValuesError,
 )
-from judge import AmbiguousChoicesError, ChoicesError, InvalidQueryError, JudgeError
+from judge import (
+    AmbiguousChoicesError,
+    ChoicesError,
+    InvalidQueryError,
+    JudgeError,
+    TooManyPathsError,
+)
 from service.batcher import DeadlineError, QueueFullError
 from service.bodies import BodyError
 from service.decision_log import LabelNotAChoiceError, RelabelError, UnknownJudgmentError
@@ -109,6 +115,7 @@ STATUS: list[tuple[type[Exception], int, str | None]] = [
     (BadFieldError, 400, None),
     # Choices the schema refuses too (uniqueItems, which msgspec does not check itself).
     (AmbiguousChoicesError, 422, "choices"),  # schema-valid, but their token paths collide
+    (TooManyPathsError, 422, "choices"),  # schema-valid, but their grammar tree is too large
     (ChoicesError, 400, "choices"),
     (InvalidQueryError, 422, "prompt"),  # schema-valid, refused by the engine (e.g. values)
     (JudgeError, 422, "prompt"),  # too long for the model, or a tokenizer that cannot round-trip

@@ -39,6 +39,7 @@ def loaded_once(monkeypatch: pytest.MonkeyPatch, judge: Judge) -> list[dict[str,
             weights_sha256=judge.weights_sha256,
             response_prefix=options["response_prefix"],
             response_suffix=options["response_suffix"],
+            choice_paths=options.get("choice_paths", "canonical"),
         )
 
     monkeypatch.setattr(Judge, "load", staticmethod(fake_load))

@@ -304,6 +304,7 @@ def test_unreadable_profiles(tmp_path: Path) -> None:
         ({"response_prefix": "Answer: "}, "response_prefix"),
         ({"response_suffix": ""}, "response_suffix"),
         ({"system": "Be brief."}, "system"),
+        ({"choice_paths": "grammar"}, "choice_paths"),
     ],
 )
 def test_mismatch_is_an_error(
@@ -331,6 +332,18 @@ def test_mismatch_messages_name_the_field_and_both_values(profile: CalibrationPr
     assert info.value.field == "dtype"
     # The hidden-state shape counts only for a probe; this profile is a scalar map.
     profile.check(engine(num_layers=30, hidden_size=576))
+
+
+def test_a_profile_from_before_choice_paths_holds_for_canonical_paths(
+    profile: CalibrationProfile,
+) -> None:
+    data = msgspec.json.decode(msgspec.json.encode(profile))
+    del data["fingerprint"]["choice_paths"]
+    old = decode_profile(msgspec.json.encode(data))
+    assert old.fingerprint.choice_paths == "canonical"
+    old.check(engine())
+    with pytest.raises(ProfileMismatchError, match="choice_paths 'canonical', not 'grammar'"):
+        old.check(engine(choice_paths="grammar"))
 
 
 def test_the_fingerprint_is_stored_as_one_value(profile: CalibrationProfile) -> None:

@@ -16,6 +16,11 @@ token (its documented ``no_forcing`` option turns this off). The exact compariso
 wherever no bytes are forced, which covers every node of the shared sets (one test pins the
 case where it does not). Toy vocabularies check the tree's mechanics and, with Hypothesis, the
 tree's evaluation against brute-force decoding to the end of every path.
+
+The engine's grammar-exact mode (``Judge(choice_paths="grammar")``) packs the tree into its
+one pass (``GrammarTree.packed``): its probabilities must match the distribution enumerated
+with the engine's masks within 1e-4 on every case, and the packed tree's reading
+(``ChoiceTrie.choice_logprobs``) must equal the reference's on toy vocabularies.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from judge import Judge
-from judge.errors import AmbiguousChoicesError
+from judge.errors import AmbiguousChoicesError, EmptyContextError, TooManyPathsError
 from judge.grammar import (
+    MAX_POSITIONS,
     GrammarVocabulary,
     bytes_to_unicode,
     choice_targets,
@@ -90,8 +96,26 @@ def test_uniform_logits_on_the_toy_tree() -> None:
 
 def test_positions_over_the_limit_are_an_error_naming_it() -> None:
     tree = GrammarVocabulary(TOY).tree((b'1"}', b'10"}'))
-    with pytest.raises(ValueError, match="max_positions=1"):
+    with pytest.raises(TooManyPathsError, match="max_positions=1") as info:
         masked_distribution(tree, lambda path: np.zeros(len(TOY)), max_positions=1)
+    assert info.value.field == "choices"
+    with pytest.raises(TooManyPathsError, match="max_positions=1"):
+        tree.packed([5], max_positions=1)
+    with pytest.raises(EmptyContextError):
+        tree.packed([])
+
+
+def test_the_toy_tree_packed() -> None:
+    """The root reads after the context; "1" is a tree token whose node reads again."""
+    trie = GrammarVocabulary(TOY).tree((b'1"}', b'10"}')).packed([7, 8])
+    assert trie.context == [7, 8]
+    assert (trie.tree_tokens, trie.tree_parents, trie.tree_depths) == ([0], [-1], [1])
+    assert trie.node_positions == [-1, 0]
+    # Root: "10" settles on choice 1, "1" leads to node 1; there, '"' and '"}' close "1".
+    assert trie.node_children == [[2, 0], [3, 4, 1]]
+    assert trie.slot_next == [[-2, 1], [-1, -1, -2]]
+    with pytest.raises(ValueError, match="more than one token path"):
+        trie.choice_steps  # noqa: B018  # choice 1 has two paths
 
 
 def test_a_choice_that_is_a_prefix_of_another_is_ambiguous() -> None:
@@ -152,6 +176,24 @@ def test_tree_evaluation_equals_decoding_to_the_end(
     probs = masked_distribution(tree, logprobs, max_positions=10**6)
     assert probs.sum() == pytest.approx(1.0, abs=1e-12)
     assert probs.tolist() == pytest.approx(_brute_force(pieces, targets, logprobs), abs=1e-12)
+    # The packed tree, read as the engine reads it: each scored node's logits of its
+    # children, at the token path that reaches it.
+    trie = tree.packed([0], max_positions=10**6)
+    node_logits = [
+        logprobs(_path_to(trie.tree_tokens, trie.tree_parents, at))[children]
+        for at, children in zip(trie.node_positions, trie.node_children, strict=True)
+    ]
+    packed = np.exp(trie.choice_logprobs(node_logits))
+    assert packed.tolist() == pytest.approx(probs.tolist(), abs=1e-12)
+
+
+def _path_to(tokens: list[int], parents: list[int], at: int) -> tuple[int, ...]:
+    """The tree tokens from the root down to and including ``tokens[at]`` (-1: none)."""
+    path: list[int] = []
+    while at >= 0:
+        path.append(tokens[at])
+        at = parents[at]
+    return tuple(reversed(path))
 
 
 # --- the real model and a real grammar engine -----------------------------------------------
@@ -200,6 +242,18 @@ class Engine:
     def mask(self, matcher: Any) -> set[int]:
         bias = np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)  # (V,): 0 or 200
         return set(np.flatnonzero(bias).tolist())
+
+
+@pytest.fixture(scope="module")
+def grammar_judge(judge: Judge) -> Judge:
+    """The session's model, judging in the grammar-exact mode."""
+    return Judge(
+        judge.model,
+        judge.tokenizer,
+        model_id=judge.model_id,
+        weights_sha256=judge.weights_sha256,
+        choice_paths="grammar",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -306,13 +360,17 @@ def test_token_bytes_are_the_engines(judge: Judge, engine: Engine) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "prompt", "choices"), CASES, ids=[c[0] for c in CASES])
 def test_engine_masks_and_distribution(
-    judge: Judge, engine: Engine, name: str, prompt: str, choices: list[str]
+    judge: Judge, grammar_judge: Judge, engine: Engine, name: str, prompt: str, choices: list[str]
 ) -> None:
     walk = _walk(judge, engine, prompt, choices)
     ours = grammar_probabilities(judge, prompt, choices)
     assert list(ours) == choices
     assert sum(ours.values()) == pytest.approx(1.0, abs=1e-9)
     assert list(ours.values()) == pytest.approx(walk.pure, abs=1e-6)
+    # The engine's one pass in the grammar-exact mode gives the same distribution.
+    one_pass = grammar_judge.judge(prompt, choices)
+    assert one_pass.forward_passes == 1
+    assert one_pass.probs == pytest.approx(walk.pure, abs=1e-4)
     # No node of these choices has bytes forced while a token choice remains, so the
     # engine's default decoding is the same distribution.
     assert walk.narrowed == set()
@@ -330,3 +388,37 @@ def test_llguidance_default_forces_shared_bytes(judge: Judge, engine: Engine) ->
     ours = grammar_probabilities(judge, prompt, choices)
     assert list(ours.values()) == pytest.approx(walk.pure, abs=1e-6)
     assert sum(walk.forcing) == pytest.approx(1.0, abs=1e-9)
+
+
+# --- the engine's grammar-exact mode ---------------------------------------------------------
+
+
+def test_canonical_and_grammar_modes_differ_where_other_paths_spell_a_choice(
+    judge: Judge, grammar_judge: Judge
+) -> None:
+    """sms_spam's choices: "s" and "spa" spell "spam" too, so the modes disagree; the
+    fingerprint says which mode a judgment was made in."""
+    prompt, choices = "Is this spam? 'WIN a free prize now!!!'", ["ham", "spam"]
+    canonical, grammar = judge.judge(prompt, choices), grammar_judge.judge(prompt, choices)
+    assert abs(canonical.probs[0] - grammar.probs[0]) > 0.01
+    assert grammar.probs == pytest.approx(
+        list(grammar_probabilities(judge, prompt, choices).values()), abs=1e-4
+    )
+    assert judge.fingerprint().choice_paths == "canonical"
+    assert grammar_judge.fingerprint().choice_paths == "grammar"
+    # Only the paths' positions are added to the pass: none here, every node is the root.
+    assert grammar_judge.prepare({"prompt": prompt, "choices": choices}).trie.tree_tokens == []
+
+
+def test_a_long_shared_prefix_is_too_many_paths(grammar_judge: Judge) -> None:
+    """Every way to spell 40 shared characters is a position: refused before any model work,
+    naming the limit and the field."""
+    choices = ["x" * 40 + "a", "x" * 40 + "b"]
+    with pytest.raises(TooManyPathsError, match=f"max_positions={MAX_POSITIONS}") as info:
+        grammar_judge.prepare({"prompt": "Pick one.", "choices": choices})
+    assert info.value.field == "choices"
+
+
+def test_an_unknown_mode_is_refused(judge: Judge) -> None:
+    with pytest.raises(ValueError, match="choice_paths must be one of canonical, grammar"):
+        Judge(judge.model, judge.tokenizer, choice_paths="every")  # type: ignore[arg-type]

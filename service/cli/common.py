@@ -18,6 +18,7 @@ import msgspec
 
 from calibration.fit_settings import FitSettings
 from judge import DEFAULT_RESPONSE_PREFIX, DEFAULT_RESPONSE_SUFFIX, Judge
+from judge.fingerprint import CHOICE_PATHS
 from judge.limits import DType
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPES",
     "UsageError",
+    "choice_paths_argument",
     "fit_settings",
     "load_engine",
     "load_profile",
@@ -134,6 +136,21 @@ def model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") ->
     )
     parser.add_argument("--dtype", default=None, choices=DTYPES, help=dtype_help or None)
     parser.add_argument("--device", default="cpu")
+    choice_paths_argument(parser, default=None)
+
+
+def choice_paths_argument(
+    parser: argparse.ArgumentParser, *, default: str | None = "canonical"
+) -> None:
+    """--choice-paths: which token paths spell a choice (``Judge(choice_paths=)``)."""
+    parser.add_argument(
+        "--choice-paths",
+        default=default,
+        choices=CHOICE_PATHS,
+        help="canonical: each choice's own tokenization (the trie); grammar: every token path "
+        "a grammar engine's mask allows, what constrained decoding emits"
+        + (" (default: the profile's, else canonical)" if default is None else ""),
+    )
 
 
 def task_arguments(
@@ -154,6 +171,7 @@ def task_arguments(
     parser.add_argument("--limit", type=positive_int, help="use only the first N items")
     parser.add_argument("--model", default=None, help="model id, directory or .gguf")
     parser.add_argument("--device", default="cpu")
+    choice_paths_argument(parser, default=None)
     parser.add_argument("--batch-size", type=positive_int, default=8)
     if dtype:
         parser.add_argument("--dtype", default="auto", choices=DTYPES)
@@ -201,12 +219,16 @@ def load_engine(
         response_suffix = (
             profile.fingerprint.response_suffix if profile else DEFAULT_RESPONSE_SUFFIX
         )
+    choice_paths = getattr(args, "choice_paths", None)
+    if choice_paths is None:
+        choice_paths = profile.fingerprint.choice_paths if profile else "canonical"
     return Judge.load(
         args.model,
         dtype=profile_dtype(dtype, profile),
         device=args.device,
         response_prefix=response_prefix,
         response_suffix=response_suffix,
+        choice_paths=choice_paths,
     )
 
 

@@ -31,6 +31,7 @@ from service.cli.common import (
     DTYPES,
     UsageError,
     audit_rate,
+    choice_paths_argument,
     megabytes,
     positive_int,
     positive_number,
@@ -80,6 +81,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     serve.add_argument("--model", default=None, help="model id, directory or .gguf")
     serve.add_argument("--dtype", default="auto", choices=DTYPES)
     serve.add_argument("--device", default="cpu")
+    choice_paths_argument(serve)
     serve.add_argument(
         "--batch-variant",
         action="store_true",
@@ -240,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         prefix_cache_mb=args.prefix_cache_mb,
         batch_invariant=not args.batch_variant,
         lean=not args.generic_pass,
+        choice_paths=args.choice_paths,
         **config.engine_options,  # the engine packs passes to --max-batch-tokens too
     )
     if getattr(args, "ray", False):

@@ -17,7 +17,14 @@ from pathlib import Path
 
 from calibration import PolicyDefaults
 from judge import DEFAULT_PREFIX_CACHE_MB
-from service.cli.common import DTYPES, UsageError, audit_rate, megabytes, probability
+from service.cli.common import (
+    DTYPES,
+    UsageError,
+    audit_rate,
+    choice_paths_argument,
+    megabytes,
+    probability,
+)
 from service.cli.serve import audit_rates
 
 __all__ = ["add_arguments", "run"]
@@ -35,6 +42,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "loads once, at start. Register it with a client as the command `judge mcp`.",
     )
     mcp.add_argument("--model", default=None, help="model id, directory or .gguf")
+    choice_paths_argument(mcp)
     mcp.add_argument("--dtype", default="auto", choices=DTYPES)
     mcp.add_argument("--device", default="cpu")
     mcp.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
@@ -101,7 +109,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the protocol's alone
         engine = Judge.load(
-            args.model, dtype=args.dtype, device=args.device, prefix_cache_mb=args.prefix_cache_mb
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            prefix_cache_mb=args.prefix_cache_mb,
+            choice_paths=args.choice_paths,
         )
     server = create_server(
         engine,
