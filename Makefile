@@ -77,6 +77,7 @@ bench: install bench-cpu
 	$(BIN)/python benchmarks/bench_latency.py
 	$(BIN)/python benchmarks/bench_quality.py
 	$(BIN)/python benchmarks/bench_grammar.py
+	$(BIN)/python benchmarks/bench_choice_paths.py
 	$(BIN)/python benchmarks/bench_service.py
 	$(BIN)/python benchmarks/bench_scores.py
 	$(BIN)/python benchmarks/bench_order.py

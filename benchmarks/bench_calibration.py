@@ -9,8 +9,8 @@ and what it escalates, by reason. Writes, under
 diagram and evaluation JSON, and ``summary.md`` / ``summary.json`` with one row per task.
 
 Judging every split takes a while on a CPU, so the per-choice log-probabilities, choice
-masses and labels are cached (keyed by task, split, limit, dtype, model hash and the split
-file's hash) in --cache; --judge-only fills the cache and stops.
+masses and labels are cached (keyed by task, split, limit, dtype, choice paths where not
+canonical, model hash and the split file's hash) in --cache; --judge-only fills the cache and stops.
 
     python benchmarks/bench_calibration.py [--tasks sms_spam rte] [--limit N] [--quick]
 """
@@ -64,7 +64,8 @@ def cached_scores(
     weights = (judge.weights_sha256 or judge.model_id)[:16]
     layers = "-L" + "_".join(map(str, feature_layers)) if feature_layers else ""
     spans = f"-S{span}" if span and feature_layers else ""
-    key = f"{task.name}-{split}-{limit or 'all'}-{judge.dtype}-{weights}-{digest[:16]}"
+    paths = "" if judge.choice_paths == "canonical" else f"-{judge.choice_paths}"
+    key = f"{task.name}-{split}-{limit or 'all'}-{judge.dtype}{paths}-{weights}-{digest[:16]}"
     file = cache / f"{key}{layers}{spans}.npz"
     if file.exists():
         with np.load(file) as saved:

@@ -45,7 +45,6 @@ bare pass would exceed ``--per-choice-budget-s`` (in a full run on a 2-core CPU:
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -57,7 +56,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchlib import cpu_model
+from benchlib import cache_keyword, cpu_model, new_cache
 
 from judge import Judge
 from judge.atomicio import write_text
@@ -183,7 +182,7 @@ class Contenders:
         tok = judge.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_id = int(pad)
-        self.cache_kw = _cache_keyword(self.model)
+        self.cache_kw = cache_keyword(self.model)
         self.generated_tokens: list[int] = []
         self.last_output = ""
 
@@ -231,7 +230,7 @@ class Contenders:
     def run_constrained(self) -> str | None:
         paths = [_ids(self.judge, self.rendered + json_escape(c) + '"}') for c in self.choices]
         live = list(range(len(paths)))
-        cache = _new_cache(self.model)
+        cache = new_cache(self.model)
         fed = 0
         with torch.inference_mode():
             while len(live) > 1:
@@ -422,21 +421,6 @@ def _shared_length(paths: Sequence[Sequence[int]]) -> int:
         if any(p[i] != paths[0][i] for p in paths[1:]):
             return i
     return n
-
-
-def _cache_keyword(model: Any) -> str:
-    """The forward keyword of the KV cache: ``cache`` in newer transformers."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _new_cache(model: Any) -> Any:
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:
-        return DynamicCache()
 
 
 def _timed(fn: Callable[[], object]) -> float:

@@ -1,29 +1,44 @@
-"""Answer quality on every shared dataset: the judge, raw and calibrated, against generate-then-parse.
+"""Answer quality on every shared dataset: judge in both path modes against a careful prompt-forced pipeline and real constrained generation.
 
-For each task under ../shared/data (or --data), on the default model:
+For each task under ../shared/data (or --data), on the default model, the same test items:
 
-* ``judge``: per-choice log-probabilities from ``tasks.judge_task_items`` on the calibration and
-  test splits; a calibration map (``calibration.scaling.fit_calibrator``) is fitted on the
-  calibration split only and applied (``fit.map.apply``) to the test split. Reported on the
-  test split, raw (softmax of the log-probabilities) and calibrated: accuracy, NLL and ECE
-  (``calibration.metrics``, 15 equal-width bins).
-* ``generate``: generate-then-parse on the test split: the task's prompt with its last line
-  replaced by ``Answer as JSON {"answer": "<choice>"} with one of the choices: <choices>.``,
-  rendered with the chat template's generation prompt and no response prefix, greedy ``model.generate`` (``do_sample=False``)
-  of at most as many tokens as ``{"answer": "<longest choice>"}`` plus ``--gen-slack``,
-  stopped at end of sequence, then ``classify_output``. Items are generated in batches of
-  ``--gen-batch-size``, left-padded and grouped by length (1: one at a time). Reported:
-  accuracy (a failure counts as wrong), accuracy among the parsed outputs, agreement with the
-  judge's raw choice, and the failure rate by failure type, with how many of each hit the
-  token limit (and how many parse errors hold no ``{`` at all). The budget cannot turn a
-  success into a failure: a successful output is at most the canonical tokens of the longest
-  answer unless it spends more than the slack on extra whitespace; a larger slack only moves
-  failures between types (prose cut off before any ``{`` is a parse error). In bfloat16 the
-  batch composition nudges the logits, so a near-tie can go either way, as in ``judge_batch``.
+* ``judge canonical`` and ``judge grammar``: per-choice log-probabilities from
+  ``tasks.judge_task_items`` on the calibration and test splits, read on each choice's canonical
+  token path (``choice_paths="canonical"``) and on every token path a grammar engine's mask
+  allows (``"grammar"``, what masked decoding emits). A calibration map
+  (``calibration.scaling.fit_calibrator``) is fitted on the calibration split only and applied
+  to the test split. Reported raw (softmax of the log-probabilities) and calibrated: accuracy
+  with its 95% Clopper-Pearson interval, NLL and ECE (15 equal-width bins).
+* ``careful``: a prompt-forced pipeline as a careful user builds one. The task's prompt with its
+  last line replaced by the answer's JSON Schema (``careful_prompt``: an object whose
+  ``"answer"`` is a string from an ``enum`` of the choices), rendered with the chat template's
+  generation prompt and no response prefix; greedy ``model.generate`` of up to
+  --max-new-tokens (default 256), stopped at end of sequence. The output is *recovered*
+  (``recover``): code fences stripped, the first JSON object decoded from the first ``{``
+  (text around it ignored), validated (an object with a string ``"answer"`` that, stripped of
+  surrounding whitespace, is one of the choices). A failure is retried up to 3 times in the
+  same conversation: the model's reply, then a user turn that quotes the validation error and
+  asks for the JSON object alone. Reported: first-attempt success (strict: the whole output
+  is the JSON object, ``classify_output``; recovered: ``recover`` succeeds), success with
+  retries, attempts per item, accuracy (a final failure counts as wrong) with its interval,
+  and per first-attempt failure its type (``classify_output``) and the violation underneath it
+  once recovered (``recover``'s: no_json_object, missing_field, enum_violation, or none: the
+  recovery fixed it). It states no probability, so it has no NLL or ECE.
+* ``constrained``: real constrained generation through a grammar engine, llguidance (from
+  PyPI), with its default settings: the grammar is one literal per choice, the whole JSON
+  object ``{"answer": "<choice>"}``; greedy decoding on the judge's own prompt (``task_prompt``,
+  which names the choices) rendered with the generation prompt, with a KV cache, the engine's mask applied to the logits at every step and
+  the bytes it forces fed as its tokens without a model step (``compute_ff_tokens``), one item
+  at a time. Its confidence is the probability of the path it took under the mask (the
+  product of its masked steps), so it has an ECE; accuracy with its interval.
 
-An output is a success when, after stripping surrounding whitespace, the whole of it is one
-valid JSON object (``json.loads``) whose ``"answer"`` is a string exactly equal to one of the
-choices (case and whitespace included); other keys are allowed. Every other output fails and is
+Time per item: each contender's wall time over the test items divided by their number (the
+judge and the careful pipeline in batches of --batch-size / --gen-batch-size, constrained
+generation one item at a time, as a grammar engine decodes a request).
+
+An output is a *strict* success when, after stripping surrounding whitespace, the whole of it
+is one valid JSON object (``json.loads``) whose ``"answer"`` is a string exactly equal to one of
+the choices (case and whitespace included); other keys are allowed. Every other output is
 classified exactly once, by the first of these that holds (``s`` is the stripped output):
 
 1. ``markdown_wrap``: ``s`` starts with a code fence (three backticks);
@@ -42,21 +57,22 @@ classified exactly once, by the first of these that holds (``s`` is the stripped
    choices (not a string, another case, extra whitespace, another word);
 8. ``missing_field``: ``s`` is a JSON object without ``"answer"``.
 
-Each split is subsampled to at most --max-items items (default 300, so that a full run on a
-2-core CPU fits in 60 minutes), drawn at random with --seed and kept in file order; the run
-prints and records which splits were subsampled. Prints a table per dataset and writes
-``benchmarks/results/bench_quality.json`` and ``benchmarks/results/quality_failures_sample.jsonl``
-(up to 5 raw failed outputs per failure type per dataset, with task, id, failure type, gold
-label and whether the output hit the token limit).
+Each split is subsampled to at most --max-items items (default 300), drawn at random with
+--seed and kept in file order; the run prints and records which splits were subsampled. Prints
+a table per dataset and writes ``benchmarks/results/bench_quality.json`` and
+``benchmarks/results/quality_failures_sample.jsonl`` (up to 5 raw failed first attempts per
+failure type per dataset, with task, id, failure type, the violation underneath, gold label and
+whether the output hit the token limit).
 
     python benchmarks/bench_quality.py [--tasks sms_spam trec] [--max-items 300] [--seed 0]
-        [--gen-batch-size 8] [--gen-slack 4] [--threads N] [--quick] [--out-dir DIR]
+        [--gen-batch-size 8] [--max-new-tokens 256] [--threads N] [--quick] [--out-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import sys
@@ -64,14 +80,14 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from benchlib import judge_machine
+from benchlib import cache_keyword, judge_machine, new_cache
 
+from calibration.certify import clopper_pearson_interval
 from calibration.tasks import (
     LabeledItem,
-    LabeledScores,
     Task,
     judge_task_items,
     load_split,
@@ -176,32 +192,75 @@ def subsample(
     return [items[i] for i in picked], True
 
 
-def generation_prompt(task: Task, text: str) -> str:
-    """``task_prompt`` with its last line ("Answer with one of: ...") asking for JSON instead."""
+MAX_ATTEMPTS = 4  # the first, then up to 3 retries with the validation error
+VIOLATIONS = ("no_json_object", "missing_field", "enum_violation")
+
+
+def careful_prompt(task: Task, text: str) -> str:
+    """``task_prompt`` with its last line ("Answer with one of: ...") replaced by the answer's
+    JSON Schema and the instruction to reply with the object alone."""
     prompt = task_prompt(task, text)
     head, _, last = prompt.rpartition("\n\n")
     if head and last.startswith("Answer with one of"):
         prompt = head
-    choices = ", ".join(task.choices)
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": list(task.choices)}},
+        "required": ["answer"],
+    }
     return (
-        f'{prompt}\n\nAnswer as JSON {{"answer": "<choice>"}} with one of the choices: {choices}.'
+        f"{prompt}\n\nReply with only a JSON object that matches this JSON Schema, and nothing "
+        f"else:\n{json.dumps(schema, ensure_ascii=False)}"
     )
 
 
-def generation_budget(judge: Judge, choices: Sequence[str], slack: int) -> int:
-    """Tokens of ``{"answer": "<longest choice>"}`` (the longest in tokens) plus ``slack``."""
-    tok = judge.tokenizer
-    return slack + max(
-        len(tok(f'{{"answer": "{json_escape(c)}"}}', add_special_tokens=False).input_ids)
-        for c in choices
+def recover(text: str, choices: Sequence[str]) -> tuple[str | None, str | None, str]:
+    """What a careful pipeline reads from an output: (the answer, None, "") where it recovers
+    one, else (None, the violation, the validation error to send back). Code fences are
+    stripped, the first JSON object is decoded from the first ``{`` (text around it ignored),
+    and its ``"answer"``, stripped of surrounding whitespace, must be one of ``choices``."""
+    s = text.strip()
+    if "```" in s:  # the fenced block's body, whatever the fence's language tag
+        inside = s.split("```")[1]
+        s = inside.split("\n", 1)[1] if "\n" in inside else inside
+    obj: Any = None
+    for at in (k for k, ch in enumerate(s) if ch == "{"):
+        try:
+            obj, _ = json.JSONDecoder().raw_decode(s, at)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            break
+    if not isinstance(obj, dict):
+        return None, "no_json_object", "the reply holds no JSON object"
+    if "answer" not in obj:
+        return None, "missing_field", 'the JSON object has no "answer" field'
+    answer = obj["answer"]
+    if isinstance(answer, str) and answer.strip() in choices:
+        return answer.strip(), None, ""
+    allowed = json.dumps(list(choices), ensure_ascii=False)
+    return (
+        None,
+        "enum_violation",
+        f'"answer" must be one of {allowed}, got {json.dumps(answer, ensure_ascii=False)}',
+    )
+
+
+def render_conversation(judge: Judge, messages: list[dict[str, str]]) -> str:
+    """A conversation rendered with the chat template's generation prompt (no response prefix),
+    as ``Judge.render`` renders a single user turn."""
+    if len(messages) == 1:
+        return judge.render(messages[0]["content"], response_prefix="")
+    return str(
+        judge.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     )
 
 
 def generate_outputs(
-    judge: Judge, prompts: Sequence[str], max_new_tokens: int, batch_size: int
+    judge: Judge, rendered: Sequence[str], max_new_tokens: int, batch_size: int
 ) -> list[tuple[str, bool, int]]:
-    """Greedy outputs for ``prompts`` (chat-rendered, no response prefix): (text, whether it
-    hit ``max_new_tokens`` before the end of sequence, tokens generated)."""
+    """Greedy outputs for ``rendered`` texts: (text, whether it hit ``max_new_tokens`` before
+    the end of sequence, tokens generated). Batches of prompts of similar length, left-padded."""
     import torch
 
     tok = judge.tokenizer
@@ -210,12 +269,9 @@ def generate_outputs(
     eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
     eos_ids.add(int(tok.eos_token_id))
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    encoded = [
-        list(tok(judge.render(p, response_prefix=""), add_special_tokens=False).input_ids)
-        for p in prompts
-    ]
-    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
-    outputs: list[tuple[str, bool, int]] = [("", False, 0)] * len(prompts)
+    encoded = [list(tok(r, add_special_tokens=False).input_ids) for r in rendered]
+    order = sorted(range(len(rendered)), key=lambda i: len(encoded[i]))
+    outputs: list[tuple[str, bool, int]] = [("", False, 0)] * len(rendered)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         width = max(len(encoded[i]) for i in chunk)
@@ -241,15 +297,165 @@ def generate_outputs(
     return outputs
 
 
-def _judge_items(
-    judge: Judge, task: Task, items: list[LabeledItem], batch_size: int
-) -> LabeledScores:
-    """The judge's scores on ``items``, columns in ``task.choices`` order."""
-    return judge_task_items(judge, task, items, batch_size=batch_size)
+def careful_pipeline(
+    judge: Judge, task: Task, items: list[LabeledItem], args: argparse.Namespace
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The prompt-forced pipeline on ``items``: generate, recover, validate, retry with the
+    error; its summary and a sample of failed first attempts."""
+    choices = list(task.choices)
+    conversations = [[{"role": "user", "content": careful_prompt(task, i.text)}] for i in items]
+    answers: list[str | None] = [None] * len(items)
+    attempts = [0] * len(items)
+    first: list[tuple[str, bool]] = [("", False)] * len(items)
+    pending = list(range(len(items)))
+    start = time.perf_counter()
+    for attempt in range(MAX_ATTEMPTS):
+        if not pending:
+            break
+        rendered = [render_conversation(judge, conversations[i]) for i in pending]
+        outputs = generate_outputs(judge, rendered, args.max_new_tokens, args.gen_batch_size)
+        still = []
+        for i, (text, hit_limit, _) in zip(pending, outputs, strict=True):
+            attempts[i] += 1
+            if attempt == 0:
+                first[i] = (text, hit_limit)
+            answer, _, error = recover(text, choices)
+            if answer is not None:
+                answers[i] = answer
+                continue
+            still.append(i)
+            conversations[i] += [
+                {"role": "assistant", "content": text},
+                {
+                    "role": "user",
+                    "content": f"That reply is not valid: {error}. Reply again with only the "
+                    "JSON object.",
+                },
+            ]
+        pending = still
+    seconds = time.perf_counter() - start
+
+    failures: Counter[str] = Counter()
+    underneath: Counter[str] = Counter()
+    truncated: Counter[str] = Counter()
+    samples: list[dict[str, Any]] = []
+    strict = recovered_first = 0
+    for item, (text, hit_limit) in zip(items, first, strict=True):
+        _, failure = classify_output(text, choices)
+        _, violation, _ = recover(text, choices)
+        recovered_first += violation is None
+        if failure is None:
+            strict += 1
+            continue
+        failures[failure] += 1
+        underneath[f"{failure}/{violation or 'none'}"] += 1
+        truncated[failure] += hit_limit
+        if failures[failure] <= SAMPLES_PER_TYPE:
+            samples.append(
+                {
+                    "task": task.name,
+                    "id": item.id,
+                    "failure": failure,
+                    "violation": violation,
+                    "label": item.label,
+                    "truncated": hit_limit,
+                    "output": text,
+                }
+            )
+    n = len(items)
+    correct = sum(a == item.label for a, item in zip(answers, items, strict=True))
+    succeeded = sum(a is not None for a in answers)
+    summary = {
+        "accuracy": correct / n,
+        "accuracy_interval": clopper_pearson_interval(correct, n),
+        "strict_first": strict / n,
+        "recovered_first": recovered_first / n,
+        "recovered_first_interval": clopper_pearson_interval(recovered_first, n),
+        "with_retries": succeeded / n,
+        "with_retries_interval": clopper_pearson_interval(succeeded, n),
+        "attempts_per_item": float(np.mean(attempts)),
+        "failures": {t: failures[t] for t in FAILURE_TYPES},
+        "failure_violations": dict(sorted(underneath.items())),
+        "truncated": {t: truncated[t] for t in FAILURE_TYPES},
+        "max_new_tokens": args.max_new_tokens,
+        "ms_per_item": 1000 * seconds / n,
+    }
+    return summary, samples
+
+
+def constrained_grammar(choices: Sequence[str]) -> str:
+    """The llguidance (Lark) grammar "one of the JSON objects ``{"answer": "<choice>"}``"."""
+    objects = ['{"answer": "' + json_escape(c) + '"}' for c in choices]
+    return "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in objects)
+
+
+def constrained_generation(judge: Judge, task: Task, items: list[LabeledItem]) -> dict[str, Any]:
+    """Greedy decoding under llguidance's mask, one item at a time; accuracy, the ECE of the
+    taken path's masked probability, and time per item."""
+    import llguidance
+    import llguidance.hf
+    import torch
+
+    choices = list(task.choices)
+    tokenizer = llguidance.hf.from_tokenizer(cast(Any, judge.tokenizer))
+    grammar = constrained_grammar(choices)
+    objects = ['{"answer": "' + json_escape(c) + '"}' for c in choices]
+    model: Any = judge.model
+    keyword = cache_keyword(model)
+    picked, confidence = [], []
+    start = time.perf_counter()
+    for item in items:
+        # The judge's own prompt (it names the choices), so that only the method differs.
+        rendered = judge.render(task_prompt(task, item.text), response_prefix="")
+        feed = list(judge.tokenizer(rendered, add_special_tokens=False).input_ids)
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        cache, out, logp = new_cache(model), [], 0.0
+        with torch.inference_mode():
+            while not matcher.is_accepting():
+                forced = matcher.compute_ff_tokens()
+                if forced:  # bytes the grammar forces: its tokens, without a model step
+                    assert matcher.consume_tokens(forced), matcher.get_error()
+                    feed += forced
+                    out += forced
+                    continue
+                step = model(torch.tensor([feed]), use_cache=True, **{keyword: cache})
+                feed = []
+                bias = np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)
+                allowed = torch.from_numpy(np.flatnonzero(bias))
+                lp = torch.log_softmax(step.logits[0, -1, allowed].double(), dim=-1)
+                k = int(torch.argmax(lp))
+                token = int(allowed[k])
+                logp += float(lp[k])
+                assert matcher.consume_token(token)
+                feed, out = [token], [*out, token]
+        picked.append(objects.index(str(judge.tokenizer.decode(out))))
+        confidence.append(math.exp(logp))
+    seconds = time.perf_counter() - start
+    labels = np.array([choices.index(i.label) for i in items])
+    hits = np.array(picked) == labels
+    return {
+        "accuracy": float(hits.mean()),
+        "accuracy_interval": clopper_pearson_interval(int(hits.sum()), len(items)),
+        "ece": binned_ece(np.array(confidence), hits),
+        "mean_confidence": float(np.mean(confidence)),
+        "ms_per_item": 1000 * seconds / len(items),
+    }
+
+
+def binned_ece(confidence: np.ndarray, hits: np.ndarray, n_bins: int = 15) -> float:
+    """The ECE of answers stated at ``confidence`` (what ``calibration.metrics.ece`` computes
+    from a distribution's top label, here from the answer and its confidence alone): 15
+    equal-width bins, each weighted by its share of the items."""
+    bins = np.minimum((confidence * n_bins).astype(int), n_bins - 1)
+    total = 0.0
+    for b in np.unique(bins):
+        inside = bins == b
+        total += inside.mean() * abs(hits[inside].mean() - confidence[inside].mean())
+    return float(total)
 
 
 def bench_task(
-    judge: Judge, task: Task, args: argparse.Namespace
+    judges: dict[str, Judge], task: Task, args: argparse.Namespace
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from calibration.metrics import accuracy, ece, nll
     from calibration.scaling import fit_calibrator, softmax
@@ -266,95 +472,39 @@ def bench_task(
             f"{task.name}/{split}: {len(items[split])} of {len(everything)} items"
             + (f" (seeded subsample, seed {args.seed})" if sampled else "")
         )
+    n_test = len(items["test"])
+    labels = np.array([task.choices.index(i.label) for i in items["test"]])
 
-    start = time.perf_counter()
-    cal = _judge_items(judge, task, items["calibration"], args.batch_size)
-    judge_cal_s = time.perf_counter() - start
-    start = time.perf_counter()
-    test = _judge_items(judge, task, items["test"], args.batch_size)
-    test_labels = test.labels
-    judge_test_s = time.perf_counter() - start
-    _log(f"{task.name}: judged in {judge_cal_s + judge_test_s:.0f} s")
-
-    fit = fit_calibrator(cal.log_probabilities, cal.labels)
-    raw = softmax(test.log_probabilities)
-    calibrated = fit.map.apply(test.log_probabilities)
-
-    def metrics(probs: np.ndarray) -> dict[str, float]:
+    def metrics(probs: np.ndarray) -> dict[str, Any]:
+        hits = int((probs.argmax(axis=1) == labels).sum())
         return {
-            "accuracy": accuracy(probs, test_labels),
-            "nll": nll(probs, test_labels),
-            "ece": ece(probs, test_labels),
+            "accuracy": accuracy(probs, labels),
+            "accuracy_interval": clopper_pearson_interval(hits, n_test),
+            "nll": nll(probs, labels),
+            "ece": ece(probs, labels),
         }
 
-    max_new_tokens = generation_budget(judge, task.choices, args.gen_slack)
-    prompts = [generation_prompt(task, item.text) for item in items["test"]]
-    start = time.perf_counter()
-    outputs = generate_outputs(judge, prompts, max_new_tokens, args.gen_batch_size)
-    gen_s = time.perf_counter() - start
-    _log(f"{task.name}: generated in {gen_s:.0f} s")
-
-    failures: Counter[str] = Counter()
-    truncated: Counter[str] = Counter()
-    no_brace = 0
-    samples: list[dict[str, Any]] = []
-    correct = parsed = agree = 0
-    judge_choice = raw.argmax(axis=1)
-    for n, (item, (text, hit_limit, _)) in enumerate(zip(items["test"], outputs, strict=True)):
-        answer, failure = classify_output(text, task.choices)
-        if failure is None:
-            parsed += 1
-            correct += answer == item.label
-            agree += answer == task.choices[judge_choice[n]]
-            continue
-        failures[failure] += 1
-        truncated[failure] += hit_limit
-        no_brace += failure == "parse_error" and "{" not in text
-        if failures[failure] <= SAMPLES_PER_TYPE:
-            samples.append(
-                {
-                    "task": task.name,
-                    "id": item.id,
-                    "failure": failure,
-                    "label": item.label,
-                    "truncated": hit_limit,
-                    "output": text,
-                }
-            )
-    n_test = len(items["test"])
-    row = {
-        "task": task.name,
-        "choices": task.choices,
-        "splits": splits,
-        "judge": {
-            "raw": metrics(raw),
+    row: dict[str, Any] = {"task": task.name, "choices": task.choices, "splits": splits}
+    for mode, judge in judges.items():
+        cal = judge_task_items(judge, task, items["calibration"], batch_size=args.batch_size)
+        start = time.perf_counter()
+        test = judge_task_items(judge, task, items["test"], batch_size=args.batch_size)
+        test_s = time.perf_counter() - start
+        fit = fit_calibrator(cal.log_probabilities, cal.labels)
+        row[f"judge_{mode}"] = {
+            "raw": metrics(softmax(test.log_probabilities)),
             "calibrated": {
-                **metrics(calibrated),
+                **metrics(fit.map.apply(test.log_probabilities)),
                 "method": fit.map.method,
-                "temperature": fit.map.temperature,
-                "bias": getattr(fit.map, "bias", None),
-                "note": fit.note,
             },
-            "calibration_seconds": judge_cal_s,
-            "test_seconds": judge_test_s,
-            "test_items_per_s": n_test / judge_test_s,
-        },
-        "generate": {
-            "accuracy": correct / n_test,
-            "parsed": parsed,
-            "accuracy_on_parsed": correct / parsed if parsed else None,
-            "agreement_with_judge_on_parsed": agree / parsed if parsed else None,
-            "parse_failure_rate": (n_test - parsed) / n_test,
-            "failures": {t: failures[t] for t in FAILURE_TYPES},
-            "failure_rates": {t: failures[t] / n_test for t in FAILURE_TYPES},
-            "truncated": {t: truncated[t] for t in FAILURE_TYPES},
-            "parse_errors_without_brace": no_brace,
-            "max_new_tokens": max_new_tokens,
-            "mean_new_tokens": float(np.mean([k for _, _, k in outputs])),
-            "seconds": gen_s,
-            "items_per_s": n_test / gen_s,
-        },
-    }
+            "ms_per_item": 1000 * test_s / n_test,
+        }
+        _log(f"{task.name}: judged ({mode})")
+    canonical = judges["canonical"]
+    row["careful"], samples = careful_pipeline(canonical, task, items["test"], args)
+    _log(f"{task.name}: careful pipeline done")
+    row["constrained"] = constrained_generation(canonical, task, items["test"])
+    _log(f"{task.name}: constrained generation done")
     return row, samples
 
 
@@ -368,13 +518,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="judge_labeled batch size")
     parser.add_argument("--gen-batch-size", type=int, default=8)
     parser.add_argument(
-        "--gen-slack", type=int, default=4, help="generate: tokens beyond the longest answer"
+        "--max-new-tokens", type=int, default=256, help="the careful pipeline's budget per reply"
     )
     parser.add_argument(
         "--threads", type=int, help="torch threads (default: torch's own, one per core)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a small run: sms_spam and trec, 20 items per split"
+        "--quick",
+        action="store_true",
+        help="a small run: sms_spam and trec, 10 items per split, 32 new tokens a reply",
     )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -384,29 +536,32 @@ def main() -> None:
         if not args.tasks:
             preferred = [n for n in QUICK_TASKS if n in names]
             names = preferred if len(preferred) == 2 else names
-        names, args.max_items = names[:2], 20
+        names, args.max_items, args.max_new_tokens = names[:2], 10, 32
 
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    judge = Judge.load(dtype=args.dtype)
-    machine = judge_machine(judge)
+    canonical = Judge.load(dtype=args.dtype)
+    judges = {
+        "canonical": canonical,
+        "grammar": canonical.with_choice_paths("grammar"),
+    }
+    machine = judge_machine(canonical)
     print(f"# {machine}")
     print(
         f"# at most {args.max_items} items per split (seeded subsample, seed {args.seed}); "
-        f"generate: greedy, batches of {args.gen_batch_size}, "
-        f"max_new_tokens = longest JSON answer + {args.gen_slack}",
+        f"careful: greedy, batches of {args.gen_batch_size}, up to {args.max_new_tokens} new "
+        f"tokens, {MAX_ATTEMPTS - 1} retries; constrained: llguidance, greedy, one at a time",
         flush=True,
     )
     rows, samples = [], []
     for name in names:
-        row, task_samples = bench_task(judge, load_task(args.data / name), args)
+        row, task_samples = bench_task(judges, load_task(args.data / name), args)
         rows.append(row)
         samples += task_samples
         print(format_task(row), flush=True)
-    print(format_summary(rows))
     elapsed = time.perf_counter() - start
     print(f"# total {elapsed:.0f} s")
     result = {
@@ -419,11 +574,13 @@ def main() -> None:
             "seed": args.seed,
             "judge_batch_size": args.batch_size,
             "gen_batch_size": args.gen_batch_size,
-            "gen_slack": args.gen_slack,
+            "max_new_tokens": args.max_new_tokens,
+            "max_attempts": MAX_ATTEMPTS,
             "ece_bins": 15,
         },
         "success": SUCCESS,
         "failure_types": list(FAILURE_TYPES),
+        "violations": list(VIOLATIONS),
         "tasks": rows,
         "elapsed_s": elapsed,
     }
@@ -432,51 +589,84 @@ def main() -> None:
         args.out_dir / "quality_failures_sample.jsonl",
         "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples),
     )
+    print(markdown(result))
+
+
+def _acc(r: dict[str, Any]) -> str:
+    low, high = r["accuracy_interval"]
+    return f"{r['accuracy']:.3f} [{low:.2f}, {high:.2f}]"
 
 
 def format_task(row: dict[str, Any]) -> str:
     sp = row["splits"]
-    sampled = any(s["subsampled"] for s in sp.values())
-    j, g = row["judge"], row["generate"]
-    cal = j["calibrated"]
+    c, g = row["careful"], row["constrained"]
     lines = [
         f"{row['task']}: {len(row['choices'])} choices; calibration "
         f"{sp['calibration']['n']} of {sp['calibration']['of']}, test {sp['test']['n']} of "
-        f"{sp['test']['of']}" + (" (seeded subsample)" if sampled else ""),
-        f"  {'contender':22} {'accuracy':>8} {'NLL':>7} {'ECE':>7} {'failed':>7} {'items/s':>8}",
-        f"  {'judge raw':22} {j['raw']['accuracy']:8.3f} {j['raw']['nll']:7.3f} "
-        f"{j['raw']['ece']:7.3f} {'-':>7} {j['test_items_per_s']:8.1f}",
-        f"  {'judge calibrated':22} {cal['accuracy']:8.3f} {cal['nll']:7.3f} {cal['ece']:7.3f} "
-        f"{'-':>7} {'':>8}  {cal['method']}, T={cal['temperature']:.2f}",
-        f"  {'generate-then-parse':22} {g['accuracy']:8.3f} {'-':>7} {'-':>7} "
-        f"{g['parse_failure_rate']:7.1%} {g['items_per_s']:8.1f}",
+        f"{sp['test']['of']}",
     ]
-    failed = [
-        f"{t} {g['failures'][t]}"
-        + (f" ({g['truncated'][t]} at the limit)" if g["truncated"][t] else "")
-        for t in FAILURE_TYPES
-        if g["failures"][t]
-    ]
-    lines.append("  failures: " + (", ".join(failed) if failed else "none"))
-    if g["parse_errors_without_brace"]:
-        lines.append(f"  parse errors with no '{{' at all: {g['parse_errors_without_brace']}")
-    return "\n".join(lines)
-
-
-def format_summary(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "",
-        f"{'task':16} {'judge acc':>9} {'calib acc':>9} {'ECE raw':>8} {'ECE cal':>8} "
-        f"{'gen acc':>8} {'gen fail':>8}",
-    ]
-    for r in rows:
-        j, g = r["judge"], r["generate"]
+    for mode in ("canonical", "grammar"):
+        j = row[f"judge_{mode}"]
+        for kind in ("raw", "calibrated"):
+            r = j[kind]
+            lines.append(
+                f"  judge {mode} {kind}: accuracy {_acc(r)}, NLL {r['nll']:.3f}, "
+                f"ECE {r['ece']:.3f}, {j['ms_per_item']:.0f} ms/item"
+            )
+    lines.append(
+        f"  careful: accuracy {_acc(c)}, first attempt {c['strict_first']:.1%} strict / "
+        f"{c['recovered_first']:.1%} recovered, with retries {c['with_retries']:.1%}, "
+        f"{c['attempts_per_item']:.2f} attempts/item, {c['ms_per_item']:.0f} ms/item"
+    )
+    if c["failure_violations"]:
         lines.append(
-            f"{r['task']:16} {j['raw']['accuracy']:9.3f} {j['calibrated']['accuracy']:9.3f} "
-            f"{j['raw']['ece']:8.3f} {j['calibrated']['ece']:8.3f} {g['accuracy']:8.3f} "
-            f"{g['parse_failure_rate']:8.1%}"
+            "    first-attempt failures (type/violation underneath): "
+            + ", ".join(f"{k} {v}" for k, v in c["failure_violations"].items())
         )
+    lines.append(
+        f"  constrained: accuracy {_acc(g)}, ECE {g['ece']:.3f}, {g['ms_per_item']:.0f} ms/item"
+    )
     return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """Two tables: accuracy, calibration and time side by side, and the careful pipeline's
+    attempts and failures."""
+    lines = [
+        "| task | judge canonical raw / cal acc | ECE raw / cal | judge grammar raw / cal acc "
+        "| ECE raw / cal | careful acc | constrained acc | constrained ECE "
+        "| ms/item judge c / g / careful / constrained |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["tasks"]:
+        jc, jg = row["judge_canonical"], row["judge_grammar"]
+        c, g = row["careful"], row["constrained"]
+        lines.append(
+            f"| {row['task']} | {jc['raw']['accuracy']:.3f} / {_acc(jc['calibrated'])} "
+            f"| {jc['raw']['ece']:.3f} / {jc['calibrated']['ece']:.3f} "
+            f"| {jg['raw']['accuracy']:.3f} / {_acc(jg['calibrated'])} "
+            f"| {jg['raw']['ece']:.3f} / {jg['calibrated']['ece']:.3f} "
+            f"| {_acc(c)} | {_acc(g)} | {g['ece']:.3f} "
+            f"| {jc['ms_per_item']:.0f} / {jg['ms_per_item']:.0f} / {c['ms_per_item']:.0f} "
+            f"/ {g['ms_per_item']:.0f} |"
+        )
+    lines += [
+        "",
+        "| task | first attempt strict | first attempt recovered [95% CI] | with retries [95% CI] "
+        "| attempts/item | first-attempt failures: type/violation underneath |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in result["tasks"]:
+        c = row["careful"]
+        rl, rh = c["recovered_first_interval"]
+        wl, wh = c["with_retries_interval"]
+        fails = ", ".join(f"{k} {v}" for k, v in c["failure_violations"].items()) or "-"
+        lines.append(
+            f"| {row['task']} | {c['strict_first']:.3f} | {c['recovered_first']:.3f} "
+            f"[{rl:.2f}, {rh:.2f}] | {c['with_retries']:.3f} [{wl:.2f}, {wh:.2f}] "
+            f"| {c['attempts_per_item']:.2f} | {fails} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _log(message: str) -> None:

@@ -18,11 +18,13 @@ from typing import Any
 __all__ = [
     "AVX2",
     "SIMD",
+    "cache_keyword",
     "cpu_flags",
     "cpu_model",
     "decided",
     "emulate_avx2",
     "judge_machine",
+    "new_cache",
     "timed",
 ]
 
@@ -116,3 +118,21 @@ def decided(judge: Any, state: object, questions: Mapping[str, Any]) -> tuple[An
     tries = [p.trie for p in prepared]
     fed = sum(row_length([tries[i] for i in r]) for r in pack_rows(tries, judge.max_batch_tokens))
     return answers, judgments, seconds, fed
+
+
+def cache_keyword(model: Any) -> str:
+    """The forward keyword of the KV cache: ``cache`` in newer transformers."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_cache(model: Any) -> Any:
+    """An empty KV cache for ``model``'s forward (under ``cache_keyword``)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()

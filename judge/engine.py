@@ -1,9 +1,14 @@
 """The judge: exact choice probabilities from one forward pass.
 
 A judgment renders the chat prompt, prefills the response prefix, and reads the probability
-that decoding constrained to the choices would emit each one. Each choice's token path is the
-tokenizer's own encoding of ``prompt + escape(choice) + suffix``, never prompt and choice
-tokenized apart; the paths form a trie (see ``judge.trie``) that one forward pass scores.
+that decoding constrained to the choices would emit each one, in one of two modes
+(``choice_paths``). "canonical": each choice's token path is the tokenizer's own encoding of
+``prompt + escape(choice) + suffix``, never prompt and choice tokenized apart; the paths form a
+trie (``judge.trie``), and a choice's probability is that of its one path under decoding
+masked to the trie. "grammar": every token path a grammar engine's mask allows spells its
+choice (``s`` + ``pam`` as well as ``spam``), each step renormalised over the allowed tokens,
+and a choice's probability sums all of them (``judge.grammar``): what grammar-constrained
+decoding emits. Either way one forward pass scores the tree.
 
 Judging is two steps: ``prepare`` checks, renders and tokenizes a query (no model work) into a
 ``Prepared`` that knows its exact size, and ``run`` scores prepared queries in passes packed
@@ -14,6 +19,7 @@ query before the model sees it, without preparing it twice.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -142,15 +148,7 @@ class Judge:
         )
         self.context_window = _context_window(model, tokenizer)
         self._encoder = PathEncoder(tokenizer)
-        # Which token paths spell a choice: the tokenizer's own one ("canonical", the trie)
-        # or every path a grammar engine's mask allows ("grammar", judge.grammar).
-        if choice_paths not in CHOICE_PATHS:
-            raise ValueError(
-                f"choice_paths must be one of {', '.join(CHOICE_PATHS)}, got {choice_paths!r}"
-            )
-        self.choice_paths: ChoicePaths = choice_paths
-        # Read the vocabulary now: a tokenizer that is not byte-level fails here, not later.
-        self._grammar = GrammarVocabulary.of(tokenizer) if choice_paths == "grammar" else None
+        self._read_choices_on(choice_paths)
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
         # A plain-text prompt gets the BOS token the tokenizer would add by default.
@@ -159,6 +157,25 @@ class Judge:
         self._plain_bos = str(bos) if adds_bos else ""
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0) or None
         self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0) or None
+
+    def _read_choices_on(self, choice_paths: ChoicePaths) -> None:
+        """Which token paths spell a choice: the tokenizer's own one ("canonical", the trie)
+        or every path a grammar engine's mask allows ("grammar", judge.grammar)."""
+        if choice_paths not in CHOICE_PATHS:
+            raise ValueError(
+                f"choice_paths must be one of {', '.join(CHOICE_PATHS)}, got {choice_paths!r}"
+            )
+        self.choice_paths: ChoicePaths = choice_paths
+        # Read the vocabulary now: a tokenizer that is not byte-level fails here, not later.
+        self._grammar = GrammarVocabulary.of(self.tokenizer) if choice_paths == "grammar" else None
+
+    def with_choice_paths(self, choice_paths: ChoicePaths) -> Judge:
+        """This judge reading the choices on ``choice_paths`` instead: the same model,
+        tokenizer, settings and prefix cache (a cached prefix is the same whatever is read
+        after it), for comparing the two modes without loading the model twice."""
+        other = copy.copy(self)
+        other._read_choices_on(choice_paths)
+        return other
 
     @classmethod
     def load(
@@ -373,7 +390,7 @@ class Judge:
             ids, context = encoded.prompt_ids, len(trie.context)
             span = self._encoder.item_tokens(query.prompt, item_span, prompt, ids, context)
             trie = dataclasses.replace(trie, span=span)
-        tokens = tokens_sha256(encoded.prompt_ids, encoded.paths)
+        tokens = tokens_sha256(encoded.prompt_ids, encoded.paths, self.choice_paths)
         n = len(encoded.prompt_ids)
         return Prepared(choices, prompt, n, trie, tokens, layers, span_layers, item_span)
 

@@ -33,8 +33,10 @@ def new_judgment_id() -> str:
     return str(uuid.UUID(int=value))
 
 
-def tokens_sha256(prompt_ids: Sequence[int], choice_paths: Sequence[Sequence[int]]) -> str:
-    """The sha256 (hex) of the token ids a judgment feeds the model, to recompute by hand.
+def tokens_sha256(
+    prompt_ids: Sequence[int], choice_paths: Sequence[Sequence[int]], mode: str = "canonical"
+) -> str:
+    """The sha256 (hex) of the token ids a judgment reads, to recompute by hand.
 
     Hashed: the UTF-8 bytes of the compact JSON array ``[prompt_ids, [path_0, path_1, ...]]``
     (no spaces, e.g. ``[[1,2],[[1,2,3],[1,2,4]]]``), where ``prompt_ids`` is the tokenization
@@ -42,10 +44,16 @@ def tokens_sha256(prompt_ids: Sequence[int], choice_paths: Sequence[Sequence[int
     ``Judgment.prompt``) and ``path_i`` the tokenization of that text followed by choice i
     (JSON-escaped) and the response suffix, in the order the choices were given; both without
     added special tokens (``tokenizer(text, add_special_tokens=False).input_ids``). The
-    choices' order counts: the same choices listed otherwise hash differently.
+    choices' order counts: the same choices listed otherwise hash differently. A judgment in
+    the grammar-exact mode (``Judge(choice_paths="grammar")``, ``mode``), which reads every
+    token path that spells a choice from the same tokens, hashes ``[prompt_ids, [path_0, ...],
+    "grammar"]``: the same tokens read the other way are another judgment.
     """
     # Lists or tuples of Python ints, as tokenizers give them; msgspec writes the compact form.
-    return hashlib.sha256(msgspec.json.encode([prompt_ids, choice_paths])).hexdigest()
+    fed: list[object] = [prompt_ids, choice_paths]
+    if mode != "canonical":
+        fed.append(mode)
+    return hashlib.sha256(msgspec.json.encode(fed)).hexdigest()
 
 
 def listings_sha256(hashes: Sequence[str]) -> str:

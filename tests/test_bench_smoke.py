@@ -102,6 +102,40 @@ def test_every_failure_type_is_tested() -> None:
     assert len(set(bench_quality.FAILURE_TYPES)) == len(bench_quality.FAILURE_TYPES)
 
 
+# What the careful pipeline recovers from an output, and the violation left where it cannot.
+RECOVER_CASES: list[tuple[str, str | None, str | None]] = [
+    ('{"answer": "spam"}', "spam", None),
+    ('```json\n{"answer": "spam"}\n```', "spam", None),  # fences stripped
+    ('Sure! Here is my answer: {"answer": "ham"} Hope it helps.', "ham", None),
+    ('{"answer": " spam "}', "spam", None),  # surrounding whitespace stripped
+    ('{"answer": "spam"}\n{"answer": "ham"}', "spam", None),  # the first object
+    ('{"type": "object"} then {"answer": "ham"}', None, "missing_field"),  # the first object
+    ('{"answer": "spam"', None, "no_json_object"),  # cut off
+    ("The message is spam.", None, "no_json_object"),
+    ('{"answer": "Spam"}', None, "enum_violation"),  # case is not normalised
+    ('{"answer": 1}', None, "enum_violation"),
+    ('{"label": "spam"}', None, "missing_field"),
+]
+
+
+@pytest.mark.parametrize(("text", "answer", "violation"), RECOVER_CASES)
+def test_recover(text: str, answer: str | None, violation: str | None) -> None:
+    got, why, error = bench_quality.recover(text, CHOICES)
+    assert (got, why) == (answer, violation)
+    assert (error == "") == (violation is None)
+    assert violation is None or violation in bench_quality.VIOLATIONS
+
+
+def test_the_enum_error_names_the_choices_and_the_answer() -> None:
+    _, _, error = bench_quality.recover('{"answer": "Spam"}', CHOICES)
+    assert error == '"answer" must be one of ["spam", "ham"], got "Spam"'
+
+
+def test_the_constrained_grammar_is_one_literal_per_choice() -> None:
+    grammar = bench_quality.constrained_grammar(["a", 'q"t'])
+    assert grammar == r'start: "{\"answer\": \"a\"}" | "{\"answer\": \"q\\\"t\"}"'
+
+
 def _run(script: str, *args: str) -> None:
     # One torch thread: the smoke runs stay fast even while other jobs hold the cores.
     cmd = [sys.executable, str(BENCHMARKS / script), "--quick", "--threads", "1", *args]
@@ -151,16 +185,33 @@ def test_bench_quality_quick(tmp_path: Path) -> None:
         "config",
         "success",
         "failure_types",
+        "violations",
         "tasks",
         "elapsed_s",
     }
     assert result["quick"] is True and len(result["tasks"]) == 2
     for task in result["tasks"]:
-        assert set(task) == {"task", "choices", "splits", "judge", "generate"}
+        assert set(task) == {
+            "task",
+            "choices",
+            "splits",
+            "judge_canonical",
+            "judge_grammar",
+            "careful",
+            "constrained",
+        }
+        careful = task["careful"]
+        # Retrying never loses a recovered answer, and every item took 1 to 4 attempts.
+        assert careful["strict_first"] <= careful["recovered_first"] <= careful["with_retries"]
+        assert 1.0 <= careful["attempts_per_item"] <= 4.0
+        for name in ("judge_canonical", "judge_grammar", "careful", "constrained"):
+            row = task[name]["calibrated"] if name.startswith("judge") else task[name]
+            low, high = row["accuracy_interval"]
+            assert low <= row["accuracy"] <= high
     lines = (tmp_path / "quality_failures_sample.jsonl").read_text().splitlines()
     for line in lines:
         sample = json.loads(line)
-        assert {"task", "id", "failure", "output"} <= set(sample)
+        assert {"task", "id", "failure", "violation", "output"} <= set(sample)
         assert sample["failure"] in result["failure_types"]
 
 
@@ -496,7 +547,37 @@ def test_bench_cascade_quick(tmp_path: Path) -> None:
     assert row["task"] == "sms_spam" and row["n_test"] == 40
     assert set(row["alone"]) == {"smollm2", "gemma3-270m"}
     assert row["guarantee"]["resamples"] == 5
+    assert "error" not in row["cascade"], row["cascade"]  # it fits on 40 sms_spam items
     assert row["cascade"]["ms_per_item"] >= row["alone"]["smollm2"]["ms_per_item"]
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_choice_paths_quick(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_choice_paths.py"),
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--cache",
+            str(tmp_path / "cache"),
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "summary.json").read_text())
+    (modes,) = result["tasks"].values()
+    assert set(modes) == {"canonical", "grammar"}
+    for r in modes.values():
+        assert r["n"] == [40, 40] and 0.0 <= r["coverage"] <= 1.0
+        assert r["seeds_certified"] <= r["seeds"] == 2
+        assert r["ms_per_item"] is not None  # a fresh cache: both modes were timed
+    # The modes read different paths, so their raw probabilities differ on sms_spam.
+    assert modes["canonical"]["accuracy_raw"] != modes["grammar"]["accuracy_raw"]
+    assert (tmp_path / "summary.md").read_text().count("| sms_spam |") == 2
 
 
 @pytest.mark.bench
@@ -509,5 +590,8 @@ def test_bench_grammar_quick(tmp_path: Path) -> None:
     for task in result["tasks"]:
         assert 0.0 <= task["tv_mean"] <= task["tv_max"] <= 1.0
         assert task["positions"] >= task["nodes"] >= 1
+        # The one-pass grammar mode is the reference's distribution.
+        assert task["one_pass_error_max"] < 1e-4
+        assert task["tokens_added_grammar"] >= 0
         for item in task["items"]:
             assert sum(item["canonical"]) == pytest.approx(1.0, abs=1e-6)

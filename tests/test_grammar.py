@@ -247,13 +247,7 @@ class Engine:
 @pytest.fixture(scope="module")
 def grammar_judge(judge: Judge) -> Judge:
     """The session's model, judging in the grammar-exact mode."""
-    return Judge(
-        judge.model,
-        judge.tokenizer,
-        model_id=judge.model_id,
-        weights_sha256=judge.weights_sha256,
-        choice_paths="grammar",
-    )
+    return judge.with_choice_paths("grammar")
 
 
 @pytest.fixture(scope="module")
@@ -406,6 +400,8 @@ def test_canonical_and_grammar_modes_differ_where_other_paths_spell_a_choice(
     )
     assert judge.fingerprint().choice_paths == "canonical"
     assert grammar_judge.fingerprint().choice_paths == "grammar"
+    # The same tokens read the other way are another judgment: their identity says so.
+    assert canonical.tokens_sha256 != grammar.tokens_sha256
     # Only the paths' positions are added to the pass: none here, every node is the root.
     assert grammar_judge.prepare({"prompt": prompt, "choices": choices}).trie.tree_tokens == []
 
@@ -422,3 +418,6 @@ def test_a_long_shared_prefix_is_too_many_paths(grammar_judge: Judge) -> None:
 def test_an_unknown_mode_is_refused(judge: Judge) -> None:
     with pytest.raises(ValueError, match="choice_paths must be one of canonical, grammar"):
         Judge(judge.model, judge.tokenizer, choice_paths="every")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="choice_paths must be one of canonical, grammar"):
+        judge.with_choice_paths("every")  # type: ignore[arg-type]
+    assert judge.choice_paths == "canonical"  # the copy's mode is its own

@@ -101,6 +101,9 @@ def test_tokens_sha256_is_the_documented_hash() -> None:
     assert tokens_sha256([1, 2], [[1, 2, 3], [1, 2, 40]]) == expected
     assert tokens_sha256((1, 2), ((1, 2, 3), (1, 2, 40))) == expected
     assert tokens_sha256([1, 2], [[1, 2, 40], [1, 2, 3]]) != expected  # order counts
+    # The grammar-exact mode reads the same tokens another way: a third element says so.
+    grammar = hashlib.sha256(b'[[1,2],[[1,2,3],[1,2,40]],"grammar"]').hexdigest()
+    assert tokens_sha256([1, 2], [[1, 2, 3], [1, 2, 40]], "grammar") == grammar
 
 
 @pytest.mark.slow
