@@ -8,17 +8,19 @@ calibration maps (temperature, bias + temperature):
 
     alone     each model's own profile, fitted on the calibration split at delta: the share
               of test items it accepts and their precision
-    cascade   ``calibration.tasks.fit_cascade`` on the calibration split (each stage at
-              delta / 2, on its own fold's items that reach it): the share of test items each
-              stage decides and a person gets, and the precision of what it accepts
+    cascade   ``calibration.tasks.fit_cascade`` on the calibration split (every stage fitted
+              on every item, the pair of thresholds certified together at delta, the cheaper
+              rule among those of equal coverage by each model's measured ms per item): the
+              share of test items each stage decides and a person gets, the precision of what
+              it accepts, and its expected ms per item
     guarantee the calibration and test items pooled and cut in random halves
               ``--resamples`` times; the cascade fitted on one half, measured on the other:
               how often its precision falls below the target (the claim: at most delta of the
               time), and its mean coverage
     cost      milliseconds per item of each model, side by side on the same test items (the
               models take turns, batch by batch, so a slow phase of the machine hits both),
-              and the cascade's expected cost: the first stage on every item, the second on
-              the share the first escalates
+              and the cascade's expected cost on test: each stage on the share that reaches
+              it, none past the rule's last stage that may accept
 
     python benchmarks/bench_cascade.py [--tasks sms_spam sst2] [--limit N] [--maps auto|scalar]
         [--resamples 100] [--quick]
@@ -47,7 +49,7 @@ from calibration.maps import ProbeSpan
 from calibration.tasks import (
     CascadeStageData,
     LabeledScores,
-    cascade_decisions,
+    cascade_rule_on,
     fit_cascade,
     fit_labeled,
     load_split,
@@ -109,31 +111,40 @@ def cascade(
     fits: list[LabeledScores],
     tests: list[LabeledScores],
     settings: FitSettings,
+    costs: list[float] | None = None,
 ) -> dict[str, Any]:
-    """The cascade fitted on ``fits``, measured on ``tests``; None fields where it could not
-    be fitted (a stage left too few items), with the reason."""
+    """The cascade fitted on ``fits``, measured on ``tests``; an error where it could not be
+    fitted, with the reason."""
     stages = [
         CascadeStageData(n, s, j.fingerprint()) for n, s, j in zip(names, fits, judges, strict=True)
     ]
     try:
-        profiles = fit_cascade(
+        fitted = fit_cascade(
             task.name, stages, task.choices, dataset=task.name, dataset_sha256="-",
-            settings=settings,
+            settings=settings, costs=costs,
         )  # fmt: skip
     except FitError as exc:
         return {"error": str(exc)}
-    decided_by, choice = cascade_decisions(profiles, tests)
-    accepted = decided_by >= 0
-    labels = tests[0].labels
+    on_test = cascade_rule_on(fitted.profiles, tests, costs)
+    certificate = fitted.certificate
     return {
-        "thresholds": [p.threshold.threshold for p in profiles],
-        "maps": [p.calibration_map.method for p in profiles],
-        "shares": {n: float(np.mean(decided_by == s)) for s, n in enumerate(names)}
-        | {"person": float(np.mean(~accepted))},
-        "coverage": float(accepted.mean()),
-        "precision": float(np.mean(choice[accepted] == labels[accepted]))
-        if accepted.any()
-        else None,
+        "thresholds": on_test.thresholds,
+        "maps": [p.calibration_map.method for p in fitted.profiles],
+        "shares": dict(zip(names, on_test.stage_coverage, strict=True))
+        | {"person": 1.0 - on_test.coverage},
+        "coverage": on_test.coverage,
+        "precision": on_test.precision,
+        "ms_per_item": on_test.cost_per_item,
+        "certified": {
+            "n": certificate.rule.n if certificate.rule else None,
+            "coverage": certificate.rule.coverage if certificate.rule else None,
+            "lower_bound": certificate.precision_lower_bound,
+            "candidates": certificate.candidates,
+            "sequence": certificate.sequence,
+            "tested": certificate.tested,
+            "rules_certified": certificate.certified,
+            "reason": certificate.reason,
+        },
     }
 
 
@@ -256,8 +267,7 @@ def main() -> None:
             for split in ("calibration", "test")
         )
         costs = cost(judges, task, args.cost_items)
-        both = cascade(judges, names, task, fits, tests, settings)
-        escalated = 1.0 - (both.get("shares") or {}).get(names[0], 0.0)
+        ms = [c["ms_per_item"] for c in costs]
         row = {
             "task": name,
             "n_calibration": len(fits[0]),
@@ -266,10 +276,7 @@ def main() -> None:
                 n: {**alone(j, task, f, t, settings), **c}
                 for n, j, f, t, c in zip(names, judges, fits, tests, costs, strict=True)
             },
-            "cascade": {
-                **both,
-                "ms_per_item": costs[0]["ms_per_item"] + escalated * costs[1]["ms_per_item"],
-            },
+            "cascade": cascade(judges, names, task, fits, tests, settings, ms),
             "guarantee": guarantee(
                 judges,
                 names,
@@ -307,8 +314,8 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [
         f"# Cascade: {' -> '.join(summary['models'])} ({summary['dtype']}; {summary['cpu']})",
         "",
-        f"Target precision {target}, delta {summary['delta']} (each stage {summary['delta']}/2 "
-        f"in the cascade); maps: {summary['maps']}; items of each split: "
+        f"Target precision {target}, delta {summary['delta']} (the cascade's pair of thresholds "
+        f"certified together at delta); maps: {summary['maps']}; items of each split: "
         f"{summary['limit'] or 'all'}.",
         "",
         "| task | judge | accuracy | mass | coverage | precision | decided by stage 1 / 2 / "
@@ -327,9 +334,10 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {row['task']} | cascade | not fitted: {c['error']} |||||| ")
             continue
         shares = " / ".join(f"{v:.2f}" for v in c["shares"].values())
+        at = ", ".join("never" if t is None else f"{t:.2f}" for t in c["thresholds"])
         lines.append(
-            f"| {row['task']} | cascade | - | - | {_f(c['coverage'])} | {_f(c['precision'])} | "
-            f"{shares} | {c['ms_per_item']:.0f} |"
+            f"| {row['task']} | cascade (at {at}) | - | - | {_f(c['coverage'])} "
+            f"| {_f(c['precision'])} | {shares} | {c['ms_per_item']:.0f} |"
         )
     lines += ["", "| task | resamples fitted | precision below target | rate | mean coverage |"]
     lines.append("|---|---:|---:|---:|---:|")

@@ -101,6 +101,7 @@ __all__ = [
     "fit_rule",
     "held_out_examples",
     "labels_for_next_look",
+    "profile_split",
     "resolve_methods",
     "served_gates",
     "split_examples",
@@ -155,16 +156,24 @@ def split_examples(
 
 def held_out_examples(labels: ArrayLike, split: DataSplit) -> np.ndarray:
     """Sorted indices of the examples a profile's map was not fitted on (its conformal and
-    certify splits), recomputed from the labels it was fitted on and its ``split``: the
-    stratified split is a function of the labels, the seed and the pattern, and the pattern
-    (3:2:5, or 5:1:4 with a probe among the candidates) is the one whose counts the profile
-    recorded. A ValueError where neither gives those counts (other labels than the fit's)."""
+    certify splits), recomputed from the labels it was fitted on and its ``split``
+    (``profile_split``)."""
+    _, conformal_idx, certify_idx = profile_split(labels, split)
+    return np.sort(np.concatenate([conformal_idx, certify_idx]))
+
+
+def profile_split(labels: ArrayLike, split: DataSplit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The indices of a profile's fit, conformal and certify examples, recomputed from the
+    labels it was fitted on and its ``split``: the stratified split is a function of the
+    labels, the seed and the pattern, and the pattern (3:2:5, or 5:1:4 with a probe among the
+    candidates) is the one whose counts the profile recorded. A ValueError where neither gives
+    those counts (other labels than the fit's)."""
     y = np.asarray(labels)
     for probe in (False, True):
         fit_idx, conformal_idx, certify_idx = split_examples(y, split.seed, probe)
         counts = (fit_idx.shape[0], conformal_idx.shape[0], certify_idx.shape[0])
         if counts == (split.fit, split.conformal, split.certify):
-            return np.sort(np.concatenate([conformal_idx, certify_idx]))
+            return fit_idx, conformal_idx, certify_idx
     raise ValueError(
         f"these {y.shape[0]} labels do not split into the profile's {split.fit} fit, "
         f"{split.conformal} conformal and {split.certify} certify examples: they are not the "

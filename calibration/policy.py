@@ -203,6 +203,17 @@ class Gates:
     order_sensitive: npt.NDArray[np.bool_]
     accepted: npt.NDArray[np.bool_]  # (n,) every gate passed
 
+    @property
+    def eligible(self) -> npt.NDArray[np.bool_]:
+        """(n,) every gate passed but the threshold: what another threshold would accept
+        at or above it (a cascade's thresholds are chosen together, ``calibration.cascade_certify``)."""
+        ambiguous = (
+            np.zeros(self.best.shape, dtype=bool)
+            if self.membership is None
+            else self.membership.sum(axis=1) != 1
+        )
+        return ~(self.low_choice_mass | ambiguous | self.high_std | self.order_sensitive)
+
 
 class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
     """What applies when neither the request nor a profile says otherwise.

@@ -1,4 +1,5 @@
-"""A cascade: its profiles fitted with one guarantee end to end, and stages tried in order."""
+"""A cascade: its profiles fitted with one certificate for the whole rule, and stages tried in
+order."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from calibration import Cascade, FitError, FitSettings, Gate, LocalStage, Overri
 from calibration.cascade import StageAnswer, StageItem
 from calibration.tasks import (
     CascadeStageData,
+    FittedCascade,
     LabeledScores,
     cascade_decisions,
-    cascade_folds,
     fit_cascade,
 )
 from judge import Fingerprint, Judge
@@ -47,7 +48,9 @@ def _pool(n: int, seed: int) -> tuple[LabeledScores, LabeledScores]:
     return _stage(labels, 1.8, seed + 1), _stage(labels, 2.4, seed + 2)
 
 
-def _fit(small: LabeledScores, large: LabeledScores, settings: FitSettings = SETTINGS) -> list:
+def _fit(
+    small: LabeledScores, large: LabeledScores, settings: FitSettings = SETTINGS
+) -> FittedCascade:
     return fit_cascade(
         "syn",
         [
@@ -61,25 +64,23 @@ def _fit(small: LabeledScores, large: LabeledScores, settings: FitSettings = SET
     )
 
 
-def test_folds_are_disjoint_and_cover_every_item() -> None:
-    folds = cascade_folds(101, 3, seed=4)
-    joined = np.concatenate(folds)
-    assert sorted(joined.tolist()) == list(range(101))
-    assert [len(f) for f in folds] == [34, 34, 33]
-
-
-def test_each_stage_certifies_at_its_share_of_delta_and_the_second_decides_the_rest() -> None:
+def test_both_stages_fit_on_every_item_and_one_rule_is_certified_at_the_full_delta() -> None:
     small, large = _pool(2400, seed=0)
-    profiles = _fit(small, large)
+    fitted = _fit(small, large)
+    profiles = fitted.profiles
     assert [p.name for p in profiles] == ["syn", "syn-large"]
-    assert [p.threshold.delta for p in profiles] == [0.05, 0.05]
     assert [p.fingerprint.model for p in profiles] == ["small", "large"]
+    # Each stage learnt from every labeled item, not from a fold of them.
+    assert [p.n_examples for p in profiles] == [2400, 2400]
+    rule = fitted.certificate.rule
+    assert rule is not None and fitted.certificate.certified >= 1
+    assert [p.threshold.threshold for p in profiles] == rule.thresholds
+    assert [p.threshold.delta for p in profiles] == [0.1, 0.1]
+    assert all("tuples" in p.threshold.method for p in profiles)
+    assert (fitted.certificate.precision_lower_bound or 0) >= SETTINGS.target_precision
     decided_by, choice = cascade_decisions(profiles, [small, large])
     share = [float(np.mean(decided_by == s)) for s in (0, 1, -1)]
     assert share[0] > 0.1 and share[1] > 0.1, share  # both stages decide a real share
-    # The second stage was fitted only on items the first escalated, of its own fold: the
-    # first fold's items never reached its fit.
-    assert profiles[1].n_examples < len(cascade_folds(2400, 2, SETTINGS.seed)[1])
     assert np.all((choice >= 0) == (decided_by >= 0))
 
 
@@ -90,7 +91,7 @@ def test_the_cascade_s_precision_meets_the_target_but_in_at_most_delta_of_resamp
         small, large = _pool(2000, seed=100 + 7 * r)
         rows = np.random.default_rng(r).permutation(2000)
         fit_rows, test_rows = rows[:1000], rows[1000:]
-        profiles = _fit(small.rows(fit_rows), large.rows(fit_rows))
+        profiles = _fit(small.rows(fit_rows), large.rows(fit_rows)).profiles
         test = [small.rows(test_rows), large.rows(test_rows)]
         decided_by, choice = cascade_decisions(profiles, test)
         accepted = decided_by >= 0
@@ -107,13 +108,13 @@ def test_the_cascade_s_precision_meets_the_target_but_in_at_most_delta_of_resamp
     assert min(np.mean(by_stage, axis=0)) > 0.2
 
 
-def test_stages_must_score_the_same_items_and_each_needs_enough() -> None:
+def test_stages_must_score_the_same_items_and_enough_are_held_out() -> None:
     small, large = _pool(400, seed=3)
     other = _stage(np.roll(small.labels, 1), 3.5, seed=9)
     with pytest.raises(FitError, match="scored other items"):
         _fit(small, other)
     tiny_small, tiny_large = small.rows(np.arange(30)), large.rows(np.arange(30))
-    with pytest.raises(FitError, match=r"stage \d \('(small|large)'\) is left \d+ labeled items"):
+    with pytest.raises(FitError, match=r"hold out \d+ labeled items in common"):
         _fit(tiny_small, tiny_large)
 
 

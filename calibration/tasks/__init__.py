@@ -6,7 +6,7 @@
                     scores_from_judgments, fit_labeled, content_free_prompts,
                     load_prompts, judge_unlabeled, fit_unlabeled
     calibration.tasks.qualify   qualify_on_task, qualify_engine (``judge qualify``)
-    calibration.tasks.cascade   CascadeStageData, fit_cascade, cascade_decisions, cascade_folds
+    calibration.tasks.cascade   CascadeStageData, FittedCascade, fit_cascade, cascade_decisions
 
 Sits above ``judge`` and calibration's core (it uses both; nothing else in ``calibration``
 imports it, so ``import calibration`` stays free of torch) and below ``service`` (which uses it), so the command line, the HTTP fit endpoint and the benchmarks calibrate the
