@@ -83,7 +83,12 @@ def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
         f"{m['model']} ({m['dtype']}), {m['cpu']}, {m['torch_threads']} torch threads; "
-        f"first {result['limit'] or 'all'} items per split; scalar profile, target precision "
+        + (
+            f"first {result['limit']} items per split"
+            if result["limit"]
+            else "every item of every split"
+        )
+        + f"; scalar profile, target precision "
         f"{result['target_precision']} at delta {result['delta']}",
         "",
         "| set | n cal/test | paths | map | raw acc | calibrated acc | NLL | ECE | threshold "
