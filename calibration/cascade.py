@@ -8,9 +8,9 @@ own gate; what the last escalates goes to a person.
     verdict = cascade.judge("Is this spam? ...", ["spam", "ham"])
     verdict.decided_by      # "smollm2", "gemma3", or None: a person decides
 
-The profiles come from ``calibration.tasks.fit_cascade``, which certifies each stage at
-delta / S on the labeled items that reach it, so that everything the cascade accepts meets
-the target precision with probability 1 - delta (the argument is in that module).
+The profiles come from ``calibration.tasks.fit_cascade``, which certifies the stages'
+thresholds together as one rule, so that everything the cascade accepts meets the target
+precision with probability 1 - delta (the argument is in ``calibration.cascade_certify``).
 
 A stage that fails (raises, or is down) or cannot start before the deadline is an escalation
 with a reason code (``stage_failed``, ``stage_timeout``) in its ``StageResult``, never an

@@ -104,8 +104,22 @@ def test_ask_without_a_profile_prints_the_decision_and_the_judgment(
             "device": "cpu",
             "response_prefix": '{"answer": "',
             "response_suffix": '"}',
+            "choice_paths": "canonical",
         }
     ]
+
+
+def test_ask_reads_the_choices_on_the_paths_asked_for(
+    loaded_once: list[dict[str, object]], capsys: pytest.CaptureFixture[str], judge: Judge
+) -> None:
+    out = _ask(capsys, PROMPT, "--choice", "spam", "--choice", "ham", "--choice-paths", "grammar")
+    assert loaded_once[0]["choice_paths"] == "grammar"
+    expected = judge.with_choice_paths("grammar").judge(PROMPT, CHOICES)
+    for choice in CHOICES:
+        assert out["raw_probabilities"][choice] == pytest.approx(
+            expected.probabilities[choice], abs=1e-6
+        )
+    assert out["tokens_sha256"] == expected.tokens_sha256  # which names the grammar mode
 
 
 def test_ask_with_a_profile_uses_its_choices_dtype_and_policy(
@@ -133,6 +147,8 @@ def test_ask_with_a_profile_uses_its_choices_dtype_and_policy(
             judgment.probabilities[choice], abs=1e-6
         )
     assert loaded_once[0]["dtype"] == profile.fingerprint.dtype == "float32"
+    # The profile's paths, where the command does not name any.
+    assert loaded_once[0]["choice_paths"] == profile.fingerprint.choice_paths == "canonical"
 
 
 def test_ask_prints_what_pins_the_decision(
