@@ -105,17 +105,24 @@ def cached_scores(
     return scores, digest
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def fit_arguments(parser: argparse.ArgumentParser, out: Path) -> None:
+    """What a benchmark that judges the shared splits and fits profiles on them takes: the
+    data, the tasks, how many items, the dtype, the certificate's target, the score cache and
+    where the results go (this script's and ``bench_choice_paths.py``'s)."""
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--tasks", nargs="*", help="task names (default: every task in --data)")
-    parser.add_argument("--limit", type=int, help="first N items of each split")
+    parser.add_argument("--limit", type=int, help="first N items of each split (default: all)")
     parser.add_argument("--quick", action="store_true", help="40 items per split of sms_spam")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--target-precision", type=float, default=0.9)
     parser.add_argument("--delta", type=float, default=0.1)
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "judge" / "logits")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    fit_arguments(parser, RESULTS)
     parser.add_argument("--judge-only", action="store_true")
     parser.add_argument(
         "--span",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_calibration import DATA, cached_scores, fit_and_evaluate
+from bench_calibration import cached_scores, fit_and_evaluate, fit_arguments
 from benchlib import judge_machine
 
 from calibration.tasks import load_task
@@ -125,16 +125,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DATA)
-    parser.add_argument("--tasks", nargs="*", help="task names (default: every task in --data)")
-    parser.add_argument("--limit", type=int, help="first N items of each split (default: all)")
-    parser.add_argument("--quick", action="store_true", help="40 items per split of sms_spam")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--target-precision", type=float, default=0.9)
-    parser.add_argument("--delta", type=float, default=0.1)
+    fit_arguments(parser, RESULTS)
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "judge" / "logits")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     names = args.tasks or sorted(p.name for p in args.data.iterdir() if (p / "task.json").exists())
     if args.quick:

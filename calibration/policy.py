@@ -207,12 +207,25 @@ class Gates:
     def eligible(self) -> npt.NDArray[np.bool_]:
         """(n,) every gate passed but the threshold: what another threshold would accept
         at or above it (a cascade's thresholds are chosen together, ``calibration.cascade_certify``)."""
-        ambiguous = (
-            np.zeros(self.best.shape, dtype=bool)
-            if self.membership is None
-            else self.membership.sum(axis=1) != 1
+        return _other_gates_pass(
+            self.low_choice_mass, self.membership, self.high_std, self.order_sensitive
         )
-        return ~(self.low_choice_mass | ambiguous | self.high_std | self.order_sensitive)
+
+
+def _other_gates_pass(
+    low_choice_mass: npt.NDArray[np.bool_],
+    membership: npt.NDArray[np.bool_] | None,
+    high_std: npt.NDArray[np.bool_],
+    order_sensitive: npt.NDArray[np.bool_],
+) -> npt.NDArray[np.bool_]:
+    """(n,) every gate but the threshold passes: enough choice mass, a single-choice conformal
+    set (where there are sets), the std and order-spread bounds."""
+    ambiguous = (
+        np.zeros(low_choice_mass.shape, dtype=bool)
+        if membership is None
+        else membership.sum(axis=1) != 1
+    )
+    return ~(low_choice_mass | ambiguous | high_std | order_sensitive)
 
 
 class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
@@ -541,7 +554,6 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             if self.conformal_quantile is None
             else set_membership(probs, self.conformal_quantile)
         )  # (n, k)
-        ambiguous = np.zeros(n, dtype=bool) if membership is None else membership.sum(axis=1) != 1
         expected = std = None
         high_std = np.zeros(n, dtype=bool)
         values = self.values_for(choices)
@@ -570,7 +582,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             std=std,
             high_std=high_std,
             order_sensitive=order_sensitive,
-            accepted=~(below | low_mass | ambiguous | high_std | order_sensitive),
+            accepted=~below & _other_gates_pass(low_mass, membership, high_std, order_sensitive),
         )
 
     def _item_thresholds(self, best: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:

@@ -8,11 +8,14 @@ is below the target) in at most delta of the draws.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from calibration.cascade_certify import (
     COARSE_GRID,
+    CascadeCertificate,
     StageView,
     certify_rules,
     rule_decisions,
@@ -43,8 +46,23 @@ def _precision(stages: list[StageView], labels: np.ndarray, thresholds: list) ->
     return float((choice[accepted] == labels[accepted]).mean())
 
 
-def _rows(stages: list[StageView], index: np.ndarray) -> list[StageView]:
-    return [s.rows(index) for s in stages]
+def _certify(
+    stages: list[StageView],
+    labels: np.ndarray,
+    order: np.ndarray,
+    cert: np.ndarray,
+    **options: Any,
+) -> CascadeCertificate:
+    """``certify_rules`` ordered on the items ``order`` and certified on ``cert``."""
+    return certify_rules(
+        [s.rows(order) for s in stages],
+        labels[order],
+        [s.rows(cert) for s in stages],
+        labels[cert],
+        target_precision=TARGET,
+        delta=DELTA,
+        **options,
+    )
 
 
 def test_rule_decisions_take_the_first_stage_that_accepts() -> None:
@@ -64,15 +82,7 @@ def test_the_certificate_fails_in_at_most_delta_of_draws() -> None:
     for _ in range(draws):
         picked = rng.choice(labels.shape[0], 600, replace=False)
         order, cert = picked[:300], picked[300:]
-        result = certify_rules(
-            _rows(stages, order),
-            labels[order],
-            _rows(stages, cert),
-            labels[cert],
-            target_precision=TARGET,
-            delta=DELTA,
-            grid=COARSE_GRID,
-        )
+        result = _certify(stages, labels, order, cert, grid=COARSE_GRID)
         if result.rule is None:
             covered.append(0.0)
             continue
@@ -98,22 +108,8 @@ def test_a_useless_stage_is_left_out_and_the_rule_matches_the_good_one_alone(
     )
     stages = [bad, good] if useless == 0 else [good, bad]
     order, cert = np.arange(0, n, 2), np.arange(1, n, 2)
-    both = certify_rules(
-        _rows(stages, order),
-        labels[order],
-        _rows(stages, cert),
-        labels[cert],
-        target_precision=TARGET,
-        delta=DELTA,
-    )
-    alone = certify_rules(
-        [good.rows(order)],
-        labels[order],
-        [good.rows(cert)],
-        labels[cert],
-        target_precision=TARGET,
-        delta=DELTA,
-    )
+    both = _certify(stages, labels, order, cert)
+    alone = _certify([good], labels, order, cert)
     assert both.rule is not None and alone.rule is not None
     assert both.rule.thresholds[useless] is None
     assert both.rule.coverage >= alone.rule.coverage
@@ -128,27 +124,11 @@ def test_ties_in_coverage_go_to_the_cheaper_rule() -> None:
     stage = _stage(n, 4.0, 0.0, rng)
     labels = np.zeros(n, dtype=np.int64)
     order, cert = np.arange(0, n, 2), np.arange(1, n, 2)
-    result = certify_rules(
-        [stage.rows(order)] * 2,
-        labels[order],
-        [stage.rows(cert)] * 2,
-        labels[cert],
-        target_precision=TARGET,
-        delta=DELTA,
-        costs=[10.0, 1.0],
-        grid=COARSE_GRID,
-    )
+    result = _certify([stage, stage], labels, order, cert, costs=[10.0, 1.0], grid=COARSE_GRID)
     assert result.rule is not None
     assert result.rule.cost_per_item == pytest.approx(10.0)
     # Nothing accepted: no rule, and the reason says the sequence ended.
-    nothing = certify_rules(
-        [stage.rows(order)],
-        labels[order] + 1,
-        [stage.rows(cert)],
-        labels[cert] + 1,
-        target_precision=TARGET,
-        delta=DELTA,
-    )
+    nothing = _certify([stage], labels + 1, order, cert)
     assert nothing.rule is None and "sequence ended" in nothing.reason
 
 
