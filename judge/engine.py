@@ -40,7 +40,7 @@ from judge.errors import (
     PromptTooLongError,
     TokenizerRoundTripError,
 )
-from judge.fingerprint import CHOICE_PATHS, ChoicePaths, Fingerprint, sha256_text
+from judge.fingerprint import ChoicePaths, Fingerprint, check_choice_paths, sha256_text
 from judge.grammar import GrammarVocabulary, choice_targets
 from judge.identity import new_judgment_id, tokens_sha256
 from judge.judgments import (
@@ -161,11 +161,7 @@ class Judge:
     def _read_choices_on(self, choice_paths: ChoicePaths) -> None:
         """Which token paths spell a choice: the tokenizer's own one ("canonical", the trie)
         or every path a grammar engine's mask allows ("grammar", judge.grammar)."""
-        if choice_paths not in CHOICE_PATHS:
-            raise ValueError(
-                f"choice_paths must be one of {', '.join(CHOICE_PATHS)}, got {choice_paths!r}"
-            )
-        self.choice_paths: ChoicePaths = choice_paths
+        self.choice_paths: ChoicePaths = check_choice_paths(choice_paths)
         # Read the vocabulary now: a tokenizer that is not byte-level fails here, not later.
         self._grammar = GrammarVocabulary.of(self.tokenizer) if choice_paths == "grammar" else None
 
@@ -362,7 +358,7 @@ class Judge:
         choices, prompt, suffix, endings = self._rendered(query)
         encoded = self._encoder.encode_paths(prompt, endings)
 
-        self._check_window(max(len(p) for p in encoded.paths), query)
+        _check_window(self, max(len(p) for p in encoded.paths), query)
         failures = self._encoder.round_trip_failures(prompt, endings, encoded)
         if failures:
             i = failures[0]
@@ -382,7 +378,7 @@ class Judge:
             tree = self._grammar.tree(choice_targets(choices, suffix))
             trie = tree.packed(encoded.prompt_ids)
             # A path of short tokens can run deeper than the longest canonical one.
-            self._check_window(len(trie.context) + max(trie.tree_depths, default=0), query)
+            _check_window(self, len(trie.context) + max(trie.tree_depths, default=0), query)
         layers = check_feature_layers(query.feature_layers, self.num_layers)
         item_span = check_item_span(query.item_span, query.prompt)
         span_layers = check_feature_layers(query.span_layers, self.num_layers, "span_layers")
@@ -393,18 +389,6 @@ class Judge:
         tokens = tokens_sha256(encoded.prompt_ids, encoded.paths, self.choice_paths)
         n = len(encoded.prompt_ids)
         return Prepared(choices, prompt, n, trie, tokens, layers, span_layers, item_span)
-
-    def _check_window(self, longest: int, query: Query) -> None:
-        """Raise PromptTooLongError, naming the largest field, when ``longest`` tokens (the
-        deepest position the pass reads) do not fit the model's context window."""
-        if self.context_window is not None and longest > self.context_window:
-            raise PromptTooLongError(
-                f"the prompt with the response prefix and the longest choice is {longest} tokens, "
-                f"but the model's context window is {self.context_window}; shorten the prompt "
-                f"by at least {longest - self.context_window} tokens (it is never truncated, "
-                "so the decision point is never cut away)",
-                field=self.count_tokens(query).largest,
-            )
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         """Judge prepared queries, each in a row of its own, in passes within the budget.
@@ -525,6 +509,20 @@ def parameters_sha256(model: PreTrainedModel) -> str:
         # As bytes: numpy has no bfloat16 (nor float8), and bytes are all a hash needs.
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _check_window(judge: Judge, longest: int, query: Query) -> None:
+    """Raise PromptTooLongError, naming the largest field, when ``longest`` tokens (the
+    deepest position the pass reads) do not fit the judge's context window."""
+    window = judge.context_window
+    if window is not None and longest > window:
+        raise PromptTooLongError(
+            f"the prompt with the response prefix and the longest choice is {longest} tokens, "
+            f"but the model's context window is {window}; shorten the prompt "
+            f"by at least {longest - window} tokens (it is never truncated, "
+            "so the decision point is never cut away)",
+            field=judge.count_tokens(query).largest,
+        )
 
 
 def _text_fields(query: Query, suffix: str) -> dict[str, str]:

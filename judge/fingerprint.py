@@ -15,13 +15,20 @@ from typing import Annotated, Literal, get_args
 import msgspec
 from msgspec import Meta
 
-__all__ = ["CHOICE_PATHS", "ChoicePaths", "Fingerprint", "sha256_text"]
+__all__ = ["CHOICE_PATHS", "ChoicePaths", "Fingerprint", "check_choice_paths", "sha256_text"]
 
 # Which token paths spell a choice (``Judge(choice_paths=...)``): the tokenizer's canonical
 # one, or every path a grammar engine's mask allows (``judge.grammar``). The numbers differ, so
 # a profile fitted with one holds only for the same.
 ChoicePaths = Literal["canonical", "grammar"]
 CHOICE_PATHS: tuple[ChoicePaths, ...] = get_args(ChoicePaths)
+
+
+def check_choice_paths(value: object) -> ChoicePaths:
+    """``value`` if it names a mode of ``CHOICE_PATHS``, else a ValueError naming them."""
+    if value not in CHOICE_PATHS:
+        raise ValueError(f"choice_paths must be one of {', '.join(CHOICE_PATHS)}, got {value!r}")
+    return value  # one of the literals, checked above
 
 
 def sha256_text(text: str | None) -> str | None:

@@ -34,7 +34,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -45,7 +45,19 @@ from judge.trie import ChoiceTrie
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from judge.engine import Judge
+    from judge.judgments import Prepared
+
+
+class _Judging(Protocol):
+    """What the reference reads of a ``judge.Judge`` (named so, not imported: the engine
+    imports this module)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    model: Any
+    response_suffix: str
+
+    def prepare(self, query: Query) -> Prepared: ...
+
 
 __all__ = [
     "MAX_POSITIONS",
@@ -353,7 +365,7 @@ def masked_distribution(
 
 
 def grammar_probabilities(
-    judge: Judge,
+    judge: _Judging,
     prompt: str,
     choices: Sequence[str],
     *,

@@ -90,6 +90,7 @@ def test_calibrate_prints_the_fit(
             "device": "cpu",
             "response_prefix": '{"answer": "',
             "response_suffix": '"}',
+            "choice_paths": "canonical",
         }
     ]
 

@@ -153,6 +153,7 @@ def test_decide_answers_typed_questions_as_the_engine_does(
             "device": "cpu",
             "response_prefix": judge.response_prefix,
             "response_suffix": judge.response_suffix,
+            "choice_paths": "canonical",
         }
     ]
 

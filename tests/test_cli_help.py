@@ -59,6 +59,7 @@ NOT_SETTINGS = {
     "--device",
     "--batch-variant",
     "--generic-pass",
+    "--choice-paths",
     "--prefix-cache-mb",
     "--host",
     "--port",
