@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
@@ -41,6 +41,7 @@ __all__ = [
     "StageFailure",
     "StageItem",
     "StageResult",
+    "run_stages",
 ]
 
 StageFailure = Literal["stage_failed", "stage_timeout"]
@@ -111,13 +112,19 @@ class StageItem(NamedTuple):
     item_span: tuple[int, int] | None = None
 
 
-class Stage(Protocol):
+# What a cascade's stages are asked: a prompt and its choices (``StageItem``), or a typed
+# question about a state (``service.cascade_questions``): the stepping is the same.
+Item = TypeVar("Item", contravariant=True)
+Asked = TypeVar("Asked")
+
+
+class Stage(Protocol[Item]):
     """A judge the cascade can hand an item to: a local engine and gate, or a remote server."""
 
     @property
     def name(self) -> str: ...
 
-    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
+    def answer(self, item: Item, *, timeout_s: float | None) -> StageAnswer:
         """Judge and decide; raise when the stage cannot (the cascade escalates)."""
         ...
 
@@ -143,7 +150,7 @@ class LocalStage:
 class Cascade:
     """Stages tried in order; see the module docstring."""
 
-    def __init__(self, stages: Sequence[Stage]) -> None:
+    def __init__(self, stages: Sequence[Stage[StageItem]]) -> None:
         if not stages:
             raise ValueError("a cascade needs at least one stage")
         names = [stage.name for stage in stages]
@@ -161,48 +168,55 @@ class Cascade:
     ) -> CascadeVerdict:
         """Hand the item to each stage in turn until one accepts; ``deadline_s``: seconds from
         now after which no stage starts (a remote stage gets what is left as its timeout)."""
-        start = time.monotonic()
-        item = StageItem(prompt, choices, item_span)
-        results: list[StageResult] = []
-        for stage in self.stages:
-            left = None if deadline_s is None else deadline_s - (time.monotonic() - start)
-            if left is not None and left <= 0:
-                results.append(
-                    StageResult(
-                        stage=stage.name,
-                        answer=None,
-                        failure="stage_timeout",
-                        error=f"the deadline of {deadline_s:g} s passed before this stage",
-                    )
-                )
-                continue
-            began = time.monotonic()
-            try:
-                answer = stage.answer(item, timeout_s=left)
-            except TimeoutError as exc:
-                results.append(_failed(stage.name, "stage_timeout", exc, began))
-                continue
-            except Exception as exc:
-                results.append(_failed(stage.name, "stage_failed", exc, began))
-                continue
+        return run_stages(self.stages, StageItem(prompt, choices, item_span), deadline_s=deadline_s)
+
+
+def run_stages(
+    stages: Sequence[Stage[Asked]], item: Asked, *, deadline_s: float | None = None
+) -> CascadeVerdict:
+    """``Cascade.judge`` for any item its stages take (a prompt and its choices, a typed
+    question about a state): each stage in turn until one accepts."""
+    start = time.monotonic()
+    results: list[StageResult] = []
+    for stage in stages:
+        left = None if deadline_s is None else deadline_s - (time.monotonic() - start)
+        if left is not None and left <= 0:
             results.append(
                 StageResult(
                     stage=stage.name,
-                    answer=answer,
-                    latency_ms=(time.monotonic() - began) * 1000,
+                    answer=None,
+                    failure="stage_timeout",
+                    error=f"the deadline of {deadline_s:g} s passed before this stage",
                 )
             )
-            if answer.decision == "accept":
-                return CascadeVerdict(
-                    decision="accept",
-                    decided_by=stage.name,
-                    choice=answer.choice,
-                    confidence=answer.confidence,
-                    stages=results,
-                )
-        return CascadeVerdict(
-            decision="escalate", decided_by=None, choice=None, confidence=None, stages=results
+            continue
+        began = time.monotonic()
+        try:
+            answer = stage.answer(item, timeout_s=left)
+        except TimeoutError as exc:
+            results.append(_failed(stage.name, "stage_timeout", exc, began))
+            continue
+        except Exception as exc:
+            results.append(_failed(stage.name, "stage_failed", exc, began))
+            continue
+        results.append(
+            StageResult(
+                stage=stage.name,
+                answer=answer,
+                latency_ms=(time.monotonic() - began) * 1000,
+            )
         )
+        if answer.decision == "accept":
+            return CascadeVerdict(
+                decision="accept",
+                decided_by=stage.name,
+                choice=answer.choice,
+                confidence=answer.confidence,
+                stages=results,
+            )
+    return CascadeVerdict(
+        decision="escalate", decided_by=None, choice=None, confidence=None, stages=results
+    )
 
 
 def _failed(name: str, failure: StageFailure, exc: BaseException, began: float) -> StageResult:

@@ -98,6 +98,7 @@ __all__ = [
     "open_log",
     "replayable_query",
     "replayable_question",
+    "with_cascade",
 ]
 
 SCHEMA_VERSION = 1
@@ -160,6 +161,14 @@ class CascadeLog(msgspec.Struct, frozen=True, kw_only=True):
 
     decided_by: str | None  # the stage whose gate accepted; None: a person decides
     stages: list[StageResult]  # every stage tried, in order
+
+
+def with_cascade(
+    records: Sequence[LoggedDecision], decided_by: str | None, stages: Sequence[StageResult]
+) -> list[LoggedDecision]:
+    """``records`` (a cascade's stages' decisions on one item), each carrying its outcome."""
+    kept = CascadeLog(decided_by=decided_by, stages=list(stages))
+    return [msgspec.structs.replace(r, cascade=kept) for r in records]
 
 
 class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,11 +18,13 @@ not fit its question (a ``ProfileMismatchError``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
 from calibration import Gate, NoCertificateError, Overrides, PolicyDefaults, Verdict
+from calibration.cascade import StageResult
 from judge import Engine, InvalidQueryError
 from judge.answers import (
     MAX_ORDERINGS,
@@ -30,8 +32,62 @@ from judge.answers import (
     Question,
     plan_decisions,
 )
+from service.schemas import JudgeResponse
+from service.systemone import SystemOneAnswer, wire_answer
 
-__all__ = ["judge_questions", "question_overrides", "with_order"]
+__all__ = ["QuestionDecision", "judge_questions", "question_overrides", "with_order"]
+
+_S = TypeVar("_S", JudgeResponse, SystemOneAnswer)
+
+
+class AnsweringStage(Protocol):
+    """A cascade's later stage once it answered a question (``service.cascade_questions``)."""
+
+    @property
+    def wire(self) -> SystemOneAnswer | None: ...
+
+    def response(self, *, return_prompt: bool = False) -> JudgeResponse: ...
+
+
+@dataclass(frozen=True)
+class QuestionDecision:
+    """A question's decision: this engine's answer and verdict and, with a cascade, who
+    decided (None: a person), each stage's part, and the later stage whose answer stands
+    (the deciding one, else the last that answered; None: this engine's)."""
+
+    answer: Answer
+    verdict: Verdict
+    decided_by: str | None = None
+    cascade: list[StageResult] | None = None
+    later: AnsweringStage | None = None
+
+    def wire(self) -> SystemOneAnswer:
+        """The answer's wire form (``POST /v1/systemone``)."""
+        if self.later is None or self.later.wire is None:
+            own = wire_answer(self.answer, self.verdict)
+        else:
+            own = self.later.wire
+        return self._staged(own)
+
+    def response(self, *, return_prompt: bool) -> JudgeResponse:
+        """The answer in a judgment's shape (a pair on ``POST /judge``)."""
+        if self.later is None:
+            own = JudgeResponse.of(
+                self.answer.judgment,
+                self.verdict,
+                choices=list(self.answer.probabilities),  # the request's order of candidates
+                return_prompt=return_prompt,
+                orderings=self.answer.orderings,
+            )
+        else:
+            own = self.later.response(return_prompt=return_prompt)
+        return self._staged(own)
+
+    def _staged(self, own: _S) -> _S:
+        if self.cascade is None:
+            return own
+        return msgspec.structs.replace(own, decided_by=self.decided_by, cascade=self.cascade)
+
 
 Order = Literal["given", "invariant"]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -44,20 +44,28 @@ from calibration import (
     ProfileError,
 )
 from judge import Engine, JudgeError, Query
-from judge.answers import MAX_ORDERINGS, Question
+from judge.answers import MAX_ORDERINGS, Question, plan_decisions
 from judge.judgments import item_span_of
+from service.cascade_questions import (
+    LocalModel,
+    QuestionItem,
+    asked_as,
+    escalated,
+    records_of,
+    stages_for,
+)
 from service.decision_log import (
     DecisionLog,
     DecisionLogError,
     LoggedDecision,
     replayable_query,
     replayable_question,
+    with_cascade,
 )
-from service.decisions import judge_questions, question_overrides, with_order
+from service.decisions import QuestionDecision, judge_questions, question_overrides, with_order
 from service.gate_context import GateContext
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
-from service.systemone import wire_answer
 
 __all__ = ["create_server"]
 
@@ -80,6 +88,8 @@ def create_server(
     log_features: bool = False,
     audit_rate: float = 0.0,
     audit_rates: Mapping[str, float] | None = None,
+    cascade: Mapping[str, LocalModel | str] | None = None,
+    stage_name: str = "local",
 ) -> MCPServer:
     """An MCP server whose tools judge with ``engine`` and gate with ``store``'s profiles.
 
@@ -90,6 +100,12 @@ def create_server(
     states) refit a probe. A log that cannot be written fails the call. Gates are opened as
     the HTTP service opens them (``service.gate_context``): ``audit_rate`` (and per profile,
     ``audit_rates``) marks that share of decisions for people to label.
+
+    With ``cascade`` (later stages by name, in order: a loaded model, or another judge
+    server's URL), a question ``decide`` escalates goes to each later stage in turn as the
+    same question (``service.cascade_questions``), under the profile "P-NAME" where the
+    question's is P, as ``judge serve --cascade`` sends it; ``engine`` is the first stage,
+    ``stage_name``.
     """
     defaults = defaults or PolicyDefaults()
     context = GateContext(
@@ -103,7 +119,7 @@ def create_server(
     )
     model_lock = threading.Lock()
 
-    def keep(records: list[LoggedDecision | None]) -> None:
+    def keep(records: Sequence[LoggedDecision | None]) -> None:
         """Append the call's decisions before it answers; a failed write fails the call."""
         rows = [r for r in records if r is not None]
         if decision_log is None or not rows:
@@ -277,6 +293,24 @@ def create_server(
         asked: dict[str, Any] = dict(questions)
         if order is not None:
             asked = with_order(asked, order)
+        later = {}
+        if cascade:  # each later stage's gate opened and checked before any model work
+            with _tool_errors():
+                plan = plan_decisions(state, asked, max_orderings=max_orderings)
+                for a in plan.asked:
+                    item = QuestionItem(state, a.id, asked_as(a.question, settings[a.id]))
+                    stages = stages_for(
+                        cascade,
+                        names.get(a.id),
+                        settings[a.id],
+                        functools.partial(
+                            gate_of, field=f"profiles.{a.id}", overrides=settings[a.id]
+                        ),
+                        choices=a.choices,
+                        field=f"profiles.{a.id}",
+                        context=context,
+                    )
+                    later[a.id] = (item, stages)
         with _tool_errors(), model_lock:
             judged = judge_questions(
                 engine,
@@ -286,21 +320,27 @@ def create_server(
                 defaults=defaults,
                 max_orderings=max_orderings,
             )
-        keep(
-            [
-                context.settle(
-                    verdict,
-                    gates[qid],
-                    model=engine.model_id,
-                    features=answer.judgment.features,
-                    request=functools.partial(
-                        replayable_question, state, qid, asked[qid], gates[qid]
-                    ),
+        decided, records = {}, []
+        for qid, (answer, verdict) in judged.items():
+            mine = context.settle(
+                verdict,
+                gates[qid],
+                model=engine.model_id,
+                features=answer.judgment.features,
+                request=functools.partial(replayable_question, state, qid, asked[qid], gates[qid]),
+            )
+            decided[qid] = QuestionDecision(answer, verdict)
+            if qid in later:
+                item, stages = later[qid]
+                decided[qid] = escalated(stage_name, (answer, verdict), stages, item)
+                kept = [mine] if mine is not None else []
+                records += with_cascade(
+                    kept + records_of(stages), decided[qid].decided_by, decided[qid].cascade or []
                 )
-                for qid, (answer, verdict) in judged.items()
-            ]
-        )
-        return _plain({qid: wire_answer(a, v) for qid, (a, v) in judged.items()})
+            elif mine is not None:
+                records.append(mine)
+        keep(records)
+        return _plain({qid: d.wire() for qid, d in decided.items()})
 
     list_about = (
         "The calibration profiles a judge or decide call may name: each one's "

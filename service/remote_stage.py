@@ -32,8 +32,9 @@ from calibration.carry import carry
 from calibration.cascade import StageAnswer, StageItem
 from service.client import JudgeClient, RetryPolicy
 from service.schemas import JudgeResponse
+from service.systemone import SystemOneQuestion, SystemOneResponse
 
-__all__ = ["RemoteStage", "SystemOneStage", "answer_of"]
+__all__ = ["RemoteStage", "SystemOneStage", "answer_of", "is_remote"]
 
 NO_RETRIES = RetryPolicy(max_retries=0)
 
@@ -91,6 +92,30 @@ class RemoteStage:
 
     def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
         return answer_of(self.call(item, timeout_s=timeout_s), item.choices)
+
+    def ask(
+        self, state: Any, qid: str, question: SystemOneQuestion, *, timeout_s: float | None
+    ) -> SystemOneResponse:
+        """The remote server's answer to a typed question about ``state``
+        (``POST /v1/systemone``), asked under this stage's profile and overrides in place of
+        the question's own; TimeoutError when it does not answer in time."""
+        asked = msgspec.structs.replace(
+            question,
+            profile=self.profile,
+            threshold=self.threshold,
+            uncertified_threshold=self.uncertified_threshold,
+            min_choice_mass=self.min_choice_mass,
+        )
+        with (
+            _bounded(self.url, self.timeout_s, timeout_s) as limit,
+            JudgeClient(self.url, self.api_key, timeout=limit, retries=NO_RETRIES) as client,
+        ):
+            return client.systemone(state, {qid: asked})
+
+
+def is_remote(target: str) -> bool:
+    """Whether a stage's target is another server (a URL) rather than a model to load."""
+    return target.startswith(("http://", "https://"))
 
 
 @contextmanager

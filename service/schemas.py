@@ -263,6 +263,25 @@ class JudgeResponse(
             orderings=orderings,
         )
 
+    @classmethod
+    def of_answer(
+        cls, answer: msgspec.Struct, *, choice: str, model: str, latency_ms: float
+    ) -> Self:
+        """A typed answer's wire form another judge server gave (``service.systemone``: a
+        pair a cascade's remote stage decided) in a judgment's shape: every field it shares
+        is the answer's, ``choice`` its winner; what that server did not say is empty."""
+        fields = ("judgment_id", "tokens_sha256", "model_sha256", "policy_sha256")
+        said = {f: getattr(answer, f, None) or "" for f in fields}
+        return carry(
+            answer,
+            cls,
+            choice=choice,
+            confidence=answer.probabilities[choice],  # type: ignore[attr-defined]
+            model=model,
+            latency_ms=latency_ms,
+            **said,
+        )
+
 
 # A batch is one of two shapes, told apart by the key it has (``service.bodies``): ``items``,
 # or ``context`` with ``questions``. The other shape's keys may be sent as null (older clients

@@ -4,7 +4,8 @@
                         the decision log, and the steps every request shares (its gate, its
                         queries prepared within the budget, shared rows, the log)
     JudgeServing        POST /judge, POST /judge/batch          (service.serving_judge)
-    CascadeServing      their later stages, with --cascade      (service.serving_cascade)
+    CascadeServing      the later stages of every route that decides, with --cascade
+                                                                (service.serving_cascade)
     SystemOneServing    POST /v1/systemone                      (service.serving_systemone)
     ProfileServing      /profiles: list, store, fit             (service.serving_profiles)
     FeedbackServing     /judgments, /labels, profile health     (service.serving_feedback)
@@ -46,7 +47,7 @@ class Service(ServiceCore):
 
             self.cascade = CascadeServing(self)
         self.judging = JudgeServing(self, self.cascade)
-        self.systemone = SystemOneServing(self)
+        self.systemone = SystemOneServing(self, self.cascade)
         self.profiles = ProfileServing(self)
         self.feedback = FeedbackServing(self)
 

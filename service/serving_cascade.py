@@ -1,4 +1,6 @@
-"""A cascade behind ``POST /judge`` (``judge serve --cascade NAME=TARGET ...``).
+"""A cascade behind every route that decides (``judge serve --cascade NAME=TARGET ...``):
+``POST /judge`` and its batches, questions about a shared context, ``POST /v1/systemone`` and
+pairs (typed questions: ``service.cascade_questions``).
 
 This server's engine is the first stage (``--stage-name``), decided as every judgment is. An
 item it escalates goes to each later stage in turn (``calibration.cascade.Cascade``): a
@@ -19,47 +21,42 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio.to_thread
 import msgspec
 
 from calibration import Cascade, Gate, Overrides, Verdict
 from calibration.cascade import LocalStage, StageAnswer, StageItem, StageResult
-from judge import Engine, Judgment
-from service.decision_log import CascadeLog, LoggedDecision
+from judge import Judgment
+from judge.answers import Answer
+from service.cascade_questions import (
+    LocalModel,
+    LocalQuestionStage,
+    QuestionItem,
+    QuestionStage,
+    RemoteQuestionStage,
+    escalated,
+)
+from service.decision_log import LoggedDecision, with_cascade
+from service.decisions import QuestionDecision
 from service.gate_context import GateContext
-from service.remote_stage import RemoteStage, answer_of
-from service.schemas import JudgeRequest, JudgeResponse
+from service.remote_stage import RemoteStage, answer_of, is_remote
+from service.schemas import JudgeRequest, JudgeResponse, SharedQuestion
 from service.serving_core import WARM_UP, ServiceCore
+from service.systemone import SystemOneQuestion
 
 __all__ = [
     "CascadeServing",
-    "LocalModel",
     "ServedLocal",
     "ServedRemote",
     "ServedStage",
     "cascaded",
-    "is_remote",
 ]
 
 log = logging.getLogger("judge.service")
-
-
-def is_remote(target: str) -> bool:
-    """Whether a stage's target is another server (a URL) rather than a model to load."""
-    return target.startswith(("http://", "https://"))
-
-
-@dataclass
-class LocalModel:
-    """A later stage's model, loaded once; its lock lets one item at a time through."""
-
-    engine: Engine
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -127,60 +124,123 @@ class CascadeServing:
             self.local[name] = LocalModel(engine)
             log.info("cascade stage %s: model %s, %s pass", name, engine.model_id, engine.dtype)
 
-    def plan(self, request: JudgeRequest) -> list[ServedStage]:
-        """Each later stage for ``request``: a local one's gate opened on its profile
-        (``P-NAME``) and checked against its engine; no model work. A missing or mismatched
-        profile is refused here, naming ``profile``."""
+    def plan(self, request: JudgeRequest | SharedQuestion) -> list[ServedStage]:
+        """Each later stage for ``request`` (a judgment, or a question about a shared
+        context): a local one's gate opened on its profile (``P-NAME``) and checked against
+        its engine; no model work. A missing or mismatched profile is refused here, naming
+        ``profile``."""
+        return [
+            ServedRemote(seen) if isinstance(seen, RemoteStage) else ServedLocal(name, *seen)
+            for name, seen in self._opened(
+                request.profile, Overrides.of(request), request.choices, "profile"
+            )
+        ]
+
+    def plan_question(
+        self, qid: str, question: SystemOneQuestion, choices: Sequence[str]
+    ) -> list[QuestionStage]:
+        """``plan`` for a typed question (its answer's ``choices``), a refusal naming
+        ``questions.<qid>.profile``."""
+        field = f"questions.{qid}.profile"
+        opened = self._opened(question.profile, Overrides.of(question), choices, field)
+        return [
+            RemoteQuestionStage(seen)
+            if isinstance(seen, RemoteStage)
+            else LocalQuestionStage(name, *seen)
+            for name, seen in opened
+        ]
+
+    def _opened(
+        self, profile: str | None, overrides: Overrides, choices: Sequence[str], field: str
+    ) -> list[tuple[str, RemoteStage | tuple[LocalModel, Gate, GateContext]]]:
+        """Each later stage under a request's ``profile`` (P: stage NAME's is "P-NAME") and
+        ``overrides``: a remote one as that server is asked, a local one's model, its gate
+        (opened and checked against its engine here) and the server's gate context."""
         config = self.service.config
-        overrides = Overrides.of(request)
-        stages: list[ServedStage] = []
+        opened: list[tuple[str, RemoteStage | tuple[LocalModel, Gate, GateContext]]] = []
         for name, target in config.cascade.items():
-            profile = None if request.profile is None else f"{request.profile}-{name}"
+            mine = None if profile is None else f"{profile}-{name}"
             if is_remote(target):
                 # A fleet's servers share their key.
-                remote = RemoteStage.under(name, target, profile, overrides, config.api_key)
-                stages.append(ServedRemote(remote))
+                opened.append(
+                    (name, RemoteStage.under(name, target, mine, overrides, config.api_key))
+                )
                 continue
             model = self.local[name]
             gate = self.service.open_gate(
-                model.engine, profile, overrides, choices=request.choices, field="profile"
+                model.engine, mine, overrides, choices=choices, field=field
             )
-            stages.append(ServedLocal(name, model, gate, self.service.gates))
-        return stages
+            opened.append((name, (model, gate, self.service.gates)))
+        return opened
 
     async def escalate(
         self,
-        request: JudgeRequest,
+        item: StageItem,
         stages: list[ServedStage],
         first: tuple[Judgment, Verdict, JudgeResponse],
         records: list[LoggedDecision],
         deadline: float,
     ) -> JudgeResponse:
-        """The first stage's judgment, verdict and response; where it escalated, the later
-        stages tried (off the event loop) until one accepts. ``records`` holds this request's records (the
-        first stage's, if logged): the later stages' join them, and each carries the
-        outcome."""
+        """The first stage's judgment, verdict and response to ``item``; where it escalated,
+        the later stages tried (off the event loop) until one accepts. ``records`` holds this
+        request's records (the first stage's, if logged): the later stages' join them, and
+        each carries the outcome."""
         run = functools.partial(
             cascaded,
             self.service.config.stage_name,
             first,
             stages,
-            StageItem(request.prompt, request.choices, request.item_span),
+            item,
             deadline_s=deadline - time.monotonic(),
         )
         accepted = first[1].decision == "accept"
         # Only the later stages' model work goes off the event loop.
         final = run() if accepted else await anyio.to_thread.run_sync(run)
-        decided_by, parts = final.decided_by, final.cascade or []
-        records += [s.record for s in stages if isinstance(s, ServedLocal) and s.record]
+        self._kept(final.decided_by, final.cascade or [], stages, records)
+        return final
+
+    async def escalate_question(
+        self,
+        item: QuestionItem,
+        stages: list[QuestionStage],
+        first: tuple[Answer, Verdict],
+        records: list[LoggedDecision],
+        deadline: float,
+    ) -> QuestionDecision:
+        """``escalate`` for a typed question (``cascade_questions.escalated``): the first
+        stage's answer and verdict, and where it escalated the later stages, off the event
+        loop."""
+        run = functools.partial(
+            escalated,
+            self.service.config.stage_name,
+            first,
+            stages,
+            item,
+            deadline_s=deadline - time.monotonic(),
+        )
+        accepted = first[1].decision == "accept"
+        decision = run() if accepted else await anyio.to_thread.run_sync(run)
+        self._kept(decision.decided_by, decision.cascade or [], stages, records)
+        return decision
+
+    def _kept(
+        self,
+        decided_by: str | None,
+        parts: list[StageResult],
+        stages: Sequence[ServedStage | QuestionStage],
+        records: list[LoggedDecision],
+    ) -> None:
+        """What a cascade's outcome leaves: the later local stages' records join ``records``
+        (the first stage's, if logged), each carrying the outcome; ``/metrics`` counts who
+        decided and which stages failed."""
+        local = [s for s in stages if isinstance(s, ServedLocal | LocalQuestionStage)]
+        records += [s.record for s in local if s.record is not None]
         metrics = self.service.metrics
         metrics.cascade_decisions.labels(decided_by or "person").inc()
         for p in parts:
             if p.failure is not None:
                 metrics.cascade_failures.labels(p.stage, p.failure).inc()
-        kept = CascadeLog(decided_by=decided_by, stages=parts)
-        records[:] = [msgspec.structs.replace(r, cascade=kept) for r in records]
-        return final
+        records[:] = with_cascade(records, decided_by, parts)
 
 
 def cascaded(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from calibration import Gate, Overrides, Verdict
+from calibration.cascade import StageItem
 from calibration.gate import fitted_template
 from judge import Engine, JudgeError, Judgment, Prepared, Query
 from judge.engine import shared_query
@@ -125,9 +126,7 @@ class JudgeServing:
         gate = self.service.open_gate(
             engine, request.profile, overrides, template=query, choices=request.choices
         )
-        later = None
-        if self.cascade is not None and isinstance(request, JudgeRequest):
-            later = self.cascade.plan(request)
+        later = None if self.cascade is None else self.cascade.plan(request)
         # A whole prompt to a profile fitted on a task must mark its item, and is flagged when
         # it is not that task's prompt; a shared question has no item span, so is flagged.
         if isinstance(request, JudgeRequest):
@@ -141,19 +140,21 @@ class JudgeServing:
         self,
         engine: Engine,
         result: Judgment,
-        request: JudgeRequest,
+        request: JudgeRequest | SharedQuestion,
         plan: _Plan,
         ticket: Ticket,
         records: list[LoggedDecision],
     ) -> JudgeResponse:
-        """``_respond``, and with a cascade the later stages where this engine escalated."""
+        """``_respond``, and with a cascade the later stages where this engine escalated
+        (asked the prompt this engine judged: a shared question's, with its context)."""
         if plan.later is None:
             return self._respond(engine, result, request, plan, records)[0]
         assert self.cascade is not None  # later stages are planned only with one
         mine: list[LoggedDecision] = []
         response, verdict = self._respond(engine, result, request, plan, mine)
+        item = StageItem(plan.query.prompt, request.choices, plan.query.item_span)
         final = await self.cascade.escalate(
-            request, plan.later, (result, verdict, response), mine, ticket.deadline
+            item, plan.later, (result, verdict, response), mine, ticket.deadline
         )
         records += mine
         return final
@@ -268,6 +269,6 @@ class JudgeServing:
             ready.append(prepared)
         results = await self.service.run_rows(engine, ready, ticket)
         return [
-            self._respond(engine, r, q, p, records)[0]
+            await self._decided(engine, r, q, p, ticket, records)
             for r, q, p in zip(results, questions, plans, strict=True)
         ]

@@ -15,14 +15,15 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from calibration import Gate, Overrides, Verdict
+from calibration import Overrides
 from judge import Engine, Judgment, Prepared
-from judge.answers import Answer, plan_decisions
+from judge.answers import plan_decisions
 from service.decision_log import LoggedDecision, replayable_question
+from service.decisions import QuestionDecision
 from service.errors import TooLargeError, UnprocessableError
 from service.schemas import JudgeResponse, PairRequest
 from service.serving_core import ServiceCore, Ticket
@@ -32,10 +33,14 @@ from service.systemone import (
     SystemOneRequest,
     SystemOneResponse,
     Usage,
-    wire_answer,
 )
 
+if TYPE_CHECKING:
+    # A cascade's machinery is imported only by a server that has one (service.serving).
+    from service.serving_cascade import CascadeServing
+
 __all__ = ["SystemOneServing"]
+
 
 # A pair on POST /judge is asked as this one question; its fields are the request's own.
 _PAIR = "pair"
@@ -44,8 +49,9 @@ _PAIR = "pair"
 class SystemOneServing:
     """Typed questions about one state, in one run of the model."""
 
-    def __init__(self, service: ServiceCore) -> None:
+    def __init__(self, service: ServiceCore, cascade: CascadeServing | None = None) -> None:
         self.service = service
+        self.cascade = cascade
 
     async def answer(self, request: SystemOneRequest, ticket: Ticket) -> SystemOneResponse:
         """Typed questions about one state (``service.systemone``), as shared questions are
@@ -72,9 +78,7 @@ class SystemOneServing:
         decided, judgments = await self._decided(engine, request.state, request.questions, ticket)
         return SystemOneResponse(
             model=engine.model_id,
-            answers={
-                qid: wire_answer(answer, verdict) for qid, (answer, verdict, _) in decided.items()
-            },
+            answers={qid: d.wire() for qid, d in decided.items()},
             usage=Usage(input_tokens=sum(j.computed_tokens for j in judgments)),
             latency_ms=(time.perf_counter() - started) * 1000,
         )
@@ -94,14 +98,7 @@ class SystemOneServing:
             if isinstance(field, str) and field.startswith(f"questions.{_PAIR}."):
                 exc.field = field.removeprefix(f"questions.{_PAIR}.")  # type: ignore[attr-defined]
             raise
-        answer, verdict, _gate = decided[_PAIR]
-        return JudgeResponse.of(
-            answer.judgment,
-            verdict,
-            choices=list(answer.probabilities),  # the request's order of the candidates
-            return_prompt=request.return_prompt,
-            orderings=answer.orderings,
-        )
+        return decided[_PAIR].response(return_prompt=request.return_prompt)
 
     async def _decided(
         self,
@@ -109,9 +106,10 @@ class SystemOneServing:
         state: Any,
         asked: Mapping[str, SystemOneQuestion],
         ticket: Ticket,
-    ) -> tuple[dict[str, tuple[Answer, Verdict, Gate]], list[Judgment]]:
-        """Each question's answer, its verdict and the gate that gave it, and the judgments
-        of the run; the verdicts are logged before this returns.
+    ) -> tuple[dict[str, QuestionDecision], list[Judgment]]:
+        """Each question's decision (with a cascade, through the later stages where this
+        engine escalated), and the judgments of the run; the verdicts are logged before this
+        returns.
 
         Checked before any model work: each question (``judge.answers.plan_decisions``), its
         gate (the profile against the engine and its choices), and each listing's size
@@ -130,6 +128,12 @@ class SystemOneServing:
                 field=f"questions.{a.id}.profile",
             )
             for a in plan.asked
+        }
+        cascade = self.cascade
+        later = {
+            a.id: cascade.plan_question(a.id, asked[a.id], a.choices)
+            for a in plan.asked
+            if cascade is not None
         }
         if any(g.feature_layers or g.span_layers for g in gates.values()):
             # A probe reads the pass's hidden states (at the decision point, or their mean
@@ -156,13 +160,12 @@ class SystemOneServing:
                 raise prepared
             ready.append(prepared)
         judgments = await self.service.run_rows(engine, ready, ticket)
-        decided: dict[str, tuple[Answer, Verdict, Gate]] = {}
+        decided: dict[str, QuestionDecision] = {}
         records: list[LoggedDecision] = []
         for qid, answer in plan.answers(judgments).items():
             gate = gates[qid]
             verdict = gate.decide_answer(answer)
             self.service.metrics.decisions.labels(verdict.decision).inc()
-            decided[qid] = (answer, verdict, gate)
             record = self.service.gates.settle(
                 verdict,
                 gate,
@@ -170,8 +173,17 @@ class SystemOneServing:
                 features=answer.judgment.features,
                 request=functools.partial(replayable_question, state, qid, asked[qid], gate),
             )
-            if record is not None:
-                records.append(record)
+            mine = [] if record is None else [record]
+            decided[qid] = QuestionDecision(answer, verdict)
+            if cascade is not None:
+                from service.cascade_questions import QuestionItem
+
+                item = QuestionItem(state, qid, asked[qid])
+                outcome = await cascade.escalate_question(
+                    item, later[qid], (answer, verdict), mine, ticket.deadline
+                )
+                decided[qid] = outcome
+            records += mine
         await self.service.append_to_log(records)
         return decided, judgments
 

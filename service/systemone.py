@@ -46,6 +46,7 @@ import msgspec
 from msgspec import Meta
 
 from calibration.carry import carry
+from calibration.cascade import StageResult
 from calibration.policy import ReasonCode
 from judge.questions import (
     MAX_LEVELS,
@@ -203,6 +204,11 @@ class _Answered(msgspec.Struct, frozen=True, kw_only=True):
     # Under a profile fitted on a task: a typed question is asked in its own prompt, never
     # the task's, so the certificate was measured on other prompts (as on a judgment).
     outside_template: bool = False
+    # With a cascade (``judge serve --cascade``), as on a judgment: the stage whose gate
+    # accepted (None: escalated past the last, to a person) and each stage tried, in order.
+    # The fields above are then the deciding stage's answer, else the last that answered.
+    decided_by: str | None = None
+    cascade: list[StageResult] | None = None
 
 
 class SystemOneNoulAnswer(_Answered, frozen=True, kw_only=True, tag="noul", tag_field="type"):

@@ -22,7 +22,7 @@ SPAM = "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082.
 CHOICES = ["spam", "ham"]
 
 
-def _profile(name: str, judge: Judge, right: float, seed: int) -> CalibrationProfile:
+def coin_profile(name: str, judge: Judge, right: float, seed: int) -> CalibrationProfile:
     """A profile for the session model on synthetic scores: right in about ``right`` of the
     items, sure of itself (0.5: a coin, which certifies no threshold)."""
     rng = np.random.default_rng(seed)
@@ -47,8 +47,8 @@ def _profile(name: str, judge: Judge, right: float, seed: int) -> CalibrationPro
 def profiles(judge: Judge, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("profiles")
     made = {
-        "coin": _profile("coin", judge, 0.5, seed=1),  # the first stage's: escalates all
-        "coin-second": _profile("coin-second", judge, 0.99, seed=2),
+        "coin": coin_profile("coin", judge, 0.5, seed=1),  # the first stage's: escalates all
+        "coin-second": coin_profile("coin-second", judge, 0.99, seed=2),
     }
     for name, profile in made.items():
         save_profile(profile, folder / f"{name}.json")
@@ -81,7 +81,7 @@ def test_an_item_the_first_stage_escalates_is_decided_by_the_second(
     first, second = body["cascade"]
     assert first["stage"] == "local" and second["stage"] == "second"
     assert first["answer"]["decision"] == "escalate"
-    assert first["answer"]["reason_codes"] == ["no_certified_threshold"]
+    assert "no_certified_threshold" in first["answer"]["reason_codes"]
     assert first["answer"]["profile"] == "coin" and second["answer"]["profile"] == "coin-second"
     # The second stage's own decision, exactly as its gate makes it in Python.
     alone = Gate(profiles["coin-second"]).judge(judge, SPAM, CHOICES)
@@ -151,3 +151,83 @@ def test_a_cascade_s_stages_need_names_of_their_own(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         main(["serve", "--cascade", "no-target"])
     assert "give NAME=MODEL or NAME=URL" in capsys.readouterr().err
+
+
+# Every route that decides escalates through the stages (issue 49): a question about a shared
+# context, a typed question on POST /v1/systemone and a pair on POST /judge, each decided by
+# the second stage under "coin-second" where the first stage's "coin" certifies nothing.
+CHOICE = {"type": "choice", "instructions": "Is this SMS spam?", "profile": "coin"}
+CRITERIA: dict[str, Any] = {"spam": "unsolicited advertising", "ham": "a normal message"}
+
+
+def _second_decided(body: dict[str, Any], client: TestClient[Any]) -> None:
+    """What every route's escalated answer says: the second stage decided, each stage's part
+    is listed, and both stages' rows are logged with the outcome."""
+    first, second = body["cascade"]
+    assert (first["stage"], second["stage"]) == ("local", "second")
+    assert first["answer"]["decision"] == "escalate"
+    assert "no_certified_threshold" in first["answer"]["reason_codes"]
+    assert first["answer"]["profile"] == "coin" and second["answer"]["profile"] == "coin-second"
+    assert body["decided_by"] == "second" and body["decision"] == "accept"
+    assert body["profile"] == "coin-second"
+    assert body["judgment_id"] == second["answer"]["judgment_id"]
+    assert body["probabilities"] == second["answer"]["probabilities"]
+    for stage in (first, second):
+        row = client.get(f"/judgments/{stage['answer']['judgment_id']}").json()
+        assert row["cascade"]["decided_by"] == "second"
+        assert [s["stage"] for s in row["cascade"]["stages"]] == ["local", "second"]
+
+
+def test_a_shared_question_escalates_through_the_stages(
+    client: TestClient[Any], judge: Judge, profiles: dict[str, Any]
+) -> None:
+    context = "WINNER!! Claim your free prize now, text WIN to 80082."
+    question = {"prompt": "Is this SMS spam?", "choices": CHOICES, "profile": "coin"}
+    r = client.post("/judge/batch", json={"context": context, "questions": [question]})
+    assert r.status_code == 200, r.text
+    (body,) = r.json()["results"]
+    _second_decided(body, client)
+    # The second stage was asked the prompt the first judged: the context and the question.
+    alone = Gate(profiles["coin-second"]).judge(judge, f"{context}\n\nIs this SMS spam?", CHOICES)
+    assert body["probabilities"] == alone.probabilities
+
+
+def test_a_typed_question_escalates_through_the_stages(
+    client: TestClient[Any], judge: Judge, profiles: dict[str, Any]
+) -> None:
+    questions = {"q": {**CHOICE, "criteria": CRITERIA}}
+    r = client.post("/v1/systemone", json={"state": SPAM, "questions": questions})
+    assert r.status_code == 200, r.text
+    answer = r.json()["answers"]["q"]
+    _second_decided(answer, client)
+    assert answer["type"] == "choice" and answer["choice"] == answer["cascade"][1]["answer"]["choice"]
+    # The second stage's own answer, as its gate gives it in Python on the same question.
+    from judge.answers import ChoiceQuestion
+    from service.decisions import judge_questions
+
+    asked = ChoiceQuestion(instructions="Is this SMS spam?", criteria=CRITERIA)
+    alone = judge_questions(judge, SPAM, {"q": asked}, gates={"q": Gate(profiles["coin-second"])})
+    assert answer["probabilities"] == alone["q"][1].probabilities
+    # A question the first stage accepts is its own, named as decided by it.
+    r = client.post(
+        "/v1/systemone",
+        json={"state": SPAM, "questions": {"q": {**questions["q"], "profile": "coin-second"}}},
+    )
+    assert r.status_code == 404 and r.json()["field"] == "questions.q.profile"  # no stage's
+
+
+def test_a_pair_escalates_through_the_stages(client: TestClient[Any]) -> None:
+    pair = {
+        "state": "Which of the two messages is the spam?",
+        "instructions": "Pick the unsolicited advertising.",
+        "candidates": {"spam": "WINNER!! Claim your prize now.", "ham": "See you at 5."},
+        "profile": "coin",
+    }
+    r = client.post("/judge", json=pair)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    _second_decided(body, client)
+    assert body["orderings"] == 2 and body["choice"] in ("spam", "ham")
+    # A stage's missing profile is refused naming the request's own field, before any work.
+    r = client.post("/judge", json={**pair, "profile": "coin-second"})
+    assert r.status_code == 404 and r.json()["field"] == "profile"

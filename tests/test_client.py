@@ -793,6 +793,55 @@ def test_a_remote_stage_killed_mid_request_or_too_slow_is_an_escalation() -> Non
     assert stage.failure == "stage_timeout" and "did not answer within" in (stage.error or "")
 
 
+def test_typed_questions_escalate_to_a_remote_stage(server: Server, judge: Any) -> None:
+    """With a remote later stage, a typed question (POST /v1/systemone) and a pair (POST
+    /judge) the first stage escalates are asked of the other server as the same question, and
+    its answer stands; a stage that is down is an escalation with its reason code."""
+    from litestar.testing import TestClient
+    from server import settled
+
+    from service import ServiceConfig, create_app
+
+    question = {
+        "type": "choice",
+        "instructions": "Spam or ham?",
+        "criteria": {"spam": None, "ham": None},
+    }
+    pair: dict[str, Any] = {
+        "state": "Which message is the spam?",
+        "instructions": "Pick the unsolicited advertising.",
+        "candidates": {"a": TEXTS[0], "b": TEXTS[1]},
+    }
+    config = ServiceConfig(cascade={"remote": server.url, "down": "http://127.0.0.1:9"})
+    with TestClient(app=create_app(judge, config=config)) as app:
+        assert settled(app).status_code == 200
+        r = app.post("/v1/systemone", json={"state": TEXTS[0], "questions": {"q": question}})
+        assert r.status_code == 200, r.text
+        answer = r.json()["answers"]["q"]
+        paired = app.post("/judge", json=pair)
+        assert paired.status_code == 200, paired.text
+    # No profile: no stage has a certificate, so each escalates and a person decides.
+    first, remote, down = answer["cascade"]
+    assert [p["stage"] for p in answer["cascade"]] == ["local", "remote", "down"]
+    assert first["answer"]["reason_codes"] == ["uncalibrated"]
+    assert remote["answer"]["reason_codes"] == ["uncalibrated"]
+    assert down["failure"] == "stage_failed" and down["answer"] is None
+    assert answer["decided_by"] is None and answer["decision"] == "escalate"
+    # The remote part is the server's own answer to the same question, which stands.
+    with JudgeClient(server.url, timeout=120) as direct:
+        own = direct.systemone(TEXTS[0], {"q": question}).answers["q"]
+        own_pair = direct.judge_pair(pair["state"], pair["instructions"], pair["candidates"])
+    assert remote["answer"]["raw_probabilities"] == own.raw_probabilities
+    assert answer["raw_probabilities"] == own.raw_probabilities
+    assert remote["answer"]["judgment_id"] == answer["judgment_id"]
+    # A pair the remote stage answered, in a judgment's shape: its winner and its listings.
+    body = paired.json()
+    assert [p["stage"] for p in body["cascade"]] == ["local", "remote", "down"]
+    assert body["raw_probabilities"] == own_pair.raw_probabilities
+    assert body["orderings"] == 2 and body["choice"] in ("a", "b")
+    assert body["judgment_id"] == body["cascade"][1]["answer"]["judgment_id"]
+
+
 # --- a System One server as a stage (service.remote_stage.SystemOneStage) --------------------
 
 

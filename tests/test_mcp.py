@@ -383,3 +383,59 @@ def test_mcp_decisions_enter_the_audit_sample(
     audited = log.decisions(audit=True)
     assert [r.judgment_id for r in audited] == [sms["judgment_id"]]
     log.close()
+
+
+def test_decide_escalates_through_a_cascade(judge: Judge, tmp_path: Path) -> None:
+    """`judge mcp --cascade`: a question decide's model escalates goes to each later stage as
+    the same question under "P-NAME", as `judge serve --cascade` sends it; the answer names
+    who decided and lists every stage, and each local stage's decision is logged with it."""
+    import asyncio
+
+    from test_cascade_service import coin_profile
+
+    from service.cascade_questions import LocalModel
+    from service.decision_log import open_log
+    from service.mcp_server import create_server
+    from service.profiles import ProfileStore
+
+    for name, right, seed in [("coin", 0.5, 1), ("coin-second", 0.99, 2)]:
+        save_profile(coin_profile(name, judge, right, seed), tmp_path / f"{name}.json")
+    log = open_log(str(tmp_path / "decisions.db"))
+    cascade = {"second": LocalModel(judge), "down": "http://127.0.0.1:9"}
+    server = create_server(judge, ProfileStore(tmp_path), decision_log=log, cascade=cascade)
+
+    def decide(arguments: dict[str, Any]) -> Any:
+        result: Any = asyncio.run(server.call_tool("decide", arguments))
+        assert not result.is_error, result.content
+        return result.structured_content
+
+    question = {"type": "choice", "instructions": "Is this SMS spam?"}
+    question["criteria"] = {"spam": "advertising", "ham": "a normal message"}
+    gated = decide({"state": PROMPT, "questions": {"q": question}, "profiles": {"q": "coin"}})
+    answer = gated["q"]
+    assert answer["decided_by"] == "second" and answer["decision"] == "accept"
+    assert [s["stage"] for s in answer["cascade"]] == ["local", "second"]  # none after
+    assert answer["profile"] == "coin-second"
+    assert answer["judgment_id"] == answer["cascade"][1]["answer"]["judgment_id"]
+    for part in answer["cascade"]:
+        row = log.get(part["answer"]["judgment_id"])
+        assert row.cascade is not None and row.cascade.decided_by == "second"
+    # No profile: no stage certifies, the remote one is down, and a person decides.
+    plain = decide({"state": PROMPT, "questions": {"q": question}})["q"]
+    assert [s["stage"] for s in plain["cascade"]] == ["local", "second", "down"]
+    assert plain["cascade"][2]["failure"] == "stage_failed" and plain["decided_by"] is None
+    # A later stage's missing profile is refused before any model work, naming the field:
+    # under "coin-second" the second stage's is "coin-second-second".
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    before = len(log.decisions())
+    arguments = {"state": PROMPT, "questions": {"q": question}, "profiles": {"q": "coin-second"}}
+    with pytest.raises(ToolError, match="profiles.q: no profile named 'coin-second-second'"):
+        asyncio.run(server.call_tool("decide", arguments))
+    assert len(log.decisions()) == before
+    log.close()
+
+
+def test_judge_mcp_s_stages_need_names_of_their_own(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["mcp", "--stage-name", "a", "--cascade", "a=x.gguf"]) == 2
+    assert "each stage needs a name of its own" in capsys.readouterr().err

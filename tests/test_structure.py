@@ -214,7 +214,7 @@ with TestClient(app=create_app(FakeEngine(), config=config)) as client:
     assert r.status_code == 200, r.text
 sys.setprofile(None)
 threading.setprofile(None)
-modules = ["service.serving_cascade", "service.remote_stage"]
+modules = ["service.serving_cascade", "service.remote_stage", "service.cascade_questions"]
 print(json.dumps({"imported": [m for m in modules if m in sys.modules],
                   "called": sorted(called)}))
 """
@@ -244,7 +244,11 @@ def test_a_request_without_a_cascade_neither_imports_nor_calls_it(cascade: bool)
     remote stage that is down: the item escalates to it) the same trace sees all three."""
     imported, called = _traced({"big": "http://127.0.0.1:9"} if cascade else {})
     if cascade:
-        assert imported == ["service.serving_cascade", "service.remote_stage"]
+        assert imported == [
+            "service.serving_cascade",
+            "service.remote_stage",
+            "service.cascade_questions",
+        ]
         assert called == set(CASCADE_FILES)
     else:
         assert imported == [] and called == set()

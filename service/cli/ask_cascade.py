@@ -25,7 +25,8 @@ from service.schemas import JudgeResponse
 
 if TYPE_CHECKING:
     from judge import Judgment, Query
-    from service.serving_cascade import LocalModel, ServedStage
+    from service.cascade_questions import LocalModel
+    from service.serving_cascade import ServedStage
 
 # The stages' machinery (service.serving_cascade) is the server's: imported where a cascade
 # is asked for, so that `judge ask --help` needs none of the server's packages.
@@ -54,7 +55,8 @@ class LaterStages:
         """Load each local stage's model and open its gate, checked against the model and
         ``choices`` (None: the profile's, else any), before any item is judged."""
         from judge import Judge
-        from service.serving_cascade import LocalModel, is_remote
+        from service.cascade_questions import LocalModel
+        from service.remote_stage import is_remote
 
         for stage in self.stages:
             if is_remote(stage.target):
@@ -66,8 +68,8 @@ class LaterStages:
 
     def views(self) -> list[ServedStage]:
         """One item's view of each later stage (each keeps what it answered)."""
-        from service.remote_stage import RemoteStage
-        from service.serving_cascade import ServedLocal, ServedRemote, is_remote
+        from service.remote_stage import RemoteStage, is_remote
+        from service.serving_cascade import ServedLocal, ServedRemote
 
         views: list[ServedStage] = []
         for stage in self.stages:
@@ -115,7 +117,7 @@ def plan(args: argparse.Namespace, overrides: Overrides) -> LaterStages | None:
             f"--stage-profile names {unknown[0]!r}, which is not a --cascade stage",
             field="--stage-profile",
         )
-    from service.serving_cascade import is_remote
+    from service.remote_stage import is_remote
 
     stages = []
     for name, target in given:

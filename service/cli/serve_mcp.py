@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from calibration import PolicyDefaults
 from judge import DEFAULT_PREFIX_CACHE_MB
@@ -24,8 +25,12 @@ from service.cli.common import (
     choice_paths_argument,
     megabytes,
     probability,
+    stage,
 )
 from service.cli.serve import audit_rates
+
+if TYPE_CHECKING:
+    from service.cascade_questions import LocalModel
 
 __all__ = ["add_arguments", "run"]
 
@@ -87,7 +92,30 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         help="OPT-IN, NO GUARANTEE: where no certified threshold exists (no profile, or one "
         "that certified none), accept at this confidence instead of escalating",
     )
+    mcp.add_argument(
+        "--cascade",
+        type=stage,
+        action="append",
+        default=None,
+        metavar="NAME=MODEL|URL",
+        help="a later stage of decide's cascade, in order: a question the stages before it "
+        "escalate goes to it, under the profile P-NAME (a model loaded here, or another "
+        "judge server's URL), as judge serve --cascade sends it",
+    )
+    mcp.add_argument(
+        "--stage-name", default="local", help="this server's model's name as the first stage"
+    )
     mcp.set_defaults(run=run)
+
+
+def _stage_names(first: str, given: list[tuple[str, str]]) -> None:
+    """Each stage's name its own, refused before any model loads."""
+    names = [first, *(name for name, _ in given)]
+    if len(set(names)) != len(names):
+        raise UsageError(
+            f"each stage needs a name of its own (--stage-name and --cascade), got {names}",
+            field="--cascade",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     from service.mcp_server import create_server
     from service.profiles import ProfileStore
 
+    given: list[tuple[str, str]] = args.cascade or []
+    _stage_names(args.stage_name, given)
     # Opened first: a log that cannot be written stops the server before the model loads.
     decision_log = None
     if args.decision_log is not None:
@@ -115,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_cache_mb=args.prefix_cache_mb,
             choice_paths=args.choice_paths,
         )
+        cascade = _load_stages(given, engine.dtype)
     server = create_server(
         engine,
         ProfileStore(args.profiles_dir),
@@ -123,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         log_requests=args.log_requests,
         log_features=args.log_features,
         **audit_rates(args.audit_rate or []),
+        cascade=cascade,
+        stage_name=args.stage_name,
     )
     try:
         server.run("stdio")
@@ -130,3 +163,15 @@ def run(args: argparse.Namespace) -> int:
         if decision_log is not None:
             decision_log.close()
     return 0
+
+
+def _load_stages(given: list[tuple[str, str]], dtype: str) -> dict[str, LocalModel | str]:
+    """The later stages, in order: a URL as it is, a model loaded (in the first's dtype)."""
+    from judge import Judge
+    from service.cascade_questions import LocalModel
+    from service.remote_stage import is_remote
+
+    return {
+        name: target if is_remote(target) else LocalModel(Judge.load(target, dtype=dtype))  # type: ignore[arg-type]
+        for name, target in given
+    }
