@@ -27,7 +27,7 @@ so that ``judge replay`` reopens the very gate a decision was made through.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, Unpack
 
 import msgspec
 
@@ -115,6 +115,16 @@ def fitted_template(profile: CalibrationProfile | None) -> PromptTemplate:
 def _flagged(verdict: Verdict, outside_template: bool) -> Verdict:
     """``verdict``, saying its prompt lay outside the profile's fitted template where it did."""
     return msgspec.structs.replace(verdict, outside_template=True) if outside_template else verdict
+
+
+class AskedFor(TypedDict, total=False):
+    """What ``Gate.judge`` takes beside the prompt and its choices (``Gate.judged``'s)."""
+
+    item: str | None
+    system: str | None
+    response_prefix: str | None
+    response_suffix: str | None
+    item_span: tuple[int, int] | None
 
 
 class Gate:
@@ -311,12 +321,7 @@ class Gate:
         engine: JudgingEngine,
         prompt: str | None = None,
         choices: Sequence[str] | None = None,
-        *,
-        item: str | None = None,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        item_span: tuple[int, int] | None = None,
+        **asked: Unpack[AskedFor],
     ) -> Verdict:
         """Judge with ``engine`` and decide: the profile checked against the engine (for this
         template), the probe's layers read, the choices the profile's unless given.
@@ -326,18 +331,10 @@ class Gate:
         marked. Or give the whole ``prompt``, with ``item_span`` (characters of ``prompt``
         that hold the item) where the profile was fitted on a task or its probe reads means
         over the item; a prompt that is not the template around its item is decided with
-        ``outside_template`` set.
+        ``outside_template`` set. ``system`` and the response prefix and suffix are the
+        engine's template's (``AskedFor``).
         """
-        return self.judged(
-            engine,
-            prompt,
-            choices,
-            item=item,
-            system=system,
-            response_prefix=response_prefix,
-            response_suffix=response_suffix,
-            item_span=item_span,
-        )[1]
+        return self.judged(engine, prompt, choices, **asked)[1]
 
     def judged(
         self,

@@ -389,40 +389,20 @@ def _answer(asked: _Asked, judgments: list[Judgment]) -> Answer:
         if len(judgments) == 1
         else listings_sha256([j.tokens_sha256 for j in judgments]),
     )
-    probabilities = dict(zip(asked.choices, probs, strict=True))
+    # What every answer carries besides its own reading of the probabilities.
+    shared: dict[str, Any] = {
+        "probabilities": dict(zip(asked.choices, probs, strict=True)),
+        "judgment": judgment,
+        "orderings": len(judgments),
+        "order_spread": spread,
+    }
     question = asked.question
     if isinstance(question, NoulQuestion):
-        return NoulAnswer(
-            noul=probs[0],
-            probabilities=probabilities,
-            judgment=judgment,
-            orderings=len(judgments),
-            order_spread=spread,
-        )
+        return NoulAnswer(noul=probs[0], **shared)
     if isinstance(question, PairQuestion):
-        return PairAnswer(
-            winner=asked.choices[best],
-            confidence=probs[best],
-            probabilities=probabilities,
-            judgment=judgment,
-            orderings=len(judgments),
-            order_spread=spread,
-        )
+        return PairAnswer(winner=asked.choices[best], confidence=probs[best], **shared)
     if isinstance(question, ChoiceQuestion):
-        return ChoiceAnswer(
-            choice=asked.choices[best],
-            confidence=probs[best],
-            probabilities=probabilities,
-            judgment=judgment,
-            orderings=len(judgments),
-            order_spread=spread,
-        )
-    return ScoreAnswer(
-        score=sum(i * p for i, p in enumerate(probs)),
-        confidence=probs[best],
-        legend={str(i): describe(level) for i, level in enumerate(question.criteria)},
-        probabilities=probabilities,
-        judgment=judgment,
-        orderings=len(judgments),
-        order_spread=spread,
-    )
+        return ChoiceAnswer(choice=asked.choices[best], confidence=probs[best], **shared)
+    legend = {str(i): describe(level) for i, level in enumerate(question.criteria)}
+    score = sum(i * p for i, p in enumerate(probs))
+    return ScoreAnswer(score=score, confidence=probs[best], legend=legend, **shared)

@@ -6,7 +6,7 @@ about the same state, under that stage's profile ("P-NAME", as ``calibration.tas
 names them): a model loaded in this process answers it through its own gate
 (``service.decisions.judge_questions``: its listings, its order spread), another judge server
 through its own ``POST /v1/systemone``. The stepping, the deadline and what a failed stage
-means are the cascade's (``calibration.cascade.Cascade.run``); each question escalates on its
+means are the cascade's (``calibration.cascade.run_stages``); each question escalates on its
 own, so a later stage is asked only what the stages before it left.
 """
 

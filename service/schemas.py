@@ -148,16 +148,9 @@ class ItemRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ) -> JudgeRequest:
         """The whole request it stands for: ``prompt``, rendered from the profile's template
         around the item, with the item's span, and the profile's ``choices``."""
-        return JudgeRequest(
-            prompt=prompt,
-            choices=choices,
-            system=system,
-            profile=self.profile,
-            threshold=self.threshold,
-            uncertified_threshold=self.uncertified_threshold,
-            min_choice_mass=self.min_choice_mass,
-            return_prompt=self.return_prompt,
-            item_span=item_span,
+        # Its gate's fields (profile, thresholds, return_prompt) are this request's own.
+        return carry(
+            self, JudgeRequest, prompt=prompt, choices=choices, system=system, item_span=item_span
         )
 
 

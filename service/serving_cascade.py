@@ -22,8 +22,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import anyio.to_thread
 import msgspec
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("judge.service")
+
+# What a cascade's run ends in: a judgment's response, or a typed question's decision.
+_Outcome = TypeVar("_Outcome", JudgeResponse, QuestionDecision)
 
 
 @dataclass
@@ -185,19 +189,7 @@ class CascadeServing:
         the later stages tried (off the event loop) until one accepts. ``records`` holds this
         request's records (the first stage's, if logged): the later stages' join them, and
         each carries the outcome."""
-        run = functools.partial(
-            cascaded,
-            self.service.config.stage_name,
-            first,
-            stages,
-            item,
-            deadline_s=deadline - time.monotonic(),
-        )
-        accepted = first[1].decision == "accept"
-        # Only the later stages' model work goes off the event loop.
-        final = run() if accepted else await anyio.to_thread.run_sync(run)
-        self._kept(final.decided_by, final.cascade or [], stages, records)
-        return final
+        return await self._through(cascaded, item, stages, first, records, deadline)
 
     async def escalate_question(
         self,
@@ -208,20 +200,32 @@ class CascadeServing:
         deadline: float,
     ) -> QuestionDecision:
         """``escalate`` for a typed question (``cascade_questions.escalated``): the first
-        stage's answer and verdict, and where it escalated the later stages, off the event
-        loop."""
+        stage's answer and verdict, and the later stages where it escalated."""
+        return await self._through(escalated, item, stages, first, records, deadline)
+
+    async def _through(
+        self,
+        through: Callable[..., _Outcome],
+        item: object,
+        stages: Sequence[ServedStage | QuestionStage],
+        first: tuple[Any, Verdict, *tuple[Any, ...]],
+        records: list[LoggedDecision],
+        deadline: float,
+    ) -> _Outcome:
+        """``through`` (``cascaded`` or ``escalated``) on the first stage's outcome, then
+        what the cascade's outcome leaves (``_kept``)."""
         run = functools.partial(
-            escalated,
+            through,
             self.service.config.stage_name,
             first,
             stages,
             item,
             deadline_s=deadline - time.monotonic(),
         )
-        accepted = first[1].decision == "accept"
-        decision = run() if accepted else await anyio.to_thread.run_sync(run)
-        self._kept(decision.decided_by, decision.cascade or [], stages, records)
-        return decision
+        # Only the later stages' model work goes off the event loop.
+        outcome = run() if first[1].decision == "accept" else await anyio.to_thread.run_sync(run)
+        self._kept(outcome.decided_by, outcome.cascade or [], stages, records)
+        return outcome
 
     def _kept(
         self,

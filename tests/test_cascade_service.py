@@ -200,7 +200,9 @@ def test_a_typed_question_escalates_through_the_stages(
     assert r.status_code == 200, r.text
     answer = r.json()["answers"]["q"]
     _second_decided(answer, client)
-    assert answer["type"] == "choice" and answer["choice"] == answer["cascade"][1]["answer"]["choice"]
+    assert (
+        answer["type"] == "choice" and answer["choice"] == answer["cascade"][1]["answer"]["choice"]
+    )
     # The second stage's own answer, as its gate gives it in Python on the same question.
     from judge.answers import ChoiceQuestion
     from service.decisions import judge_questions

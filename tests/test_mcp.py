@@ -401,7 +401,10 @@ def test_decide_escalates_through_a_cascade(judge: Judge, tmp_path: Path) -> Non
     for name, right, seed in [("coin", 0.5, 1), ("coin-second", 0.99, 2)]:
         save_profile(coin_profile(name, judge, right, seed), tmp_path / f"{name}.json")
     log = open_log(str(tmp_path / "decisions.db"))
-    cascade = {"second": LocalModel(judge), "down": "http://127.0.0.1:9"}
+    cascade: dict[str, LocalModel | str] = {
+        "second": LocalModel(judge),
+        "down": "http://127.0.0.1:9",
+    }
     server = create_server(judge, ProfileStore(tmp_path), decision_log=log, cascade=cascade)
 
     def decide(arguments: dict[str, Any]) -> Any:
@@ -409,7 +412,7 @@ def test_decide_escalates_through_a_cascade(judge: Judge, tmp_path: Path) -> Non
         assert not result.is_error, result.content
         return result.structured_content
 
-    question = {"type": "choice", "instructions": "Is this SMS spam?"}
+    question: dict[str, Any] = {"type": "choice", "instructions": "Is this SMS spam?"}
     question["criteria"] = {"spam": "advertising", "ham": "a normal message"}
     gated = decide({"state": PROMPT, "questions": {"q": question}, "profiles": {"q": "coin"}})
     answer = gated["q"]
@@ -419,7 +422,8 @@ def test_decide_escalates_through_a_cascade(judge: Judge, tmp_path: Path) -> Non
     assert answer["judgment_id"] == answer["cascade"][1]["answer"]["judgment_id"]
     for part in answer["cascade"]:
         row = log.get(part["answer"]["judgment_id"])
-        assert row.cascade is not None and row.cascade.decided_by == "second"
+        assert row is not None and row.cascade is not None
+        assert row.cascade.decided_by == "second"
     # No profile: no stage certifies, the remote one is down, and a person decides.
     plain = decide({"state": PROMPT, "questions": {"q": question}})["q"]
     assert [s["stage"] for s in plain["cascade"]] == ["local", "second", "down"]
@@ -430,7 +434,7 @@ def test_decide_escalates_through_a_cascade(judge: Judge, tmp_path: Path) -> Non
 
     before = len(log.decisions())
     arguments = {"state": PROMPT, "questions": {"q": question}, "profiles": {"q": "coin-second"}}
-    with pytest.raises(ToolError, match="profiles.q: no profile named 'coin-second-second'"):
+    with pytest.raises(ToolError, match=r"profiles\.q: no profile named 'coin-second-second'"):
         asyncio.run(server.call_tool("decide", arguments))
     assert len(log.decisions()) == before
     log.close()

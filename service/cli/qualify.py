@@ -28,6 +28,17 @@ from service.cli.common import (
 __all__ = ["add_arguments", "run", "table"]
 
 
+# What each probability criterion measures, as its flag's help says it.
+_CRITERIA_HELP = {
+    "confidence": "the confidence at which accuracy is measured",
+    "min_accuracy": "accuracy of the items at or above --confidence",
+    "max_ece": "expected calibration error",
+    "max_flip_rate": "decisions changed between two runs of the same items",
+    "max_order_flips": "decisions changed with the allowed answers listed in reverse",
+    "min_choice_mass": "mean full-vocabulary probability of the choices",
+}
+
+
 def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``judge qualify``'s arguments."""
     q = commands.add_parser(
@@ -57,37 +68,11 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     q.add_argument("--response-prefix", help="the response prefix (default: the engine's)")
     q.add_argument("--json", type=Path, help="also write the qualification as JSON here")
     defaults = Criteria()
-    q.add_argument(
-        "--confidence",
-        type=probability,
-        default=defaults.confidence,
-        help="the confidence at which accuracy is measured (default: %(default)s)",
-    )
-    q.add_argument(
-        "--min-accuracy",
-        type=probability,
-        default=defaults.min_accuracy,
-        help="accuracy of the items at or above --confidence (default: %(default)s)",
-    )
-    q.add_argument("--max-ece", type=probability, default=defaults.max_ece, help="(%(default)s)")
-    q.add_argument(
-        "--max-flip-rate",
-        type=probability,
-        default=defaults.max_flip_rate,
-        help="decisions changed between two runs of the same items (default: %(default)s)",
-    )
-    q.add_argument(
-        "--max-order-flips",
-        type=probability,
-        default=defaults.max_order_flips,
-        help="decisions changed with the allowed answers listed in reverse (default: %(default)s)",
-    )
-    q.add_argument(
-        "--min-choice-mass",
-        type=probability,
-        default=defaults.min_choice_mass,
-        help="mean full-vocabulary probability of the choices (default: %(default)s)",
-    )
+    # One flag per probability criterion, its default the Criteria's.
+    for name, about in _CRITERIA_HELP.items():
+        flag = "--" + name.replace("_", "-")
+        value = getattr(defaults, name)
+        q.add_argument(flag, type=probability, default=value, help=f"{about} (default: {value})")
     q.add_argument(
         "--allow-no-signal",
         action="store_true",
