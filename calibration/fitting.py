@@ -99,6 +99,7 @@ __all__ = [
     "fit_label_free_profile",
     "fit_profile",
     "fit_rule",
+    "gates_on_calibrated",
     "held_out_examples",
     "labels_for_next_look",
     "profile_split",
@@ -194,6 +195,9 @@ class FittedRule:
     mass_note: str  # for the profile's note: which minimum was chosen and why; "" if given
     split: DataSplit
     probabilities: np.ndarray  # (n, k) calibrated probabilities of every example
+    # (n, k) as ``probabilities``, but a probe's fit-split rows from the fold that did not see
+    # them: each example as the map would judge a new one.
+    out_of_sample: np.ndarray
     held_out: np.ndarray  # indices the map was not fitted on (conformal + certify)
     prior: np.ndarray  # (k,) label frequencies of the fit split: the prior predictor
     skipped: str = ""  # for the profile's note: why "auto" did not try the probe, if it did not
@@ -264,6 +268,9 @@ def fit_rule(
     )
     x = map_features(fit.map, f, feature_layers, means)  # (n, slots*H) for a probe, else None
     probs = fit.map.apply(z, x)  # (n, k)
+    out_of_sample = probs.copy()
+    if fit.heldout_probabilities is not None:
+        out_of_sample[fit_idx] = np.asarray(fit.heldout_probabilities)
     q_hat = conformal_quantile(probs[conformal_idx], labels[conformal_idx], settings.alpha)
     best = probs.argmax(axis=1)
     correct = best == labels
@@ -363,6 +370,7 @@ def fit_rule(
             seed=seed,
         ),
         probabilities=probs,
+        out_of_sample=out_of_sample,
         held_out=np.sort(np.concatenate([conformal_idx, certify_idx])),
         prior=label_prior(labels[fit_idx], z.shape[1]),
         skipped=skipped,
@@ -386,6 +394,7 @@ def fit_profile(
     recertification: Recertification | None = None,
     span_features: ArrayLike | None = None,
     span: ProbeSpan | None = None,
+    out_of_sample: list[np.ndarray] | None = None,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
@@ -403,7 +412,9 @@ def fit_profile(
     when a probe is a candidate) lets scores from another classifier, trained on the probe
     split's fit items only, be certified on the items it never saw. ``recertification``: a
     refit from a decision log, the look it is (``calibration.recertify``); the settings' delta
-    must be its share, ``recertification.spent``.
+    must be its share, ``recertification.spent``. ``out_of_sample``, a list, gets the (n, k)
+    calibrated probabilities of every example as the map would judge a new one (a probe's fit
+    split from the folds that did not see them): a cascade orders its rules on those.
     """
     _check_fingerprint(fingerprint)
     z = _shaped(log_probabilities, choices)
@@ -494,12 +505,11 @@ def fit_profile(
     )
     # Per class, on the items the map was not fitted on, under the rule as served (its own
     # gates on the calibrated probabilities): the evidence the report shows beside the metrics.
-    served = msgspec.structs.replace(Gate(profile).policy, calibration_map=Identity())
     held_mass = None if choice_mass is None else np.asarray(choice_mass)[held]
-    g = served.gates(
-        list(choices), np.log(np.clip(rule.probabilities[held], 1e-300, 1.0)), held_mass
-    )
+    g = gates_on_calibrated(profile, rule.probabilities[held], held_mass)
     evidence_by_class = class_evidence(list(choices), labels[held], g.best, g.accepted)
+    if out_of_sample is not None:
+        out_of_sample.append(rule.out_of_sample)
     return msgspec.structs.replace(profile, class_evidence=evidence_by_class)
 
 
@@ -738,6 +748,17 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
     classes: ClassReport | None = None
     # A threshold per class, where the served rule has one (the profile's choices' order).
     class_thresholds: list[float | None] | None = None
+
+
+def gates_on_calibrated(
+    profile: CalibrationProfile, probabilities: ArrayLike, choice_mass: ArrayLike | None = None
+) -> Gates:
+    """``profile``'s served gates on n items' (n, k) probabilities already through its map
+    (the threshold as served): what it decides of items whose calibrated probabilities are
+    known, such as a probe's out-of-fold ones."""
+    served = msgspec.structs.replace(Gate(profile).policy, calibration_map=Identity())
+    z = np.log(np.clip(np.asarray(probabilities, dtype=np.float64), 1e-300, 1.0))
+    return served.gates(profile.choices, z, choice_mass)
 
 
 def served_gates(

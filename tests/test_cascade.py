@@ -187,3 +187,64 @@ def test_the_readme_cascade_example_runs(judge: Judge) -> None:
     assert verdict.decided_by in {"smollm2", "gemma3", None}
     assert verdict.stages[0].stage == "smollm2"
     assert [p.name for p in names["profiles"]] == ["sms", "sms-gemma3"]
+
+
+def test_the_rules_are_ordered_on_each_probe_s_out_of_fold_probabilities(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A probe is sharper on the items it was fitted on than on new ones: ordered there, the
+    sequence starts at rules too aggressive for the certification items. The cascade orders
+    its rules on each stage's probabilities as its map judges new items (a probe's fit items
+    from the folds that did not see them) and certifies on the items as served."""
+    import msgspec
+
+    import calibration.tasks.cascade as fitting_cascade
+    from calibration.cascade_certify import StageView
+    from calibration.fitting import profile_split
+
+    n = 600
+    labels = np.random.default_rng(0).integers(0, len(CHOICES), n)
+
+    def probed(seed: int, skill: float) -> LabeledScores:
+        """Uninformative log-probabilities, hidden states that carry the label."""
+        rng = np.random.default_rng(seed)
+        z = rng.normal(size=(n, len(CHOICES)))
+        z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
+        f = rng.normal(size=(n, 1, 16))
+        f[np.arange(n), 0, labels] += skill
+        return LabeledScores(
+            log_probabilities=z,
+            choice_mass=np.full(n, 0.9),
+            labels=labels,
+            features=f.astype(np.float32),
+            feature_layers=(3,),
+        )
+
+    seen: list[list[StageView]] = []
+    certify_rules = fitting_cascade.certify_rules
+
+    def recorded(ordering: list[StageView], *args: Any, **kwargs: Any) -> Any:
+        seen.append(ordering)
+        return certify_rules(ordering, *args, **kwargs)
+
+    monkeypatch.setattr(fitting_cascade, "certify_rules", recorded)
+    fingerprint = msgspec.structs.replace(_fingerprint("probed"), num_layers=6)
+    stages = [probed(1, 1.5), probed(2, 2.0)]
+    fitted = fit_cascade(
+        "syn",
+        [CascadeStageData(f"s{i}", s, fingerprint) for i, s in enumerate(stages)],
+        CHOICES,
+        dataset="synthetic",
+        dataset_sha256="0" * 64,
+        settings=msgspec.structs.replace(SETTINGS, methods=["probe"]),
+    )
+    assert [p.calibration_map.method for p in fitted.profiles] == ["probe", "probe"]
+    for profile, scores, ordering in zip(fitted.profiles, stages, seen[0], strict=True):
+        fit_idx, _, certify_idx = profile_split(labels, profile.split)
+        order = np.setdiff1d(np.arange(n), certify_idx)
+        in_sample = StageView.of(fitting_cascade._gates(profile, scores.rows(order)))
+        fit_rows = np.isin(order, fit_idx)
+        # The conformal items were never the map's: there the two agree.
+        assert np.allclose(ordering.confidence[~fit_rows], in_sample.confidence[~fit_rows])
+        # The fit items are judged as new ones: less sure than in sample.
+        assert ordering.confidence[fit_rows].mean() < in_sample.confidence[fit_rows].mean() - 0.01

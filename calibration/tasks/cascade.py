@@ -12,7 +12,8 @@ least 1 - delta:
 * **One certificate for the thresholds together.** The items every stage's fit held out for
   its certificate certify the tuple of thresholds as one rule, at the full delta
   (``calibration.cascade_certify``: fixed-sequence testing along the precision-coverage
-  frontier of the tuples, ordered on the other labeled items). "Stage s alone" is one of the
+  frontier of the tuples, ordered on the other labeled items, each stage's probabilities there
+  as its map judges new items: a probe's from the folds that did not fit them). "Stage s alone" is one of the
   tuples, so the cascade is never held below a single stage by the method; a stage the chosen
   rule never lets accept escalates everything to the next.
 * Each stage's profile is served with its threshold from the chosen rule and a certificate
@@ -135,7 +136,7 @@ def fit_cascade(
     toward the cheaper rule. The first is named ``name``, each later one
     ``<name>-<stage name>``: what ``judge serve --cascade`` looks up for a request's profile
     ``name``. FitError when the stages scored other items or too few are held out."""
-    from calibration.fitting import profile_split
+    from calibration.fitting import gates_on_calibrated, profile_split
 
     if len(stages) < 1:
         raise FitError("a cascade needs at least one stage")
@@ -147,6 +148,7 @@ def fit_cascade(
                 "every stage must score the same labeled items in the same order"
             )
     pooled = msgspec.structs.replace(settings, per_class=False)  # one threshold per stage
+    out_of_sample: list[np.ndarray] = []  # each stage's items as its map judges new ones
     profiles = [
         fit_labeled(
             name if s == 0 else f"{name}-{stage.name}",
@@ -156,6 +158,7 @@ def fit_cascade(
             dataset=dataset,
             dataset_sha256=dataset_sha256,
             settings=pooled,
+            out_of_sample=out_of_sample,
         )
         for s, stage in enumerate(stages)
     ]
@@ -169,24 +172,33 @@ def fit_cascade(
             f"the stages' fits hold out {int(held.sum())} labeled items in common, fewer than "
             f"{MIN_EXAMPLES} to certify their rule on: label more items"
         )
-    views = [
-        StageView.of(_gates(p, stage.scores)) for p, stage in zip(profiles, stages, strict=True)
-    ]
     order, certify = np.flatnonzero(~held), np.flatnonzero(held)
+    # The rules are ordered on each stage's out-of-sample probabilities: a probe is nearly
+    # exact on the items it was fitted on, and ordered there the sequence starts at rules
+    # too aggressive for new items (benchmarks/RESULTS.md, "Cascade"). They are certified on
+    # the items as served.
+    ordering = [
+        StageView.of(gates_on_calibrated(p, honest[order], stage.scores.choice_mass[order]))
+        for p, honest, stage in zip(profiles, out_of_sample, stages, strict=True)
+    ]
+    served = [
+        StageView.of(_gates(p, stage.scores.rows(certify)))
+        for p, stage in zip(profiles, stages, strict=True)
+    ]
     certificate = certify_rules(
-        [v.rows(order) for v in views],
+        ordering,
         labels[order],
-        [v.rows(certify) for v in views],
+        served,
         labels[certify],
         target_precision=settings.target_precision,
         delta=settings.delta,
         costs=costs,
     )
-    served = [
+    fitted = [
         msgspec.structs.replace(p, threshold=_stage_threshold(certificate, s, p.threshold))
         for s, p in enumerate(profiles)
     ]
-    return FittedCascade(served, certificate)
+    return FittedCascade(fitted, certificate)
 
 
 def _stage_threshold(

@@ -406,6 +406,7 @@ def fit_labeled(
     dataset_sha256: str,
     settings: FitSettings = DEFAULT_SETTINGS,
     template: PromptTemplate | None = None,
+    out_of_sample: list[np.ndarray] | None = None,
 ) -> CalibrationProfile:
     """Fit a calibration profile on ``scores``, for the engine that ``fingerprint`` describes.
 
@@ -430,6 +431,9 @@ def fit_labeled(
     template : PromptTemplate, optional
         The prompt the scores were judged on, with the item left out (a task's:
         ``task_template``): the profile keeps it, so that a request sends only the item.
+    out_of_sample : list, optional
+        Gets the items' calibrated probabilities as the map would judge new ones
+        (``fit_profile``).
     """
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
@@ -453,6 +457,7 @@ def fit_labeled(
         feature_layers=scores.feature_layers,
         span_features=scores.span_features,
         span=scores.span,
+        out_of_sample=out_of_sample,
     )
     return profile if template is None else msgspec.structs.replace(profile, template=template)
 
