@@ -28,7 +28,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import msgspec
 import numpy as np
@@ -47,6 +47,7 @@ from judge.judgments import (
     Judgment,
     Prepared,
     Query,
+    QueryOptions,
     TokenCount,
     check_feature_layers,
     check_item_span,
@@ -282,32 +283,13 @@ class Judge:
         return TokenCount(total=lengths[0] + max(lengths[5:]), parts=parts)
 
     def judge(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        feature_layers: Sequence[int] = (),
-        span_layers: Sequence[int] = (),
-        item_span: tuple[int, int] | None = None,
+        self, prompt: str, choices: Sequence[str], **options: Unpack[QueryOptions]
     ) -> Judgment:
-        """Judge one prompt; see ``Judgment`` for what comes back.
-
-        ``feature_layers``, ``span_layers`` and ``item_span``: as ``Query`` has them (what a
-        probe profile reads).
-        """
-        query = Query(
-            prompt=prompt,
-            choices=choices,  # type: ignore[arg-type]  # validated in _prepare
-            system=system,
-            response_prefix=response_prefix,
-            response_suffix=response_suffix,
-            feature_layers=feature_layers,  # type: ignore[arg-type]  # validated in _prepare
-            span_layers=span_layers,  # type: ignore[arg-type]  # validated in _prepare
-            item_span=item_span,
-        )
+        """Judge one prompt; see ``Judgment`` for what comes back. ``options`` are ``Query``'s
+        other fields (``feature_layers``, ``span_layers`` and ``item_span``: what a probe
+        profile reads), checked as a query's are."""
+        # Unchecked here: ``prepare`` checks the query and names what is wrong with it.
+        query = Query(prompt=prompt, choices=choices, **options)  # type: ignore[arg-type]
         return self.judge_batch([query])[0]
 
     def judge_batch(self, queries: Sequence[Query | Mapping[str, Any]]) -> list[Judgment]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import numbers
 from collections.abc import Mapping, Sequence
+from typing import TypedDict
 
 import msgspec
 
@@ -31,6 +32,8 @@ __all__ = [
     "Judgment",
     "Prepared",
     "Query",
+    "QueryOptions",
+    "QueryTemplate",
     "TokenCount",
     "check_feature_layers",
     "check_item_span",
@@ -61,6 +64,23 @@ class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # serves only the tokens before the span, whose hidden states the mean does not read.
     span_layers: tuple[int, ...] = ()
     item_span: tuple[int, int] | None = None
+
+
+class QueryTemplate(TypedDict, total=False):
+    """A ``Query``'s fields that a batch of prompts shares (``labeled_queries``), by keyword."""
+
+    system: str | None
+    response_prefix: str | None
+    response_suffix: str | None
+    feature_layers: Sequence[int]
+    span_layers: Sequence[int]
+
+
+class QueryOptions(QueryTemplate, total=False):
+    """A ``Query``'s fields beside its prompt and choices: what ``Engine.judge`` takes by
+    keyword (one place says what a query takes; ``Query`` says what each field means)."""
+
+    item_span: tuple[int, int] | None
 
 
 class Judgment(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,11 +9,11 @@ subclasses it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Unpack, runtime_checkable
 
 from judge.errors import JudgeError
 from judge.fingerprint import Fingerprint
-from judge.judgments import Judgment, Prepared, Query, TokenCount
+from judge.judgments import Judgment, Prepared, Query, QueryOptions, TokenCount
 
 __all__ = ["Engine"]
 
@@ -73,16 +73,7 @@ class Engine(Protocol):
         ...
 
     def judge(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        feature_layers: Sequence[int] = (),
-        span_layers: Sequence[int] = (),
-        item_span: tuple[int, int] | None = None,
+        self, prompt: str, choices: Sequence[str], **options: Unpack[QueryOptions]
     ) -> Judgment:
         """Judge one prompt; ``feature_layers`` come back as ``Judgment.features``, the means
         of ``span_layers`` over ``item_span`` (None: the whole prompt) as

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import msgspec
 
@@ -26,7 +26,7 @@ from judge import (
 from judge.engine import shared_query, validate_choices
 from judge.fingerprint import sha256_text
 from judge.identity import new_judgment_id, tokens_sha256
-from judge.judgments import check_item_span
+from judge.judgments import QueryOptions, check_item_span
 from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
 from judge.trie import build_trie
 
@@ -101,24 +101,10 @@ class FakeEngine:
         return TokenCount(total=sum(parts.values()), parts=parts)
 
     def judge(
-        self,
-        prompt: str,
-        choices: Sequence[str],
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-        feature_layers: Sequence[int] = (),
-        span_layers: Sequence[int] = (),
-        item_span: tuple[int, int] | None = None,
+        self, prompt: str, choices: Sequence[str], **options: Unpack[QueryOptions]
     ) -> Judgment:
-        query = Query(
-            prompt=prompt,
-            choices=list(choices),
-            feature_layers=tuple(feature_layers),
-            span_layers=tuple(span_layers),
-            item_span=item_span,
-        )
+        # Unchecked here: ``prepare`` checks the query and names what is wrong with it.
+        query = Query(prompt=prompt, choices=choices, **options)  # type: ignore[arg-type]
         return self.judge_batch([query])[0]
 
     def prepare(self, query: Query | Mapping[str, Any]) -> Prepared:

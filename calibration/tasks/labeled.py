@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Unpack
 
 import msgspec
 import numpy as np
@@ -40,6 +40,7 @@ from calibration.tasks.files import (
 )
 from calibration.template import PromptTemplate
 from judge import Engine, Fingerprint, Judgment, Query
+from judge.judgments import QueryTemplate
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
@@ -177,19 +178,14 @@ def labeled_queries(
     prompts: Sequence[str],
     choices: Sequence[str],
     *,
-    system: str | None = None,
-    response_prefix: str | None = None,
-    response_suffix: str | None = None,
-    feature_layers: Sequence[int] = (),
-    span_layers: Sequence[int] = (),
     item_spans: Sequence[tuple[int, int] | None] | None = None,
+    **template: Unpack[QueryTemplate],
 ) -> list[Query]:
-    """One query per prompt, every one with the same choices and template.
-
-    None template fields take the engine's defaults, as in ``Engine.judge``;
+    """One query per prompt, every one with the same choices and ``template`` (``Query``'s
+    other fields: None template fields take the engine's defaults, as in ``Engine.judge``;
     ``feature_layers`` are the hidden-state layers each judgment returns, ``span_layers``
     those averaged over each prompt's item (``item_spans``, one per prompt; None: the whole
-    prompts).
+    prompts)).
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a sequence of strings, got a single str")
@@ -197,15 +193,8 @@ def labeled_queries(
     if len(spans) != len(prompts):
         raise ValueError(f"got {len(spans)} item spans for {len(prompts)} prompts")
     return [
-        Query(
-            prompt=prompt,
-            choices=list(choices),
-            system=system,
-            response_prefix=response_prefix,
-            response_suffix=response_suffix,
-            feature_layers=tuple(feature_layers),
-            span_layers=tuple(span_layers),
-            item_span=span,
+        msgspec.convert(
+            {"prompt": prompt, "choices": list(choices), "item_span": span, **template}, Query
         )
         for prompt, span in zip(prompts, spans, strict=True)
     ]
