@@ -48,6 +48,7 @@ from judge.judgments import (
     Prepared,
     Query,
     QueryOptions,
+    TemplateOptions,
     TokenCount,
     check_feature_layers,
     check_item_span,
@@ -225,24 +226,20 @@ class Judge:
         hashed on first use and kept (the model is not expected to change under a judge)."""
         return self.weights_sha256 or parameters_sha256(self.model)
 
-    def fingerprint(
-        self,
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-    ) -> Fingerprint:
+    def fingerprint(self, **template: Unpack[TemplateOptions]) -> Fingerprint:
         """What a calibration profile must match: the model, its dtype, the effective template.
 
         None arguments take the judge's defaults, as ``judge()`` does. ``calibration.fit_profile``
         stores this value in the profile, and ``CalibrationProfile.check`` compares it.
         """
+        system = template.get("system")
+        prefix, suffix = template.get("response_prefix"), template.get("response_suffix")
         return Fingerprint(
             model=self.model_id,
             model_sha256=self.weights_sha256,
             dtype=self.dtype,
-            response_prefix=self.response_prefix if response_prefix is None else response_prefix,
-            response_suffix=self.response_suffix if response_suffix is None else response_suffix,
+            response_prefix=self.response_prefix if prefix is None else prefix,
+            response_suffix=self.response_suffix if suffix is None else suffix,
             system_sha256=sha256_text(self.system if system is None else system),
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,

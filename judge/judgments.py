@@ -34,6 +34,7 @@ __all__ = [
     "Query",
     "QueryOptions",
     "QueryTemplate",
+    "TemplateOptions",
     "TokenCount",
     "check_feature_layers",
     "check_item_span",
@@ -66,12 +67,18 @@ class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     item_span: tuple[int, int] | None = None
 
 
-class QueryTemplate(TypedDict, total=False):
-    """A ``Query``'s fields that a batch of prompts shares (``labeled_queries``), by keyword."""
+class TemplateOptions(TypedDict, total=False):
+    """The template a judgment is asked under, by keyword; None (or left out) takes the
+    engine's defaults (``Engine.fingerprint``)."""
 
     system: str | None
     response_prefix: str | None
     response_suffix: str | None
+
+
+class QueryTemplate(TemplateOptions, total=False):
+    """A ``Query``'s fields that a batch of prompts shares (``labeled_queries``), by keyword."""
+
     feature_layers: Sequence[int]
     span_layers: Sequence[int]
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol, Unpack, runtime_checkable
 
 from judge.errors import JudgeError
 from judge.fingerprint import Fingerprint
-from judge.judgments import Judgment, Prepared, Query, QueryOptions, TokenCount
+from judge.judgments import Judgment, Prepared, Query, QueryOptions, TemplateOptions, TokenCount
 
 __all__ = ["Engine"]
 
@@ -46,13 +46,7 @@ class Engine(Protocol):
         padding included): the budget ``run`` packs to."""
         ...
 
-    def fingerprint(
-        self,
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-    ) -> Fingerprint:
+    def fingerprint(self, **template: Unpack[TemplateOptions]) -> Fingerprint:
         """What a calibration profile must match; None arguments take the engine's defaults."""
         ...
 
