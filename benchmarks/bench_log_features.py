@@ -61,7 +61,7 @@ def serve_and_label(
     from litestar.testing import TestClient
 
     from service import ServiceConfig, create_app
-    from service.decision_log import open_log
+    from service.log.decision_log import open_log
 
     items, _ = load_split(task, "calibration")
     seed = judge.judge_batch(
@@ -122,7 +122,7 @@ def record_bytes(log: Path) -> dict[str, float]:
     """Mean JSON bytes of a record, with its hidden states and without them."""
     import msgspec
 
-    from service.decision_log import open_log
+    from service.log.decision_log import open_log
 
     with open_log(str(log)) as opened:
         records = opened.decisions()
@@ -144,7 +144,7 @@ def looks(
     lineage, its profiles in ``profiles``), each look's profile measured on the test split, with
     what the command said the next look would need when the gate stayed shut."""
     from service.cli.main import main
-    from service.decision_log import open_log
+    from service.log.decision_log import open_log
 
     with open_log(str(log)) as opened:
         records = opened.decisions()

@@ -63,7 +63,7 @@ from benchlib import cpu_model
 from calibration import load_profile
 from calibration.errors import CalibrationError
 from judge.atomicio import write_text
-from service.routes import TIMEOUT_HEADER
+from service.web.routes import TIMEOUT_HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

@@ -113,7 +113,7 @@ class StageItem(NamedTuple):
 
 
 # What a cascade's stages are asked: a prompt and its choices (``StageItem``), or a typed
-# question about a state (``service.cascade_questions``): the stepping is the same.
+# question about a state (``service.cascade.cascade_questions``): the stepping is the same.
 Item = TypeVar("Item", contravariant=True)
 Asked = TypeVar("Asked")
 

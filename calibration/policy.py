@@ -115,7 +115,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     What ``Gate.decide`` gives in Python, and what every wire form is made from: the
     ``/judge`` response (``service.schemas.JudgeResponse.of``), a System One answer's
     extension fields (``service.systemone.wire_answer``), ``judge ask``'s JSONL lines and the
-    decision log's row (``service.decision_log.LoggedDecision.of``). Probabilities are arrays
+    decision log's row (``service.log.decision_log.LoggedDecision.of``). Probabilities are arrays
     in ``choices`` order; ``probabilities`` and ``raw_probabilities`` are their dict views.
     Plain data.
     """

@@ -10,8 +10,8 @@ row`` tokens (``padded``). Both are bounded by the same budget, ``max_tokens``
 rows as well.
 
 The engine packs with these functions (``Judge.run``, ``Judge.run_shared``), and the service
-plans its model jobs with the same ones and the same number (``service.batcher`` coalesces
-single judgments while ``pass_fits``; ``service.serving`` splits shared-context questions into
+plans its model jobs with the same ones and the same number (``service.web.batcher`` coalesces
+single judgments while ``pass_fits``; ``service.web.serving`` splits shared-context questions into
 ``pack_rows``'s rows), so a job the service hands the engine is exactly one pass; both say
 whether the pass pads (``Judge.decoder_pass``). Pure functions of token counts and token ids:
 no torch here.

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 from judge.lazy import exports
 
 if TYPE_CHECKING:
-    from service.app import create_app
     from service.config import ServiceConfig
+    from service.web.app import create_app
 
-_EXPORTS = {"ServiceConfig": "service.config", "create_app": "service.app"}
+_EXPORTS = {"ServiceConfig": "service.config", "create_app": "service.web.app"}
 
 __all__ = ["ServiceConfig", "create_app"]
 

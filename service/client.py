@@ -30,7 +30,7 @@ generator of steps that does no I/O: it yields ``_Send`` (one HTTP exchange) and
 (a wait), and the gate also ``_Take`` (the next chunk of input), ``_Spawn``, ``_Join`` and
 ``_Emit``. ``JudgeClient`` runs the steps on ``httpx.Client``, threads and ``time.sleep``;
 ``AsyncJudgeClient`` on ``httpx.AsyncClient``, tasks and ``asyncio.sleep``. Methods and paths
-come from the service's table of operations (``service.operations``).
+come from the service's table of operations (``service.web.operations``).
 
 Installed alone (``pip install judge``, without the ``server`` extra), the client needs only
 msgspec, httpx and numpy: this module imports neither the engine nor the server.
@@ -65,9 +65,8 @@ import httpx
 import msgspec
 
 from calibration.profile import CalibrationProfile
-from service.decision_log import LoggedDecision
-from service.health import ProfileHealth
-from service.operations import BY_NAME, Operation
+from service.log.decision_log import LoggedDecision
+from service.log.health import ProfileHealth
 from service.schemas import (
     MAX_BATCH_ITEMS,
     BatchItem,
@@ -91,6 +90,7 @@ from service.schemas import (
     SharedQuestion,
 )
 from service.systemone import SystemOneQuestion, SystemOneRequest, SystemOneResponse
+from service.web.operations import BY_NAME, Operation
 
 # The schema's Structs too, so that one import serves a program that uses the client.
 __all__ = [

@@ -223,7 +223,7 @@ class ServiceConfig:
             "where neither the request nor its profile sets one (0: no check)",
         ),
     ] = 0.0
-    # Where every decision is appended (service.decision_log): a SQLite file (a path or
+    # Where every decision is appended (service.log.decision_log): a SQLite file (a path or
     # sqlite:///path) or a postgresql:// URL; None: no log, and no feedback or health.
     decision_log: Annotated[
         str | None,
@@ -247,7 +247,7 @@ class ServiceConfig:
             group="log",
         ),
     ] = False
-    # Keep each decision's hidden states (service.logged_features) in the log, for
+    # Keep each decision's hidden states (service.log.logged_features) in the log, for
     # ``judge calibrate --from-log`` to refit a probe: a probe profile's layers, else the
     # candidate layers; float16, 1.5-7.7 KB a decision on the default model. Off by default.
     log_features: Annotated[
@@ -261,7 +261,7 @@ class ServiceConfig:
         ),
     ] = False
     # Retention of the log: decisions older than this many days, and beyond this many rows
-    # the oldest, are deleted (service.decision_log.Retention). None: no bound of that kind.
+    # the oldest, are deleted (service.log.decision_log.Retention). None: no bound of that kind.
     log_max_age_days: Annotated[
         float | None,
         Flag(

@@ -41,7 +41,7 @@ _S = TypeVar("_S", JudgeResponse, SystemOneAnswer)
 
 
 class AnsweringStage(Protocol):
-    """A cascade's later stage once it answered a question (``service.cascade_questions``)."""
+    """A cascade's later stage once it answered a question (``service.cascade.cascade_questions``)."""
 
     @property
     def wire(self) -> SystemOneAnswer | None: ...

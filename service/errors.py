@@ -19,7 +19,7 @@ and from ``service.profiles``:
 
     PreconditionFailedError 412: If-Match / If-None-Match found another stored version
 
-and from ``service.decision_log``:
+and from ``service.log.decision_log``:
 
     UnknownJudgmentError 404: no logged decision has that id
     LabelNotAChoiceError 422: the label is not one of the decision's choices
@@ -52,11 +52,11 @@ from judge import (
     JudgeError,
     TooManyPathsError,
 )
-from service.batcher import DeadlineError, QueueFullError
-from service.bodies import BodyError
-from service.decision_log import LabelNotAChoiceError, RelabelError, UnknownJudgmentError
+from service.log.decision_log import LabelNotAChoiceError, RelabelError, UnknownJudgmentError
 from service.profiles import PreconditionFailedError
 from service.schemas import ErrorBody
+from service.web.batcher import DeadlineError, QueueFullError
+from service.web.bodies import BodyError
 
 if TYPE_CHECKING:  # Litestar loads with the handlers: `judge ask` imports error_of without it
     from litestar import Request, Response

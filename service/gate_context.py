@@ -5,7 +5,7 @@ A route's gate (``calibration.gate.Gate``) is a stored profile's version (by nam
 ETag), the request's ``Overrides`` over the server's ``PolicyDefaults``, the server's audit rate
 for that profile (``--audit-rate [PROFILE=]RATE``: the share of decisions marked for people to
 label, accepted and escalated alike) and the hidden-state layers its decision log keeps
-(``service.logged_features``). Both servers hold one ``GateContext`` and open every gate
+(``service.log.logged_features``). Both servers hold one ``GateContext`` and open every gate
 through it, so a decision made over MCP is drawn into the audit sample, and logs its layers,
 as one made over HTTP does. After the gate, ``GateContext.settle`` turns each verdict into its
 decision-log record, with the request that replays it and the hidden states it keeps, on
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from calibration.gate import Gate, Overrides
 from calibration.policy import PolicyDefaults, Verdict
-from service.decision_log import LoggedDecision
-from service.logged_features import LoggedFeatures, log_layers
+from service.log.decision_log import LoggedDecision
+from service.log.logged_features import LoggedFeatures, log_layers
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile

@@ -46,7 +46,7 @@ from calibration import (
 from judge import Engine, JudgeError, Query
 from judge.answers import MAX_ORDERINGS, Question, plan_decisions
 from judge.judgments import item_span_of
-from service.cascade_questions import (
+from service.cascade.cascade_questions import (
     LocalModel,
     QuestionItem,
     asked_as,
@@ -54,7 +54,9 @@ from service.cascade_questions import (
     records_of,
     stages_for,
 )
-from service.decision_log import (
+from service.decisions import QuestionDecision, judge_questions, question_overrides, with_order
+from service.gate_context import GateContext
+from service.log.decision_log import (
     DecisionLog,
     DecisionLogError,
     LoggedDecision,
@@ -62,8 +64,6 @@ from service.decision_log import (
     replayable_question,
     with_cascade,
 )
-from service.decisions import QuestionDecision, judge_questions, question_overrides, with_order
-from service.gate_context import GateContext
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
 
@@ -103,7 +103,7 @@ def create_server(
 
     With ``cascade`` (later stages by name, in order: a loaded model, or another judge
     server's URL), a question ``decide`` escalates goes to each later stage in turn as the
-    same question (``service.cascade_questions``), under the profile "P-NAME" where the
+    same question (``service.cascade.cascade_questions``), under the profile "P-NAME" where the
     question's is P, as ``judge serve --cascade`` sends it; ``engine`` is the first stage,
     ``stage_name``.
     """

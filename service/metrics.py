@@ -3,7 +3,7 @@ decisions, queue depth, admission, model jobs run and dropped, and the engine's 
 (hits, misses, tokens reused, evictions, bytes held).
 
 Each app gets its own registry, so several apps in one process (tests) never collide. A
-request's route label is the path template of its operation (``service.operations``), so that
+request's route label is the path template of its operation (``service.web.operations``), so that
 profile names do not become label values; a path that is no operation's is "other".
 """
 
@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from judge import PrefixCacheStats
-from service.operations import route_of
+from service.web.operations import route_of
 
 if TYPE_CHECKING:
-    from service.health import ProfileHealth
+    from service.log.health import ProfileHealth
 
 __all__ = ["ServiceMetrics", "route_label"]
 
@@ -93,7 +93,7 @@ class ServiceMetrics:
         self.registry.register(_PrefixCacheCollector(stats))
 
     def watch_health(self, health: Callable[[], Sequence[ProfileHealth]]) -> None:
-        """Export each profile's health (``service.health``), read at every scrape."""
+        """Export each profile's health (``service.log.health``), read at every scrape."""
         self.registry.register(_HealthCollector(health))
 
     def render(self) -> bytes:

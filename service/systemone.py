@@ -56,8 +56,8 @@ from judge.questions import (
     PairQuestion,
     ScoreQuestion,
 )
-from service.bodies import BodyError, _integral, _located, decode_body
 from service.schemas import Candidates, Criterion, ProfileName
+from service.web.bodies import BodyError, _integral, _located, decode_body
 
 if TYPE_CHECKING:
     from calibration.policy import Verdict
@@ -255,7 +255,7 @@ _KEY_AT = re.compile(r" - at `key` in `\$\.?([^`]*)`$")
 def decode_request(body: bytes, content_type: str | None) -> SystemOneRequest:
     """The request, or a BodyError whose field names the question by its id.
 
-    ``service.bodies.decode_body`` decodes it; msgspec names a question only as
+    ``service.web.bodies.decode_body`` decodes it; msgspec names a question only as
     ``questions[...]``, so a refusal there is found again question by question, to name it
     ``questions.<id>.<field>``.
     """

@@ -685,8 +685,8 @@ def test_retry_policy_refuses_nonsense() -> None:
 
 
 def test_each_method_sends_its_operation_s_method_and_path() -> None:
-    """The paths are the service's table's (service.operations), sync and async alike."""
-    from service.operations import BY_NAME
+    """The paths are the service's table's (service.web.operations), sync and async alike."""
+    from service.web.operations import BY_NAME
 
     sent: list[tuple[str, str]] = []
 
@@ -725,7 +725,7 @@ def test_each_method_sends_its_operation_s_method_and_path() -> None:
         assert sent == [want], name
 
 
-# --- a remote cascade stage (service.remote_stage) -----------------------------------------
+# --- a remote cascade stage (service.cascade.remote_stage) -----------------------------------------
 
 
 def test_a_remote_stage_decides_what_the_local_one_escalates(
@@ -733,7 +733,7 @@ def test_a_remote_stage_decides_what_the_local_one_escalates(
 ) -> None:
     from calibration import Cascade, Gate, LocalStage, Overrides
     from judge import Judge
-    from service.remote_stage import RemoteStage
+    from service.cascade.remote_stage import RemoteStage
 
     judge = Judge.load(dtype="float32")
     never = LocalStage("local", judge, Gate(overrides=Overrides(uncertified_threshold=1.0)))
@@ -777,7 +777,7 @@ def _dying_server(hold_s: float) -> Iterator[str]:
 
 def test_a_remote_stage_killed_mid_request_or_too_slow_is_an_escalation() -> None:
     from calibration import Cascade
-    from service.remote_stage import RemoteStage
+    from service.cascade.remote_stage import RemoteStage
 
     with _dying_server(hold_s=0.2) as url:
         verdict = Cascade([RemoteStage("remote", url)]).judge(PROMPTS[0], CHOICES)
@@ -842,12 +842,12 @@ def test_typed_questions_escalate_to_a_remote_stage(server: Server, judge: Any) 
     assert body["judgment_id"] == body["cascade"][1]["answer"]["judgment_id"]
 
 
-# --- a System One server as a stage (service.remote_stage.SystemOneStage) --------------------
+# --- a System One server as a stage (service.cascade.remote_stage.SystemOneStage) --------------------
 
 
 def test_a_system_one_stage_is_decided_by_its_own_gate(server: Server) -> None:
     from calibration import Cascade, Gate, Overrides
-    from service.remote_stage import SystemOneStage
+    from service.cascade.remote_stage import SystemOneStage
 
     stage = SystemOneStage("s1", server.url, instructions="Spam or ham?")
     verdict = Cascade([stage]).judge(PROMPTS[0], CHOICES)
@@ -875,7 +875,7 @@ def test_a_system_one_stage_is_decided_by_its_own_gate(server: Server) -> None:
 
 def test_a_system_one_stage_reads_a_bare_answer_and_fails_as_an_escalation() -> None:
     from calibration import Cascade, Gate, Overrides
-    from service.remote_stage import SystemOneStage
+    from service.cascade.remote_stage import SystemOneStage
 
     sent: list[dict[str, Any]] = []
 

@@ -29,7 +29,7 @@ from postgres import postgres_database, postgres_url  # noqa: F401
 from server import free_port
 
 from judge.identity import new_judgment_id
-from service.decision_log import (
+from service.log.decision_log import (
     PRUNE_EVERY,
     DecisionLog,
     DecisionLogError,
@@ -537,7 +537,7 @@ def _subprocess_env() -> dict[str, str]:
 
 KILLED_WRITER = """
 import sys
-from service.decision_log import SQLiteLog
+from service.log.decision_log import SQLiteLog
 from test_decision_log import decision
 log = SQLiteLog(sys.argv[1])
 n = 0
@@ -597,7 +597,7 @@ def test_sqlite_keeps_every_acknowledged_append_through_kill_9(tmp_path: Path) -
 
 REPLICA = """
 import random, sys, time
-from service.decision_log import LabelFailure, PostgresLog
+from service.log.decision_log import LabelFailure, PostgresLog
 from test_decision_log import decision, replica_ids
 url, me, other = sys.argv[1:4]
 mine, theirs = replica_ids(me), replica_ids(other)

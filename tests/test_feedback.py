@@ -32,7 +32,7 @@ from judge import Fingerprint, Judgment, Query
 from service import ServiceConfig, create_app
 from service.cli.main import main
 from service.client import AsyncJudgeClient, ClientError
-from service.decision_log import DecisionLogError, open_log
+from service.log.decision_log import DecisionLogError, open_log
 from service.profiles import ProfileStore
 
 CHOICES = ["yes", "no"]

@@ -30,8 +30,8 @@ from calibration.recertify import Recertification, labels_to_certify, look_delta
 from calibration.tasks.files import load_split, load_task, task_prompt
 from service import ServiceConfig, create_app
 from service.cli.main import main
-from service.decision_log import LoggedDecision, open_log
-from service.logged_features import LoggedFeatures, log_layers
+from service.log.decision_log import LoggedDecision, open_log
+from service.log.logged_features import LoggedFeatures, log_layers
 from service.profiles import ProfileStore
 
 SMS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sms_spam"

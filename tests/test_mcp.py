@@ -357,7 +357,7 @@ def test_mcp_decisions_enter_the_audit_sample(
     import asyncio
 
     from service.cli.serve import audit_rates
-    from service.decision_log import open_log
+    from service.log.decision_log import open_log
     from service.mcp_server import create_server
     from service.profiles import ProfileStore
 
@@ -393,8 +393,8 @@ def test_decide_escalates_through_a_cascade(judge: Judge, tmp_path: Path) -> Non
 
     from test_cascade_service import coin_profile
 
-    from service.cascade_questions import LocalModel
-    from service.decision_log import open_log
+    from service.cascade.cascade_questions import LocalModel
+    from service.log.decision_log import open_log
     from service.mcp_server import create_server
     from service.profiles import ProfileStore
 

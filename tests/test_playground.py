@@ -25,7 +25,7 @@ from test_service import EXAMPLES, NUM_LAYERS, FeatureEngine, H, probe_profile
 from calibration.reliability import reliability_diagram
 from judge import atomicio
 from service import ServiceConfig, create_app
-from service.playground import STATIC
+from service.web.playground import STATIC
 
 KEY = "playground-key"
 CHROMIUM = Path("/usr/bin/chromium")

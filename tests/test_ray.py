@@ -32,7 +32,7 @@ from test_reliability import live
 from judge import Judgment, Prepared, Query
 from service import ServiceConfig
 from service.cli.main import main
-from service.ray_serve import INSTALL_HINT, Scaling, application
+from service.web.ray_serve import INSTALL_HINT, Scaling, application
 
 try:
     import ray

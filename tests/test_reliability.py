@@ -30,8 +30,8 @@ from server import free_port, wait_url_ready
 
 from judge import Judgment, Prepared, Query
 from service import ServiceConfig, create_app
-from service.batcher import Batcher, DeadlineError
-from service.serving import Service
+from service.web.batcher import Batcher, DeadlineError
+from service.web.serving import Service
 
 BODY = {"prompt": "Is this spam?", "choices": ["spam", "ham"]}
 HANG_S = 120.0  # a watchdog for every wait below: each ends in milliseconds when all is well

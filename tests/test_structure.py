@@ -176,7 +176,7 @@ def test_one_module_builds_a_response() -> None:
     """A response is shaped from the judgment and the verdict alone, in ``JudgeResponse.of``
     (``judge ask`` once printed fewer fields than ``POST /judge`` for the same profile)."""
     assert _callers("JudgeResponse") == set()  # only its classmethod builds one
-    assert "service.serving_judge" in _callers("JudgeResponse.of")  # the walk sees the routes
+    assert "service.web.serving_judge" in _callers("JudgeResponse.of")  # the walk sees the routes
 
 
 def test_the_caller_walk_finds_calls() -> None:
@@ -214,12 +214,16 @@ with TestClient(app=create_app(FakeEngine(), config=config)) as client:
     assert r.status_code == 200, r.text
 sys.setprofile(None)
 threading.setprofile(None)
-modules = ["service.serving_cascade", "service.remote_stage", "service.cascade_questions"]
+modules = ["service.cascade.serving_cascade", "service.cascade.remote_stage", "service.cascade.cascade_questions"]
 print(json.dumps({"imported": [m for m in modules if m in sys.modules],
                   "called": sorted(called)}))
 """
 
-CASCADE_FILES = ("service/serving_cascade.py", "service/remote_stage.py", "calibration/cascade.py")
+CASCADE_FILES = (
+    "service/cascade/serving_cascade.py",
+    "service/cascade/remote_stage.py",
+    "calibration/cascade.py",
+)
 
 
 def _traced(cascade: dict[str, str]) -> tuple[list[str], set[str]]:
@@ -245,9 +249,9 @@ def test_a_request_without_a_cascade_neither_imports_nor_calls_it(cascade: bool)
     imported, called = _traced({"big": "http://127.0.0.1:9"} if cascade else {})
     if cascade:
         assert imported == [
-            "service.serving_cascade",
-            "service.remote_stage",
-            "service.cascade_questions",
+            "service.cascade.serving_cascade",
+            "service.cascade.remote_stage",
+            "service.cascade.cascade_questions",
         ]
         assert called == set(CASCADE_FILES)
     else:

@@ -2,9 +2,9 @@
 
 The command's own model is the first stage (``--stage-name``, default "local"), batched and
 decided as without a cascade. Each item it escalates goes to the later stages in turn, as
-``judge serve --cascade`` sends it (``service.serving_cascade.cascaded``): a model loaded
+``judge serve --cascade`` sends it (``service.cascade.serving_cascade.cascaded``): a model loaded
 here (a .gguf, directory or hub id, or a packaged name such as gemma3-270m), decided by its
-own gate, or another judge server (``service.remote_stage``). A later stage judges the prompt
+own gate, or another judge server (``service.cascade.remote_stage``). A later stage judges the prompt
 with its own chat template (not ``--system``) and the command's ``--threshold`` and
 ``--min-choice-mass``; ``--stage-profile NAME=FILE`` gives a local stage its profile (for a
 remote one, ``NAME=PROFILE``: the profile's name in that server's store). A stage that fails
@@ -25,10 +25,10 @@ from service.schemas import JudgeResponse
 
 if TYPE_CHECKING:
     from judge import Judgment, Query
-    from service.cascade_questions import LocalModel
-    from service.serving_cascade import ServedStage
+    from service.cascade.cascade_questions import LocalModel
+    from service.cascade.serving_cascade import ServedStage
 
-# The stages' machinery (service.serving_cascade) is the server's: imported where a cascade
+# The stages' machinery (service.cascade.serving_cascade) is the server's: imported where a cascade
 # is asked for, so that `judge ask --help` needs none of the server's packages.
 
 __all__ = ["LaterStages", "add_arguments", "plan"]
@@ -55,8 +55,8 @@ class LaterStages:
         """Load each local stage's model and open its gate, checked against the model and
         ``choices`` (None: the profile's, else any), before any item is judged."""
         from judge import Judge
-        from service.cascade_questions import LocalModel
-        from service.remote_stage import is_remote
+        from service.cascade.cascade_questions import LocalModel
+        from service.cascade.remote_stage import is_remote
 
         for stage in self.stages:
             if is_remote(stage.target):
@@ -68,8 +68,8 @@ class LaterStages:
 
     def views(self) -> list[ServedStage]:
         """One item's view of each later stage (each keeps what it answered)."""
-        from service.remote_stage import RemoteStage, is_remote
-        from service.serving_cascade import ServedLocal, ServedRemote
+        from service.cascade.remote_stage import RemoteStage, is_remote
+        from service.cascade.serving_cascade import ServedLocal, ServedRemote
 
         views: list[ServedStage] = []
         for stage in self.stages:
@@ -88,7 +88,7 @@ class LaterStages:
         """The cascade's response to an item the first stage judged: its own where it
         accepted, else the later stages' (``cascaded``)."""
         from calibration.cascade import StageItem
-        from service.serving_cascade import cascaded
+        from service.cascade.serving_cascade import cascaded
 
         item = StageItem(query.prompt, list(query.choices), query.item_span)
         response = JudgeResponse.of(judgment, verdict, choices=item.choices)
@@ -117,7 +117,7 @@ def plan(args: argparse.Namespace, overrides: Overrides) -> LaterStages | None:
             f"--stage-profile names {unknown[0]!r}, which is not a --cascade stage",
             field="--stage-profile",
         )
-    from service.remote_stage import is_remote
+    from service.cascade.remote_stage import is_remote
 
     stages = []
     for name, target in given:

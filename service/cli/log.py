@@ -1,11 +1,11 @@
-"""The commands that read the decision log (``service.decision_log``), for people and for cron.
+"""The commands that read the decision log (``service.log.decision_log``), for people and for cron.
 
 judge label --log L --input labels.jsonl     store true labels, {"judgment_id", "label"} a line
 judge check --profile P --log L              exit 1 when the profile's health check fails
 judge replay ID --log L                      re-run a logged decision on today's model, profile
 judge calibrate --from-log L --profile P     refit P on its audited, labeled decisions
 
-``check`` is ``service.health.assess``, the same as ``GET /profiles/{name}/health``: it exits
+``check`` is ``service.log.health.assess``, the same as ``GET /profiles/{name}/health``: it exits
 0 when healthy, 1 when the audit labels contradict the certificate, the drift test fires or
 the model no longer matches, and 2 on a usage error. ``calibrate --from-log`` fits from the
 logged log-probabilities (and, kept with ``--log-features``, hidden states: a probe) of the
@@ -40,7 +40,7 @@ from service.cli.common import (
 if TYPE_CHECKING:
     from calibration import CalibrationProfile, Gate, Overrides, PolicyDefaults, Verdict
     from judge import Engine, Judgment
-    from service.decision_log import DecisionLog, LoggedDecision
+    from service.log.decision_log import DecisionLog, LoggedDecision
     from service.profiles import ProfileStore
 
 __all__ = ["add_arguments", "run_check", "run_from_log", "run_label", "run_replay"]
@@ -52,7 +52,7 @@ class _LabelLine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def _open(target: str) -> DecisionLog:
-    from service.decision_log import DecisionLogError, open_log
+    from service.log.decision_log import DecisionLogError, open_log
 
     try:
         return open_log(target)
@@ -94,7 +94,7 @@ def run_label(args: argparse.Namespace) -> int:
             ) from None
     if not lines:
         raise UsageError(f"--input: {args.input} holds no labels")
-    from service.decision_log import LabelFailure
+    from service.log.decision_log import LabelFailure
 
     with _open(args.log) as log:
         outcomes = log.label_many(
@@ -115,7 +115,7 @@ def run_check(args: argparse.Namespace) -> int:
     """The profile's health from the log: exit 0 healthy, 1 when any check fires."""
     import time
 
-    from service.health import profile_health
+    from service.log.health import profile_health
 
     profile, etag, _ = _stored(args.profile, args.profiles_dir)
     current = None
@@ -274,7 +274,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     from calibration.fitting import labels_for_next_look
     from calibration.profile import NAME_PATTERN
     from calibration.recertify import Recertification
-    from service.decision_log import mask_target
+    from service.log.decision_log import mask_target
 
     if args.profile is None:
         raise UsageError("calibrate --from-log: name the profile to refit with --profile")

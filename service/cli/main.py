@@ -32,7 +32,7 @@ from calibration import CalibrationError
 from calibration.tasks import TaskError
 from judge import JudgeError
 from service.cli.common import UsageError
-from service.decision_log import DecisionLogError
+from service.log.decision_log import DecisionLogError
 
 __all__ = ["COMMAND_MODULES", "SERVER_MODULES", "main", "parser"]
 

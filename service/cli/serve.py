@@ -1,7 +1,7 @@
 """``judge serve``: the HTTP service on one engine, loaded in the background at start-up.
 
 With ``--ray`` the same app runs as Ray Serve replicas behind one endpoint
-(``service.ray_serve``), a fixed number (``--replicas``) or autoscaled
+(``service.web.ray_serve``), a fixed number (``--replicas``) or autoscaled
 (``--min-replicas``/``--max-replicas``/``--target-ongoing-requests``).
 
 Stopping is bounded and clean: on SIGTERM or Ctrl-C the server stops accepting connections,
@@ -43,7 +43,7 @@ from service.config import FlagKind, ServiceConfig, flags
 
 if TYPE_CHECKING:
     from judge import Engine
-    from service.ray_serve import Scaling
+    from service.web.ray_serve import Scaling
 
 __all__ = [
     "add_arguments",
@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
 
 def scaling(args: argparse.Namespace) -> Scaling:
     """The replicas asked for on the command line; a bad combination is a usage error."""
-    from service.ray_serve import Scaling
+    from service.web.ray_serve import Scaling
 
     autoscaled = args.min_replicas is not None or args.max_replicas is not None
     try:

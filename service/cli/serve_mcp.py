@@ -30,7 +30,7 @@ from service.cli.common import (
 from service.cli.serve import audit_rates
 
 if TYPE_CHECKING:
-    from service.cascade_questions import LocalModel
+    from service.cascade.cascade_questions import LocalModel
 
 __all__ = ["add_arguments", "run"]
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     # Opened first: a log that cannot be written stops the server before the model loads.
     decision_log = None
     if args.decision_log is not None:
-        from service.decision_log import DecisionLogError, open_log
+        from service.log.decision_log import DecisionLogError, open_log
 
         try:
             decision_log = open_log(args.decision_log)
@@ -168,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
 def _load_stages(given: list[tuple[str, str]], dtype: str) -> dict[str, LocalModel | str]:
     """The later stages, in order: a URL as it is, a model loaded (in the first's dtype)."""
     from judge import Judge
-    from service.cascade_questions import LocalModel
-    from service.remote_stage import is_remote
+    from service.cascade.cascade_questions import LocalModel
+    from service.cascade.remote_stage import is_remote
 
     return {
         name: target if is_remote(target) else LocalModel(Judge.load(target, dtype=dtype))  # type: ignore[arg-type]

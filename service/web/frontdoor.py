@@ -1,6 +1,6 @@
 """The front door: what every HTTP request goes through before routing, and after it leaves.
 
-An ASGI layer around the Litestar app (see ``service.app``), because all of this must happen
+An ASGI layer around the Litestar app (see ``service.web.app``), because all of this must happen
 before the app reads, parses or routes anything:
 
 - **API key** (when set), on every path but the public ones (``/health``, the playground), so
@@ -20,10 +20,10 @@ before the app reads, parses or routes anything:
   client cannot hold a slot.
 - **Clients that leave.** Once the body is in, the connection is watched; when the client
   disconnects, the request's task is cancelled, which drops its queued model work (see
-  ``service.batcher``) and stops a fit before it writes anything.
+  ``service.web.batcher``) and stops a fit before it writes anything.
 - **Metrics**: every response by method, route and status; 499 for a client that left.
 - **Which replica answered**: every response carries ``X-Judge-Replica: <host>:<pid>``, so
-  behind a balancer (``service.ray_serve``) a client or a test can tell replicas apart.
+  behind a balancer (``service.web.ray_serve``) a client or a test can tell replicas apart.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from service.metrics import ServiceMetrics
 
 if TYPE_CHECKING:
-    from service.operations import Operation
+    from service.web.operations import Operation
 
 __all__ = [
     "MODEL",
@@ -59,7 +59,7 @@ __all__ = [
 
 PUBLIC = "public"  # route opt: no API key needed
 MODEL = "model"  # route opt: needs the model, so it is admitted through the slots
-OPERATION = "operation"  # route opt: the service.operations.Operation the route serves
+OPERATION = "operation"  # route opt: the service.web.operations.Operation the route serves
 CLIENT_CLOSED = 499  # the status recorded for a client that left before its response
 REPLICA_HEADER = "X-Judge-Replica"
 

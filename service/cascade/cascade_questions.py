@@ -1,5 +1,5 @@
 """A cascade's later stages for typed questions: ``POST /v1/systemone`` and a pair on
-``POST /judge`` escalate as a judgment does (``service.serving_cascade``).
+``POST /judge`` escalate as a judgment does (``service.cascade.serving_cascade``).
 
 A question the first stage escalates is asked of each later stage in turn, as the same question
 about the same state, under that stage's profile ("P-NAME", as ``calibration.tasks.fit_cascade``
@@ -21,8 +21,8 @@ import msgspec
 
 from calibration.carry import carry
 from calibration.cascade import StageAnswer, StageResult, run_stages
+from service.cascade.remote_stage import RemoteStage
 from service.decisions import QuestionDecision, judge_questions
-from service.remote_stage import RemoteStage
 from service.schemas import JudgeResponse
 from service.systemone import SystemOneAnswer, SystemOneQuestion, wire_answer
 
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from calibration import Gate, Overrides, Verdict
     from judge import Engine
     from judge.answers import Answer, Question
-    from service.decision_log import LoggedDecision
     from service.gate_context import GateContext
+    from service.log.decision_log import LoggedDecision
 
 __all__ = [
     "LocalModel",

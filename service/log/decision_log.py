@@ -71,7 +71,7 @@ import msgspec
 
 from calibration.carry import carry
 from calibration.cascade import StageResult
-from service.logged_features import LoggedFeatures
+from service.log.logged_features import LoggedFeatures
 
 if TYPE_CHECKING:
     import psycopg
@@ -196,7 +196,7 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
     # The request as judged (prompt text): only when the server was told to keep prompts.
     request: dict[str, Any] | None = None
     # The hidden states a probe reads, for refitting one from the log: only with
-    # --log-features (service.logged_features).
+    # --log-features (service.log.logged_features).
     features: LoggedFeatures | None = None
     # With a cascade: what became of the request this decision was one stage of (each local
     # stage logs its own decision, each carrying this).

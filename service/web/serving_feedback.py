@@ -1,7 +1,7 @@
 """The decision log's endpoints: a logged decision, its labels, and the profiles' health.
 
-Labels are stored atomically per decision (``service.decision_log``); health
-(``service.health.profile_health``) reads the log's recent decisions of a profile's current
+Labels are stored atomically per decision (``service.log.decision_log``); health
+(``service.log.health.profile_health``) reads the log's recent decisions of a profile's current
 version, and ``/metrics`` reads every profile's at most every ``HEALTH_TTL_S`` seconds.
 """
 
@@ -13,17 +13,17 @@ import time
 import anyio.to_thread
 
 from calibration import ProfileError
-from service.decision_log import (
+from service.errors import NoLogError
+from service.log.decision_log import (
     DecisionLog,
     DecisionLogError,
     LabelFailure,
     LoggedDecision,
     UnknownJudgmentError,
 )
-from service.errors import NoLogError
-from service.health import ProfileHealth, profile_health
+from service.log.health import ProfileHealth, profile_health
 from service.schemas import LabelRequest, LabelResult, LabelsRequest, LabelsResponse
-from service.serving_core import ServiceCore
+from service.web.serving_core import ServiceCore
 
 __all__ = ["FeedbackServing"]
 

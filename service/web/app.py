@@ -5,17 +5,17 @@ a loader for the real model (so the server answers /health and /ready while it l
 may hand in a loaded engine or a fake. This module only wires the pieces together:
 
     service.config    ServiceConfig, the server's settings, checked once
-    service.frontdoor before routing: API key, a malformed path parameter or header,
+    service.web.frontdoor before routing: API key, a malformed path parameter or header,
                       admission, read timeout, clients that leave
-    service.operations the table of operations: routes, OpenAPI, metric labels, client paths
-    service.routes    the endpoints, thin, registered from the table
-    service.bodies    strict decoding of request bodies
+    service.web.operations the table of operations: routes, OpenAPI, metric labels, client paths
+    service.web.routes    the endpoints, thin, registered from the table
+    service.web.bodies    strict decoding of request bodies
     service.schemas   request and response bodies (msgspec Structs)
-    service.openapi   the OpenAPI document, derived from the table, every status of each
-    service.serving   the Service the endpoints call: the shared core (ServiceCore: engine,
+    service.web.openapi   the OpenAPI document, derived from the table, every status of each
+    service.web.serving   the Service the endpoints call: the shared core (ServiceCore: engine,
                       store, gates, batcher) and its judging, System One, profile, feedback
                       and cascade families
-    service.batcher   model work on one thread, single judgments coalesced into batches
+    service.web.batcher   model work on one thread, single judgments coalesced into batches
     service.profiles  profiles on disk, one JSON file each
     service.errors    every error's status code and body, in one table
     service.metrics   Prometheus metrics, as ASGI middleware
@@ -36,9 +36,9 @@ from litestar.utils import normalize_path
 from judge import Engine
 from service.config import ServiceConfig
 from service.errors import exception_handlers
-from service.frontdoor import FrontDoor, Route
-from service.routes import ROUTES
-from service.serving import Service
+from service.web.frontdoor import FrontDoor, Route
+from service.web.routes import ROUTES
+from service.web.serving import Service
 
 __all__ = ["ServiceConfig", "create_app"]
 
@@ -80,7 +80,7 @@ def create_app(
         lifespan=[lifespan],
         exception_handlers=exception_handlers(),
         request_max_body_size=config.max_body_bytes,
-        openapi_config=None,  # the document is service.openapi's, served by a route
+        openapi_config=None,  # the document is service.web.openapi's, served by a route
     )
 
     @functools.lru_cache(maxsize=4096)  # bounded: paths come from clients

@@ -1,11 +1,11 @@
 """The HTTP operations, written once: every other description of the API is derived from this.
 
-    service.routes   registers a handler for each operation (method, path, status, options),
+    service.web.routes   registers a handler for each operation (method, path, status, options),
                      and OPTIONS for each path, whose Allow lists the path's methods
-    service.openapi  the OpenAPI document's paths: summary, bodies, statuses, operationId
+    service.web.openapi  the OpenAPI document's paths: summary, bodies, statuses, operationId
     service.metrics  the route label of a request: the path template of its operation
     service.client   each call's method and path
-    service.frontdoor what each refuses before its body: a malformed path parameter or header
+    service.web.frontdoor what each refuses before its body: a malformed path parameter or header
 
 This module imports no Litestar: the client uses it. A path is an OpenAPI template,
 ``/profiles/{name}``, each ``{parameter}`` one path segment.
@@ -21,8 +21,8 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 from calibration.profile import NAME_PATTERN, CalibrationProfile
-from service.decision_log import LoggedDecision
-from service.health import ProfileHealth
+from service.log.decision_log import LoggedDecision
+from service.log.health import ProfileHealth
 from service.schemas import (
     BatchRequest,
     BatchResponse,

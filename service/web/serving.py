@@ -3,14 +3,14 @@
     ServiceCore         start-up and readiness, the batcher, the profile store, the metrics,
                         the decision log, and the steps every request shares (its gate, its
                         queries prepared within the budget, shared rows, the log)
-    JudgeServing        POST /judge, POST /judge/batch          (service.serving_judge)
+    JudgeServing        POST /judge, POST /judge/batch          (service.web.serving_judge)
     CascadeServing      the later stages of every route that decides, with --cascade
-                                                                (service.serving_cascade)
-    SystemOneServing    POST /v1/systemone                      (service.serving_systemone)
-    ProfileServing      /profiles: list, store, fit             (service.serving_profiles)
-    FeedbackServing     /judgments, /labels, profile health     (service.serving_feedback)
+                                                                (service.cascade.serving_cascade)
+    SystemOneServing    POST /v1/systemone                      (service.web.serving_systemone)
+    ProfileServing      /profiles: list, store, fit             (service.web.serving_profiles)
+    FeedbackServing     /judgments, /labels, profile health     (service.web.serving_feedback)
 
-``Service`` is the core with one of each family; the routes (``service.routes``) call the
+``Service`` is the core with one of each family; the routes (``service.web.routes``) call the
 family of their operation.
 """
 
@@ -22,14 +22,14 @@ import anyio.to_thread
 
 from judge import Engine
 from service.config import ServiceConfig
-from service.serving_core import ServiceCore, Ticket
-from service.serving_feedback import FeedbackServing
-from service.serving_judge import JudgeServing
-from service.serving_profiles import ProfileServing
-from service.serving_systemone import SystemOneServing
+from service.web.serving_core import ServiceCore, Ticket
+from service.web.serving_feedback import FeedbackServing
+from service.web.serving_judge import JudgeServing
+from service.web.serving_profiles import ProfileServing
+from service.web.serving_systemone import SystemOneServing
 
 if TYPE_CHECKING:
-    from service.serving_cascade import CascadeServing
+    from service.cascade.serving_cascade import CascadeServing
 
 __all__ = ["Service", "Ticket"]
 
@@ -43,7 +43,7 @@ class Service(ServiceCore):
         # a request without a cascade neither imports nor calls it (tests/test_structure.py).
         self.cascade: CascadeServing | None = None
         if config.cascade:
-            from service.serving_cascade import CascadeServing
+            from service.cascade.serving_cascade import CascadeServing
 
             self.cascade = CascadeServing(self)
         self.judging = JudgeServing(self, self.cascade)

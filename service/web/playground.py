@@ -30,8 +30,8 @@ from litestar.types import ControllerRouterHandler
 
 from calibration import ProfileNotFoundError
 from calibration.profile import NAME_PATTERN
-from service.frontdoor import PUBLIC
-from service.serving import Service
+from service.web.frontdoor import PUBLIC
+from service.web.serving import Service
 
 __all__ = ["CONTENT_SECURITY_POLICY", "PLAYGROUND_ROUTES", "STATIC"]
 

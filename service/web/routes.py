@@ -1,13 +1,13 @@
 """The endpoints: each one decodes its body strictly and hands it to ``Service``.
 
-Each handler serves the operation of its name in ``service.operations``, which says its
+Each handler serves the operation of its name in ``service.web.operations``, which says its
 method, path, success status and options; ``ROUTES`` registers them from that table, and an
 OPTIONS for each of its paths whose Allow lists the path's methods.
 
 The ``service`` argument is the app's one ``Service``, injected by the app (see
-``service.app``). Bodies are decoded by ``service.bodies`` (msgspec, strict), so a malformed
+``service.web.app``). Bodies are decoded by ``service.web.bodies`` (msgspec, strict), so a malformed
 one is refused with a 4xx that names the field before any work; errors raised here become
-responses in ``service.errors``. Route options tell the front door (``service.frontdoor``)
+responses in ``service.errors``. Route options tell the front door (``service.web.frontdoor``)
 what a route needs: ``PUBLIC`` routes need no API key, ``MODEL`` routes take an admission
 slot, and ``OPERATION`` is the route's operation, whose malformed path parameters and headers
 the front door refuses before anything else (``Operation.refusal``).
@@ -30,13 +30,15 @@ from litestar.types import ControllerRouterHandler
 import service.schemas as schemas
 from calibration import CalibrationProfile
 from calibration.profile import current_format
-from service.bodies import decode_body, decode_each
-from service.decision_log import LoggedDecision
 from service.errors import BadFieldError, TooLargeError
-from service.frontdoor import MODEL, OPERATION, PUBLIC
-from service.health import ProfileHealth
-from service.openapi import openapi_document
-from service.operations import (
+from service.log.decision_log import LoggedDecision
+from service.log.health import ProfileHealth
+from service.profiles import parse_etags
+from service.systemone import SystemOneResponse, decode_request
+from service.web.bodies import decode_body, decode_each
+from service.web.frontdoor import MODEL, OPERATION, PUBLIC
+from service.web.openapi import openapi_document
+from service.web.operations import (
     OPERATIONS,
     TIMEOUT_HEADER,
     Operation,
@@ -44,10 +46,8 @@ from service.operations import (
     paths,
     request_timeout,
 )
-from service.playground import PLAYGROUND_ROUTES
-from service.profiles import parse_etags
-from service.serving import Service, Ticket
-from service.systemone import SystemOneResponse, decode_request
+from service.web.playground import PLAYGROUND_ROUTES
+from service.web.serving import Service, Ticket
 
 __all__ = ["HANDLERS", "ROUTES", "TIMEOUT_HEADER"]
 
@@ -63,7 +63,7 @@ async def _body(request: AnyRequest, type_: type[T]) -> T:
 
 async def _batch_body(request: AnyRequest) -> list[schemas.BatchItem] | schemas.SharedBatch:
     """The batch's body: one of its shapes, chosen by the keys it has, and its items each
-    decoded as a whole request or an item alone, by theirs (``service.bodies``)."""
+    decoded as a whole request or an item alone, by theirs (``service.web.bodies``)."""
     batch: schemas.BatchRequest = decode_body(
         await request.body(), request.headers.get("content-type"), schemas.BatchRequest
     )
@@ -281,7 +281,7 @@ def _handler(op: Operation) -> HTTPRouteHandler:
         # The operation itself: the front door refuses what its schema refuses (see refusal).
         opt={**_opt(op.public, op.model), OPERATION: op},
         name=op.name,
-        include_in_schema=False,  # the document is service.openapi's
+        include_in_schema=False,  # the document is service.web.openapi's
         **_EXTRA.get(op.name, {}),
     )(HANDLERS[op.name])
 
@@ -305,7 +305,7 @@ def _options(path: str, operations: list[Operation]) -> HTTPRouteHandler:
 
 
 if set(HANDLERS) != {op.name for op in OPERATIONS}:
-    raise RuntimeError("service.routes.HANDLERS and service.operations.OPERATIONS differ")
+    raise RuntimeError("service.web.routes.HANDLERS and service.web.operations.OPERATIONS differ")
 
 ROUTES: list[ControllerRouterHandler] = [
     # First: a path's first handler decides its OPTIONS (see _options).

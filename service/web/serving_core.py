@@ -1,4 +1,4 @@
-"""The core every operation family shares (``service.serving``): the engine, its budget and its
+"""The core every operation family shares (``service.web.serving``): the engine, its budget and its
 readiness, the batcher, the profile store, the metrics, the decision log, and the steps of a
 request.
 
@@ -47,24 +47,24 @@ from judge import (
     Query,
 )
 from judge.packing import pack_rows
-from service.batcher import Batcher
 from service.config import ServiceConfig
-from service.decision_log import (
+from service.errors import (
+    LogUnavailableError,
+    NotReadyError,
+    TooLargeError,
+)
+from service.gate_context import GateContext
+from service.log.decision_log import (
     DecisionLog,
     DecisionLogError,
     LoggedDecision,
     Retention,
     open_log,
 )
-from service.errors import (
-    LogUnavailableError,
-    NotReadyError,
-    TooLargeError,
-)
-from service.frontdoor import Admission
-from service.gate_context import GateContext
 from service.metrics import ServiceMetrics
 from service.profiles import ProfileStore
+from service.web.batcher import Batcher
+from service.web.frontdoor import Admission
 
 if TYPE_CHECKING:
     pass
@@ -178,7 +178,7 @@ class ServiceCore:
 
     async def load_more(self, engine: Engine) -> None:
         """What else must load before the service is ready (a cascade's stages): nothing
-        here; ``service.serving.Service`` loads its cascade."""
+        here; ``service.web.serving.Service`` loads its cascade."""
 
     def _check_budget(self, engine: Engine) -> None:
         """Refuse an engine that packs passes to another budget than this server's.

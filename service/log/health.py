@@ -41,7 +41,7 @@ from calibration.monitoring import (
 )
 from calibration.profile import CalibrationProfile
 from calibration.recertify import LabelsNeeded, labels_to_certify, next_look_delta
-from service.decision_log import DecisionLog, LoggedDecision
+from service.log.decision_log import DecisionLog, LoggedDecision
 
 __all__ = ["DEFAULT_WINDOW", "ModelCheck", "ProfileHealth", "assess", "profile_health"]
 

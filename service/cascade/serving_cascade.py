@@ -1,11 +1,11 @@
 """A cascade behind every route that decides (``judge serve --cascade NAME=TARGET ...``):
 ``POST /judge`` and its batches, questions about a shared context, ``POST /v1/systemone`` and
-pairs (typed questions: ``service.cascade_questions``).
+pairs (typed questions: ``service.cascade.cascade_questions``).
 
 This server's engine is the first stage (``--stage-name``), decided as every judgment is. An
 item it escalates goes to each later stage in turn (``calibration.cascade.Cascade``): a
 model loaded in this process, which judges on its own lock off the event loop, or another
-judge server (``service.remote_stage``). A request's profile P is the first stage's; stage
+judge server (``service.cascade.remote_stage``). A request's profile P is the first stage's; stage
 NAME decides with "P-NAME" (``calibration.tasks.fit_cascade`` names them so), whose gate is
 opened, and checked against its engine, before any model work. What a stage decides comes
 back as that stage's own response, with ``decided_by`` and every stage's part
@@ -33,7 +33,7 @@ from calibration import Cascade, Gate, Overrides, Verdict
 from calibration.cascade import LocalStage, StageAnswer, StageItem, StageResult
 from judge import Judgment
 from judge.answers import Answer
-from service.cascade_questions import (
+from service.cascade.cascade_questions import (
     LocalModel,
     LocalQuestionStage,
     QuestionItem,
@@ -41,13 +41,13 @@ from service.cascade_questions import (
     RemoteQuestionStage,
     escalated,
 )
-from service.decision_log import LoggedDecision, with_cascade
+from service.cascade.remote_stage import RemoteStage, answer_of, is_remote
 from service.decisions import QuestionDecision
 from service.gate_context import GateContext
-from service.remote_stage import RemoteStage, answer_of, is_remote
+from service.log.decision_log import LoggedDecision, with_cascade
 from service.schemas import JudgeRequest, JudgeResponse, SharedQuestion
-from service.serving_core import WARM_UP, ServiceCore
 from service.systemone import SystemOneQuestion
+from service.web.serving_core import WARM_UP, ServiceCore
 
 __all__ = [
     "CascadeServing",

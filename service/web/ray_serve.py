@@ -36,9 +36,9 @@ import httpx
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from judge import Engine
-from service.app import create_app
 from service.config import ServiceConfig
 from service.profiles import SharedDirectory
+from service.web.app import create_app
 
 __all__ = ["INSTALL_HINT", "Scaling", "application", "check_ray", "run"]
 

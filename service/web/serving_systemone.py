@@ -22,11 +22,10 @@ import msgspec
 from calibration import Overrides
 from judge import Engine, Judgment, Prepared
 from judge.answers import plan_decisions
-from service.decision_log import LoggedDecision, replayable_question
 from service.decisions import QuestionDecision
 from service.errors import TooLargeError, UnprocessableError
+from service.log.decision_log import LoggedDecision, replayable_question
 from service.schemas import JudgeResponse, PairRequest
-from service.serving_core import ServiceCore, Ticket
 from service.systemone import (
     SystemOnePair,
     SystemOneQuestion,
@@ -34,10 +33,11 @@ from service.systemone import (
     SystemOneResponse,
     Usage,
 )
+from service.web.serving_core import ServiceCore, Ticket
 
 if TYPE_CHECKING:
-    # A cascade's machinery is imported only by a server that has one (service.serving).
-    from service.serving_cascade import CascadeServing
+    # A cascade's machinery is imported only by a server that has one (service.web.serving).
+    from service.cascade.serving_cascade import CascadeServing
 
 __all__ = ["SystemOneServing"]
 
@@ -176,7 +176,7 @@ class SystemOneServing:
             mine = [] if record is None else [record]
             decided[qid] = QuestionDecision(answer, verdict)
             if cascade is not None:
-                from service.cascade_questions import QuestionItem
+                from service.cascade.cascade_questions import QuestionItem
 
                 item = QuestionItem(state, qid, asked[qid])
                 outcome = await cascade.escalate_question(

@@ -31,7 +31,7 @@ from calibration.tasks import fit_labeled, labeled_queries, scores_from_judgment
 from judge import Fingerprint, Judgment, Prepared
 from service.errors import BadFieldError, UnprocessableError
 from service.schemas import CalibrationMapSummary, FitRequest, ProfileSummary
-from service.serving_core import ServiceCore, Ticket
+from service.web.serving_core import ServiceCore, Ticket
 
 __all__ = ["ProfileServing"]
 
