@@ -295,7 +295,7 @@ def scaling(args: argparse.Namespace) -> Scaling:
 def run_ray(args: argparse.Namespace, loader: Callable[[], Engine], config: ServiceConfig) -> int:
     """``judge serve --ray``: replicas on Ray Serve, until Ctrl-C."""
     try:
-        from service import ray_serve
+        from service.web import ray_serve
 
         ray_serve.check_ray()
     except ImportError:
