@@ -189,10 +189,13 @@ def _tails(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: Sequence[int]
 ) -> tuple[int, ...]:
     """The query counts below the block ``q``'s at which a block gives each query the bits the
-    whole block gives it, at each of ``reads`` key counts: its first queries and its last,
-    each seeing from one key to all of them. With AVX2 kernels (and AVX-512 ones, on an AMD
-    EPYC) 4 to 31 of 32 did; 1 to 3 did not (those kernels compute a tail of 1-3 rows another
-    way)."""
+    whole block gives it, at each of ``reads`` key counts: the block's queries cut into
+    blocks of that count from the first, and its last ones, each seeing from one key to all
+    of them. With AVX2 kernels (and AVX-512 ones, on an AMD EPYC) 4 to 31 of 32 did; 1 to 3
+    did not (those kernels compute a tail of 1-3 rows another way). Every query is tried, not
+    only the first and last few: in bfloat16 a tail that sums otherwise shows it on few queries
+    once rounded (one query in three or four, for one-query tails on an Intel Xeon with AMX),
+    and a check of the first and last took the one-query tail on some draws."""
     B = q.shape[2]
     holding = set(range(1, B))
     for keys in reads:
@@ -200,7 +203,7 @@ def _tails(
         kk, vv = k[:, :, :keys], v[:, :, :keys]
         want = _sdpa(q, kk, vv, seen)
         for t in sorted(holding):
-            for a in (0, B - t):
+            for a in sorted({*range(0, B - t + 1, t), B - t}):
                 got = _sdpa(q[:, :, a : a + t], kk, vv, seen[a : a + t])
                 if not torch.equal(got, want[:, :, a : a + t]):
                     holding.discard(t)

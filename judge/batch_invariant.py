@@ -82,6 +82,10 @@ QUERY_ROWS = 256
 # multiples of 6 first (AVX2 kernels compute rows six at a time), and 1 last (one row a
 # product is the same product whatever the batch). Only those up to twice the preferred size.
 ROW_CANDIDATES = (24, 48, 12, 6, 1)
+# Chunks' worth of random rows a smaller product size is measured on (``measured_sizes``):
+# more in 16-bit floats, whose rounding of a product's result hides most changes of the order
+# of summation (float32 shows them on nearly every row).
+SIZE_PROBE_CHUNKS = {2: 4, 4: 1}
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 _MEASURED_ROWS: dict[tuple[object, ...], int] = {}
@@ -129,27 +133,38 @@ def measured_rows(
 def measured_sizes(product: Product, rows: int, weight: torch.Tensor, kind: str) -> tuple[int, ...]:
     """The product sizes, largest first, that give a row the bits it gets in a product of
     ``rows`` rows, at every slot: ``rows`` itself and each size below it where ``product``
-    (which takes any number of rows up to ``rows``) measures so on this machine: the last rows
-    of a product of ``rows``, and its first rows moved one slot on. A pass then needs no
-    padding: its rows are whole products of ``rows``, the rest one product of its own size
-    where that holds (``split_rows``). Measured once per process for each weight shape and
-    dtype, kind, size and kernel setting, as ``measured_rows``: ``rows`` squared rows of
-    products (the default model's four shapes: ~40 ms in float32)."""
+    (which takes any number of rows up to ``rows``) measures so on this machine. A pass then
+    needs no padding: its rows are whole products of ``rows``, the rest one product of its own
+    size where that holds (``split_rows``). Measured once per process for each weight shape
+    and dtype, kind, size and kernel setting, as ``measured_rows``.
+
+    A size is tried on ``SIZE_PROBE_CHUNKS`` chunks' worth of seeded random rows (four in
+    bfloat16 or float16), each row at two slots of its product, against the rows' bits in
+    whole chunks. So many rows, because a kernel that sums in another order shows it on few
+    rows once its result is rounded to bfloat16: on an Intel Xeon with AMX, oneDNN's bfloat16 products of up to ~32 rows sum
+    otherwise than those of 64, and that showed on ~1 row in 15 (a one-row product), often
+    on none of the 2 rows per size an earlier check tried, which then took those sizes and
+    gave a warm-cache judgment other probabilities (0.0055) than the same judgment cold."""
     key = ("sizes", kind, tuple(weight.shape), weight.dtype, rows, *kernel_setting())
     if key not in _MEASURED_SIZES:
         g = torch.Generator().manual_seed(2)
-        x = torch.randn(rows, weight.shape[1], generator=g).to(weight)
-        want = product(x)
-        sizes = [rows]
-        for size in range(rows - 1, 0, -1):
-            last = product(x[rows - size :])  # rows at other slots than in the chunk
-            moved = product(x[:size].roll(1, 0))
-            if torch.equal(last, want[rows - size :]) and torch.equal(
-                moved, want[:size].roll(1, 0)
-            ):
-                sizes.append(size)
+        chunks = SIZE_PROBE_CHUNKS.get(weight.element_size(), 1)
+        x = torch.randn(chunks * rows, weight.shape[1], generator=g).to(weight)
+        want = torch.cat([product(chunk) for chunk in x.split(rows)])
+        sizes = [rows, *(s for s in range(rows - 1, 0, -1) if _size_holds(product, x, want, s))]
         _MEASURED_SIZES[key] = tuple(sizes)
     return _MEASURED_SIZES[key]
+
+
+def _size_holds(product: Product, x: torch.Tensor, want: torch.Tensor, size: int) -> bool:
+    """Whether products of ``size`` rows give the rows of ``x`` their bits in ``want``: the
+    rows cut into products from the first row, and again from half a product on (so each row
+    sits at another slot)."""
+    for offset in sorted({0, size // 2}):
+        for start in range(offset, x.shape[0] - size + 1, size):
+            if not torch.equal(product(x[start : start + size]), want[start : start + size]):
+                return False
+    return True
 
 
 def span_mean(states: torch.Tensor) -> torch.Tensor:

@@ -440,6 +440,42 @@ def test_a_pass_s_last_rows_run_unpadded_in_sizes_measured_to_give_the_chunk_s_b
         assert torch.equal(chunked(x[71 - n :]), whole[71 - n :])
 
 
+def test_a_size_that_rounds_otherwise_on_few_rows_is_left_out() -> None:
+    """In bfloat16 a kernel that sums in another order shows it only on the rows where the
+    rounding flips (about one in fifteen on an AMX Xeon): the sizes are measured on enough
+    rows to see it. Here products of up to 8 rows round otherwise on one row in 16 (an
+    all-or-nothing flag in its first column)."""
+    weight = torch.randn(24, 16).to(torch.bfloat16)
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        out = (x.float() @ weight.float().T).to(torch.bfloat16)
+        if x.shape[0] <= 8:
+            flipped = x[:, 0].float() > 1.53  # ~1 row in 16 of a standard normal
+            out[flipped] = out[flipped] * (1 + 2**-6)
+        return out
+
+    sizes = measured_sizes(product, 32, weight, "test few rows")
+    assert sizes == tuple(range(32, 8, -1))
+
+
+def test_a_tail_that_rounds_otherwise_on_few_queries_is_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tails are tried at every query of a block: a one-query block whose result rounds
+    otherwise for one query in eight is not taken."""
+    sdpa = F.scaled_dot_product_attention
+
+    def attend(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = sdpa(q, *args, **kwargs)
+        if q.shape[2] == 1 and q[0, 0, 0, 0] > 1.15:  # ~1 query in 8
+            out = out * (1 + 2**-6)
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", attend)
+    blocking = measured_blocking(5, 5, 16, torch.bfloat16)  # a shape no other test measures
+    assert 1 not in blocking.tails
+
+
 def test_the_measured_attention_blocks_give_every_slot_the_same_bits() -> None:
     blocking = measured_blocking(9, 3, 64, torch.float32)
     assert blocking is measured_blocking(9, 3, 64, torch.float32)  # measured once
