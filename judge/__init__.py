@@ -25,7 +25,6 @@ if TYPE_CHECKING:
         Judgment,
         Prepared,
         Query,
-        TokenCount,
     )
     from judge.errors import (
         AmbiguousChoicesError,
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
         TooManyPathsError,
     )
     from judge.fingerprint import Fingerprint
+    from judge.judgments import TokenCount
     from judge.limits import MAX_CHOICES
     from judge.prefix_cache import PrefixCache, PrefixCacheStats
     from judge.protocol import Engine
@@ -85,7 +85,7 @@ _EXPORTS = {
     "PromptTooLongError": "judge.errors",
     "Query": "judge.engine",
     "Score": "judge.scores",
-    "TokenCount": "judge.engine",
+    "TokenCount": "judge.judgments",
     "TokenizerRoundTripError": "judge.errors",
     "TooFewChoicesError": "judge.errors",
     "TooManyChoicesError": "judge.errors",
