@@ -245,7 +245,9 @@ class BaseEngine:
             trie = dataclasses.replace(trie, span=span)
         tokens = tokens_sha256(encoded.prompt_ids, encoded.paths, self.choice_paths)
         n = len(encoded.prompt_ids)
-        return Prepared(choices, prompt, n, trie, tokens, layers, span_layers, item_span)
+        return Prepared(
+            choices, prompt, n, trie, tokens, layers, span_layers, item_span, tuple(endings)
+        )
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         """Judge prepared queries, each in a row of its own, in passes within the budget.

@@ -13,7 +13,8 @@
     ├── PromptTooLongError           prompt + response prefix + choice exceeds the context window
     ├── TokenizerRoundTripError      the tokenizer does not encode the rendered text back to itself
     ├── EmptyContextError            nothing precedes the decision point
-    └── ModelLoadError               the model or tokenizer could not be loaded
+    ├── ModelLoadError               the model or tokenizer could not be loaded
+    └── ModelServerError             a model served over HTTP gave no usable answer
 
 Every message names the offending value and says how to fix it; the service maps each class
 to an HTTP status in one place.
@@ -31,6 +32,7 @@ __all__ = [
     "InvalidQueryError",
     "JudgeError",
     "ModelLoadError",
+    "ModelServerError",
     "PromptTooLongError",
     "TokenizerRoundTripError",
     "TooFewChoicesError",
@@ -102,3 +104,9 @@ class EmptyContextError(JudgeError, ValueError):
 
 class ModelLoadError(JudgeError, OSError):
     """The model or its tokenizer could not be found or loaded."""
+
+
+class ModelServerError(JudgeError, ConnectionError):
+    """A model served over HTTP (``judge.server_engine``) gave no usable answer: unreachable,
+    past its deadline, an error status, or log-probabilities that are malformed, partial or
+    of another tokenization. Never a made-up probability."""

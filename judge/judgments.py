@@ -239,6 +239,9 @@ class Prepared(msgspec.Struct, frozen=True):
     feature_layers: tuple[int, ...] = ()  # checked against the model's depth, sorted
     span_layers: tuple[int, ...] = ()  # as feature_layers; the trie's span says over what
     item_span: tuple[int, int] | None = None  # the query's, checked
+    # Each choice's text after ``prompt`` (escaped choice and response suffix), in choice
+    # order: what an engine that sends text rather than token ids (``ServerEngine``) feeds.
+    endings: tuple[str, ...] = ()
 
     @property
     def tokens(self) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "cached_directory",
     "default_model_path",
     "load_model",
+    "load_tokenizer",
     "packaged_model_path",
     "resolve_dtype",
 ]
@@ -232,20 +233,7 @@ def load_model(model: str | os.PathLike[str] | None, dtype: DType, device: str) 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype, device)
-    sha256: str | None = None
-    if model is not None and str(model) in PACKAGED_MODELS:
-        model = packaged_model_path(str(model))
-    if model is None or str(model).endswith(".gguf"):
-        gguf = default_model_path() if model is None else Path(model)
-        if not gguf.is_file():
-            raise ModelLoadError(f"GGUF file {str(gguf)!r} does not exist")
-        sha256 = _sha256(gguf)
-        target = cache_root() / "gguf" / f"{sha256[:24]}-v{_CONVERTED_FORMAT}"
-        source: str | Path = cached_directory(target, partial(_dequantize_gguf, gguf, sha256))
-        model_id = gguf.stem
-    else:
-        source = str(model)
-        model_id = str(model)
+    source, model_id, sha256 = _source(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         loaded = AutoModelForCausalLM.from_pretrained(
@@ -258,3 +246,39 @@ def load_model(model: str | os.PathLike[str] | None, dtype: DType, device: str) 
         ) from exc
     loaded.eval()
     return LoadedModel(loaded, tokenizer, model_id, sha256)
+
+
+def load_tokenizer(
+    model: str | os.PathLike[str] | None,
+) -> tuple[PreTrainedTokenizerBase, int | None]:
+    """The tokenizer of ``model`` (named as for ``load_model``) and its context window (the
+    config's ``max_position_embeddings``; None where it names none), without its weights:
+    what an engine over a model served elsewhere tokenizes with."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source, model_id, _ = _source(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"could not load the tokenizer of {model_id!r}: {exc}. Pass a local directory, a "
+            ".gguf file, or a Hugging Face model id that is in the local cache"
+        ) from exc
+    window = getattr(config, "max_position_embeddings", None)
+    return tokenizer, window if isinstance(window, int) and window > 0 else None
+
+
+def _source(model: str | os.PathLike[str] | None) -> tuple[str | Path, str, str | None]:
+    """Where ``model`` loads from (a GGUF file's converted copy, else the name as given), its
+    model id, and the GGUF file's sha256 where it came from one."""
+    if model is not None and str(model) in PACKAGED_MODELS:
+        model = packaged_model_path(str(model))
+    if model is None or str(model).endswith(".gguf"):
+        gguf = default_model_path() if model is None else Path(model)
+        if not gguf.is_file():
+            raise ModelLoadError(f"GGUF file {str(gguf)!r} does not exist")
+        sha256 = _sha256(gguf)
+        target = cache_root() / "gguf" / f"{sha256[:24]}-v{_CONVERTED_FORMAT}"
+        return cached_directory(target, partial(_dequantize_gguf, gguf, sha256)), gguf.stem, sha256
+    return str(model), str(model), None

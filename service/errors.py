@@ -50,6 +50,7 @@ from judge import (
     ChoicesError,
     InvalidQueryError,
     JudgeError,
+    ModelServerError,
     TooManyPathsError,
 )
 from service.log.decision_log import LabelNotAChoiceError, RelabelError, UnknownJudgmentError
@@ -118,6 +119,7 @@ STATUS: list[tuple[type[Exception], int, str | None]] = [
     (TooManyPathsError, 422, "choices"),  # schema-valid, but their grammar tree is too large
     (ChoicesError, 400, "choices"),
     (InvalidQueryError, 422, "prompt"),  # schema-valid, refused by the engine (e.g. values)
+    (ModelServerError, 502, None),  # the model's own server failed: not the request's fault
     (JudgeError, 422, "prompt"),  # too long for the model, or a tokenizer that cannot round-trip
     # An uploaded profile that fits the schema but breaks a rule: the field its message
     # starts with ("calibration_map.weights must be ..."), else the body (see _rule_field).

@@ -1,0 +1,456 @@
+"""Judging with a model served elsewhere, over the OpenAI-compatible completions endpoint.
+
+A server that returns the log-probabilities of a prompt's own tokens (``echo`` with
+``logprobs``: vLLM, SGLang, llama-cpp-python's server) gives the trie's numbers exactly. Each
+choice's path (the rendered prompt and the choice's ending, as text) is sent once and comes
+back with log P(token | the tokens before it) for each of its tokens; every child of the root
+and of each branching node lies on some choice's path, so every masked decoding step the local
+engine reads from logits is there (a log-probability differs from the logit by the node's
+log-normaliser, which the log-softmax over the children cancels). One request per choice,
+each the path's own tokens and nothing more; a server that caches prefixes computes the
+shared prompt once.
+
+What is checked, so that no made-up probability comes out:
+
+* each path's tokens on the server are the local tokenizer's (their number, and the text of
+  every token that decodes to text): another tokenizer or model is an error, not a reading
+  shifted by a token;
+* once per engine, that the server's echo is aligned: the log-probability it echoes for a
+  token equals the one it gives that token when generating it (llama-cpp-python shifts echoed
+  log-probabilities by one position where a prompt does not start with the BOS token);
+* every log-probability read is a finite number <= 0.
+
+A server that is down, slower than the engine's timeout, answers with an error status or
+malformed JSON, or drops the connection mid-request raises ``ModelServerError`` (HTTP 502
+from ``judge serve``).
+
+What cannot be known is said, not filled in: the weights are not hashed here (a judgment's
+``model_sha256`` is empty, the fingerprint's None), the arithmetic is the server's (nothing
+promises that a judgment does not depend on its batch), and a query that asks for hidden
+states (``feature_layers``, ``span_layers``: what a probe reads) is refused. A calibration
+profile names the server and its model (``model_id``), so one fitted on another refuses it.
+
+Choose it with a model spec: ``openai+http://HOST:PORT/v1?model=NAME&tokenizer=SOURCE``,
+where ``model`` is the served model's name (default: the server's only one) and
+``tokenizer`` what the local tokenizer loads from, named as for ``Judge.load`` (default: the
+embedded SmolLM2-135M-Instruct).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+import numpy as np
+
+from judge.base_engine import BaseEngine
+from judge.errors import InvalidQueryError, ModelServerError
+from judge.fingerprint import ChoicePaths
+from judge.identity import new_judgment_id
+from judge.judgments import Judgment, Prepared, Query
+from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
+from judge.trie import ChoiceTrie, logsumexp
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["SCHEME", "ServerEngine", "ServerModel", "is_server_model"]
+
+log = logging.getLogger("judge")
+
+SCHEME = "openai+"  # before http:// or https://: a model served over the completions API
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_CONCURRENCY = 4  # requests in flight at once, per engine
+# An echoed log-probability and the generated one of the same token agree to this (they are
+# the same computation; llama.cpp's batched and single-token passes round apart by ~1e-5).
+ALIGNMENT_TOLERANCE = 1e-3
+_PROBE = "Answer with one word: what colour is a clear daytime sky?"
+
+
+def is_server_model(model: object) -> bool:
+    """Whether ``model`` names a model served over the completions API (``SCHEME``)."""
+    return isinstance(model, str) and model.startswith((f"{SCHEME}http://", f"{SCHEME}https://"))
+
+
+@dataclass(frozen=True)
+class ServerModel:
+    """A parsed model spec: the API's base URL, the served model's name, the tokenizer."""
+
+    base_url: str  # e.g. http://127.0.0.1:8080/v1
+    model: str | None = None  # None: the server's only model
+    tokenizer: str | None = None  # None: the embedded default model's
+
+    @classmethod
+    def parse(cls, spec: str) -> ServerModel:
+        """``openai+http://HOST:PORT/v1?model=NAME&tokenizer=SOURCE``; a ValueError says what
+        is wrong with another."""
+        if not is_server_model(spec):
+            raise ValueError(f"a served model's spec starts with {SCHEME}http(s)://, got {spec!r}")
+        parts = urllib.parse.urlsplit(spec.removeprefix(SCHEME))
+        if not parts.hostname:
+            raise ValueError(f"{spec!r} names no host")
+        query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
+        unknown = sorted(set(query) - {"model", "tokenizer"})
+        if unknown:
+            raise ValueError(
+                f"{spec!r}: unknown parameter {unknown[0]!r} (the spec takes model= and tokenizer=)"
+            )
+        for key, values in query.items():
+            if len(values) != 1 or not values[0]:
+                raise ValueError(f"{spec!r}: {key}= takes one non-empty value")
+        base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+        return cls(base, query.get("model", [None])[0], query.get("tokenizer", [None])[0])
+
+
+# The completions endpoint's answer, as far as it is read. msgspec checks the types.
+class _Logprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+
+
+class _Choice(msgspec.Struct):
+    text: str = ""
+    index: int = 0
+    logprobs: _Logprobs | None = None
+
+
+class _Completion(msgspec.Struct):
+    choices: list[_Choice]
+
+
+class _Model(msgspec.Struct):
+    id: str
+
+
+class _Models(msgspec.Struct):
+    data: list[_Model]
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What one path's request gave: each of its tokens' log-probability (None where the
+    server gave none: the first), indexed as the local tokenization."""
+
+    logprobs: list[float | None]
+    tokens: int  # tokens the request sent
+
+
+class ServerEngine(BaseEngine):
+    """An engine whose model is served over HTTP (see the module's docstring)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model: str | None = None,
+        context_window: int | None = None,
+        system: str | None = None,
+        response_prefix: str = '{"answer": "',
+        response_suffix: str = '"}',
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        choice_paths: ChoicePaths = "canonical",
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if choice_paths != "canonical":
+            # Paths go to the server as text, which it tokenizes canonically; another path of
+            # the same text would need prompts of token ids.
+            raise ValueError(
+                f"a served model is judged on canonical paths only, not {choice_paths!r}: "
+                "each choice's path is sent as text"
+            )
+        if not (isinstance(timeout_s, int | float) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        if not (isinstance(concurrency, int) and concurrency >= 1):
+            raise ValueError(f"concurrency must be a whole number >= 1, got {concurrency!r}")
+        super().__init__(
+            tokenizer,
+            system=system,
+            response_prefix=response_prefix,
+            response_suffix=response_suffix,
+            context_window=context_window,
+            num_layers=None,
+            choice_paths=choice_paths,
+        )
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = float(timeout_s)
+        self.concurrency = concurrency
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self._client = httpx.Client(timeout=self.timeout_s, transport=transport)
+        self.served_model = model or self._only_model()
+        self.model_id = f"{SCHEME}{self.base_url}?model={self.served_model}"
+        self.weights_sha256: str | None = None
+        self.hidden_size: int | None = None
+        self._aligned = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, spec: str, **options: Any) -> ServerEngine:
+        """The engine for a model spec (``ServerModel.parse``), its tokenizer loaded here."""
+        from judge.loading import load_tokenizer
+
+        parsed = ServerModel.parse(spec)
+        tokenizer, window = load_tokenizer(parsed.tokenizer)
+        options.setdefault("context_window", window)
+        return cls(parsed.base_url, tokenizer, model=parsed.model, **options)
+
+    @property
+    def dtype(self) -> str:
+        return "server"  # the server's own; not known here
+
+    @property
+    def model_sha256(self) -> str:
+        return ""  # the weights live on the server and are not hashed here
+
+    @property
+    def decoder_pass(self) -> str:
+        return "server"
+
+    @property
+    def arithmetic(self) -> str:
+        return (
+            f"the server's at {self.base_url} (model {self.served_model}): its weights are not "
+            "hashed here, and a judgment may depend on what the server batches it with"
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def prepare(self, query: Query | Mapping[str, Any]) -> Prepared:
+        """As any engine's, but a query asking for hidden states is refused: a server returns
+        log-probabilities only."""
+        for name in ("feature_layers", "span_layers"):
+            asked = getattr(query, name, None) if isinstance(query, Query) else None
+            if isinstance(query, Mapping):
+                asked = query.get(name)
+            if asked:
+                raise InvalidQueryError(
+                    f"{name}: a model served over HTTP returns no hidden states; a probe "
+                    "profile needs a model loaded here",
+                    field=name,
+                )
+        return super().prepare(query)
+
+    def _score(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
+        prepared = [p for row in rows for p in row]
+        self._check_alignment()
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            reads = list(pool.map(self._read_paths, prepared))
+        latency_ms = (time.perf_counter() - start) * 1000
+        return [self._result(p, r, latency_ms) for p, r in zip(prepared, reads, strict=True)]
+
+    def _read_paths(self, prepared: Prepared) -> list[_Read]:
+        """Each choice's path sent as text, read back as the local tokenization's tokens."""
+        paths = self._encoder.encode_paths(prepared.prompt, list(prepared.endings)).paths
+        texts = [prepared.prompt + ending for ending in prepared.endings]
+        return [self._read(text, list(ids)) for text, ids in zip(texts, paths, strict=True)]
+
+    def _read(self, text: str, ids: list[int]) -> _Read:
+        """The server's echoed log-probabilities of ``text``'s tokens ``ids``, checked to be
+        those tokens."""
+        got = self._complete(text, echo=True).logprobs
+        if got is None or len(got.tokens) != len(got.token_logprobs):
+            raise ModelServerError(
+                f"the model server at {self.base_url} returned no prompt log-probabilities; it "
+                "must support echo with logprobs on /completions (vLLM, SGLang, "
+                "llama-cpp-python's server; llama.cpp's llama-server does not)"
+            )
+        return _Read(self._aligned_logprobs(got, ids), len(ids))
+
+    def _aligned_logprobs(self, got: _Logprobs, ids: list[int]) -> list[float | None]:
+        """``got``'s log-probabilities laid on the local tokens ``ids``: the echo is those
+        tokens, maybe without BOS tokens (llama-cpp-python leaves every one out), then what
+        the server generated. Another tokenization is an error."""
+        out: list[float | None] = []
+        m = 0
+        bos = self.tokenizer.bos_token_id
+        for k, token in enumerate(ids):
+            theirs = got.tokens[m] if m < len(got.tokens) else None
+            ours = theirs is not None and self._same_token(token, theirs)
+            if ours and (token != bos or theirs or self._next_is_not(ids, k, got.tokens, m)):
+                out.append(got.token_logprobs[m])
+                m += 1
+                continue
+            if token == bos:  # left out of the echo
+                out.append(None)
+                continue
+            raise ModelServerError(
+                f"the model server at {self.base_url} reads token {k} of the text as "
+                f"{theirs!r} where the local tokenizer has {self.tokenizer.decode([token])!r}: "
+                "it serves another tokenizer (name the served model's with tokenizer= in the "
+                "model spec)"
+            )
+        if len(got.tokens) - m > 1:  # max_tokens is 1
+            raise ModelServerError(
+                f"the model server at {self.base_url} tokenizes the text into "
+                f"{len(got.tokens) - 1} or more tokens where the local tokenizer makes "
+                f"{len(ids)}: it serves another tokenizer"
+            )
+        return out
+
+    def _same_token(self, token: int, theirs: str) -> bool:
+        """Whether the server's text of a token can be local ``token``: the same text, or ""
+        for a special token (servers write those as their name or as nothing), or any text
+        for a piece of a character (U+FFFD here, "" or bytes on a server)."""
+        mine = self.tokenizer.decode([token])
+        special = token in self.tokenizer.all_special_ids
+        return theirs == mine or "\ufffd" in mine or (special and theirs == "")
+
+    def _next_is_not(self, ids: list[int], k: int, tokens: list[str], m: int) -> bool:
+        """For a BOS token the server wrote as "": whether that entry is not in fact the
+        next token's (then it is the BOS token's own)."""
+        return k + 1 >= len(ids) or not self._same_token(ids[k + 1], tokens[m])
+
+    def _check_alignment(self) -> None:
+        """Once: the server's echoed log-probability of a token is the one it gives that
+        token when it generates it (see the module's docstring)."""
+        with self._lock:
+            if self._aligned:
+                return
+            prompt = self.render(_PROBE)
+            generated = self._complete(prompt, echo=False).logprobs
+            if generated is None or not generated.token_logprobs:
+                raise ModelServerError(
+                    f"the model server at {self.base_url} returned no log-probabilities"
+                )
+            token, want = generated.tokens[0], generated.token_logprobs[0]
+            ids = self.tokenizer(prompt + token, add_special_tokens=False).input_ids
+            if not token or self.tokenizer.decode(ids[-1:]) != token:
+                # The probe's text tokenizes otherwise with the token: nothing to compare.
+                log.warning("%s: the echo's alignment could not be checked", self.base_url)
+                self._aligned = True
+                return
+            got = self._read(prompt + token, ids).logprobs[-1]
+            if want is None or got is None or abs(got - want) > ALIGNMENT_TOLERANCE:
+                raise ModelServerError(
+                    f"the model server at {self.base_url} echoes log-probabilities that are not "
+                    f"its tokens': {token!r} generated at {want}, echoed at {got}"
+                )
+            self._aligned = True
+
+    def _complete(self, text: str, *, echo: bool) -> _Choice:
+        """One completion of ``text``: greedy, one token, its log-probabilities."""
+        body: dict[str, Any] = {
+            "model": self.served_model,
+            "prompt": text,
+            "max_tokens": 1,  # 0 means "no limit" to some servers
+            "temperature": 0,
+            "logprobs": 1,
+            "echo": echo,
+        }
+        data = self._call("POST", "/completions", body)
+        try:
+            completion = msgspec.json.decode(data, type=_Completion)
+        except msgspec.DecodeError as exc:
+            raise ModelServerError(
+                f"the model server at {self.base_url} answered /completions with malformed "
+                f"JSON: {exc}"
+            ) from None
+        if len(completion.choices) != 1:
+            raise ModelServerError(
+                f"the model server at {self.base_url} answered one prompt with "
+                f"{len(completion.choices)} completions"
+            )
+        return completion.choices[0]
+
+    def _only_model(self) -> str:
+        """The name of the server's one model (``GET /models``)."""
+        data = self._call("GET", "/models", None)
+        try:
+            models = msgspec.json.decode(data, type=_Models).data
+        except msgspec.DecodeError as exc:
+            raise ModelServerError(
+                f"the model server at {self.base_url} answered /models with malformed JSON: {exc}"
+            ) from None
+        if len(models) != 1:
+            names = ", ".join(m.id for m in models) or "none"
+            raise ModelServerError(
+                f"the model server at {self.base_url} serves {len(models)} models ({names}); "
+                "name one with model= in the model spec"
+            )
+        return models[0].id
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> bytes:
+        url = self.base_url + path
+        try:
+            response = self._client.request(method, url, json=body)
+        except httpx.TimeoutException:
+            raise ModelServerError(
+                f"the model server at {self.base_url} did not answer {path} within "
+                f"{self.timeout_s:g} s"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise ModelServerError(
+                f"the model server at {self.base_url} could not be reached or dropped the "
+                f"connection ({type(exc).__name__}: {exc})"
+            ) from None
+        if response.status_code >= 400:
+            raise ModelServerError(
+                f"the model server at {self.base_url} answered {path} with HTTP "
+                f"{response.status_code}: {response.text[:300]}"
+            )
+        return response.content
+
+    def _result(self, prepared: Prepared, reads: list[_Read], latency_ms: float) -> Judgment:
+        trie = prepared.trie
+        node_logits = _node_logprobs(trie, [r.logprobs for r in reads], self.base_url)
+        logps = trie.choice_logprobs(node_logits)
+        probs = np.exp(logps - logsumexp(logps))
+        best = int(np.argmax(probs))
+        return Judgment(
+            choice=prepared.choices[best],
+            confidence=float(probs[best]),
+            choices=prepared.choices,
+            probs=probs.tolist(),
+            log_probs=logps.tolist(),
+            choice_mass=float(np.exp(node_logits[0]).sum()),
+            prompt=prepared.prompt,
+            prompt_tokens=prepared.prompt_tokens,
+            cached_tokens=0,  # the server's prefix cache, if any, is not reported
+            computed_tokens=sum(r.tokens for r in reads),  # the tokens sent
+            forward_passes=len(reads),  # the requests made
+            latency_ms=latency_ms,
+            model=self.model_id,
+            item_span=prepared.item_span,
+            judgment_id=new_judgment_id(),
+            tokens_sha256=prepared.tokens_sha256,
+            model_sha256="",
+        )
+
+
+def _node_logprobs(
+    trie: ChoiceTrie, paths: Sequence[list[float | None]], server: str
+) -> list[np.ndarray]:
+    """Each scored node's children's log-probabilities, in ``node_children`` order, read from
+    the choices' paths (``paths[i][j]``: log P of choice i's token j): a node's child sits at
+    the context's length plus the node's depth on every path through it."""
+    position = [len(trie.context)]
+    position += [len(trie.context) + trie.tree_depths[p] for p in trie.node_positions[1:]]
+    values: list[list[float | None]] = [[None] * len(c) for c in trie.node_children]
+    for i, steps in enumerate(trie.choice_steps):
+        for node, slot in steps:
+            if values[node][slot] is None:
+                values[node][slot] = paths[i][position[node]]
+    out = []
+    for node, row in enumerate(values):
+        for v in row:
+            if not (isinstance(v, float | int) and math.isfinite(v) and v <= 1e-6):
+                raise ModelServerError(
+                    f"the model server at {server} gave no usable log-probability at the "
+                    f"choices' step {node} (got {v!r})"
+                )
+        out.append(np.array(row, dtype=np.float64))
+    return out
