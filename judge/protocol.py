@@ -31,6 +31,12 @@ class Engine(Protocol):
         ...
 
     @property
+    def model_sha256(self) -> str:
+        """The sha256 of the weights every judgment carries; "" where the engine cannot hash
+        them (a model served elsewhere)."""
+        ...
+
+    @property
     def dtype(self) -> str:
         """The weights' floating-point type (``"float32"``, ``"bfloat16"``, ...)."""
         ...

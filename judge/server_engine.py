@@ -53,7 +53,7 @@ import msgspec
 import numpy as np
 
 from judge.base_engine import BaseEngine
-from judge.errors import InvalidQueryError, ModelServerError
+from judge.errors import InvalidQueryError, ModelLoadError, ModelServerError
 from judge.fingerprint import ChoicePaths
 from judge.identity import new_judgment_id
 from judge.judgments import Judgment, Prepared, Query
@@ -202,10 +202,13 @@ class ServerEngine(BaseEngine):
         """The engine for a model spec (``ServerModel.parse``), its tokenizer loaded here."""
         from judge.loading import load_tokenizer
 
-        parsed = ServerModel.parse(spec)
-        tokenizer, window = load_tokenizer(parsed.tokenizer)
-        options.setdefault("context_window", window)
-        return cls(parsed.base_url, tokenizer, model=parsed.model, **options)
+        try:
+            parsed = ServerModel.parse(spec)
+            tokenizer, window = load_tokenizer(parsed.tokenizer)
+            options.setdefault("context_window", window)
+            return cls(parsed.base_url, tokenizer, model=parsed.model, **options)
+        except ValueError as exc:  # a bad spec or option: the model cannot be opened
+            raise ModelLoadError(str(exc)) from None
 
     @property
     def dtype(self) -> str:

@@ -118,12 +118,12 @@ class CascadeServing:
 
     def load(self, dtype: str) -> None:
         """Load and warm each local later stage (blocking; at start-up, before ready)."""
-        from judge import Judge
+        from judge.engines import open_engine
 
         for name, target in self.service.config.cascade.items():
             if is_remote(target):
                 continue
-            engine = Judge.load(target, dtype=dtype)  # type: ignore[arg-type]
+            engine = open_engine(target, dtype=dtype)  # type: ignore[arg-type]
             engine.judge(*WARM_UP)
             self.local[name] = LocalModel(engine)
             log.info("cascade stage %s: model %s, %s pass", name, engine.model_id, engine.dtype)

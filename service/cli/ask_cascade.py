@@ -54,14 +54,20 @@ class LaterStages:
     def load(self, dtype: str | None, choices: Sequence[str] | None) -> None:
         """Load each local stage's model and open its gate, checked against the model and
         ``choices`` (None: the profile's, else any), before any item is judged."""
-        from judge import Judge
+        from judge.engines import open_engine
+        from judge.server_engine import is_server_model
         from service.cascade.cascade_questions import LocalModel
         from service.cascade.remote_stage import is_remote
 
         for stage in self.stages:
             if is_remote(stage.target):
                 continue
-            engine = Judge.load(stage.target, dtype=common.profile_dtype(dtype, stage.profile))
+            engine = open_engine(
+                stage.target,
+                dtype=None
+                if is_server_model(stage.target)
+                else common.profile_dtype(dtype, stage.profile),
+            )
             gate = Gate(stage.profile, overrides=self.overrides, defaults=PolicyDefaults())
             gate.check_engine(engine, choices=choices, field=f"--stage-profile {stage.name}")
             self.models[stage.name] = (LocalModel(engine), gate)

@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING, cast, get_args
 import msgspec
 
 from calibration.fit_settings import FitSettings
-from judge import DEFAULT_RESPONSE_PREFIX, DEFAULT_RESPONSE_SUFFIX, Judge
+from judge import DEFAULT_RESPONSE_PREFIX, DEFAULT_RESPONSE_SUFFIX
+from judge.engines import open_engine
 from judge.fingerprint import CHOICE_PATHS
 from judge.limits import DType
+from judge.protocol import Engine
+from judge.server_engine import is_server_model
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
@@ -205,8 +208,9 @@ def load_engine(
     dtype: str | None = None,
     response_prefix: str | None = None,
     response_suffix: str | None = None,
-) -> Judge:
-    """``Judge.load`` with the command's --model and --device.
+) -> Engine:
+    """``open_engine`` with the command's --model and --device: a model loaded here, or one
+    served over HTTP (``judge.engines``).
 
     Anything given as None is the profile's when there is one, else the engine's default, so
     that a profile works without repeating its dtype and template on the command line.
@@ -222,9 +226,10 @@ def load_engine(
     choice_paths = getattr(args, "choice_paths", None)
     if choice_paths is None:
         choice_paths = profile.fingerprint.choice_paths if profile else "canonical"
-    return Judge.load(
+    return open_engine(
         args.model,
-        dtype=profile_dtype(dtype, profile),
+        # A served model's dtype is the server's: a profile fitted on one says "server".
+        dtype=None if is_server_model(args.model) else profile_dtype(dtype, profile),
         device=args.device,
         response_prefix=response_prefix,
         response_suffix=response_suffix,

@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: `judge ask` and `judge calibrate` need neither litestar nor uvicorn.
     import uvicorn
 
-    from judge import Judge
+    from judge.engines import open_engine
     from service import create_app
 
     logging.basicConfig(
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config = service_config(args)
     loader = functools.partial(
-        Judge.load,
+        open_engine,
         args.model,
         dtype=args.dtype,
         device=args.device,

@@ -121,7 +121,7 @@ def _stage_names(first: str, given: list[tuple[str, str]]) -> None:
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("mcp") is None:
         raise UsageError(f"`judge mcp` needs the MCP SDK (mcp is not installed): {INSTALL}")
-    from judge import Judge
+    from judge.engines import open_engine
     from service.mcp_server import create_server
     from service.profiles import ProfileStore
 
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--decision-log: {exc}") from None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the protocol's alone
-        engine = Judge.load(
+        engine = open_engine(
             args.model,
             dtype=args.dtype,
             device=args.device,
@@ -167,11 +167,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_stages(given: list[tuple[str, str]], dtype: str) -> dict[str, LocalModel | str]:
     """The later stages, in order: a URL as it is, a model loaded (in the first's dtype)."""
-    from judge import Judge
+    from judge.engines import open_engine
     from service.cascade.cascade_questions import LocalModel
     from service.cascade.remote_stage import is_remote
 
     return {
-        name: target if is_remote(target) else LocalModel(Judge.load(target, dtype=dtype))  # type: ignore[arg-type]
+        name: target if is_remote(target) else LocalModel(open_engine(target, dtype=dtype))  # type: ignore[arg-type]
         for name, target in given
     }

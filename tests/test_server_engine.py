@@ -1,0 +1,315 @@
+"""A model served over the OpenAI-compatible completions endpoint, judged as a loaded one is.
+
+Against a real server (llama-cpp-python's, on the default model's own GGUF file): the
+probabilities agree with the local engine's within the quantization difference, the tokens
+hashed are the same, the judgment names the server and hashes no weights, ``judge serve`` and
+``judge calibrate`` run on it, and a server killed mid-request is an error, never a number.
+
+Against a fake one (``httpx.MockTransport``, whose log-probabilities are a known function of
+position and token): each step is read at its position, and every way a server can answer
+wrongly is a ``ModelServerError`` that says what went wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+from llama_server import LlamaServer
+from server import Server, free_port
+
+from calibration import load_profile
+from calibration.tasks import load_split, load_task, task_prompt
+from judge import InvalidQueryError, Judge, ModelServerError
+from judge.engines import open_engine
+from judge.server_engine import ServerEngine, ServerModel
+from service.log.decision_log import open_log
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# The served model runs the GGUF's 4-bit weights in llama.cpp's arithmetic, the local engine
+# their float32 de-quantization in torch's: 0.059 apart at most on 15 items of sst2,
+# commonsense_qa and trec (benchmarks/bench_server.py measures the shared sets).
+TOLERANCE = 0.1
+
+
+# --- a fake server: log-probabilities that are a known function of where they are read ------
+
+
+def _logprob(row: int, token: int) -> float:
+    """The fake's log P(token | the first row + 1 tokens): distinct at every row and token."""
+    return -0.1 - ((token * 7 + row * 13) % 29) / 10
+
+
+class FakeServer:
+    """The completions endpoint over the local tokenizer. ``shift``: echo each token's
+    log-probability from one row late (llama-cpp-python's echo where a prompt does not
+    start with BOS); ``rename``: write the tokens' text otherwise (another tokenizer)."""
+
+    GENERATED = " blue"
+
+    def __init__(self, tokenizer: Any, **faults: Any) -> None:
+        self.tokenizer = tokenizer
+        self.faults = faults
+        self.requests: list[dict[str, Any]] = []
+        self.generated = tokenizer(self.GENERATED, add_special_tokens=False).input_ids[0]
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            names = self.faults.get("models", ["fake"])
+            return httpx.Response(200, json={"data": [{"id": n} for n in names]})
+        fault = self.faults.get("respond")
+        if fault is not None:
+            return fault(request)
+        body = json.loads(request.content)
+        self.requests.append(body)
+        ids = self.tokenizer(body["prompt"], add_special_tokens=False).input_ids
+        last = _logprob(len(ids) - 1, self.generated)  # the token it generates, at the end
+        logprobs: dict[str, list[Any]] = {"tokens": [self.GENERATED], "token_logprobs": [last]}
+        if body["echo"]:
+            late = 1 if self.faults.get("shift") else 0
+            echoed = [_logprob(k - 1 + late, t) for k, t in enumerate(ids)][1:]
+            texts = [self.tokenizer.decode([t]) for t in ids]
+            if self.faults.get("rename"):
+                texts = [t.upper() for t in texts]
+            logprobs = {
+                "tokens": [*texts, self.GENERATED],
+                "token_logprobs": [None, *echoed, last],
+            }
+        if self.faults.get("no_logprobs"):
+            return httpx.Response(200, json={"choices": [{"text": self.GENERATED}]})
+        choice = {"text": self.GENERATED, "index": 0, "logprobs": logprobs}
+        return httpx.Response(200, json={"choices": [choice]})
+
+
+def _fake_engine(judge: Judge, **faults: Any) -> tuple[ServerEngine, FakeServer]:
+    fake = FakeServer(judge.tokenizer, **faults)
+    transport = httpx.MockTransport(fake)
+    engine = ServerEngine("http://fake/v1", judge.tokenizer, transport=transport)
+    return engine, fake
+
+
+def test_each_step_is_read_at_its_position(judge: Judge) -> None:
+    engine, fake = _fake_engine(judge)
+    prompt = "Is this SMS spam? WINNER!! Claim your prize."
+    got = engine.judge(prompt, ["spam", "ham"])
+    rendered = judge.render(prompt)
+    n = len(judge.tokenizer(rendered, add_special_tokens=False).input_ids)
+    first = [
+        judge.tokenizer(rendered + c, add_special_tokens=False).input_ids[n]
+        for c in ("spam", "ham")
+    ]
+    logps = np.array([_logprob(n - 1, t) for t in first])
+    want = np.exp(logps - np.logaddexp.reduce(logps))
+    assert got.probs == pytest.approx(want.tolist(), abs=1e-12)
+    assert got.choice_mass == pytest.approx(float(np.exp(logps).sum()), abs=1e-12)
+    # One request per choice, each the choice's whole path, after the one alignment check.
+    paths = [r["prompt"] for r in fake.requests if r["echo"]]
+    assert paths[-2:] == [rendered + 'spam"}', rendered + 'ham"}']
+    assert got.forward_passes == 2
+    # What cannot be known is not filled in; what can be is the local engine's.
+    assert got.model_sha256 == "" and got.model == "openai+http://fake/v1?model=fake"
+    assert got.tokens_sha256 == judge.judge(prompt, ["spam", "ham"]).tokens_sha256
+    fingerprint = engine.fingerprint()
+    assert fingerprint.model_sha256 is None and fingerprint.dtype == "server"
+    assert fingerprint.num_layers is None and fingerprint.hidden_size is None
+
+
+def _respond(status: int, content: bytes) -> Callable[[httpx.Request], httpx.Response]:
+    return lambda request: httpx.Response(status, content=content)
+
+
+def _timeout(request: httpx.Request) -> httpx.Response:
+    raise httpx.ReadTimeout("timed out", request=request)
+
+
+@pytest.mark.parametrize(
+    ("faults", "says"),
+    [
+        ({"shift": True}, "echoes log-probabilities that are not its tokens'"),
+        ({"rename": True}, "serves another tokenizer"),
+        ({"no_logprobs": True}, "returned no log-probabilities"),
+        ({"respond": _respond(500, b"model crashed")}, "HTTP 500: model crashed"),
+        ({"respond": _respond(200, b"{not json")}, "malformed JSON"),
+        ({"respond": _respond(200, b'{"choices": []}')}, "with 0 completions"),
+        ({"respond": _timeout}, "did not answer /completions within 60 s"),
+    ],
+    ids=["misaligned echo", "other tokenizer", "no logprobs", "500", "not json", "empty", "slow"],
+)
+def test_a_server_that_answers_wrongly_is_an_error_not_a_number(
+    judge: Judge, faults: dict[str, Any], says: str
+) -> None:
+    engine, _ = _fake_engine(judge, **faults)
+    with pytest.raises(ModelServerError, match=says.replace("(", r"\(")):
+        engine.judge("Is the sky blue?", ["yes", "no"])
+
+
+def test_partial_echo_is_an_error(judge: Judge) -> None:
+    """Log-probabilities for fewer tokens than the path: the alignment check passes (it
+    reads a short path), the judgment's own read does not."""
+    engine, fake = _fake_engine(judge)
+    engine.judge("Is the sky blue?", ["yes", "no"])  # checked and aligned
+
+    def partial(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        ids = judge.tokenizer(body["prompt"], add_special_tokens=False).input_ids[:-3]
+        texts = [judge.tokenizer.decode([t]) for t in ids]
+        logprobs = {"tokens": texts, "token_logprobs": [None] + [-1.0] * (len(ids) - 1)}
+        return httpx.Response(200, json={"choices": [{"text": "", "logprobs": logprobs}]})
+
+    fake.faults["respond"] = partial
+    with pytest.raises(ModelServerError, match="reads token"):
+        engine.judge("Is the sky blue?", ["yes", "no"])
+
+
+def test_an_unreachable_server_is_an_error_within_its_timeout() -> None:
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ModelServerError, match="could not be reached"):
+        open_engine(f"openai+http://127.0.0.1:{port}/v1", timeout_s=5)
+    assert time.monotonic() - start < 120  # a hang bound: the tokenizer's load included
+
+
+def test_a_spec_names_what_is_wrong_with_it() -> None:
+    assert ServerModel.parse("openai+http://h:1/v1/?model=m&tokenizer=t") == ServerModel(
+        "http://h:1/v1", "m", "t"
+    )
+    for spec, says in [
+        ("openai+http:///v1", "names no host"),
+        ("openai+http://h:1/v1?models=m", "unknown parameter 'models'"),
+        ("openai+http://h:1/v1?model=", "takes one non-empty value"),
+        ("http://h:1/v1", "starts with openai+"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            ServerModel.parse(spec)
+
+
+def test_several_served_models_must_be_named(judge: Judge) -> None:
+    transport = httpx.MockTransport(FakeServer(judge.tokenizer, models=["a", "b"]))
+    with pytest.raises(ModelServerError, match=r"serves 2 models \(a, b\); name one"):
+        ServerEngine("http://fake/v1", judge.tokenizer, transport=transport)
+    named = ServerEngine("http://fake/v1", judge.tokenizer, model="b", transport=transport)
+    assert named.model_id.endswith("?model=b")
+
+
+def test_hidden_states_are_refused(judge: Judge) -> None:
+    engine, fake = _fake_engine(judge)
+    for options in ({"feature_layers": [3]}, {"span_layers": [3]}):
+        with pytest.raises(InvalidQueryError, match="returns no hidden states") as caught:
+            engine.judge("Is the sky blue?", ["yes", "no"], **options)  # type: ignore[arg-type]
+        assert caught.value.field == next(iter(options))
+    assert fake.requests == []  # refused before any request
+
+
+# --- a real server ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama() -> Iterator[LlamaServer]:
+    server = LlamaServer()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def served(llama: LlamaServer) -> Iterator[ServerEngine]:
+    engine = open_engine(llama.spec)
+    assert isinstance(engine, ServerEngine)
+    yield engine
+    engine.close()
+
+
+def _items() -> list[tuple[str, list[str]]]:
+    """Two to five choices, and choices that share leading tokens (the trie descended)."""
+    items = []
+    for name, count in (("sst2", 2), ("commonsense_qa", 1)):
+        task = load_task(DATA / name)
+        for item in load_split(task, "test", limit=count)[0]:
+            items.append((task_prompt(task, item.text), list(task.choices)))
+    items.append(("How many legs does a spider have? Answer with a number.", ["8", "80", "800"]))
+    return items
+
+
+def test_the_served_model_agrees_with_the_local_one(served: ServerEngine, judge: Judge) -> None:
+    for prompt, choices in _items():
+        got, local = served.judge(prompt, choices), judge.judge(prompt, choices)
+        assert got.choices == local.choices
+        gap = max(abs(a - b) for a, b in zip(got.probs, local.probs, strict=True))
+        assert gap <= TOLERANCE, (prompt[:60], got.probs, local.probs)
+        assert abs(got.choice_mass - local.choice_mass) <= TOLERANCE
+        assert got.tokens_sha256 == local.tokens_sha256  # the same tokens, read elsewhere
+        assert got.forward_passes == len(choices)  # one request per choice path
+        assert got.model == served.model_id == f"openai+{served.base_url}?model=smollm2"
+
+
+def test_judge_serve_decides_with_the_served_model_and_a_dead_one_is_a_502(
+    tmp_path: Path,
+) -> None:
+    """`judge serve --model openai+...`: a decision names the server in its answer and its
+    log row; the server killed in the middle of a request is a 502 that says so."""
+    llama = LlamaServer()  # its own: this test kills it
+    port = free_port()
+    log_path = tmp_path / "decisions.sqlite"
+    command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
+    command += ["--model", llama.spec, "--decision-log", str(log_path)]
+    command += ["--profiles-dir", str(tmp_path / "profiles")]
+    judge_server = Server(command, port)
+    try:
+        judge_server.wait_ready()
+        body = {"prompt": "Is the sky blue?", "choices": ["yes", "no"]}
+        ok = httpx.post(f"{judge_server.url}/judge", json=body, timeout=300)
+        assert ok.status_code == 200, ok.text
+        answer = ok.json()
+        assert answer["model"] == llama.spec + "?model=smollm2"
+        assert answer["model_sha256"] == "" and answer["decision"] == "escalate"
+        with open_log(str(log_path)) as decisions:
+            row = decisions.get(answer["judgment_id"])
+        assert row is not None and row.model == answer["model"]  # the log row names the server
+
+        # A long prompt keeps the server busy; it is killed while the request is in flight.
+        long_body = {"prompt": "Review: a long, slow film. " * 150, "choices": ["good", "bad"]}
+        answers: list[httpx.Response] = []
+        sent = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(f"{judge_server.url}/judge", json=long_body, timeout=300)
+            )
+        )
+        sent.start()
+        time.sleep(2)
+        llama.kill()
+        sent.join(300)
+        assert answers and answers[0].status_code == 502, answers[0].text if answers else None
+        assert "could not be reached or dropped the connection" in answers[0].json()["detail"]
+    finally:
+        judge_server.stop()
+        llama.kill()
+
+
+def test_calibrate_fits_a_profile_that_names_the_served_model(
+    llama: LlamaServer, judge: Judge, tmp_path: Path
+) -> None:
+    """`judge calibrate --model openai+...`: the profile's fingerprint names the server's
+    model and no weights hash, `auto` chooses among the scalar maps (no hidden states), and a
+    model loaded here refuses the profile."""
+    profiles = tmp_path / "profiles"
+    command = [sys.executable, "-m", "service.cli.main", "calibrate"]
+    command += ["--task", str(DATA / "sms_spam"), "--limit", "20", "--model", llama.spec]
+    command += ["--profiles-dir", str(profiles)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    profile = load_profile(profiles / "sms_spam.json")
+    assert profile.fingerprint.model == llama.spec + "?model=smollm2"
+    assert profile.fingerprint.model_sha256 is None and profile.fingerprint.dtype == "server"
+    assert profile.fingerprint.num_layers is None
+    mismatch = profile.fingerprint.first_difference(judge.fingerprint())
+    assert mismatch == "model"
+    assert msgspec.json.decode(msgspec.json.encode(profile.fingerprint))["dtype"] == "server"
