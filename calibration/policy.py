@@ -31,7 +31,12 @@ this rule, so the rule that is evaluated is the rule that is served. A decision 
   candidate was read in, not the candidate, swayed the judge. A pair is bounded even when the
   caller sets nothing, by ``DEFAULT_MAX_POSITION_SPREAD``: position bias is the main failure
   of pairwise judging (Zheng et al. 2023, "Judging LLM-as-a-judge"), so the gate is on unless
-  the caller loosens it (``max_order_spread=1`` turns it off).
+  the caller loosens it (``max_order_spread=1`` turns it off);
+* for a judgment whose probabilities are partly unknown (a served model read from its top
+  next tokens, ``judge.server_engine``: ``unknown_mass`` bounds the share of the choices'
+  probability that was not read), the decision holds at the bound's extremes, the unknown
+  share given all to the runner-up or spread over every other choice (``partial_logprobs``):
+  what was not read cannot turn an escalation into an accept.
 
 Which threshold, minimum mass, values and maximum std apply is decided in one place,
 ``make_policy``: the request's value, else the profile's, else the server's default (for
@@ -91,6 +96,7 @@ ReasonCode = Literal[
     "high_std",
     "order_sensitive",
     "position_inconsistent",
+    "partial_logprobs",
 ]
 REASON_CODES: tuple[str, ...] = get_args(ReasonCode)
 ThresholdSource = Literal["request", "profile", "default"]
@@ -458,8 +464,28 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     f"{moved} moved a probability by {spreads[i]:.4f}, above the maximum "
                     f"order spread {bound:.4f}"
                 )
-            scored = g.expected_value is not None and g.std is not None
             judgment = None if judgments is None else judgments[i]
+            unknown = float(getattr(judgment, "unknown_mass", 0.0) or 0.0)
+            if unknown > 0 and not codes:
+                changed = self._moved_by_unread(
+                    choices,
+                    z[i],
+                    int(g.best[i]),
+                    unknown,
+                    i,
+                    pair=pair,
+                    choice_mass=choice_mass,
+                    features=features,
+                    order_spread=order_spread,
+                    sha256=sha256,
+                )
+                if changed:
+                    codes.append("partial_logprobs")
+                    reasons.append(
+                        f"up to {unknown:.4f} of the choices' probability was not read (the "
+                        f"server's top next tokens left some out), and at that bound {changed}"
+                    )
+            scored = g.expected_value is not None and g.std is not None
             judgment_id = _carried(judgment, "judgment_id")
             decisions.append(
                 Verdict(
@@ -495,6 +521,50 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                 )
             )
         return decisions
+
+    def _moved_by_unread(
+        self,
+        choices: Sequence[str],
+        z: npt.NDArray[np.float64],
+        best: int,
+        unknown: float,
+        row: int,
+        *,
+        pair: bool,
+        choice_mass: npt.ArrayLike | None,
+        features: npt.ArrayLike | None,
+        order_spread: npt.ArrayLike | None,
+        sha256: str,
+    ) -> str | None:
+        """How the decision of row ``row`` (log-probabilities ``z``, best choice ``best``)
+        changes when the ``unknown`` share of probability not read goes all to the runner-up,
+        or evenly to every other choice; None where it holds at both."""
+        p = np.exp(z) * (1 - unknown)
+        others = [j for j in range(len(p)) if j != best]
+        runner_up, spread = p.copy(), p.copy()
+        runner_up[max(others, key=lambda j: p[j])] += unknown
+        spread[others] += unknown / len(others)
+        pick = slice(row, row + 1)
+
+        def sliced(values: npt.ArrayLike | None) -> npt.ArrayLike | None:
+            return None if values is None else np.asarray(values)[pick]
+
+        for worst in (runner_up, spread):
+            logs = np.log(np.maximum(worst, np.finfo(np.float64).tiny))[None, :]
+            (verdict,) = self._decide(
+                choices,
+                logs,
+                sliced(choice_mass),
+                sliced(features),
+                sliced(order_spread),
+                sha256=sha256,
+                pair=pair,
+            )
+            if verdict.decision == "escalate":
+                return f"it escalates ({', '.join(verdict.reason_codes)})"
+            if verdict.choice != choices[best]:
+                return f"it picks {verdict.choice!r}"
+        return None
 
     def _map_record(self) -> tuple[str | None, float | None, list[int] | None]:
         """What a verdict says of the map: its method, a scalar map's temperature and a

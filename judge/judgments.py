@@ -128,6 +128,12 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     judgment_id: str = ""
     tokens_sha256: str = ""
     model_sha256: str = ""
+    # An upper bound on the share of the choices' probability that is not known: 0 where
+    # every step's children were read (always, for a model loaded here). A served model read
+    # from its top next tokens only (``ServerEngine``, read "top") leaves out a choice's token
+    # that is not among them; ``probs`` are then those of the choices read, and the gate
+    # escalates where the unknown share could change its decision (``partial_logprobs``).
+    unknown_mass: float = 0.0
 
     @property
     def probabilities(self) -> dict[str, float]:

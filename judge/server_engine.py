@@ -43,10 +43,11 @@ import math
 import threading
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import httpx
 import msgspec
@@ -70,9 +71,18 @@ log = logging.getLogger("judge")
 SCHEME = "openai+"  # before http:// or https://: a model served over the completions API
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CONCURRENCY = 4  # requests in flight at once, per engine
+# How the choices' log-probabilities are read: "echo", the prompt's own (exact, one request
+# per choice); "top", each scored node's top next tokens (one request per scored node, exact
+# where every child is among them, else bounded: ``Judgment.unknown_mass``).
+Read = Literal["echo", "top"]
+READS: tuple[Read, ...] = get_args(Read)
+DEFAULT_TOP = 20  # next tokens asked for in "top" (vLLM's default cap; OpenAI's is 5)
 # An echoed log-probability and the generated one of the same token agree to this (they are
 # the same computation; llama.cpp's batched and single-token passes round apart by ~1e-5).
 ALIGNMENT_TOLERANCE = 1e-3
+# The log-probability a choice left out of a server's top tokens is given (it rounds to a
+# probability of 0; ``Judgment.unknown_mass`` bounds what it could be).
+UNREAD_LOGPROB = math.log(np.finfo(np.float64).tiny)
 _PROBE = "Answer with one word: what colour is a clear daytime sky?"
 
 
@@ -88,6 +98,8 @@ class ServerModel:
     base_url: str  # e.g. http://127.0.0.1:8080/v1
     model: str | None = None  # None: the server's only model
     tokenizer: str | None = None  # None: the embedded default model's
+    read: Read = "echo"
+    top: int = DEFAULT_TOP
 
     @classmethod
     def parse(cls, spec: str) -> ServerModel:
@@ -99,22 +111,31 @@ class ServerModel:
         if not parts.hostname:
             raise ValueError(f"{spec!r} names no host")
         query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
-        unknown = sorted(set(query) - {"model", "tokenizer"})
+        unknown = sorted(set(query) - {"model", "tokenizer", "read", "top"})
         if unknown:
             raise ValueError(
-                f"{spec!r}: unknown parameter {unknown[0]!r} (the spec takes model= and tokenizer=)"
+                f"{spec!r}: unknown parameter {unknown[0]!r} (the spec takes model=, "
+                "tokenizer=, read= and top=)"
             )
         for key, values in query.items():
             if len(values) != 1 or not values[0]:
                 raise ValueError(f"{spec!r}: {key}= takes one non-empty value")
+        given = {key: values[0] for key, values in query.items()}
+        read = given.get("read", "echo")
+        if read not in READS:
+            raise ValueError(f"{spec!r}: read= is one of {', '.join(READS)}, not {read!r}")
+        top = given.get("top", str(DEFAULT_TOP))
+        if not top.isdigit() or int(top) < 1:
+            raise ValueError(f"{spec!r}: top= is a whole number >= 1, not {top!r}")
         base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
-        return cls(base, query.get("model", [None])[0], query.get("tokenizer", [None])[0])
+        return cls(base, given.get("model"), given.get("tokenizer"), read, int(top))
 
 
 # The completions endpoint's answer, as far as it is read. msgspec checks the types.
 class _Logprobs(msgspec.Struct):
     tokens: list[str]
     token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -123,8 +144,13 @@ class _Choice(msgspec.Struct):
     logprobs: _Logprobs | None = None
 
 
+class _Usage(msgspec.Struct):
+    prompt_tokens: int
+
+
 class _Completion(msgspec.Struct):
     choices: list[_Choice]
+    usage: _Usage | None = None
 
 
 class _Model(msgspec.Struct):
@@ -133,6 +159,17 @@ class _Model(msgspec.Struct):
 
 class _Models(msgspec.Struct):
     data: list[_Model]
+
+
+@dataclass(frozen=True)
+class _Scores:
+    """What one judgment's requests gave: each scored node's children's log-probabilities
+    (-inf where not known), a bound on the unknown share, and what was sent."""
+
+    node_logits: list[np.ndarray]
+    unknown_mass: float
+    requests: int
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -162,6 +199,8 @@ class ServerEngine(BaseEngine):
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         choice_paths: ChoicePaths = "canonical",
+        read: Read = "echo",
+        top_logprobs: int = DEFAULT_TOP,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if choice_paths != "canonical":
@@ -175,6 +214,10 @@ class ServerEngine(BaseEngine):
             raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         if not (isinstance(concurrency, int) and concurrency >= 1):
             raise ValueError(f"concurrency must be a whole number >= 1, got {concurrency!r}")
+        if read not in READS:
+            raise ValueError(f"read must be one of {', '.join(READS)}, got {read!r}")
+        if not (isinstance(top_logprobs, int) and top_logprobs >= 1):
+            raise ValueError(f"top must be a whole number >= 1, got {top_logprobs!r}")
         super().__init__(
             tokenizer,
             system=system,
@@ -187,6 +230,9 @@ class ServerEngine(BaseEngine):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = float(timeout_s)
         self.concurrency = concurrency
+        self.read: Read = read
+        self.top_logprobs = top_logprobs
+        self._texts: dict[str, int] | None = None
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self._client = httpx.Client(timeout=self.timeout_s, transport=transport)
@@ -206,7 +252,14 @@ class ServerEngine(BaseEngine):
             parsed = ServerModel.parse(spec)
             tokenizer, window = load_tokenizer(parsed.tokenizer)
             options.setdefault("context_window", window)
-            return cls(parsed.base_url, tokenizer, model=parsed.model, **options)
+            return cls(
+                parsed.base_url,
+                tokenizer,
+                model=parsed.model,
+                read=parsed.read,
+                top_logprobs=parsed.top,
+                **options,
+            )
         except ValueError as exc:  # a bad spec or option: the model cannot be opened
             raise ModelLoadError(str(exc)) from None
 
@@ -249,22 +302,85 @@ class ServerEngine(BaseEngine):
 
     def _score(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
         prepared = [p for row in rows for p in row]
-        self._check_alignment()
+        if self.read == "echo":
+            self._check_alignment()
+        reader = self._read_paths if self.read == "echo" else self._read_nodes
         with ThreadPoolExecutor(self.concurrency) as pool:
-            reads = list(pool.map(self._read_paths, prepared))
+            scores = list(pool.map(reader, prepared))
         latency_ms = (time.perf_counter() - start) * 1000
-        return [self._result(p, r, latency_ms) for p, r in zip(prepared, reads, strict=True)]
+        return [self._result(p, s, latency_ms) for p, s in zip(prepared, scores, strict=True)]
 
-    def _read_paths(self, prepared: Prepared) -> list[_Read]:
+    def _read_paths(self, prepared: Prepared) -> _Scores:
         """Each choice's path sent as text, read back as the local tokenization's tokens."""
         paths = self._encoder.encode_paths(prepared.prompt, list(prepared.endings)).paths
         texts = [prepared.prompt + ending for ending in prepared.endings]
-        return [self._read(text, list(ids)) for text, ids in zip(texts, paths, strict=True)]
+        reads = [self._read(text, list(ids)) for text, ids in zip(texts, paths, strict=True)]
+        logits = _node_logprobs(prepared.trie, [r.logprobs for r in reads], self.base_url)
+        return _Scores(logits, 0.0, len(reads), sum(r.tokens for r in reads))
+
+    def _read_nodes(self, prepared: Prepared) -> _Scores:
+        """Each scored node's next-token top log-probabilities: its prefix sent as text, its
+        children read by their text among the top ``top_logprobs``. A child not among them
+        (or whose text another token shares) is not known: at most the least of the top
+        ones, and all such children at most what the top ones leave."""
+        trie = prepared.trie
+        logits: list[np.ndarray] = []
+        unknown = 0.0
+        sent = 0
+        for n, children in enumerate(trie.node_children):
+            ids = [*trie.context, *_chain(trie, trie.node_positions[n])]
+            top = self._top_next(str(self.tokenizer.decode(ids)), len(ids))
+            sent += len(ids)
+            texts = self._token_texts()
+            z = np.full(len(children), -math.inf)
+            for k, child in enumerate(children):
+                text = str(self.tokenizer.decode([child]))
+                if texts.get(text) == 1 and text in top:
+                    z[k] = top[text]
+            missing = int(np.isinf(z).sum())
+            if missing:
+                listed = np.exp(np.array(list(top.values()), dtype=np.float64))
+                bound = min(missing * float(listed.min()), max(0.0, 1.0 - float(listed.sum())))
+                known = float(np.exp(z[np.isfinite(z)]).sum())
+                unknown += bound / (known + bound) if known + bound > 0 else 1.0
+            logits.append(z)
+        return _Scores(logits, min(1.0, unknown), len(logits), sent)
+
+    def _top_next(self, text: str, tokens: int) -> dict[str, float]:
+        """The server's top next tokens after ``text`` (``tokens`` tokens here), by text."""
+        completion = self._complete(text, echo=False, top=self.top_logprobs)
+        if completion.usage is not None and completion.usage.prompt_tokens != tokens:
+            raise ModelServerError(
+                f"the model server at {self.base_url} tokenizes the text into "
+                f"{completion.usage.prompt_tokens} tokens where the local tokenizer makes "
+                f"{tokens}: it serves another tokenizer"
+            )
+        got = completion.choices[0].logprobs
+        top = got.top_logprobs[0] if got is not None and got.top_logprobs else None
+        if not top:
+            raise ModelServerError(
+                f"the model server at {self.base_url} returned no top log-probabilities"
+            )
+        for value in top.values():
+            if not (math.isfinite(value) and value <= 1e-6):
+                raise ModelServerError(
+                    f"the model server at {self.base_url} returned a log-probability of {value}"
+                )
+        return top
+
+    def _token_texts(self) -> dict[str, int]:
+        """How many of the vocabulary's tokens decode to each text (once per engine): a text
+        that several share cannot name one among a server's top tokens."""
+        with self._lock:
+            if self._texts is None:
+                size = len(self.tokenizer)
+                self._texts = dict(Counter(self.tokenizer.batch_decode([[i] for i in range(size)])))
+            return self._texts
 
     def _read(self, text: str, ids: list[int]) -> _Read:
         """The server's echoed log-probabilities of ``text``'s tokens ``ids``, checked to be
         those tokens."""
-        got = self._complete(text, echo=True).logprobs
+        got = self._complete(text, echo=True).choices[0].logprobs
         if got is None or len(got.tokens) != len(got.token_logprobs):
             raise ModelServerError(
                 f"the model server at {self.base_url} returned no prompt log-probabilities; it "
@@ -324,7 +440,7 @@ class ServerEngine(BaseEngine):
             if self._aligned:
                 return
             prompt = self.render(_PROBE)
-            generated = self._complete(prompt, echo=False).logprobs
+            generated = self._complete(prompt, echo=False).choices[0].logprobs
             if generated is None or not generated.token_logprobs:
                 raise ModelServerError(
                     f"the model server at {self.base_url} returned no log-probabilities"
@@ -344,14 +460,14 @@ class ServerEngine(BaseEngine):
                 )
             self._aligned = True
 
-    def _complete(self, text: str, *, echo: bool) -> _Choice:
-        """One completion of ``text``: greedy, one token, its log-probabilities."""
+    def _complete(self, text: str, *, echo: bool, top: int = 1) -> _Completion:
+        """One completion of ``text``: greedy, one token, ``top`` log-probabilities."""
         body: dict[str, Any] = {
             "model": self.served_model,
             "prompt": text,
             "max_tokens": 1,  # 0 means "no limit" to some servers
             "temperature": 0,
-            "logprobs": 1,
+            "logprobs": top,
             "echo": echo,
         }
         data = self._call("POST", "/completions", body)
@@ -367,7 +483,7 @@ class ServerEngine(BaseEngine):
                 f"the model server at {self.base_url} answered one prompt with "
                 f"{len(completion.choices)} completions"
             )
-        return completion.choices[0]
+        return completion
 
     def _only_model(self) -> str:
         """The name of the server's one model (``GET /models``)."""
@@ -407,31 +523,50 @@ class ServerEngine(BaseEngine):
             )
         return response.content
 
-    def _result(self, prepared: Prepared, reads: list[_Read], latency_ms: float) -> Judgment:
-        trie = prepared.trie
-        node_logits = _node_logprobs(trie, [r.logprobs for r in reads], self.base_url)
-        logps = trie.choice_logprobs(node_logits)
+    def _result(self, prepared: Prepared, scores: _Scores, latency_ms: float) -> Judgment:
+        logps = prepared.trie.choice_logprobs(scores.node_logits)
+        if not np.isfinite(logps).any():
+            raise ModelServerError(
+                f"the model server at {self.base_url} listed none of the choices' tokens among "
+                f"its top {self.top_logprobs} next tokens; ask for more (top= in the model "
+                "spec) or read the prompt's own log-probabilities (read=echo)"
+            )
+        # A choice whose path the top tokens left out has no known probability: 0 here, and
+        # ``unknown_mass`` says how much it could hold. Its log stays finite on the wire.
+        logps = np.maximum(logps, UNREAD_LOGPROB)
         probs = np.exp(logps - logsumexp(logps))
         best = int(np.argmax(probs))
+        root = scores.node_logits[0]
         return Judgment(
             choice=prepared.choices[best],
             confidence=float(probs[best]),
             choices=prepared.choices,
             probs=probs.tolist(),
             log_probs=logps.tolist(),
-            choice_mass=float(np.exp(node_logits[0]).sum()),
+            choice_mass=float(np.exp(root[np.isfinite(root)]).sum()),
             prompt=prepared.prompt,
             prompt_tokens=prepared.prompt_tokens,
             cached_tokens=0,  # the server's prefix cache, if any, is not reported
-            computed_tokens=sum(r.tokens for r in reads),  # the tokens sent
-            forward_passes=len(reads),  # the requests made
+            computed_tokens=scores.tokens,  # the tokens sent
+            forward_passes=scores.requests,  # the requests made
             latency_ms=latency_ms,
             model=self.model_id,
             item_span=prepared.item_span,
             judgment_id=new_judgment_id(),
             tokens_sha256=prepared.tokens_sha256,
             model_sha256="",
+            unknown_mass=scores.unknown_mass,
         )
+
+
+def _chain(trie: ChoiceTrie, position: int) -> list[int]:
+    """The tree tokens from the decision point down to ``position`` (an index into
+    ``tree_tokens``; -1: none), in order."""
+    out = []
+    while position >= 0:
+        out.append(trie.tree_tokens[position])
+        position = trie.tree_parents[position]
+    return out[::-1]
 
 
 def _node_logprobs(

@@ -93,7 +93,9 @@ class ChoiceTrie:
         out: list[float | None] = [None] * self.n_choices
         for n, z in enumerate(node_logits):
             above = reach[n]
-            if above is None:  # no path reaches it (it cannot happen in a built tree)
+            if above is None or not np.isfinite(z).any():
+                # No path reaches it (not in a built tree), or no child's probability is
+                # known (a served model's top tokens held none of them): its choices stay out.
                 continue
             lp = z - logsumexp(z)
             for k, target in enumerate(self.slot_next[n]):

@@ -170,7 +170,8 @@ class JudgeResponse(
     decision: Literal["accept", "escalate"]
     reasons: list[str]  # why it escalated, one line each; empty when accepted
     # One per reason, for programs: below_threshold, no_certified_threshold, low_choice_mass,
-    # ambiguous_set, high_std, position_inconsistent (calibration.Verdict.reason_codes).
+    # ambiguous_set, high_std, order_sensitive, position_inconsistent, partial_logprobs
+    # (calibration.Verdict.reason_codes).
     reason_codes: list[ReasonCode]
     threshold: float | None  # the threshold in force; None when the profile has none
     certified: bool  # the threshold is the profile's certified one, with no override

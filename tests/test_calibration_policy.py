@@ -23,6 +23,7 @@ from calibration.certify import ThresholdResult
 from calibration.gate import Gate, Overrides
 from calibration.profile import CalibrationProfile
 from calibration.scaling import Temperature
+from judge import Judgment
 
 CHOICES = ["ham", "spam"]
 
@@ -378,3 +379,41 @@ def test_labels_for_the_next_look_open_every_class_s_threshold(
     # of one) is opened too, so a per-class profile asks what the pooled one does.
     split = per_class(pooled, 0.99, None)
     assert labels_for_next_look(split, logp, y) == labels_for_next_look(pooled, logp, y)
+
+
+def test_an_unread_share_that_could_change_the_decision_escalates() -> None:
+    """A served model read from its top next tokens (``Judgment.unknown_mass``): the decision
+    must hold with the unread share given to the runner-up, or spread over the others."""
+    policy = make_policy(None, defaults=PolicyDefaults(uncertified_threshold=0.8))
+
+    def judged(p_spam: float, unknown: float) -> Judgment:
+        probs = [1 - p_spam, p_spam]
+        return Judgment(
+            choice="spam",
+            confidence=p_spam,
+            choices=["ham", "spam"],
+            probs=probs,
+            log_probs=[math.log(p) for p in probs],
+            choice_mass=1.0,
+            prompt="",
+            prompt_tokens=0,
+            cached_tokens=0,
+            computed_tokens=0,
+            forward_passes=1,
+            latency_ms=0.0,
+            model="served",
+            unknown_mass=unknown,
+        )
+
+    assert policy.decide(judged(0.95, 0.0)).decision == "accept"
+    assert policy.decide(judged(0.95, 0.1)).decision == "accept"  # 0.95 * 0.9 = 0.855 holds
+    moved = policy.decide(judged(0.95, 0.2))  # 0.95 * 0.8 = 0.76: below the threshold
+    assert moved.decision == "escalate" and moved.reason_codes == ["partial_logprobs"]
+    assert moved.reasons == [
+        "up to 0.2000 of the choices' probability was not read (the server's top next tokens "
+        "left some out), and at that bound it escalates (below_threshold)"
+    ]
+    assert moved.confidence == pytest.approx(0.95)  # what was read, reported as read
+    # Already escalating for its own reasons: the unread share adds nothing.
+    low = policy.decide(judged(0.7, 0.5))
+    assert low.reason_codes == ["below_threshold"]

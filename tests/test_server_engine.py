@@ -28,7 +28,7 @@ import pytest
 from llama_server import LlamaServer
 from server import Server, free_port
 
-from calibration import load_profile
+from calibration import PolicyDefaults, load_profile, make_policy
 from calibration.tasks import load_split, load_task, task_prompt
 from judge import InvalidQueryError, Judge, ModelServerError
 from judge.engines import open_engine
@@ -45,9 +45,20 @@ TOLERANCE = 0.1
 # --- a fake server: log-probabilities that are a known function of where they are read ------
 
 
+VOCABULARY = 49152  # the default model's
+
+
+def _logits(row: int) -> np.ndarray:
+    """The fake's next-token logits after the first row + 1 tokens, over the vocabulary: a
+    known function of row and token."""
+    tokens = np.arange(VOCABULARY)
+    return ((tokens * 7 + row * 13) % 29) / 10
+
+
 def _logprob(row: int, token: int) -> float:
-    """The fake's log P(token | the first row + 1 tokens): distinct at every row and token."""
-    return -0.1 - ((token * 7 + row * 13) % 29) / 10
+    """The fake's log P(token | the first row + 1 tokens)."""
+    z = _logits(row)
+    return float(z[token] - np.logaddexp.reduce(z))
 
 
 class FakeServer:
@@ -75,6 +86,13 @@ class FakeServer:
         ids = self.tokenizer(body["prompt"], add_special_tokens=False).input_ids
         last = _logprob(len(ids) - 1, self.generated)  # the token it generates, at the end
         logprobs: dict[str, list[Any]] = {"tokens": [self.GENERATED], "token_logprobs": [last]}
+        if body["logprobs"] > 1:  # the top next tokens, by text, as llama-cpp-python writes them
+            z = _logits(len(ids) - 1)
+            z = z - np.logaddexp.reduce(z)
+            order = np.argsort(-z, kind="stable")[: body["logprobs"]]
+            top = {self.tokenizer.decode([int(t)]): float(z[t]) for t in order}
+            top.update(self.faults.get("also", {}))
+            logprobs["top_logprobs"] = [top]
         if body["echo"]:
             late = 1 if self.faults.get("shift") else 0
             echoed = [_logprob(k - 1 + late, t) for k, t in enumerate(ids)][1:]
@@ -88,13 +106,22 @@ class FakeServer:
         if self.faults.get("no_logprobs"):
             return httpx.Response(200, json={"choices": [{"text": self.GENERATED}]})
         choice = {"text": self.GENERATED, "index": 0, "logprobs": logprobs}
-        return httpx.Response(200, json={"choices": [choice]})
+        usage = {"prompt_tokens": len(ids) + self.faults.get("count_off", 0)}
+        return httpx.Response(200, json={"choices": [choice], "usage": usage})
 
 
-def _fake_engine(judge: Judge, **faults: Any) -> tuple[ServerEngine, FakeServer]:
+def _fake_engine(
+    judge: Judge, read: str = "echo", top: int = 20, **faults: Any
+) -> tuple[ServerEngine, FakeServer]:
     fake = FakeServer(judge.tokenizer, **faults)
     transport = httpx.MockTransport(fake)
-    engine = ServerEngine("http://fake/v1", judge.tokenizer, transport=transport)
+    engine = ServerEngine(
+        "http://fake/v1",
+        judge.tokenizer,
+        transport=transport,
+        read=read,  # type: ignore[arg-type]
+        top_logprobs=top,
+    )
     return engine, fake
 
 
@@ -313,3 +340,88 @@ def test_calibrate_fits_a_profile_that_names_the_served_model(
     mismatch = profile.fingerprint.first_difference(judge.fingerprint())
     assert mismatch == "model"
     assert msgspec.json.decode(msgspec.json.encode(profile.fingerprint))["dtype"] == "server"
+
+
+# --- read from the top next tokens ------------------------------------------------------------
+
+SPIDER = ("How many legs does a spider have? Answer with a number.", ["8", "80", "800"])
+
+
+def test_the_top_next_tokens_give_the_echo_s_numbers_where_every_child_is_among_them(
+    judge: Judge,
+) -> None:
+    """Choices that share leading tokens ("8", "80", "800"): the root, the "8" node and the
+    "80" node are a request each, and where every node's children are among the top tokens
+    (here the whole vocabulary is listed) the numbers are the echo's, exactly."""
+    echo, _ = _fake_engine(judge)
+    top, fake = _fake_engine(judge, read="top", top=VOCABULARY)
+    want, got = echo.judge(*SPIDER), top.judge(*SPIDER)
+    assert got.unknown_mass == 0.0
+    assert got.probs == pytest.approx(want.probs, abs=1e-9)
+    assert got.choice_mass == pytest.approx(want.choice_mass, abs=1e-12)
+    assert got.forward_passes == len(fake.requests) == 3
+    rendered = judge.render(SPIDER[0])
+    assert [r["prompt"] for r in fake.requests] == [rendered, rendered + "8", rendered + "80"]
+    assert all(not r["echo"] for r in fake.requests)
+
+
+def test_a_child_left_out_of_the_top_tokens_is_bounded_not_made_up(judge: Judge) -> None:
+    prompt = "Is this SMS spam? WINNER!! Claim your prize."
+    rendered = judge.render(prompt)
+    n = len(judge.tokenizer(rendered, add_special_tokens=False).input_ids)
+    first = {
+        c: judge.tokenizer(rendered + c, add_special_tokens=False).input_ids[n]
+        for c in ("spam", "ham")
+    }
+    z = _logits(n - 1)
+    z = z - np.logaddexp.reduce(z)
+    # Ask for as many top tokens as reach the more probable choice's, not the other's.
+    ranks = {
+        c: int(np.flatnonzero(np.argsort(-z, kind="stable") == t)[0]) for c, t in first.items()
+    }
+    listed, left_out = sorted(ranks, key=ranks.get)  # type: ignore[arg-type]
+    assert ranks[listed] < ranks[left_out]  # the fake's logits tell the two apart
+    k = ranks[listed] + 1
+    engine, _ = _fake_engine(judge, read="top", top=k)
+    got = engine.judge(prompt, ["spam", "ham"])
+    assert got.probabilities[left_out] < 1e-300  # not read: no probability made up for it
+    assert got.probabilities[listed] == 1.0
+    kth = float(np.exp(np.sort(z)[::-1][k - 1]))
+    known = float(np.exp(z[first[listed]]))
+    assert got.unknown_mass == pytest.approx(kth / (known + kth), rel=1e-9)
+    assert got.choice_mass == pytest.approx(known, rel=1e-9)
+
+
+def test_a_server_that_counts_other_tokens_is_an_error(judge: Judge) -> None:
+    engine, _ = _fake_engine(judge, read="top", count_off=1)
+    with pytest.raises(ModelServerError, match="serves another tokenizer"):
+        engine.judge("Is the sky blue?", ["yes", "no"])
+
+
+def test_read_from_its_top_tokens_a_served_model_agrees_or_escalates(
+    llama: LlamaServer, judge: Judge
+) -> None:
+    """`read=top`: one request per scored node. Where the top 20 hold every choice's token
+    the numbers agree with the local engine's; with the top 1 the others are not read, and a
+    decision the unread share could change escalates with its own reason."""
+    wide = open_engine(llama.spec + "?read=top&top=20")
+    narrow = open_engine(llama.spec + "?read=top&top=1")
+    assert isinstance(wide, ServerEngine) and isinstance(narrow, ServerEngine)
+    task = load_task(DATA / "sst2")
+    for item in load_split(task, "test", limit=2)[0]:
+        prompt = task_prompt(task, item.text)
+        got, local = wide.judge(prompt, list(task.choices)), judge.judge(prompt, task.choices)
+        assert got.unknown_mass == 0.0 and got.forward_passes == 1
+        assert max(abs(a - b) for a, b in zip(got.probs, local.probs, strict=True)) <= TOLERANCE
+    task = load_task(DATA / "commonsense_qa")
+    item = load_split(task, "test", limit=1)[0][0]
+    partial = narrow.judge(task_prompt(task, item.text), list(task.choices))
+    assert 0 < partial.unknown_mass <= 1 and partial.confidence == pytest.approx(1.0)
+    verdict = make_policy(None, defaults=PolicyDefaults(uncertified_threshold=0.95)).decide(partial)
+    # Read alone, the one choice read holds all the probability; the unread share decides.
+    if partial.unknown_mass >= 0.05:
+        assert verdict.reason_codes == ["partial_logprobs"], verdict.reasons
+    else:
+        assert verdict.decision == "accept"
+    wide.close()
+    narrow.close()
