@@ -525,12 +525,11 @@ class ServerEngine(BaseEngine):
 
     def _result(self, prepared: Prepared, scores: _Scores, latency_ms: float) -> Judgment:
         logps = prepared.trie.choice_logprobs(scores.node_logits)
+        unknown = scores.unknown_mass
         if not np.isfinite(logps).any():
-            raise ModelServerError(
-                f"the model server at {self.base_url} listed none of the choices' tokens among "
-                f"its top {self.top_logprobs} next tokens; ask for more (top= in the model "
-                "spec) or read the prompt's own log-probabilities (read=echo)"
-            )
+            # None of the choices was among the top tokens: nothing is known of them. Equal
+            # placeholders, with all of it unknown, so the gate escalates.
+            logps, unknown = np.zeros(len(logps)), 1.0
         # A choice whose path the top tokens left out has no known probability: 0 here, and
         # ``unknown_mass`` says how much it could hold. Its log stays finite on the wire.
         logps = np.maximum(logps, UNREAD_LOGPROB)
@@ -555,7 +554,7 @@ class ServerEngine(BaseEngine):
             judgment_id=new_judgment_id(),
             tokens_sha256=prepared.tokens_sha256,
             model_sha256="",
-            unknown_mass=scores.unknown_mass,
+            unknown_mass=unknown,
         )
 
 

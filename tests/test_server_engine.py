@@ -29,8 +29,8 @@ from llama_server import LlamaServer
 from server import Server, free_port
 
 from calibration import PolicyDefaults, load_profile, make_policy
-from calibration.tasks import load_split, load_task, task_prompt
-from judge import InvalidQueryError, Judge, ModelServerError
+from calibration.tasks import TaskError, judge_labeled, load_split, load_task, task_prompt
+from judge import InvalidQueryError, Judge, ModelServerError, Query
 from judge.engines import open_engine
 from judge.server_engine import ServerEngine, ServerModel
 from service.log.decision_log import open_log
@@ -86,7 +86,7 @@ class FakeServer:
         ids = self.tokenizer(body["prompt"], add_special_tokens=False).input_ids
         last = _logprob(len(ids) - 1, self.generated)  # the token it generates, at the end
         logprobs: dict[str, list[Any]] = {"tokens": [self.GENERATED], "token_logprobs": [last]}
-        if body["logprobs"] > 1:  # the top next tokens, by text, as llama-cpp-python writes them
+        if not body["echo"]:  # the top next tokens, by text, as llama-cpp-python writes them
             z = _logits(len(ids) - 1)
             z = z - np.logaddexp.reduce(z)
             order = np.argsort(-z, kind="stable")[: body["logprobs"]]
@@ -329,7 +329,10 @@ def test_calibrate_fits_a_profile_that_names_the_served_model(
     model loaded here refuses the profile."""
     profiles = tmp_path / "profiles"
     command = [sys.executable, "-m", "service.cli.main", "calibrate"]
-    command += ["--task", str(DATA / "sms_spam"), "--limit", "20", "--model", llama.spec]
+    # Read from the top 1000 next tokens: both choices' tokens among them on these items
+    # (checked: calibrate refuses an item read in part), 20x faster than the echo here.
+    spec = llama.spec + "?read=top&top=1000"
+    command += ["--task", str(DATA / "sms_spam"), "--limit", "20", "--model", spec]
     command += ["--profiles-dir", str(profiles)]
     done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -425,3 +428,21 @@ def test_read_from_its_top_tokens_a_served_model_agrees_or_escalates(
         assert verdict.decision == "accept"
     wide.close()
     narrow.close()
+
+
+def test_nothing_read_is_all_unknown_and_labeled_items_read_in_part_are_refused(
+    judge: Judge,
+) -> None:
+    """No choice's token among the top ones: equal placeholders, all of it unknown, and the
+    gate escalates. A fit or a qualification refuses judgments read in part."""
+    engine, _ = _fake_engine(judge, read="top", top=1)
+    prompt = "Is this SMS spam? WINNER!! Claim your prize."
+    got = engine.judge(prompt, ["spam", "ham"])
+    assert got.unknown_mass == 1.0 and got.probs == [0.5, 0.5] and got.choice_mass == 0.0
+    verdict = make_policy(None, defaults=PolicyDefaults(uncertified_threshold=0.5)).decide(got)
+    assert verdict.decision == "escalate"
+    queries = [Query(prompt=prompt, choices=["spam", "ham"])] * 3
+    with pytest.raises(
+        TaskError, match="item 0 \\(and 2 more of 3 in its batch\\) was read only in part"
+    ):
+        judge_labeled(engine, queries, ["spam"] * 3, ["spam", "ham"])

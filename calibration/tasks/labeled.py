@@ -347,7 +347,18 @@ def judge_labeled(
     judgments: list[Judgment] = []
     for start in range(0, len(queries), batch_size):
         chunk = queries[start : start + batch_size]
-        judgments.extend(engine.judge_batch(chunk))
+        judged = engine.judge_batch(chunk)
+        partial = [start + i for i, j in enumerate(judged) if j.unknown_mass > 0]
+        if partial:
+            # A fit or a measure on probabilities that were not all read would certify, or
+            # qualify, numbers the model never gave.
+            raise TaskError(
+                f"item {partial[0]} (and {len(partial) - 1} more of {len(chunk)} in its batch) "
+                f"was read only in part: up to {judged[partial[0] - start].unknown_mass:.3f} of "
+                "its choices' probability was not among the served model's top next tokens; "
+                "judge labeled items with every step read (read=echo, or a larger top=)"
+            )
+        judgments.extend(judged)
         if progress is not None:
             progress(len(chunk))
     layers = queries[0].feature_layers if queries else ()
