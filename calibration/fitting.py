@@ -605,7 +605,10 @@ def resolve_methods(
                 f"methods must be a sequence of method names or 'auto', got {methods!r}"
             )
         if probe_weights is None:
-            return DEFAULT_METHODS, "; probe not tried: no hidden-state features were given"
+            return DEFAULT_METHODS, (
+                "; probe not tried: no hidden-state features were given (an engine without "
+                "layers has none: a model served over HTTP returns log-probabilities only)"
+            )
         if n < MIN_PROBE_EXAMPLES:
             return DEFAULT_METHODS, (
                 f"; probe not tried: {n} labeled examples, fewer than the {MIN_PROBE_EXAMPLES} "

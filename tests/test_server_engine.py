@@ -340,6 +340,7 @@ def test_calibrate_fits_a_profile_that_names_the_served_model(
     assert profile.fingerprint.model == llama.spec + "?model=smollm2"
     assert profile.fingerprint.model_sha256 is None and profile.fingerprint.dtype == "server"
     assert profile.fingerprint.num_layers is None
+    assert "a model served over HTTP returns log-probabilities only" in profile.note
     mismatch = profile.fingerprint.first_difference(judge.fingerprint())
     assert mismatch == "model"
     assert msgspec.json.decode(msgspec.json.encode(profile.fingerprint))["dtype"] == "server"
