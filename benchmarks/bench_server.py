@@ -16,10 +16,11 @@ read modes, side by side with the local engine (the same GGUF de-quantized, torc
    profile fitted on each engine's calibration items and evaluated on its test items:
    calibrated accuracy, ECE, and the coverage and precision of the certified rule.
 
-Writes ``benchmarks/results/bench_server.json``. Needs ``llama-cpp-python[server]`` (CI builds
+Writes ``benchmarks/results/bench_server.json`` (``--out``). Needs ``llama-cpp-python[server]`` (CI builds
 it; ``.ci/run`` says how).
 
     python benchmarks/bench_server.py [--items 100] [--speed-items 32] [--top 1000] [--quick]
+        [--out PATH]
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=2, help="the server's")
     parser.add_argument("--quick", action="store_true", help="a few items, two sets")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_server.json")
     args = parser.parse_args()
     items, speed_items = (20, 8) if args.quick else (args.items, args.speed_items)
     port = 8000 + int(time.time()) % 1000
@@ -207,9 +209,9 @@ def main() -> None:
             "items": items,
             "speed": timings,
             "quality": quality_rows,
+            "quick": args.quick,
         }
-        if not args.quick:
-            write_text(RESULTS / "bench_server.json", json.dumps(result, indent=2) + "\n")
+        write_text(args.out, json.dumps(result, indent=2) + "\n")
     finally:
         server.kill()
         server.wait(30)

@@ -595,3 +595,28 @@ def test_bench_grammar_quick(tmp_path: Path) -> None:
         assert task["tokens_added_grammar"] >= 0
         for item in task["items"]:
             assert sum(item["canonical"]) == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_server_quick(tmp_path: Path) -> None:
+    """judge over llama.cpp's server: both reads timed beside the local engine, and on two
+    sets the agreement, and each engine's calibrated accuracy where every item was read."""
+    from llama_server import require_llama_cpp
+
+    require_llama_cpp()
+    out = tmp_path / "bench_server.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_server.py"), "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["quick"] is True
+    assert set(result["speed"]) == {"local", "server top", "server echo"}
+    for timing in result["speed"].values():
+        assert set(timing) == {"1", "16"} and all(t["items_per_s"] > 0 for t in timing.values())
+    assert list(result["quality"]) == ["sst2", "sms_spam"]
+    for row in result["quality"].values():
+        assert row["n"] == 40 and 0 <= row["max_gap"] <= 1 and 0 <= row["same_choice"] <= 1
+        assert 0 <= row["local"]["accuracy"] <= 1
+        if row["read_in_part"] == 0:
+            assert 0 <= row["server"]["accuracy"] <= 1
