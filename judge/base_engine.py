@@ -19,11 +19,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self, Unpack
 
 import msgspec
+import numpy as np
 
 from judge.errors import InvalidQueryError, JudgeError, PromptTooLongError, TokenizerRoundTripError
 from judge.fingerprint import ChoicePaths, Fingerprint, check_choice_paths, sha256_text
 from judge.grammar import GrammarVocabulary, choice_targets
-from judge.identity import tokens_sha256
+from judge.identity import new_judgment_id, tokens_sha256
 from judge.judgments import (
     Judgment,
     Prepared,
@@ -39,7 +40,7 @@ from judge.judgments import (
 )
 from judge.packing import pack_rows
 from judge.tokens import PathEncoder
-from judge.trie import build_trie
+from judge.trie import build_trie, logsumexp
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -270,6 +271,27 @@ class BaseEngine:
     def _rows(self, prepared: Sequence[Prepared]) -> list[list[Prepared]]:
         rows = pack_rows([p.trie for p in prepared], self.max_batch_tokens)
         return [[prepared[i] for i in row] for row in rows]
+
+    def _judgment(self, prepared: Prepared, logps: np.ndarray, **measured: Any) -> Judgment:
+        """The judgment of ``prepared`` whose choices' log-probabilities are ``logps``;
+        ``measured``: the rest of its fields, as the engine measured them (choice mass,
+        tokens, passes, latency, hidden states, the weights' hash)."""
+        probs = np.exp(logps - logsumexp(logps))
+        best = int(np.argmax(probs))
+        return Judgment(
+            choice=prepared.choices[best],
+            confidence=float(probs[best]),
+            choices=prepared.choices,
+            probs=probs.tolist(),
+            log_probs=logps.tolist(),
+            prompt=prepared.prompt,
+            prompt_tokens=prepared.prompt_tokens,
+            model=self.model_id,
+            item_span=prepared.item_span,
+            judgment_id=new_judgment_id(),
+            tokens_sha256=prepared.tokens_sha256,
+            **measured,
+        )
 
     def _score(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
         """Judge ``rows`` of prepared queries (the queries of a row share its pass), in order;

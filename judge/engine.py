@@ -26,14 +26,11 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from judge.base_engine import BaseEngine
 from judge.errors import (
     ModelLoadError,
 )
 from judge.fingerprint import ChoicePaths
-from judge.identity import new_judgment_id
 from judge.judgments import (
     Judgment,
     Prepared,
@@ -50,7 +47,7 @@ from judge.packing import (
     row_length,
 )
 from judge.prefix_cache import PrefixCache, cacheable
-from judge.trie import common_prefix_length, logsumexp
+from judge.trie import common_prefix_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -237,26 +234,15 @@ class Judge(BaseEngine):
     def _result(
         self, prepared: Prepared, scores: Any, latency_ms: float, passes: int = 1
     ) -> Judgment:
-        logps = prepared.trie.choice_logprobs(scores.node_logits)
-        probs = np.exp(logps - logsumexp(logps))
-        best = int(np.argmax(probs))
-        return Judgment(
-            choice=prepared.choices[best],
-            confidence=float(probs[best]),
-            choices=prepared.choices,
-            probs=probs.tolist(),
-            log_probs=logps.tolist(),
+        return self._judgment(
+            prepared,
+            prepared.trie.choice_logprobs(scores.node_logits),
             choice_mass=scores.root_mass,
-            prompt=prepared.prompt,
-            prompt_tokens=prepared.prompt_tokens,
             cached_tokens=scores.cached_tokens,
             computed_tokens=prepared.trie.packed_length - scores.cached_tokens,
             forward_passes=passes,
             latency_ms=latency_ms,
-            model=self.model_id,
             **_hidden_states(prepared, scores),
-            judgment_id=new_judgment_id(),
-            tokens_sha256=prepared.tokens_sha256,
             model_sha256=self.model_sha256,
         )
 
@@ -282,11 +268,10 @@ def parameters_sha256(model: PreTrainedModel) -> str:
 
 def _hidden_states(prepared: Prepared, scores: Any) -> dict[str, Any]:
     """The judgment's hidden-state fields: each asked layer's state at the decision point and
-    mean over the item (None where none was asked), and the item's span."""
+    mean over the item (None where none was asked)."""
     return {
         "features": {n: scores.features[n].tolist() for n in prepared.feature_layers} or None,
         "span_features": {n: scores.span_means[n].tolist() for n in prepared.span_layers} or None,
-        "item_span": prepared.item_span,
     }
 
 

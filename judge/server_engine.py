@@ -56,10 +56,9 @@ import numpy as np
 from judge.base_engine import BaseEngine
 from judge.errors import InvalidQueryError, ModelLoadError, ModelServerError
 from judge.fingerprint import ChoicePaths
-from judge.identity import new_judgment_id
 from judge.judgments import Judgment, Prepared, Query
 from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
-from judge.trie import ChoiceTrie, logsumexp
+from judge.trie import ChoiceTrie
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -189,18 +188,18 @@ class ServerEngine(BaseEngine):
         base_url: str,
         tokenizer: PreTrainedTokenizerBase,
         *,
+        read: Read = "echo",
+        top_logprobs: int = DEFAULT_TOP,
         model: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        concurrency: int = DEFAULT_CONCURRENCY,
         context_window: int | None = None,
         system: str | None = None,
         response_prefix: str = '{"answer": "',
         response_suffix: str = '"}',
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        concurrency: int = DEFAULT_CONCURRENCY,
+        choice_paths: ChoicePaths = "canonical",
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-        choice_paths: ChoicePaths = "canonical",
-        read: Read = "echo",
-        top_logprobs: int = DEFAULT_TOP,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if choice_paths != "canonical":
@@ -533,26 +532,15 @@ class ServerEngine(BaseEngine):
         # A choice whose path the top tokens left out has no known probability: 0 here, and
         # ``unknown_mass`` says how much it could hold. Its log stays finite on the wire.
         logps = np.maximum(logps, UNREAD_LOGPROB)
-        probs = np.exp(logps - logsumexp(logps))
-        best = int(np.argmax(probs))
         root = scores.node_logits[0]
-        return Judgment(
-            choice=prepared.choices[best],
-            confidence=float(probs[best]),
-            choices=prepared.choices,
-            probs=probs.tolist(),
-            log_probs=logps.tolist(),
+        return self._judgment(
+            prepared,
+            logps,
             choice_mass=float(np.exp(root[np.isfinite(root)]).sum()),
-            prompt=prepared.prompt,
-            prompt_tokens=prepared.prompt_tokens,
             cached_tokens=0,  # the server's prefix cache, if any, is not reported
             computed_tokens=scores.tokens,  # the tokens sent
             forward_passes=scores.requests,  # the requests made
             latency_ms=latency_ms,
-            model=self.model_id,
-            item_span=prepared.item_span,
-            judgment_id=new_judgment_id(),
-            tokens_sha256=prepared.tokens_sha256,
             model_sha256="",
             unknown_mass=unknown,
         )
