@@ -10,7 +10,8 @@ read modes, side by side with the local engine (the same GGUF de-quantized, torc
    (llama-cpp-python then sorts the vocabulary in Python for every token: seconds per item);
    the top read asks one next-token request per scored node.
 2. **Agreement and quality** on every shared set: the first ``--items`` calibration and test
-   items through the server (read=top, top ``--top``) and the local engine; the largest and
+   items through the server (read=top, top ``--top``) and the local engine in float32 (the
+   GGUF's weights de-quantized, nothing rounded further); the largest and
    mean probability gap, how often the two pick the same choice, how many server judgments
    were read only in part (a set with any is not fitted: calibrate refuses them); then a
    profile fitted on each engine's calibration items and evaluated on its test items:
@@ -155,7 +156,9 @@ def main() -> None:
     server = start_server(port, args.threads)
     try:
         spec = f"openai+http://127.0.0.1:{port}/v1"
-        local = Judge.load()
+        local = Judge.load()  # as a user gets it: bfloat16 where the CPU computes it
+        # The agreement is with the GGUF's weights as they are, de-quantized to float32.
+        exact = local if local.dtype == "float32" else Judge.load(dtype="float32")
         echo, top = open_engine(spec), open_engine(f"{spec}?read=top&top={args.top}")
         sst2 = load_task(DATA / "sst2")
         rows, _ = load_split(sst2, "test", speed_items)
@@ -190,7 +193,7 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|---|")
         for name in sets:
-            q = quality({"server": top, "local": local}, name, items)
+            q = quality({"server": top, "local": exact}, name, items)
             quality_rows[name] = q
             loc, srv = q.get("local", {}), q.get("server", {})
 
@@ -204,7 +207,7 @@ def main() -> None:
         result = {
             "cpu": cpu_model(),
             "flags": cpu_flags(),
-            "local_dtype": local.dtype,
+            "local_dtype": local.dtype,  # of the speed table; the quality rows: float32
             "top": args.top,
             "items": items,
             "speed": timings,

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import numpy as np
 import pytest
 from llama_server import LlamaServer
@@ -278,36 +277,60 @@ def test_the_served_model_agrees_with_the_local_one(served: ServerEngine, judge:
         assert got.model == served.model_id == f"openai+{served.base_url}?model=smollm2"
 
 
-def test_judge_serve_decides_with_the_served_model_and_a_dead_one_is_a_502(
-    tmp_path: Path,
+def test_calibrate_then_serve_the_served_model_and_a_dead_one_is_a_502(
+    judge: Judge, tmp_path: Path
 ) -> None:
-    """`judge serve --model openai+...`: a decision names the server in its answer and its
-    log row; the server killed in the middle of a request is a 502 that says so."""
+    """`judge calibrate --model openai+...` fits a profile that names the served model (no
+    weights hash; `auto` chooses among the scalar maps and says why) and that a model loaded
+    here refuses; `judge serve --model openai+...` decides with it, the answer and its log
+    row naming the server; the server killed in the middle of a request is a 502 that says
+    so."""
     llama = LlamaServer()  # its own: this test kills it
+    # Read from the top 1000 next tokens: both choices' tokens among them on these items
+    # (calibrate refuses an item read in part), 20x faster than the echo here.
+    spec = llama.spec + "?read=top&top=1000"
+    served_as = llama.spec + "?model=smollm2"
+    profiles = tmp_path / "profiles"
+    command = [sys.executable, "-m", "service.cli.main", "calibrate", "--model", spec]
+    command += ["--task", str(DATA / "sms_spam"), "--limit", "20", "--profiles-dir", str(profiles)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    profile = load_profile(profiles / "sms_spam.json")
+    assert profile.fingerprint.model == served_as
+    assert profile.fingerprint.model_sha256 is None and profile.fingerprint.dtype == "server"
+    assert profile.fingerprint.num_layers is None
+    assert "a model served over HTTP returns log-probabilities only" in profile.note
+    assert profile.fingerprint.first_difference(judge.fingerprint()) == "model"
+
     port = free_port()
     log_path = tmp_path / "decisions.sqlite"
     command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
-    command += ["--model", llama.spec, "--decision-log", str(log_path)]
-    command += ["--profiles-dir", str(tmp_path / "profiles")]
+    command += ["--model", spec, "--decision-log", str(log_path)]
+    command += ["--profiles-dir", str(profiles)]
     judge_server = Server(command, port)
+    echo_port = free_port()
+    command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(echo_port)]
+    command += ["--model", llama.spec, "--profiles-dir", str(profiles)]
+    echo_server = Server(command, echo_port)  # the echo: seconds per long item here
     try:
         judge_server.wait_ready()
-        body = {"prompt": "Is the sky blue?", "choices": ["yes", "no"]}
-        ok = httpx.post(f"{judge_server.url}/judge", json=body, timeout=300)
+        body = {"item": "WINNER!! Claim your prize now", "profile": "sms_spam"}
+        ok = httpx.post(f"{judge_server.url}/judge", json=body)  # in the fitted prompt
         assert ok.status_code == 200, ok.text
         answer = ok.json()
-        assert answer["model"] == llama.spec + "?model=smollm2"
-        assert answer["model_sha256"] == "" and answer["decision"] == "escalate"
+        assert answer["model"] == served_as and answer["model_sha256"] == ""
+        assert answer["profile"] == "sms_spam" and answer["temperature"] is not None
         with open_log(str(log_path)) as decisions:
             row = decisions.get(answer["judgment_id"])
-        assert row is not None and row.model == answer["model"]  # the log row names the server
+        assert row is not None and row.model == served_as  # the log row names the server
 
         # A long prompt keeps the server busy; it is killed while the request is in flight.
+        echo_server.wait_ready()
         long_body = {"prompt": "Review: a long, slow film. " * 150, "choices": ["good", "bad"]}
         answers: list[httpx.Response] = []
         sent = threading.Thread(
             target=lambda: answers.append(
-                httpx.post(f"{judge_server.url}/judge", json=long_body, timeout=300)
+                httpx.post(f"{echo_server.url}/judge", json=long_body, timeout=300)
             )
         )
         sent.start()
@@ -317,33 +340,24 @@ def test_judge_serve_decides_with_the_served_model_and_a_dead_one_is_a_502(
         assert answers and answers[0].status_code == 502, answers[0].text if answers else None
         assert "could not be reached or dropped the connection" in answers[0].json()["detail"]
     finally:
+        echo_server.stop()
         judge_server.stop()
         llama.kill()
 
 
-def test_calibrate_fits_a_profile_that_names_the_served_model(
-    llama: LlamaServer, judge: Judge, tmp_path: Path
-) -> None:
-    """`judge calibrate --model openai+...`: the profile's fingerprint names the server's
-    model and no weights hash, `auto` chooses among the scalar maps (no hidden states), and a
-    model loaded here refuses the profile."""
-    profiles = tmp_path / "profiles"
-    command = [sys.executable, "-m", "service.cli.main", "calibrate"]
-    # Read from the top 1000 next tokens: both choices' tokens among them on these items
-    # (checked: calibrate refuses an item read in part), 20x faster than the echo here.
-    spec = llama.spec + "?read=top&top=1000"
-    command += ["--task", str(DATA / "sms_spam"), "--limit", "20", "--model", spec]
-    command += ["--profiles-dir", str(profiles)]
+def test_qualify_runs_on_the_served_model(llama: LlamaServer, tmp_path: Path) -> None:
+    """`judge qualify openai+...`: the suite runs through the server, and its record names
+    the served model and says whose arithmetic it was."""
+    out = tmp_path / "qualify.json"
+    command = [sys.executable, "-m", "service.cli.main", "qualify"]
+    command += [llama.spec + "?read=top&top=1000", "--task", str(DATA / "sms_spam")]
+    command += ["--limit", "20", "--fit-limit", "20", "--json", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    profile = load_profile(profiles / "sms_spam.json")
-    assert profile.fingerprint.model == llama.spec + "?model=smollm2"
-    assert profile.fingerprint.model_sha256 is None and profile.fingerprint.dtype == "server"
-    assert profile.fingerprint.num_layers is None
-    assert "a model served over HTTP returns log-probabilities only" in profile.note
-    mismatch = profile.fingerprint.first_difference(judge.fingerprint())
-    assert mismatch == "model"
-    assert msgspec.json.decode(msgspec.json.encode(profile.fingerprint))["dtype"] == "server"
+    assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-2000:]  # 1: misses
+    record = json.loads(out.read_text())
+    assert record["fingerprint"]["model"] == llama.spec + "?model=smollm2"
+    assert record["arithmetic"].startswith("the server's at ")
+    assert [t["task"] for t in record["tasks"]] == ["sms_spam"]
 
 
 # --- read from the top next tokens ------------------------------------------------------------
