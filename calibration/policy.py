@@ -467,7 +467,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             judgment = None if judgments is None else judgments[i]
             unknown = float(getattr(judgment, "unknown_mass", 0.0) or 0.0)
             if unknown > 0 and not codes:
-                changed = self._moved_by_unread(
+                changed = _moved_by_unread(
+                    self,
                     choices,
                     z[i],
                     int(g.best[i]),
@@ -521,50 +522,6 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                 )
             )
         return decisions
-
-    def _moved_by_unread(
-        self,
-        choices: Sequence[str],
-        z: npt.NDArray[np.float64],
-        best: int,
-        unknown: float,
-        row: int,
-        *,
-        pair: bool,
-        choice_mass: npt.ArrayLike | None,
-        features: npt.ArrayLike | None,
-        order_spread: npt.ArrayLike | None,
-        sha256: str,
-    ) -> str | None:
-        """How the decision of row ``row`` (log-probabilities ``z``, best choice ``best``)
-        changes when the ``unknown`` share of probability not read goes all to the runner-up,
-        or evenly to every other choice; None where it holds at both."""
-        p = np.exp(z) * (1 - unknown)
-        others = [j for j in range(len(p)) if j != best]
-        runner_up, spread = p.copy(), p.copy()
-        runner_up[max(others, key=lambda j: p[j])] += unknown
-        spread[others] += unknown / len(others)
-        pick = slice(row, row + 1)
-
-        def sliced(values: npt.ArrayLike | None) -> npt.ArrayLike | None:
-            return None if values is None else np.asarray(values)[pick]
-
-        for worst in (runner_up, spread):
-            logs = np.log(np.maximum(worst, np.finfo(np.float64).tiny))[None, :]
-            (verdict,) = self._decide(
-                choices,
-                logs,
-                sliced(choice_mass),
-                sliced(features),
-                sliced(order_spread),
-                sha256=sha256,
-                pair=pair,
-            )
-            if verdict.decision == "escalate":
-                return f"it escalates ({', '.join(verdict.reason_codes)})"
-            if verdict.choice != choices[best]:
-                return f"it picks {verdict.choice!r}"
-        return None
 
     def _map_record(self) -> tuple[str | None, float | None, list[int] | None]:
         """What a verdict says of the map: its method, a scalar map's temperature and a
@@ -726,6 +683,51 @@ def _raw_probs(
     if any(r is None or len(r) != len(columns) for r in rows):
         return None
     return np.asarray(rows, dtype=np.float64)[:, columns]
+
+
+def _moved_by_unread(
+    policy: Policy,
+    choices: Sequence[str],
+    z: npt.NDArray[np.float64],
+    best: int,
+    unknown: float,
+    row: int,
+    *,
+    pair: bool,
+    choice_mass: npt.ArrayLike | None,
+    features: npt.ArrayLike | None,
+    order_spread: npt.ArrayLike | None,
+    sha256: str,
+) -> str | None:
+    """How ``policy``'s decision of row ``row`` (log-probabilities ``z``, best choice ``best``)
+    changes when the ``unknown`` share of probability not read goes all to the runner-up,
+    or evenly to every other choice; None where it holds at both."""
+    p = np.exp(z) * (1 - unknown)
+    others = [j for j in range(len(p)) if j != best]
+    runner_up, spread = p.copy(), p.copy()
+    runner_up[max(others, key=lambda j: p[j])] += unknown
+    spread[others] += unknown / len(others)
+    pick = slice(row, row + 1)
+
+    def sliced(values: npt.ArrayLike | None) -> npt.ArrayLike | None:
+        return None if values is None else np.asarray(values)[pick]
+
+    for worst in (runner_up, spread):
+        logs = np.log(np.maximum(worst, np.finfo(np.float64).tiny))[None, :]
+        (verdict,) = policy._decide(
+            choices,
+            logs,
+            sliced(choice_mass),
+            sliced(features),
+            sliced(order_spread),
+            sha256=sha256,
+            pair=pair,
+        )
+        if verdict.decision == "escalate":
+            return f"it escalates ({', '.join(verdict.reason_codes)})"
+        if verdict.choice != choices[best]:
+            return f"it picks {verdict.choice!r}"
+    return None
 
 
 def _carried(judgment: object, field: str) -> str | None:
