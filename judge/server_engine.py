@@ -8,7 +8,15 @@ and of each branching node lies on some choice's path, so every masked decoding 
 engine reads from logits is there (a log-probability differs from the logit by the node's
 log-normaliser, which the log-softmax over the children cancels). One request per choice,
 each the path's own tokens and nothing more; a server that caches prefixes computes the
-shared prompt once.
+shared prompt once. That is ``read="echo"``, the default.
+
+``read="top"`` asks instead, for each scored node, the server's top next tokens after the
+node's prefix (``logprobs`` without echo: any OpenAI-compatible server, and far cheaper on
+llama-cpp-python's, whose echo sorts the vocabulary in Python for every echoed token). A child
+is read by its text among them; where every child is listed the step is exact, else the
+children not listed are bounded (each at most the least listed, all at most what the listed
+ones leave) and ``Judgment.unknown_mass`` bounds the choices' share not read: the gate
+escalates where it could change the decision (``partial_logprobs``), and a fit refuses it.
 
 What is checked, so that no made-up probability comes out:
 
@@ -18,7 +26,8 @@ What is checked, so that no made-up probability comes out:
 * once per engine, that the server's echo is aligned: the log-probability it echoes for a
   token equals the one it gives that token when generating it (llama-cpp-python shifts echoed
   log-probabilities by one position where a prompt does not start with the BOS token);
-* every log-probability read is a finite number <= 0.
+* every log-probability read is a finite number <= 0, and in ``read="top"`` the server
+  counts the prefix's tokens as the local tokenizer does.
 
 A server that is down, slower than the engine's timeout, answers with an error status or
 malformed JSON, or drops the connection mid-request raises ``ModelServerError`` (HTTP 502
@@ -30,10 +39,11 @@ promises that a judgment does not depend on its batch), and a query that asks fo
 states (``feature_layers``, ``span_layers``: what a probe reads) is refused. A calibration
 profile names the server and its model (``model_id``), so one fitted on another refuses it.
 
-Choose it with a model spec: ``openai+http://HOST:PORT/v1?model=NAME&tokenizer=SOURCE``,
-where ``model`` is the served model's name (default: the server's only one) and
-``tokenizer`` what the local tokenizer loads from, named as for ``Judge.load`` (default: the
-embedded SmolLM2-135M-Instruct).
+Choose it with a model spec:
+``openai+http://HOST:PORT/v1?model=NAME&tokenizer=SOURCE&read=echo|top&top=K``, where
+``model`` is the served model's name (default: the server's only one), ``tokenizer`` what the
+local tokenizer loads from, named as for ``Judge.load`` (default: the embedded
+SmolLM2-135M-Instruct), and ``top`` the next tokens a top read asks for (default 20).
 """
 
 from __future__ import annotations
