@@ -310,37 +310,51 @@ class ServerEngine(BaseEngine):
         return super().prepare(query)
 
     def _score(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
+        """Every request of every item in one pool, ``concurrency`` in flight at once (a
+        server that runs requests side by side answers a judgment in about one round trip),
+        then each item's steps from its own answers."""
         prepared = [p for row in rows for p in row]
         if self.read == "echo":
             self._check_alignment()
-        reader = self._read_paths if self.read == "echo" else self._read_nodes
+        asks = [self._asks(p) for p in prepared]
+        ask = self._read if self.read == "echo" else self._top_next
         with ThreadPoolExecutor(self.concurrency) as pool:
-            scores = list(pool.map(reader, prepared))
+            answers = iter(list(pool.map(lambda a: ask(*a), [a for item in asks for a in item])))
+        scores = [
+            self._scores(p, [next(answers) for _ in item])
+            for p, item in zip(prepared, asks, strict=True)
+        ]
         latency_ms = (time.perf_counter() - start) * 1000
         return [self._result(p, s, latency_ms) for p, s in zip(prepared, scores, strict=True)]
 
-    def _read_paths(self, prepared: Prepared) -> _Scores:
-        """Each choice's path sent as text, read back as the local tokenization's tokens."""
-        paths = self._encoder.encode_paths(prepared.prompt, list(prepared.endings)).paths
-        texts = [prepared.prompt + ending for ending in prepared.endings]
-        reads = [self._read(text, list(ids)) for text, ids in zip(texts, paths, strict=True)]
-        logits = _node_logprobs(prepared.trie, [r.logprobs for r in reads], self.base_url)
-        return _Scores(logits, 0.0, len(reads), sum(r.tokens for r in reads))
-
-    def _read_nodes(self, prepared: Prepared) -> _Scores:
-        """Each scored node's next-token top log-probabilities: its prefix sent as text, its
-        children read by their text among the top ``top_logprobs``. A child not among them
-        (or whose text another token shares) is not known: at most the least of the top
-        ones, and all such children at most what the top ones leave."""
+    def _asks(self, prepared: Prepared) -> list[tuple[str, Any]]:
+        """One item's requests, as (text, its tokens) for the echo (a choice's path each)
+        and as (text, its token count) for the top read (a scored node's prefix each)."""
+        if self.read == "echo":
+            paths = self._encoder.encode_paths(prepared.prompt, list(prepared.endings)).paths
+            texts = [prepared.prompt + ending for ending in prepared.endings]
+            return [(text, list(ids)) for text, ids in zip(texts, paths, strict=True)]
         trie = prepared.trie
+        prefixes = [[*trie.context, *_chain(trie, at)] for at in trie.node_positions]
+        return [(str(self.tokenizer.decode(ids)), len(ids)) for ids in prefixes]
+
+    def _scores(self, prepared: Prepared, answers: list[Any]) -> _Scores:
+        """One item's steps from its requests' answers (``_asks``'s order)."""
+        trie = prepared.trie
+        if self.read == "echo":
+            logits = _node_logprobs(trie, [r.logprobs for r in answers], self.base_url)
+            return _Scores(logits, 0.0, len(answers), sum(r.tokens for r in answers))
+        return self._read_nodes(trie, answers)
+
+    def _read_nodes(self, trie: ChoiceTrie, tops: list[dict[str, float]]) -> _Scores:
+        """Each scored node's children read by their text among its top next tokens
+        (``tops``, a node each). A child not among them (or whose text another token shares)
+        is not known: at most the least of the top ones, and all such children at most what
+        the top ones leave."""
         logits: list[np.ndarray] = []
         unknown = 0.0
-        sent = 0
-        for n, children in enumerate(trie.node_children):
-            ids = [*trie.context, *_chain(trie, trie.node_positions[n])]
-            top = self._top_next(str(self.tokenizer.decode(ids)), len(ids))
-            sent += len(ids)
-            texts = self._token_texts()
+        texts = self._token_texts()
+        for children, top in zip(trie.node_children, tops, strict=True):
             z = np.full(len(children), -math.inf)
             for k, child in enumerate(children):
                 text = str(self.tokenizer.decode([child]))
@@ -353,7 +367,10 @@ class ServerEngine(BaseEngine):
                 known = float(np.exp(z[np.isfinite(z)]).sum())
                 unknown += bound / (known + bound) if known + bound > 0 else 1.0
             logits.append(z)
-        return _Scores(logits, min(1.0, unknown), len(logits), sent)
+        sent = len(trie.context) * len(tops) + sum(
+            trie.tree_depths[p] for p in trie.node_positions[1:]
+        )
+        return _Scores(logits, min(1.0, unknown), len(tops), sent)
 
     def _top_next(self, text: str, tokens: int) -> dict[str, float]:
         """The server's top next tokens after ``text`` (``tokens`` tokens here), by text."""

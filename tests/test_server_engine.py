@@ -80,6 +80,9 @@ class FakeServer:
         fault = self.faults.get("respond")
         if fault is not None:
             return fault(request)
+        together = self.faults.get("together")
+        if together is not None:
+            together.wait()  # until as many requests as it holds are in flight
         body = json.loads(request.content)
         self.requests.append(body)
         ids = self.tokenizer(body["prompt"], add_special_tokens=False).input_ids
@@ -139,8 +142,8 @@ def test_each_step_is_read_at_its_position(judge: Judge) -> None:
     assert got.probs == pytest.approx(want.tolist(), abs=1e-12)
     assert got.choice_mass == pytest.approx(float(np.exp(logps).sum()), abs=1e-12)
     # One request per choice, each the choice's whole path, after the one alignment check.
-    paths = [r["prompt"] for r in fake.requests if r["echo"]]
-    assert paths[-2:] == [rendered + 'spam"}', rendered + 'ham"}']
+    paths = [r["prompt"] for r in fake.requests if r["echo"]]  # in flight at once: any order
+    assert sorted(paths[-2:]) == sorted([rendered + 'spam"}', rendered + 'ham"}'])
     assert got.forward_passes == 2
     # What cannot be known is not filled in; what can be is the local engine's.
     assert got.model_sha256 == "" and got.model == "openai+http://fake/v1?model=fake"
@@ -148,6 +151,15 @@ def test_each_step_is_read_at_its_position(judge: Judge) -> None:
     fingerprint = engine.fingerprint()
     assert fingerprint.model_sha256 is None and fingerprint.dtype == "server"
     assert fingerprint.num_layers is None and fingerprint.hidden_size is None
+
+
+def test_a_judgment_s_requests_are_in_flight_at_once(judge: Judge) -> None:
+    """The choices' requests go out side by side (``concurrency``): a server that answers
+    the two only once both are in flight answers the judgment."""
+    engine, fake = _fake_engine(judge)
+    engine.judge("Is the sky blue?", ["yes", "no"])  # the echo's alignment checked first
+    fake.faults["together"] = threading.Barrier(2, timeout=60)
+    assert engine.judge("Is the sky blue?", ["yes", "no"]).forward_passes == 2
 
 
 def _respond(status: int, content: bytes) -> Callable[[httpx.Request], httpx.Response]:
@@ -379,7 +391,8 @@ def test_the_top_next_tokens_give_the_echo_s_numbers_where_every_child_is_among_
     assert got.choice_mass == pytest.approx(want.choice_mass, abs=1e-12)
     assert got.forward_passes == len(fake.requests) == 3
     rendered = judge.render(SPIDER[0])
-    assert [r["prompt"] for r in fake.requests] == [rendered, rendered + "8", rendered + "80"]
+    sent = sorted(r["prompt"] for r in fake.requests)  # in flight at once: any order
+    assert sent == [rendered, rendered + "8", rendered + "80"]
     assert all(not r["echo"] for r in fake.requests)
 
 
