@@ -212,13 +212,6 @@ class ServerEngine(BaseEngine):
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        if choice_paths != "canonical":
-            # Paths go to the server as text, which it tokenizes canonically; another path of
-            # the same text would need prompts of token ids.
-            raise ValueError(
-                f"a served model is judged on canonical paths only, not {choice_paths!r}: "
-                "each choice's path is sent as text"
-            )
         if not (isinstance(timeout_s, int | float) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         if not (isinstance(concurrency, int) and concurrency >= 1):
@@ -251,6 +244,16 @@ class ServerEngine(BaseEngine):
         self.hidden_size: int | None = None
         self._aligned = False
         self._lock = threading.Lock()
+
+    def _read_choices_on(self, choice_paths: ChoicePaths) -> None:
+        if choice_paths != "canonical":
+            # Paths go to the server as text, which it tokenizes canonically; another path of
+            # the same text would need prompts of token ids.
+            raise ValueError(
+                f"a served model is judged on canonical paths only, not {choice_paths!r}: "
+                "each choice's path is sent as text"
+            )
+        super()._read_choices_on(choice_paths)
 
     @classmethod
     def open(cls, spec: str, **options: Any) -> ServerEngine:

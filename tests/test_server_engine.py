@@ -239,6 +239,17 @@ def test_several_served_models_must_be_named(judge: Judge) -> None:
     assert named.model_id.endswith("?model=b")
 
 
+def test_a_served_model_reads_canonical_paths_only(judge: Judge) -> None:
+    """Paths go to the server as text, which it tokenizes canonically: the grammar-exact
+    mode is refused when the engine is built and when it is switched to."""
+    engine, _ = _fake_engine(judge)
+    with pytest.raises(ValueError, match="canonical paths only, not 'grammar'"):
+        engine.with_choice_paths("grammar")
+    transport = httpx.MockTransport(FakeServer(judge.tokenizer))
+    with pytest.raises(ValueError, match="canonical paths only"):
+        ServerEngine("http://fake/v1", judge.tokenizer, choice_paths="grammar", transport=transport)
+
+
 def test_hidden_states_are_refused(judge: Judge) -> None:
     engine, fake = _fake_engine(judge)
     for options in ({"feature_layers": [3]}, {"span_layers": [3]}):
