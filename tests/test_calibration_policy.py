@@ -7,7 +7,7 @@ import math
 import msgspec
 import numpy as np
 import pytest
-from fakes import FINGERPRINT, Scored
+from fakes import FINGERPRINT, Scored, judgment_of
 
 from calibration import (
     FitSettings,
@@ -387,23 +387,8 @@ def test_an_unread_share_that_could_change_the_decision_escalates() -> None:
     policy = make_policy(None, defaults=PolicyDefaults(uncertified_threshold=0.8))
 
     def judged(p_spam: float, unknown: float) -> Judgment:
-        probs = [1 - p_spam, p_spam]
-        return Judgment(
-            choice="spam",
-            confidence=p_spam,
-            choices=["ham", "spam"],
-            probs=probs,
-            log_probs=[math.log(p) for p in probs],
-            choice_mass=1.0,
-            prompt="",
-            prompt_tokens=0,
-            cached_tokens=0,
-            computed_tokens=0,
-            forward_passes=1,
-            latency_ms=0.0,
-            model="served",
-            unknown_mass=unknown,
-        )
+        made = judgment_of({"ham": 1 - p_spam, "spam": p_spam})
+        return msgspec.structs.replace(made, unknown_mass=unknown)
 
     assert policy.decide(judged(0.95, 0.0)).decision == "accept"
     assert policy.decide(judged(0.95, 0.1)).decision == "accept"  # 0.95 * 0.9 = 0.855 holds
