@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Gate", "JudgingEngine", "Overrides", "TypedAnswer", "fitted_template"]
 
+# Passed engine checks a gate remembers (``Gate.check_engine``); past this it forgets them all.
+PASSED_CHECKS = 64
+
 # The engine's Query, which calibration does not import: any struct with its fields.
 _Query = TypeVar("_Query", bound=msgspec.Struct)
 
@@ -177,6 +180,9 @@ class Gate:
         )
         # The layers whose means over the item a probe reads (``Query.span_layers``).
         self.span_layers: tuple[int, ...] = self.policy.span_layers
+        # The engine checks this gate has passed (``check_engine``), each with its engine, so
+        # that the engine's id stays its own while the key is held.
+        self._passed: dict[tuple[Any, ...], JudgingEngine] = {}
 
     def asks(self, query: _Query) -> _Query:
         """``query`` (the engine's ``Query``) asking for the hidden states this gate reads (its
@@ -234,13 +240,27 @@ class Gate:
         field: str | None = None,
     ) -> None:
         """``check`` against ``engine``'s fingerprint for this template, read only where there
-        is a profile to check (a gate without one reads nothing of the engine)."""
+        is a profile to check (a gate without one reads nothing of the engine). A check passed
+        is not made again (an engine, like a profile, does not change): a gate kept open
+        (``service.gate_context``) checks once per template and choices, not per request."""
         if self.profile is None:
+            return
+        key = (
+            id(engine),
+            system,
+            response_prefix,
+            response_suffix,
+            None if choices is None else tuple(choices),
+        )
+        if key in self._passed:  # the same engine, template and choices passed before
             return
         fingerprint = engine.fingerprint(
             system=system, response_prefix=response_prefix, response_suffix=response_suffix
         )
         self.check(fingerprint, choices=choices, field=field)
+        if len(self._passed) >= PASSED_CHECKS:  # bounded: templates come from requests
+            self._passed.clear()
+        self._passed[key] = engine
 
     @property
     def template(self) -> PromptTemplate | None:

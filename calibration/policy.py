@@ -53,6 +53,7 @@ the engine.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import secrets
@@ -624,22 +625,21 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         return np.full(best.shape, one, dtype=np.float64)
 
     def values_for(self, choices: Sequence[str]) -> npt.NDArray[np.float64] | None:
-        """The number of each of ``choices`` (k,), or None when the judgment is not a score.
-
-        A ``max_std`` that the request or the profile set needs values: without them it is a
-        ValuesError, not a silently skipped gate. A server default applies to scores only.
-        """
-        values = (
-            numeral_values(choices) if self.values is None else check_values(self.values, choices)
-        )
-        if values is None:
+        """The number of each of ``choices`` (k,), or None when the judgment is not a score. A
+        ``max_std`` that the request or the profile set needs values: without them it is a
+        ValuesError, not a silently skipped gate. A server default applies to scores only."""
+        if self.values is not None:
+            values = check_values(self.values, choices)
+            return np.array([values[c] for c in choices], dtype=np.float64)
+        numerals = _numerals(tuple(choices))
+        if numerals is None:
             if self.max_std is not None and self.max_std_source != "default":
                 raise ValuesError(
                     f"max_std {self.max_std:g} needs a number per choice, and the choices "
                     f"{list(choices)!r} are not all numerals; give values"
                 )
             return None
-        return np.array([values[c] for c in choices], dtype=np.float64)
+        return np.array(numerals, dtype=np.float64)
 
     def _columns(self, order: Sequence[str]) -> tuple[list[str], list[int]]:
         """The choices a decision is made over (the profile's, else the judgment's own order)
@@ -672,6 +672,14 @@ def is_audited(judgment_id: str | None, rate: float) -> bool:
         return secrets.randbelow(2**53) / 2**53 < rate
     draw = int.from_bytes(hashlib.sha256(judgment_id.encode()).digest()[:8], "big") / 2**64
     return draw < rate
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: choices come from requests
+def _numerals(choices: tuple[str, ...]) -> tuple[float, ...] | None:
+    """Each choice's own number, in order, when all are numerals (``numeral_values``); else
+    None. The same answer for every judgment over these choices, so worked out once."""
+    values = numeral_values(choices)
+    return None if values is None else tuple(values[c] for c in choices)
 
 
 def _raw_probs(

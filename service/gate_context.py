@@ -16,9 +16,13 @@ other module builds one.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from calibration.gate import Gate, Overrides
 from calibration.policy import PolicyDefaults, Verdict
@@ -30,6 +34,11 @@ if TYPE_CHECKING:
     from service.profiles import ProfileStore
 
 __all__ = ["GateContext"]
+
+# Gates kept open, most recently used last: a profile's version under one set of overrides
+# is one gate, opened once (its policy resolved, its checks against the engine made once).
+# Bounded: overrides come from clients.
+OPEN_GATES = 256
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,12 @@ class GateContext:
     logging: bool = False  # a decision log is kept
     log_features: bool = False  # and it keeps hidden states (--log-features)
     log_requests: bool = False  # and it keeps what replays each decision (--log-requests)
+    _open: OrderedDict[tuple[str | None, str | None, bytes], Gate] = field(
+        default_factory=OrderedDict, init=False, repr=False, compare=False
+    )
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def audit_rate_for(self, name: str | None) -> float:
         """The share of decisions under profile ``name`` marked for audit."""
@@ -62,9 +77,20 @@ class GateContext:
 
     def open(self, name: str | None, overrides: Overrides | None = None) -> Gate:
         """The gate of a request naming profile ``name`` (None: the defaults alone): the
-        stored version and its ETag. Raises the store's ProfileError; no model work."""
+        stored version and its ETag. Raises the store's ProfileError; no model work.
+
+        A gate depends on nothing else (the defaults, audit rates and logged layers are the
+        server's), so the gate of a version under the same overrides is opened once and kept
+        (``OPEN_GATES`` of them): every request under it shares its resolved policy and the
+        checks it has passed. A new version (another ETag) is another gate."""
         profile, etag = self.store.get_tagged(name) if name is not None else (None, None)
-        return Gate(
+        key = (name, etag, msgspec.json.encode(overrides or Overrides()))
+        with self._lock:
+            gate = self._open.get(key)
+            if gate is not None:
+                self._open.move_to_end(key)
+                return gate
+        gate = Gate(
             profile,
             etag=etag,
             overrides=overrides,
@@ -72,6 +98,11 @@ class GateContext:
             audit_rate=self.audit_rate_for(name),
             log_layers=self.log_layers(profile),
         )
+        with self._lock:
+            self._open[key] = gate
+            while len(self._open) > OPEN_GATES:
+                self._open.popitem(last=False)
+        return gate
 
     def settle(
         self,

@@ -76,7 +76,8 @@ def create_app(
 
     app = Litestar(
         route_handlers=ROUTES,
-        dependencies={"service": Provide(provide_service, sync_to_thread=False)},
+        # One service for the app's life: cached, so no request calls the provider again.
+        dependencies={"service": Provide(provide_service, sync_to_thread=False, use_cache=True)},
         lifespan=[lifespan],
         exception_handlers=exception_handlers(),
         request_max_body_size=config.max_body_bytes,
