@@ -28,7 +28,6 @@ from typing import Literal, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
-from calibration.carry import carry
 from calibration.gate import Gate, JudgingEngine
 from calibration.policy import ScoredJudgment, Verdict
 
@@ -67,12 +66,9 @@ class StageAnswer(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def of(cls, verdict: Verdict, judgment: object, choices: Sequence[str]) -> StageAnswer:
         """A local stage's answer: ``verdict`` on ``judgment`` (an engine's ``Judgment``)."""
-        probs, raw = verdict.probabilities, verdict.raw_probabilities
-        return carry(
-            verdict,
+        return verdict.carried(
             cls,
-            probabilities={c: probs[c] for c in choices},
-            raw_probabilities={c: raw[c] for c in choices},
+            choices,
             model=str(getattr(judgment, "model", "")),
             prompt_tokens=getattr(judgment, "prompt_tokens", None),
             computed_tokens=getattr(judgment, "computed_tokens", None),

@@ -59,12 +59,13 @@ import math
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from calibration.carry import carry
 from calibration.conformal import set_membership
 from calibration.errors import NoCertificateError, ProfileMismatchError, ValuesError
 from calibration.maps import CalibrationMap, Identity, Probe
@@ -113,6 +114,9 @@ ThresholdOrigin = Literal[
 # allows on raw probabilities (a mean of 0.9 needs both orders at 0.8 or more), so it changes
 # no raw decision at that threshold; it binds where a profile's calibration sharpens the mean,
 # or a lower threshold accepts it, while the two orders disagree by more.
+# A record a verdict is carried into (``Verdict.carried``): a response, a stage's answer.
+_Record = TypeVar("_Record", bound=msgspec.Struct)
+
 DEFAULT_MAX_POSITION_SPREAD = 0.2
 
 
@@ -186,6 +190,19 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     def raw_probabilities(self) -> dict[str, float]:
         """The model's own probabilities by choice, in ``choices`` order."""
         return dict(zip(self.choices, self.raw_probs, strict=True))
+
+    def carried(self, target: type[_Record], order: Sequence[str], /, **given: Any) -> _Record:
+        """A ``target`` record of this verdict (``carry``: its fields of the same names, and
+        ``given``), with the calibrated and raw probabilities by choice in ``order`` (these
+        choices, as a request listed them): read from the verdict's lists once, in that order."""
+        column = {c: i for i, c in enumerate(self.choices)}
+        return carry(
+            self,
+            target,
+            probabilities={c: self.probs[column[c]] for c in order},
+            raw_probabilities={c: self.raw_probs[column[c]] for c in order},
+            **given,
+        )
 
 
 @dataclass(frozen=True)

@@ -240,13 +240,9 @@ class JudgeResponse(
         verdict's, which is the profile's); ``orderings``: a pair's orders judged (its spread
         and the bound are the verdict's).
         """
-        order = list(verdict.choices) if choices is None else list(choices)
-        probs, raw = verdict.probabilities, verdict.raw_probabilities
-        return carry(
-            verdict,
+        return verdict.carried(
             cls,
-            probabilities={c: probs[c] for c in order},
-            raw_probabilities={c: raw[c] for c in order},
+            verdict.choices if choices is None else choices,
             model=judgment.model,
             latency_ms=judgment.latency_ms,
             judgment_id=verdict.judgment_id or judgment.judgment_id,

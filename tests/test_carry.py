@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from fakes import judgment_of
 
 from calibration.carry import carry
+from calibration.policy import make_policy
 
 
 class _Source(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,3 +39,21 @@ def test_a_property_is_not_a_field_and_a_missing_required_one_is_an_error() -> N
     assert carry(source, _Target, model="m").doubled is None  # the target's default
     with pytest.raises(TypeError, match="model"):
         carry(source, _Target)
+
+
+class _Record(msgspec.Struct, frozen=True, kw_only=True):
+    choice: str
+    probabilities: dict[str, float]
+    raw_probabilities: dict[str, float]
+    model: str
+
+
+def test_a_verdict_is_carried_with_its_probabilities_in_the_order_asked() -> None:
+    verdict = make_policy(None).decide(judgment_of({"a": 0.5, "b": 0.3, "c": 0.2}))
+    record = verdict.carried(_Record, ["c", "a", "b"], model="m")
+    assert list(record.probabilities) == list(record.raw_probabilities) == ["c", "a", "b"]
+    assert record.probabilities == verdict.probabilities and record.choice == verdict.choice
+    assert record.raw_probabilities == pytest.approx({"a": 0.5, "b": 0.3, "c": 0.2})
+    assert record.model == "m"
+    with pytest.raises(KeyError):  # a choice the verdict does not have
+        verdict.carried(_Record, ["a", "d"], model="m")
