@@ -102,13 +102,14 @@ def next_look_delta(before: Recertification | None, delta: float) -> float:
 class LabelsNeeded(msgspec.Struct, frozen=True, kw_only=True):
     """How many labelled decisions would likely open the gate, and the threshold that would."""
 
-    labels: int | None  # in all, certify and fit items together; None: no number would
-    more: int | None  # beyond the ``given``; 0: enough already; None: no number would
     given: int
-    threshold: float | None  # the grid threshold that would open first
-    precision: float | None  # estimated among the items it accepts, (hits + 1) / (n + 2)
-    acceptance: float | None  # the share of items it accepts
     reason: str
+    # None, each of them: no number of labels would (``reason`` says why).
+    labels: int | None = None  # in all, certify and fit items together
+    more: int | None = None  # beyond the ``given``; 0: enough already
+    threshold: float | None = None  # the grid threshold that would open first
+    precision: float | None = None  # estimated among the items it accepts, (hits + 1) / (n + 2)
+    acceptance: float | None = None  # the share of items it accepts
 
 
 def _certifies(trials: int, precision: float, target: float, delta: float) -> bool:
@@ -188,12 +189,7 @@ def labels_to_certify(
             best = (labels, float(t), precision, rate)
     if best is None:
         return LabelsNeeded(
-            labels=None,
-            more=None,
             given=n,
-            threshold=None,
-            precision=None,
-            acceptance=None,
             reason=f"at no threshold do the {shown} labelled items read show a precision "
             f"above {target:g} that a certificate could confirm: at the precision they show, "
             "more labels will not open the gate for this map (a sharper one might: a probe "

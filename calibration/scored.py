@@ -36,6 +36,15 @@ def feature_row(
     return np.concatenate([np.asarray(features[n], dtype=np.float64) for n in layers])
 
 
+# What a probe reads of a judgment, by kind (``Probe.reads``), in the row's order: the
+# judgment's attribute, the field a refusal names, the query's field that asks for it, and what
+# it is.
+_READS = {
+    "point": ("features", "features", "feature_layers", "the hidden state"),
+    "mean": ("span_features", "span_layers", "span_layers", "the mean hidden state over the item"),
+}
+
+
 def probe_row(
     judgment: object, reads: str, layers: Sequence[int], span: str | None, profile: str
 ) -> npt.NDArray[np.float64]:
@@ -47,27 +56,20 @@ def probe_row(
     to set on the query."""
     parts = []
     kinds = reads.split("+")
-    if "point" in kinds:
-        features = getattr(judgment, "features", None)
-        if not features or any(n not in features for n in layers):
+    for kind, (attribute, field, asks, what) in _READS.items():
+        if kind not in kinds:
+            continue
+        read = getattr(judgment, attribute, None)
+        if not read or any(n not in read for n in layers):
             raise ProfileMismatchError(
-                "features",
-                f"profile {profile!r} is a probe on the hidden state of layer(s) "
-                f"{list(layers)}, and the judgment carries no features for them: judge "
-                f"with feature_layers={list(layers)} (profile.feature_layers)",
+                field,
+                f"profile {profile!r} is a probe on {what} of layer(s) {list(layers)}, and the "
+                f"judgment carries none of them: judge with {asks}={list(layers)} "
+                f"(profile.{asks})",
             )
-        parts.append(feature_row(features, layers))
-    if "mean" in kinds:
-        means = getattr(judgment, "span_features", None)
-        if not means or any(n not in means for n in layers):
-            raise ProfileMismatchError(
-                "span_layers",
-                f"profile {profile!r} is a probe on the mean hidden state of layer(s) "
-                f"{list(layers)} over the item, and the judgment carries none: judge with "
-                f"span_layers={list(layers)} (profile.span_layers)",
-            )
-        marked = getattr(judgment, "item_span", None) is not None
-        if marked != (span == "item"):
+        if kind == "mean" and (getattr(judgment, "item_span", None) is not None) != (
+            span == "item"
+        ):
             raise ProfileMismatchError(
                 "item_span",
                 f"profile {profile!r} was fitted on means over the item marked in each prompt: "
@@ -76,7 +78,7 @@ def probe_row(
                 else f"profile {profile!r} was fitted on means over the whole prompt: send no "
                 "item_span",
             )
-        parts.append(feature_row(means, layers))
+        parts.append(feature_row(read, layers))
     return np.concatenate(parts)
 
 

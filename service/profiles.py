@@ -15,7 +15,7 @@ An object store fits the same Protocol later: its ETag and its conditional PUT/D
 (``If-Match`` / ``If-None-Match``) are the same compare-and-swap.
 
 Versions: a profile's ETag is the quoted sha256 of its stored bytes, so it is the same on every
-replica and every host. ``put``/``delete`` take HTTP-style preconditions (RFC 9110 13.1):
+replica and every host. ``put``/``delete`` take HTTP-style preconditions (RFC 9110 13.1), ``Preconditions``:
 ``if_match`` (ETags, or ``*`` for "any stored version") and ``if_none_match`` (``*`` for
 "none stored"), compared and swapped under an exclusive ``fcntl.flock`` on ``.lock`` in the
 directory, across threads and processes alike; a failed comparison raises
@@ -41,7 +41,7 @@ import fcntl
 import os
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -57,14 +57,15 @@ from calibration.profile import (
 from judge import atomicio
 
 __all__ = [
+    "ALWAYS",
     "ANY",
     "LocalDirectory",
     "PreconditionFailedError",
+    "Preconditions",
     "ProfileBackend",
     "ProfileStore",
     "SharedDirectory",
     "Stored",
-    "check_preconditions",
     "etag_of",
     "parse_etags",
 ]
@@ -101,31 +102,45 @@ def parse_etags(header: str | None) -> list[str] | None:
     return tags or None
 
 
-def check_preconditions(
-    name: str,
-    current: str | None,
-    *,
-    if_match: Sequence[str] | None = None,
-    if_none_match: Sequence[str] | None = None,
-) -> None:
-    """Raise PreconditionFailedError unless the stored ETag ``current`` (None: none) passes."""
-    if if_match is not None:
-        ok = current is not None and (ANY in if_match or current in if_match)
-        if not ok:
-            stored = "no version is stored" if current is None else f"the stored one is {current}"
-            raise PreconditionFailedError(
-                "If-Match",
-                f"profile {name!r}: If-Match {', '.join(if_match)} does not match ({stored}); "
-                "GET it again for its current ETag",
-            )
-    if if_none_match is not None and current is not None:
-        weak = {t.removeprefix("W/") for t in if_none_match}
-        if ANY in weak or current in weak:
-            raise PreconditionFailedError(
-                "If-None-Match",
-                f"profile {name!r} already exists (ETag {current}); "
-                "send If-Match with that ETag to replace it",
-            )
+@dataclass(frozen=True)
+class Preconditions:
+    """What a change asks of the stored version (RFC 9110 13.1): ``if_match``, one of these
+    ETags (``*``: any stored version); ``if_none_match``, none of them (``*``: nothing stored).
+    None: no condition; ``Preconditions()`` asks nothing, and the last write wins."""
+
+    if_match: Sequence[str] | None = None
+    if_none_match: Sequence[str] | None = None
+
+    @classmethod
+    def of(cls, headers: Mapping[str, str]) -> Preconditions:
+        """A request's ``If-Match`` and ``If-None-Match`` headers (``parse_etags``)."""
+        return cls(parse_etags(headers.get("if-match")), parse_etags(headers.get("if-none-match")))
+
+    def check(self, name: str, current: str | None) -> None:
+        """Raise PreconditionFailedError unless the stored ETag ``current`` (None: none)
+        passes."""
+        if self.if_match is not None:
+            ok = current is not None and (ANY in self.if_match or current in self.if_match)
+            if not ok:
+                stored = (
+                    "no version is stored" if current is None else f"the stored one is {current}"
+                )
+                raise PreconditionFailedError(
+                    "If-Match",
+                    f"profile {name!r}: If-Match {', '.join(self.if_match)} does not match ({stored}); "
+                    "GET it again for its current ETag",
+                )
+        if self.if_none_match is not None and current is not None:
+            weak = {t.removeprefix("W/") for t in self.if_none_match}
+            if ANY in weak or current in weak:
+                raise PreconditionFailedError(
+                    "If-None-Match",
+                    f"profile {name!r} already exists (ETag {current}); "
+                    "send If-Match with that ETag to replace it",
+                )
+
+
+ALWAYS = Preconditions()
 
 
 @runtime_checkable
@@ -149,19 +164,12 @@ class ProfileBackend(Protocol):
         """The stored version, or None."""
         ...
 
-    def write(
-        self,
-        name: str,
-        data: bytes,
-        *,
-        if_match: Sequence[str] | None = None,
-        if_none_match: Sequence[str] | None = None,
-    ) -> str:
-        """Store ``data`` atomically if the preconditions hold; return its ETag."""
+    def write(self, name: str, data: bytes, when: Preconditions = ALWAYS) -> str:
+        """Store ``data`` atomically if ``when`` holds; return its ETag."""
         ...
 
-    def remove(self, name: str, *, if_match: Sequence[str] | None = None) -> None:
-        """Remove ``name`` if the precondition holds; ProfileNotFoundError when absent."""
+    def remove(self, name: str, when: Preconditions = ALWAYS) -> None:
+        """Remove ``name`` if ``when`` holds; ProfileNotFoundError when absent."""
         ...
 
 
@@ -205,32 +213,20 @@ class LocalDirectory:
     def _version(self, data: bytes, st: os.stat_result) -> str:
         return _stat_version(st)
 
-    def write(
-        self,
-        name: str,
-        data: bytes,
-        *,
-        if_match: Sequence[str] | None = None,
-        if_none_match: Sequence[str] | None = None,
-    ) -> str:
+    def write(self, name: str, data: bytes, when: Preconditions = ALWAYS) -> str:
         with self._locked():
             current = self.read(name)
-            check_preconditions(
-                name,
-                current.etag if current else None,
-                if_match=if_match,
-                if_none_match=if_none_match,
-            )
+            when.check(name, current.etag if current else None)
             atomicio.write_bytes(self._file(name), data)
         atomicio.remove_orphans(self.path)
         return etag_of(data)
 
-    def remove(self, name: str, *, if_match: Sequence[str] | None = None) -> None:
+    def remove(self, name: str, when: Preconditions = ALWAYS) -> None:
         with self._locked():
             current = self.read(name)
             if current is None:  # a 404 comes before any precondition (RFC 9110 13.2.1)
                 raise ProfileNotFoundError(f"no profile named {name!r}")
-            check_preconditions(name, current.etag, if_match=if_match)
+            when.check(name, current.etag)
             self._file(name).unlink()
             _fsync_directory(self.path)
 
@@ -328,19 +324,13 @@ class ProfileStore:
             self._cache[name] = _Cached(stored.version, stored.etag, profile)
         return profile, stored.etag
 
-    def put(
-        self,
-        profile: CalibrationProfile,
-        *,
-        if_match: Sequence[str] | None = None,
-        if_none_match: Sequence[str] | None = None,
-    ) -> str:
-        """Store ``profile`` under its name if the preconditions hold; return the new ETag."""
+    def put(self, profile: CalibrationProfile, when: Preconditions = ALWAYS) -> str:
+        """Store ``profile`` under its name if ``when`` holds; return the new ETag."""
         name = self._check_name(profile.name)
         data = profile_bytes(profile)  # CalibrationProfile.etag is the ETag of these bytes
-        return self.backend.write(name, data, if_match=if_match, if_none_match=if_none_match)
+        return self.backend.write(name, data, when)
 
-    def delete(self, name: str, *, if_match: Sequence[str] | None = None) -> None:
-        self.backend.remove(self._check_name(name), if_match=if_match)
+    def delete(self, name: str, when: Preconditions = ALWAYS) -> None:
+        self.backend.remove(self._check_name(name), when)
         with self._lock:
             self._cache.pop(name, None)

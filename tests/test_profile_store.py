@@ -24,6 +24,7 @@ from service import ServiceConfig, create_app
 from service.profiles import (
     LocalDirectory,
     PreconditionFailedError,
+    Preconditions,
     ProfileStore,
     SharedDirectory,
     etag_of,
@@ -79,25 +80,28 @@ def test_etag_is_the_hash_of_the_stored_bytes_and_changes_with_them(
 def test_preconditions_compare_and_swap(backend: Any, profile: CalibrationProfile) -> None:
     store = ProfileStore(backend)
     with pytest.raises(PreconditionFailedError) as absent:
-        store.put(profile, if_match=["*"])  # nothing stored: If-Match cannot hold
+        store.put(profile, Preconditions(if_match=["*"]))  # nothing stored: If-Match cannot hold
     assert absent.value.field == "If-Match" and not (backend.path / "sms.json").exists()
-    first = store.put(profile, if_none_match=["*"])
+    first = store.put(profile, Preconditions(if_none_match=["*"]))
     with pytest.raises(PreconditionFailedError) as exists:
-        store.put(profile, if_none_match=["*"])
+        store.put(profile, Preconditions(if_none_match=["*"]))
     assert exists.value.field == "If-None-Match" and first in str(exists.value)
     changed = msgspec.structs.replace(profile, n_examples=profile.n_examples + 1)
-    second = store.put(changed, if_match=[first])
+    second = store.put(changed, Preconditions(if_match=[first]))
     with pytest.raises(PreconditionFailedError, match="does not match"):
-        store.put(profile, if_match=[first])  # a stale version: refused, nothing written
+        store.put(profile, Preconditions(if_match=[first]))  # stale: refused, nothing written
     assert store.get("sms") == changed
+    with pytest.raises(PreconditionFailedError):  # weak tags never match for If-Match
+        store.put(profile, Preconditions(if_match=[f"W/{second}"]))
+    third = store.put(profile, Preconditions(if_match=['"other"', second]))  # any tag listed
+    assert third != second
     with pytest.raises(PreconditionFailedError):
-        store.put(profile, if_match=[f"W/{second}"])  # weak tags never match for If-Match
-    assert store.put(profile, if_match=['"other"', second]) != second  # any tag in the list
-    with pytest.raises(PreconditionFailedError):
-        store.delete("sms", if_match=[second])
-    store.delete("sms", if_match=["*"])
+        store.delete("sms", Preconditions(if_match=[second]))
+    with pytest.raises(PreconditionFailedError):  # a delete honours If-None-Match too
+        store.delete("sms", Preconditions(if_none_match=["*"]))
+    store.delete("sms", Preconditions(if_match=["*"]))
     with pytest.raises(ProfileNotFoundError):
-        store.delete("sms", if_match=["*"])  # 404 before any precondition
+        store.delete("sms", Preconditions(if_match=["*"]))  # 404 before any precondition
     with pytest.raises(ProfileNotFoundError):
         store.get("sms")
 
@@ -118,6 +122,9 @@ def test_the_cache_notices_changes_made_by_another_store(
 
 
 def test_parse_etags() -> None:
+    assert Preconditions.of({}) == Preconditions()
+    headers = {"if-match": '"a", "b"', "if-none-match": "*"}
+    assert Preconditions.of(headers) == Preconditions(['"a"', '"b"'], ["*"])
     assert parse_etags(None) is None and parse_etags(" ") is None
     assert parse_etags('"a", W/"b" ,"c"') == ['"a"', 'W/"b"', '"c"']
     assert parse_etags("*") == ["*"]
@@ -135,7 +142,9 @@ def _increment(args: tuple[str, str, int]) -> int:
             value = json.loads(stored.data)["n"]
             try:
                 backend.write(
-                    "counter", json.dumps({"n": value + 1}).encode(), if_match=[stored.etag]
+                    "counter",
+                    json.dumps({"n": value + 1}).encode(),
+                    Preconditions(if_match=[stored.etag]),
                 )
                 break
             except PreconditionFailedError:

@@ -33,7 +33,7 @@ from calibration.profile import current_format
 from service.errors import BadFieldError, TooLargeError
 from service.log.decision_log import LoggedDecision
 from service.log.health import ProfileHealth
-from service.profiles import parse_etags
+from service.profiles import Preconditions
 from service.systemone import SystemOneResponse, decode_request
 from service.web.bodies import decode_body, decode_each
 from service.web.frontdoor import MODEL, OPERATION, PUBLIC
@@ -190,8 +190,7 @@ async def put_profile(
         service.profiles.put,
         name,
         profile,
-        if_match=parse_etags(request.headers.get("if-match")),
-        if_none_match=parse_etags(request.headers.get("if-none-match")),
+        Preconditions.of(request.headers),
     )
     etag = await anyio.to_thread.run_sync(write)  # may wait for another writer's lock
     return Response(profile, headers={"ETag": etag})
@@ -207,9 +206,7 @@ async def fit(
 async def delete_profile(
     name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
 ) -> None:
-    remove = functools.partial(
-        service.store.delete, name, if_match=parse_etags(request.headers.get("if-match"))
-    )
+    remove = functools.partial(service.store.delete, name, Preconditions.of(request.headers))
     await anyio.to_thread.run_sync(remove)
 
 

@@ -30,6 +30,7 @@ from calibration.profile import NAME_PATTERN
 from calibration.tasks import fit_labeled, labeled_queries, scores_from_judgments
 from judge import Fingerprint, Judgment, Prepared
 from service.errors import BadFieldError, UnprocessableError
+from service.profiles import ALWAYS, Preconditions
 from service.schemas import CalibrationMapSummary, FitRequest, ProfileSummary
 from service.web.serving_core import ServiceCore, Ticket
 
@@ -176,25 +177,18 @@ class ProfileServing:
             )
         return summaries
 
-    def put(
-        self,
-        name: str,
-        profile: CalibrationProfile,
-        *,
-        if_match: Sequence[str] | None = None,
-        if_none_match: Sequence[str] | None = None,
-    ) -> str:
+    def put(self, name: str, profile: CalibrationProfile, when: Preconditions = ALWAYS) -> str:
         """Store ``profile`` under ``name`` and return its ETag.
 
-        ``if_match`` replaces only one of those versions, ``if_none_match`` (``["*"]``) only
-        creates; the store compares and writes in one step, under its lock, so it may block
-        while another writer holds it (call it off the event loop).
+        ``when.if_match`` replaces only one of those versions, ``when.if_none_match``
+        (``["*"]``) only creates; the store compares and writes in one step, under its lock, so
+        it may block while another writer holds it (call it off the event loop).
         """
         if profile.name != name:
             raise UnprocessableError(
                 "name", f"the profile is named {profile.name!r} but the path says {name!r}"
             )
-        return self.service.store.put(profile, if_match=if_match, if_none_match=if_none_match)
+        return self.service.store.put(profile, when)
 
 
 # FitRequest.method -> fit_labeled's methods: the candidates that compete with no scaling.
