@@ -248,3 +248,38 @@ def test_the_rules_are_ordered_on_each_probe_s_out_of_fold_probabilities(
         assert np.allclose(ordering.confidence[~fit_rows], in_sample.confidence[~fit_rows])
         # The fit items are judged as new ones: less sure than in sample.
         assert ordering.confidence[fit_rows].mean() < in_sample.confidence[fit_rows].mean() - 0.01
+
+
+def test_a_remote_stage_sends_its_profile_and_the_overrides_that_bear_on_its_gate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import service.cascade.remote_stage as remote_stage
+
+    sent: list[dict[str, Any]] = []
+
+    class Client:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def __enter__(self) -> Client:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def judge(self, prompt: str, choices: list[str], **options: Any) -> Any:
+            sent.append({"prompt": prompt, "choices": choices, **options})
+            raise TimeoutError("not asked further")
+
+    monkeypatch.setattr(remote_stage, "JudgeClient", Client)
+    asked = Overrides(threshold=0.7, min_choice_mass=0.1, max_std=2.0, max_order_spread=0.3)
+    stage = remote_stage.RemoteStage.under("big", "http://10.0.0.2:8000", "p", asked, None)
+    settings = {"profile": "p", "threshold": 0.7, "uncertified_threshold": None}
+    assert stage.settings == settings | {"min_choice_mass": 0.1}  # max_std etc. stay here
+    with pytest.raises(TimeoutError):
+        stage.call(StageItem(prompt="Spam? hi", choices=["spam", "ham"]), timeout_s=None)
+    assert sent == [
+        {"prompt": "Spam? hi", "choices": ["spam", "ham"], "item_span": None}
+        | settings
+        | {"min_choice_mass": 0.1}
+    ]

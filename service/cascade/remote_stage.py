@@ -39,19 +39,22 @@ __all__ = ["RemoteStage", "SystemOneStage", "answer_of", "is_remote"]
 NO_RETRIES = RetryPolicy(max_retries=0)
 
 
+# The overrides a stage sends with each item: the ones that bear on its own gate there (a
+# request's other settings are the first stage's alone).
+SENT = ("threshold", "uncertified_threshold", "min_choice_mass")
+
+
 @dataclass(frozen=True)
 class RemoteStage:
     """Another judge server as a stage: its ``url``, the ``profile`` it decides with there
-    (None: its raw probabilities under its own defaults), a request's ``threshold``,
-    ``uncertified_threshold`` and ``min_choice_mass`` overrides, and an API key where it needs one. ``timeout_s`` bounds a
-    call when the cascade has no deadline."""
+    (None: its raw probabilities under its own defaults), the ``overrides`` sent with each item
+    (their ``SENT`` fields), and an API key where it needs one. ``timeout_s`` bounds a call
+    when the cascade has no deadline."""
 
     name: str
     url: str
     profile: str | None = None
-    threshold: float | None = None
-    uncertified_threshold: float | None = None
-    min_choice_mass: float | None = None
+    overrides: Overrides = field(default_factory=Overrides)
     api_key: str | None = None
     timeout_s: float = 60.0
 
@@ -60,17 +63,14 @@ class RemoteStage:
         cls, name: str, url: str, profile: str | None, overrides: Overrides, api_key: str | None
     ) -> RemoteStage:
         """The stage as a cascade asks it: under ``profile`` in that server's store, with the
-        ``overrides``' thresholds and minimum choice mass (its other fields are the first
-        stage's alone)."""
-        return cls(
-            name,
-            url,
-            profile=profile,
-            threshold=overrides.threshold,
-            uncertified_threshold=overrides.uncertified_threshold,
-            min_choice_mass=overrides.min_choice_mass,
-            api_key=api_key,
-        )
+        ``overrides``' ``SENT`` fields."""
+        sent = Overrides(**{f: getattr(overrides, f) for f in SENT})
+        return cls(name, url, profile=profile, overrides=sent, api_key=api_key)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What each request to the server sets: the profile and the ``SENT`` overrides."""
+        return {"profile": self.profile} | {f: getattr(self.overrides, f) for f in SENT}
 
     def call(self, item: StageItem, *, timeout_s: float | None) -> JudgeResponse:
         """The remote server's response; TimeoutError when it does not answer in time."""
@@ -81,13 +81,7 @@ class RemoteStage:
             JudgeClient(self.url, self.api_key, timeout=limit, retries=NO_RETRIES) as client,
         ):
             return client.judge(
-                item.prompt,
-                item.choices,
-                profile=self.profile,
-                threshold=self.threshold,
-                uncertified_threshold=self.uncertified_threshold,
-                min_choice_mass=self.min_choice_mass,
-                item_span=item.item_span,
+                item.prompt, item.choices, item_span=item.item_span, **self.settings
             )
 
     def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
@@ -99,13 +93,7 @@ class RemoteStage:
         """The remote server's answer to a typed question about ``state``
         (``POST /v1/systemone``), asked under this stage's profile and overrides in place of
         the question's own; TimeoutError when it does not answer in time."""
-        asked = msgspec.structs.replace(
-            question,
-            profile=self.profile,
-            threshold=self.threshold,
-            uncertified_threshold=self.uncertified_threshold,
-            min_choice_mass=self.min_choice_mass,
-        )
+        asked = msgspec.structs.replace(question, **self.settings)
         with (
             _bounded(self.url, self.timeout_s, timeout_s) as limit,
             JudgeClient(self.url, self.api_key, timeout=limit, retries=NO_RETRIES) as client,
