@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import pytest
@@ -31,6 +31,7 @@ from service.gate_context import GateContext
 from service.profiles import LocalDirectory, ProfileStore
 
 CHOICES = ["ham", "spam"]
+PACKAGES = ("judge", "calibration", "service")
 
 
 class Counting(FakeEngine):
@@ -144,9 +145,17 @@ ONCE = {
 }
 
 
-def test_a_warm_request_under_a_profile_opens_and_checks_nothing_again(
-    profile: CalibrationProfile, tmp_path: Path
-) -> None:
+class Warm(NamedTuple):
+    """A warm ``POST /judge`` under a profile (the fake engine), traced: the project's
+    functions it called, as (file, qualified name), and the cold and warm responses."""
+
+    called: set[tuple[str, str]]
+    cold: dict[str, Any]
+    warm: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def warm(profile: CalibrationProfile, tmp_path_factory: pytest.TempPathFactory) -> Warm:
     root = str(Path(__file__).resolve().parent.parent) + "/"
     called: set[tuple[str, str]] = set()
     tracing = threading.Event()
@@ -157,7 +166,8 @@ def test_a_warm_request_under_a_profile_opens_and_checks_nothing_again(
             called.add((code.co_filename[len(root) :], code.co_qualname))
 
     ask = {"prompt": "Spam? WIN a prize", "choices": CHOICES, "profile": "sms"}
-    app = create_app(FakeEngine(), config=ServiceConfig(profiles_dir=tmp_path))
+    folder = tmp_path_factory.mktemp("profiles")
+    app = create_app(FakeEngine(), config=ServiceConfig(profiles_dir=folder))
     # Set before the client starts its threads (the event loop's), so that they report too.
     threading.setprofile(trace)
     sys.setprofile(trace)
@@ -175,6 +185,44 @@ def test_a_warm_request_under_a_profile_opens_and_checks_nothing_again(
         threading.setprofile(None)
     assert cold.status_code == warm.status_code == 200, warm.text
     assert ("calibration/policy.py", "Policy.decide_many") in called  # the trace saw the decision
-    assert called & ONCE == set()
-    fresh = {k: v for k, v in warm.json().items() if k not in ("judgment_id", "latency_ms")}
-    assert fresh == {k: v for k, v in cold.json().items() if k in fresh}
+    return Warm(called, cold.json(), warm.json())
+
+
+def test_a_warm_request_under_a_profile_opens_and_checks_nothing_again(warm: Warm) -> None:
+    assert warm.called & ONCE == set()
+    fresh = {k: v for k, v in warm.warm.items() if k not in ("judgment_id", "latency_ms")}
+    assert fresh == {k: v for k, v in warm.cold.items() if k in fresh}
+
+
+# The project files a warm POST /judge under a profile reads on the fake engine (the real
+# model's pass adds judge's engine, packing, forward, prefix cache, attention, decoder and
+# batch-invariant files: benchmarks/bench_path.py). A file joining the path is a choice to
+# make here, not a drift: issue 46 asked for fewer (33 on the real model before the gates
+# were kept open, 29 after).
+PATH_FILES = {
+    "calibration/carry.py",
+    "calibration/conformal.py",
+    "calibration/gate.py",
+    "calibration/maps.py",
+    "calibration/policy.py",
+    "calibration/validation.py",
+    "judge/identity.py",
+    "judge/judgments.py",
+    "judge/trie.py",
+    "service/gate_context.py",
+    "service/metrics.py",
+    "service/profiles.py",
+    "service/schemas.py",
+    "service/web/batcher.py",
+    "service/web/bodies.py",
+    "service/web/frontdoor.py",
+    "service/web/operations.py",
+    "service/web/routes.py",
+    "service/web/serving_core.py",
+    "service/web/serving_judge.py",
+}
+
+
+def test_a_warm_post_judge_reads_only_the_files_it_did(warm: Warm) -> None:
+    files = {file for file, _ in warm.called if file.split("/")[0] in PACKAGES}
+    assert files <= PATH_FILES, f"new on the path: {sorted(files - PATH_FILES)}"
