@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                 "choices": task["choices"],
                 "profile": "spam",
             }
-            client.post("/judge", json=body)  # warm: the trace sees the steady state
+            for _ in range(2):  # warm: the trace sees the steady state
+                client.post("/judge", json=body)
             _events.clear()
             _active = True
             response = client.post("/judge", json=body)

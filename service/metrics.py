@@ -3,8 +3,9 @@ decisions, queue depth, admission, model jobs run and dropped, and the engine's 
 (hits, misses, tokens reused, evictions, bytes held).
 
 Each app gets its own registry, so several apps in one process (tests) never collide. A
-request's route label is the path template of its operation (``service.web.operations``), so that
-profile names do not become label values; a path that is no operation's is "other".
+request's route label is the path template of the operation its route serves (the front door
+routes it once), so that profile names do not become label values; a request no operation
+serves (no such path, or not that method) is "other".
 """
 
 from __future__ import annotations
@@ -18,17 +19,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from judge import PrefixCacheStats
-from service.web.operations import route_of
 
 if TYPE_CHECKING:
     from service.log.health import ProfileHealth
 
-__all__ = ["ServiceMetrics", "route_label"]
-
-
-def route_label(path: str) -> str:
-    """The metric label of a request's path: its operation's template, else "other"."""
-    return route_of(path) or "other"
+__all__ = ["ServiceMetrics"]
 
 
 class ServiceMetrics:
@@ -99,9 +94,9 @@ class ServiceMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def observe(self, method: str, path: str, status: int, start: float) -> None:
-        """Count one response (status 499: the client left first) and time it from ``start``."""
-        route = route_label(path)
+    def observe(self, method: str, route: str, status: int, start: float) -> None:
+        """Count one response (status 499: the client left first) to ``route`` (its operation's
+        path template, else "other") and time it from ``start``."""
         self.requests.labels(method, route, str(status)).inc()
         self.latency.labels(route).observe(time.perf_counter() - start)
 

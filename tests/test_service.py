@@ -1185,23 +1185,26 @@ def test_the_openapi_paths_are_the_operation_table() -> None:
     }
 
 
-@pytest.mark.parametrize(
-    ("path", "label"),
-    [
-        ("/judge", "/judge"),
-        ("/judge/batch", "/judge/batch"),
-        ("/profiles", "/profiles"),
-        ("/profiles/sms", "/profiles/{name}"),
-        ("/profiles/sms/fit", "/profiles/{name}/fit"),
-        ("/schema/openapi.json", "/schema/openapi.json"),
-        ("/playground", "other"),
-        ("/profiles/a/b/c", "other"),
-    ],
-)
-def test_metric_labels_are_the_operations_paths(path: str, label: str) -> None:
-    from service.metrics import route_label
-
-    assert route_label(path) == label
+def test_metric_labels_are_the_operations_paths(tmp_path: Path) -> None:
+    """A request's route label is the path template of the operation its route serves; one
+    that no operation serves (no such path, or not that method) is "other"."""
+    asked = [
+        ("GET", "/profiles", "/profiles"),
+        ("GET", "/profiles/sms", "/profiles/{name}"),  # a 404: still that operation's
+        ("POST", "/profiles/sms/fit", "/profiles/{name}/fit"),  # a 400
+        ("GET", "/schema/openapi.json", "/schema/openapi.json"),
+        ("GET", "/playground", "other"),
+        ("GET", "/profiles/a/b/c", "other"),
+        ("DELETE", "/judge", "other"),  # a 405: no route serves it
+    ]
+    app = create_app(FakeEngine(), config=ServiceConfig(profiles_dir=tmp_path))
+    with TestClient(app=app) as c:
+        wait_ready(c)
+        statuses = [c.request(method, path).status_code for method, path, _ in asked]
+        metrics = c.get("/metrics").text
+    for (method, _, label), status in zip(asked, statuses, strict=True):
+        line = f'judge_http_requests_total{{method="{method}",route="{label}",status="{status}"}}'
+        assert line in metrics, line
 
 
 @pytest.mark.parametrize(

@@ -154,6 +154,9 @@ class FrontDoor:
             return
         start = time.perf_counter()
         exchange = _Exchange()
+        # Routed once: its options here, and its operation's path template the metric's label.
+        route = self.route(scope["path"], str(scope.get("method", "")))
+        operation: Operation | None = route.opt.get(OPERATION)
 
         async def tracked(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -164,15 +167,15 @@ class FrontDoor:
             await send(message)
 
         try:
-            await self._handle(scope, receive, tracked, exchange)
+            await self._handle(scope, receive, tracked, exchange, route)
         finally:
             status = exchange.status if exchange.started else CLIENT_CLOSED
-            self.metrics.observe(str(scope.get("method", "?")), scope["path"], status, start)
+            label = "other" if operation is None else operation.path
+            self.metrics.observe(str(scope.get("method", "?")), label, status, start)
 
     async def _handle(
-        self, scope: Scope, receive: Receive, send: Send, exchange: _Exchange
+        self, scope: Scope, receive: Receive, send: Send, exchange: _Exchange, route: Route
     ) -> None:
-        route = self.route(scope["path"], str(scope.get("method", "")))
         opt = route.opt
         if self.key is not None and not opt.get(PUBLIC) and not self._authorized(scope):
             await _reply(

@@ -48,7 +48,6 @@ __all__ = [
     "allowed",
     "paths",
     "request_timeout",
-    "route_of",
 ]
 
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens the server's deadline, never lengthens
@@ -204,18 +203,3 @@ def paths(operations: Iterable[Operation] = OPERATIONS) -> dict[str, list[Operat
 def allowed(path: str) -> str:
     """The Allow header of ``path`` (a template): its methods and OPTIONS."""
     return ", ".join(sorted({op.method for op in paths()[path]} | {"OPTIONS"}))
-
-
-# Each template as a pattern: its text as it is, each parameter one segment.
-_MATCHERS = [
-    (re.compile("[^/]+".join(re.escape(text) for text in _PARAMETER.split(p)[::2])), p)
-    for p in paths()
-]
-
-
-def route_of(path: str) -> str | None:
-    """The template of the table's path that ``path`` (a request's) matches; None if none."""
-    for pattern, template in _MATCHERS:
-        if pattern.fullmatch(path):
-            return template
-    return None
