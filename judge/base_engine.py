@@ -244,10 +244,17 @@ class BaseEngine:
             ids, context = encoded.prompt_ids, len(trie.context)
             span = self._encoder.item_tokens(query.prompt, item_span, prompt, ids, context)
             trie = dataclasses.replace(trie, span=span)
-        tokens = tokens_sha256(encoded.prompt_ids, encoded.paths, self.choice_paths)
-        n = len(encoded.prompt_ids)
         return Prepared(
-            choices, prompt, n, trie, tokens, layers, span_layers, item_span, tuple(endings)
+            choices,
+            prompt,
+            len(encoded.prompt_ids),
+            trie,
+            tokens_sha256(encoded.prompt_ids, encoded.paths, self.choice_paths),
+            trie.packed_length,
+            layers,
+            span_layers,
+            item_span,
+            tuple(endings),
         )
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:

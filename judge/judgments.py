@@ -242,20 +242,16 @@ class Prepared(msgspec.Struct, frozen=True):
     prompt_tokens: int  # tokens of ``prompt``
     trie: ChoiceTrie  # the choices' token paths, packed: what the pass feeds the model
     tokens_sha256: str  # of the prompt's ids and each choice's path (``identity.tokens_sha256``)
+    # Tokens its pass computes for it alone on a cold cache: the prompt and choice trie
+    # (``trie.packed_length``, counted once here). Exact: a judgment made alone with nothing
+    # cached has this ``computed_tokens``; a server checks it against its budget.
+    tokens: int
     feature_layers: tuple[int, ...] = ()  # checked against the model's depth, sorted
     span_layers: tuple[int, ...] = ()  # as feature_layers; the trie's span says over what
     item_span: tuple[int, int] | None = None  # the query's, checked
     # Each choice's text after ``prompt`` (escaped choice and response suffix), in choice
     # order: what an engine that sends text rather than token ids (``ServerEngine``) feeds.
     endings: tuple[str, ...] = ()
-
-    @property
-    def tokens(self) -> int:
-        """Tokens its pass computes for it alone on a cold cache: the prompt and choice trie.
-
-        Exact: a judgment made alone with nothing cached has this ``computed_tokens``.
-        """
-        return self.trie.packed_length
 
 
 def check_feature_layers(

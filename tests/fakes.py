@@ -123,7 +123,9 @@ class FakeEngine:
         spans = tuple(q.span_layers)
         item = check_item_span(q.item_span, q.prompt)
         layers = tuple(q.feature_layers)
-        return Prepared(choices, q.prompt, len(head), trie, tokens, layers, spans, item)
+        return Prepared(
+            choices, q.prompt, len(head), trie, tokens, trie.packed_length, layers, spans, item
+        )
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
         return [
