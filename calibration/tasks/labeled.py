@@ -152,26 +152,25 @@ class LabeledScores:
     def features_of(self, layers: Sequence[int]) -> np.ndarray | None:
         """(n, len(layers), H) features of ``layers``, in that order (a probe profile's
         ``feature_layers``); None when ``layers`` is empty."""
-        if not layers:
-            return None
-        if self.features is None or any(n not in self.feature_layers for n in layers):
-            raise TaskError(
-                f"these scores carry features of layers {list(self.feature_layers)}, "
-                f"not of {list(layers)}"
-            )
-        return self.features[:, [self.feature_layers.index(n) for n in layers], :]
+        carried = f"features of layers {list(self.feature_layers)}, not of {list(layers)}"
+        return self._of_layers(self.features, layers, carried)
 
     def span_features_of(self, layers: Sequence[int]) -> np.ndarray | None:
         """(n, len(layers), H) means over the items of ``layers`` (a probe profile's
         ``span_layers``); None when ``layers`` is empty."""
+        carried = f"no means over the items of layers {list(layers)}: judge them with span_layers"
+        return self._of_layers(self.span_features, layers, carried)
+
+    def _of_layers(
+        self, values: np.ndarray | None, layers: Sequence[int], carried: str
+    ) -> np.ndarray | None:
+        """``values`` (n, len(feature_layers), H) of ``layers``, in that order; a TaskError
+        saying what these scores carry where they lack one."""
         if not layers:
             return None
-        if self.span_features is None or any(n not in self.feature_layers for n in layers):
-            raise TaskError(
-                f"these scores carry no means over the items of layers {list(layers)}: judge "
-                "them with span_layers"
-            )
-        return self.span_features[:, [self.feature_layers.index(n) for n in layers], :]
+        if values is None or any(n not in self.feature_layers for n in layers):
+            raise TaskError(f"these scores carry {carried}")
+        return values[:, [self.feature_layers.index(n) for n in layers], :]
 
 
 def labeled_queries(
