@@ -43,7 +43,6 @@ from calibration import (
     ProfileMismatchError,
     ProfileNotFoundError,
     RuleError,
-    ValuesError,
 )
 from judge import (
     AmbiguousChoicesError,
@@ -52,6 +51,7 @@ from judge import (
     JudgeError,
     ModelServerError,
     TooManyPathsError,
+    ValuesError,  # the engine's: calibration re-exports it
 )
 from service.log.decision_log import LabelNotAChoiceError, RelabelError, UnknownJudgmentError
 from service.profiles import PreconditionFailedError
