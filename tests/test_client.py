@@ -586,9 +586,13 @@ def test_gate_is_ordered_lazy_and_bounded() -> None:
         if i == 20:
             break
     gated.close()
-    read, sent = endless.read, backend.requests
+    read = endless.read
     time.sleep(0.05)
-    assert read <= 21 + 5 * 4 and endless.read == read and backend.requests == sent
+    # Nothing is read after close, so nothing can be sent beyond the batches of what was read:
+    # a bound that holds however late a request already in a worker thread reaches the
+    # server (counting what was sent at close raced with such a request on a busy machine).
+    assert read <= 21 + 5 * 4 and endless.read == read
+    assert backend.requests <= -(-read // 5)
 
 
 def test_gate_raises_when_a_whole_request_fails() -> None:

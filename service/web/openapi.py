@@ -73,11 +73,15 @@ _PRECONDITIONS = {
         "name": "If-None-Match",
         "in": "header",
         "required": False,
-        "description": "`*`: store only if no version is stored yet; else 412",
+        "description": "Act only if the stored version has none of these ETags (`*`: only if "
+        "no version is stored, as a PUT that creates); else 412",
         "schema": {"type": "string"},
     },
 }
-_CONDITIONAL = {"put_profile": ("If-Match", "If-None-Match"), "delete_profile": ("If-Match",)}
+_CONDITIONAL = {
+    "put_profile": ("If-Match", "If-None-Match"),
+    "delete_profile": ("If-Match", "If-None-Match"),
+}
 
 
 # A working request for each operation that takes a body, for readers of the document (and for
