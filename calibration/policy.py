@@ -109,14 +109,14 @@ ThresholdOrigin = Literal[
     "profile", "request", "uncertified_request", "uncertified_default", "none"
 ]
 
+# A record a verdict is carried into (``Verdict.carried``): a response, a stage's answer.
+_Record = TypeVar("_Record", bound=msgspec.Struct)
+
 # The bound on a pair's order spread when the caller sets none: how far apart the two orders'
 # probabilities of one candidate may be. 0.2 is the spread a threshold of 0.9 already
 # allows on raw probabilities (a mean of 0.9 needs both orders at 0.8 or more), so it changes
 # no raw decision at that threshold; it binds where a profile's calibration sharpens the mean,
 # or a lower threshold accepts it, while the two orders disagree by more.
-# A record a verdict is carried into (``Verdict.carried``): a response, a stage's answer.
-_Record = TypeVar("_Record", bound=msgspec.Struct)
-
 DEFAULT_MAX_POSITION_SPREAD = 0.2
 
 

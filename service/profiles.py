@@ -15,10 +15,10 @@ An object store fits the same Protocol later: its ETag and its conditional PUT/D
 (``If-Match`` / ``If-None-Match``) are the same compare-and-swap.
 
 Versions: a profile's ETag is the quoted sha256 of its stored bytes, so it is the same on every
-replica and every host. ``put``/``delete`` take HTTP-style preconditions (RFC 9110 13.1), ``Preconditions``:
-``if_match`` (ETags, or ``*`` for "any stored version") and ``if_none_match`` (``*`` for
-"none stored"), compared and swapped under an exclusive ``fcntl.flock`` on ``.lock`` in the
-directory, across threads and processes alike; a failed comparison raises
+replica and every host. ``put``/``delete`` take HTTP-style preconditions (RFC 9110 13.1),
+``Preconditions``: ``if_match`` (ETags, or ``*`` for "any stored version") and ``if_none_match``
+(``*`` for "none stored"), compared and swapped under an exclusive ``fcntl.flock`` on ``.lock``
+in the directory, across threads and processes alike; a failed comparison raises
 ``PreconditionFailedError`` and writes nothing. Without preconditions the last write wins, and
 the new ETag it returns tells the writer which version is stored.
 
@@ -127,8 +127,8 @@ class Preconditions:
                 )
                 raise PreconditionFailedError(
                     "If-Match",
-                    f"profile {name!r}: If-Match {', '.join(self.if_match)} does not match ({stored}); "
-                    "GET it again for its current ETag",
+                    f"profile {name!r}: If-Match {', '.join(self.if_match)} does not match "
+                    f"({stored}); GET it again for its current ETag",
                 )
         if self.if_none_match is not None and current is not None:
             weak = {t.removeprefix("W/") for t in self.if_none_match}
