@@ -239,7 +239,7 @@ class Judge(BaseEngine):
             prepared.trie.choice_logprobs(scores.node_logits),
             choice_mass=scores.root_mass,
             cached_tokens=scores.cached_tokens,
-            computed_tokens=prepared.trie.packed_length - scores.cached_tokens,
+            computed_tokens=prepared.tokens - scores.cached_tokens,
             forward_passes=passes,
             latency_ms=latency_ms,
             **_hidden_states(prepared, scores),

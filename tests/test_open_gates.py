@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import msgspec
 import pytest
@@ -26,6 +26,7 @@ import service.gate_context as gate_context
 from calibration import CalibrationProfile, ProfileMismatchError
 from calibration.gate import Gate, Overrides
 from judge import Fingerprint
+from judge.judgments import TemplateOptions
 from service import ServiceConfig, create_app
 from service.gate_context import GateContext
 from service.profiles import LocalDirectory, ProfileStore
@@ -40,17 +41,9 @@ class Counting(FakeEngine):
     def __init__(self) -> None:
         self.reads = 0
 
-    def fingerprint(
-        self,
-        *,
-        system: str | None = None,
-        response_prefix: str | None = None,
-        response_suffix: str | None = None,
-    ) -> Fingerprint:
+    def fingerprint(self, **template: Unpack[TemplateOptions]) -> Fingerprint:
         self.reads += 1
-        return super().fingerprint(
-            system=system, response_prefix=response_prefix, response_suffix=response_suffix
-        )
+        return super().fingerprint(**template)
 
 
 @pytest.fixture(scope="module")

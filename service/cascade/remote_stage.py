@@ -63,9 +63,8 @@ class RemoteStage:
         cls, name: str, url: str, profile: str | None, overrides: Overrides, api_key: str | None
     ) -> RemoteStage:
         """The stage as a cascade asks it: under ``profile`` in that server's store, with the
-        ``overrides``' ``SENT`` fields."""
-        sent = Overrides(**{f: getattr(overrides, f) for f in SENT})
-        return cls(name, url, profile=profile, overrides=sent, api_key=api_key)
+        request's ``overrides`` (``settings`` sends their ``SENT`` fields)."""
+        return cls(name, url, profile=profile, overrides=overrides, api_key=api_key)
 
     @property
     def settings(self) -> dict[str, Any]:
