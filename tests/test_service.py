@@ -482,6 +482,16 @@ def test_threshold_precedence_and_certification(
         _, body = post(client, {**ask, "profile": "certified"})
         assert body["threshold"] == 0.6 and body["certified"] is True
         assert "no_certified_threshold" not in body["reason_codes"]
+        # The server keeps the gate it opened; a new version of the profile is another gate.
+        again = {**fitted["threshold"], "feasible": True, "threshold": 0.7}
+        r = client.put(
+            "/profiles/certified", json={**fitted, "name": "certified", "threshold": again}
+        )
+        _, replaced = post(client, {**ask, "profile": "certified"})
+        assert replaced["threshold"] == 0.7 and replaced["profile_etag"] == r.headers["etag"]
+        assert replaced["profile_etag"] != body["profile_etag"]
+        back = {**fitted, "name": "certified", "threshold": profiles["certified"]}
+        assert client.put("/profiles/certified", json=back).headers["etag"] == body["profile_etag"]
         _, body = post(client, {**ask, "profile": "certified", "threshold": 0.75})
         assert body["threshold"] == 0.75 and body["certified"] is False
         _, body = post(client, {**ask, "profile": "certified", "min_choice_mass": 0.01})
