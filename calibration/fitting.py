@@ -88,6 +88,7 @@ from calibration.validation import (
     check_logits,
     check_probability,
 )
+from judge.adapters import Adapter
 from judge.fingerprint import Fingerprint
 
 __all__ = [
@@ -216,6 +217,7 @@ def fit_rule(
     probe_split: bool | None = None,
     span_features: ArrayLike | None = None,
     span: ProbeSpan | None = None,
+    fitted: CalibrationFit | None = None,
 ) -> FittedRule:
     """The whole fitting procedure on (n, k) log-probabilities and (n,) label indices.
 
@@ -255,7 +257,7 @@ def fit_rule(
         labels, seed, probe if probe_split is None else probe_split
     )
 
-    fit = fit_calibrator(
+    fit = fitted or fit_calibrator(
         z[fit_idx],
         labels[fit_idx],
         methods=methods,
@@ -395,6 +397,8 @@ def fit_profile(
     span_features: ArrayLike | None = None,
     span: ProbeSpan | None = None,
     out_of_sample: list[np.ndarray] | None = None,
+    fitted: CalibrationFit | None = None,
+    adapter: Adapter | None = None,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
@@ -415,7 +419,15 @@ def fit_profile(
     must be its share, ``recertification.spent``. ``out_of_sample``, a list, gets the (n, k)
     calibrated probabilities of every example as the map would judge a new one (a probe's fit
     split from the folds that did not see them): a cascade orders its rules on those.
+    ``fitted`` and ``adapter``: a probe head trained with low-rank adapters on the probe
+    split's fit items alone (``judge.adapter_fit``), and those adapters; the scores are the
+    adapted engine's, and the profile carries the adapter. Nothing chooses the map here, so
+    the conformal and certify splits, which neither saw, certify it exactly.
     """
+    if (fitted is None) != (adapter is None):
+        raise ValueError("fitted and adapter go together: the head trained with the adapter")
+    if fitted is not None and probe_split is not True:
+        raise ValueError("an adapter's head is trained on the probe split: pass probe_split=True")
     _check_fingerprint(fingerprint)
     z = _shaped(log_probabilities, choices)
     _check_classes(check_labels(y, z.shape[0], z.shape[1]), choices)
@@ -432,6 +444,7 @@ def fit_profile(
         probe_split=probe_split,
         span_features=span_features,
         span=span,
+        fitted=fitted,
     )
     held = rule.held_out
     evidence = {"seed": settings.seed, "n_bootstrap": settings.n_bootstrap}
@@ -502,6 +515,7 @@ def fit_profile(
             seed=settings.seed,
         ),
         recertification=recertification,
+        adapter=adapter,
     )
     # Per class, on the items the map was not fitted on, under the rule as served (its own
     # gates on the calibrated probabilities): the evidence the report shows beside the metrics.

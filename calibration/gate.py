@@ -187,10 +187,14 @@ class Gate:
     def asks(self, query: _Query) -> _Query:
         """``query`` (the engine's ``Query``) asking for the hidden states this gate reads (its
         probe's) and the log keeps; its own item span is left as it is."""
-        if not (self.feature_layers or self.span_layers):
+        adapter = None if self.profile is None else self.profile.adapter
+        if not (self.feature_layers or self.span_layers or adapter):
             return query
         return msgspec.structs.replace(
-            query, feature_layers=self.feature_layers, span_layers=self.span_layers
+            query,
+            feature_layers=self.feature_layers,
+            span_layers=self.span_layers,
+            adapter=adapter,
         )
 
     @property
@@ -245,6 +249,15 @@ class Gate:
         (``service.gate_context``) checks once per template and choices, not per request."""
         if self.profile is None:
             return
+        adapter = self.profile.adapter
+        if adapter is not None and not getattr(engine, "serves_adapters", False):
+            raise ProfileMismatchError(
+                field or "adapter",
+                f"profile {self.profile.name!r} reads its probe under a low-rank adapter "
+                f"({adapter.short}) merged into the model's blocks, and this engine "
+                f"({getattr(engine, 'model_id', type(engine).__name__)}) cannot merge one: judge with the model loaded here "
+                "(not served elsewhere), or use a profile without an adapter",
+            )
         key = (
             id(engine),
             system,
@@ -391,6 +404,7 @@ class Gate:
             "response_suffix": response_suffix,
         }
         self.check_engine(engine, choices=asked, **template)
+        adapter = None if self.profile is None else self.profile.adapter
         judgment = engine.judge(
             prompt,
             asked,
@@ -398,6 +412,7 @@ class Gate:
             span_layers=self.span_layers,
             item_span=item_span,
             **template,
+            **({} if adapter is None else {"adapter": adapter}),
         )
         return judgment, self.decide(judgment, outside_template=outside)
 

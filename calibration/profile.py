@@ -47,6 +47,7 @@ from calibration.scores import check_values, numeral_values
 from calibration.signal import SignalReport
 from calibration.template import PromptTemplate
 from judge import atomicio
+from judge.adapters import Adapter
 from judge.fingerprint import Fingerprint
 from judge.scores import ValuesError
 
@@ -176,6 +177,10 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # recall and coverage of the accepted ones and the confusion matrices
     # (``calibration.per_class``). None for a label-free profile and older files.
     class_evidence: ClassReport | None = None
+    # Low-rank adapters the probe's layer is read under (``judge.adapters``; trained on the fit
+    # split's items only, ``judge.adapter_fit``): a request under this profile is judged with
+    # them merged into the model's blocks, in the same one pass. None: the model as loaded.
+    adapter: Adapter | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -194,6 +199,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
                 f"the map's bias has {len(bias)} entries for {len(self.choices)} choices"
             )
         problems += self._probe_problems()
+        problems += self._adapter_problems()
         t = self.threshold.threshold
         if t is not None and not 0 <= t <= 1:
             problems.append(f"threshold must be in [0, 1], got {t!r}")
@@ -273,6 +279,25 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
                 problems.append(
                     f"fingerprint.{field} is {recorded} but the probe was fitted on {fitted}"
                 )
+        return problems
+
+    def _adapter_problems(self) -> list[str]:
+        adapter, probe = self.adapter, self.calibration_map
+        if adapter is None:
+            return []
+        if not isinstance(probe, Probe):
+            return ["adapter needs a probe map: the adapter is trained under the probe's head"]
+        problems = []
+        if adapter.blocks[-1] >= min(probe.layers):
+            problems.append(
+                f"adapter.blocks {adapter.blocks!r} must lie below the probe's layer(s) "
+                f"{probe.layers!r}: the head reads what the adapted blocks feed"
+            )
+        if self.fingerprint.model_sha256 not in (None, adapter.model_sha256):
+            problems.append(
+                "adapter.model_sha256 is not the fingerprint's model_sha256: the adapter was "
+                "trained on other weights"
+            )
         return problems
 
     @property

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Self, Unpack
 import msgspec
 import numpy as np
 
+from judge.adapters import Adapter
 from judge.errors import InvalidQueryError, JudgeError, PromptTooLongError, TokenizerRoundTripError
 from judge.fingerprint import ChoicePaths, Fingerprint, check_choice_paths, sha256_text
 from judge.grammar import GrammarVocabulary, choice_targets
@@ -89,6 +90,20 @@ class BaseEngine:
     @property
     def dtype(self) -> str:
         raise NotImplementedError
+
+    # Whether this engine runs a query's low-rank adapter (``Query.adapter``): one that holds
+    # the model's weights merges it; a model served elsewhere cannot.
+    serves_adapters = False
+
+    def check_adapter(self, adapter: Adapter | None) -> None:
+        """Refuse an adapter this engine cannot run (InvalidQueryError naming "adapter")."""
+        if adapter is not None and not self.serves_adapters:
+            raise InvalidQueryError(
+                f"adapter {adapter.short}: {self.model_id} cannot judge under a low-rank "
+                "adapter (its weights are not here to merge it into); load the model this "
+                "process can hold, or use a profile without an adapter",
+                field="adapter",
+            )
 
     def _read_choices_on(self, choice_paths: ChoicePaths) -> None:
         """Which token paths spell a choice: the tokenizer's own one ("canonical", the trie)
@@ -240,6 +255,7 @@ class BaseEngine:
         layers = check_feature_layers(query.feature_layers, self.num_layers)
         item_span = check_item_span(query.item_span, query.prompt)
         span_layers = check_feature_layers(query.span_layers, self.num_layers, "span_layers")
+        self.check_adapter(query.adapter)
         if span_layers:
             ids, context = encoded.prompt_ids, len(trie.context)
             span = self._encoder.item_tokens(query.prompt, item_span, prompt, ids, context)
@@ -255,6 +271,7 @@ class BaseEngine:
             span_layers,
             item_span,
             tuple(endings),
+            query.adapter,
         )
 
     def run(self, prepared: Sequence[Prepared]) -> list[Judgment]:
@@ -276,8 +293,18 @@ class BaseEngine:
         return self._score(self._rows(prepared), time.perf_counter())
 
     def _rows(self, prepared: Sequence[Prepared]) -> list[list[Prepared]]:
-        rows = pack_rows([p.trie for p in prepared], self.max_batch_tokens)
-        return [[prepared[i] for i in row] for row in rows]
+        # A row is one model's pass: queries under different adapters never share one.
+        rows = []
+        start = 0
+        for end in range(1, len(prepared) + 1):
+            if end == len(prepared) or _adapter_key(prepared[end]) != _adapter_key(prepared[start]):
+                run = prepared[start:end]
+                rows += [
+                    [run[i] for i in r]
+                    for r in pack_rows([p.trie for p in run], self.max_batch_tokens)
+                ]
+                start = end
+        return rows
 
     def _judgment(self, prepared: Prepared, logps: np.ndarray, **measured: Any) -> Judgment:
         """The judgment of ``prepared`` whose choices' log-probabilities are ``logps``;
@@ -297,6 +324,7 @@ class BaseEngine:
             item_span=prepared.item_span,
             judgment_id=new_judgment_id(),
             tokens_sha256=prepared.tokens_sha256,
+            adapter_sha256=_adapter_key(prepared),
             **measured,
         )
 
@@ -316,6 +344,10 @@ class BaseEngine:
         )
         suffix = self.response_suffix if query.response_suffix is None else query.response_suffix
         return choices, prompt, suffix, [json_escape(c) + suffix for c in choices]
+
+
+def _adapter_key(prepared: Prepared) -> str:
+    return "" if prepared.adapter is None else prepared.adapter.sha256
 
 
 def _check_window(judge: BaseEngine, longest: int, query: Query) -> None:

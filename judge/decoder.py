@@ -27,6 +27,7 @@ embedding are the model's own modules, so their variants (rope scaling, norm eps
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import weakref
@@ -397,6 +398,26 @@ class LeanDecoder:
             )
         self._params = self._parameters()
         self._packed_as = self._signature()
+
+    def with_model(self, model: PreTrainedModel) -> LeanDecoder:
+        """This pass over ``model``, a copy of this one's model in which some blocks are other
+        modules (``judge.adapted.model_with_blocks``): the layers whose blocks are the same
+        objects keep their packed weights (shared, not copied: the base pass and this one
+        repack nothing of each other's), the others are packed here."""
+        decoder: Any = model.get_decoder()
+        with self._lock:
+            other = copy.copy(self)
+            other._lock = threading.Lock()
+            other._decoder = decoder
+            own = self._decoder.layers
+            other.layers = [
+                layer if block is own[i] else _Layer(block, (None, None), self.rows)
+                for i, (block, layer) in enumerate(zip(decoder.layers, self.layers, strict=True))
+            ]
+            _FUSED[decoder] = [(x.qkv.weight, x.gate_up.weight) for x in other.layers]
+            other._params = other._parameters()
+            other._packed_as = other._signature()
+        return other
 
     def product_rows(self) -> list[int]:
         """The chunk sizes of the blocks' products (``measured_rows``: one per weight shape

@@ -19,15 +19,20 @@ query before the model sees it, without preparing it twice.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from judge.adapters import Adapter
 from judge.base_engine import BaseEngine
 from judge.errors import (
+    InvalidQueryError,
     ModelLoadError,
 )
 from judge.fingerprint import ChoicePaths
@@ -138,6 +143,11 @@ class Judge(BaseEngine):
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
         self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0) or None
+        # The adapter merged into this judge's blocks (None: the model as loaded), and the
+        # judges with one merged that this one made (``adapted``).
+        self.adapter: Adapter | None = None
+        self._adapters: OrderedDict[str, Judge] = OrderedDict()
+        self._adapters_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -190,7 +200,69 @@ class Judge(BaseEngine):
         hashed on first use and kept (the model is not expected to change under a judge)."""
         return self.weights_sha256 or parameters_sha256(self.model)
 
+    serves_adapters = True
+
+    def check_adapter(self, adapter: Adapter | None) -> None:
+        """Refuse an adapter trained on other weights than this engine's."""
+        if adapter is not None and adapter.model_sha256 != self.model_sha256:
+            raise InvalidQueryError(
+                f"adapter {adapter.short} was trained on weights with sha256 "
+                f"{adapter.model_sha256[:12]}, not this model's ({self.model_sha256[:12]}); "
+                "fit the adapter on this model",
+                field="adapter",
+            )
+
+    def adapted(self, adapter: Adapter) -> Judge:
+        """This judge with ``adapter`` merged into copies of its blocks (``judge.adapted``):
+        the same tokenizer and settings, a prefix cache of its own. Kept, ``MAX_ADAPTERS`` at a
+        time (least recently used out), so that each adapter is merged once."""
+        from judge.adapted import MAX_ADAPTERS, merged_blocks, model_with_blocks
+
+        self.check_adapter(adapter)
+        with self._adapters_lock:
+            kept = self._adapters.get(adapter.sha256)
+            if kept is not None:
+                self._adapters.move_to_end(adapter.sha256)
+                return kept
+        model = model_with_blocks(self.model, merged_blocks(self.model, adapter))
+        other = copy.copy(self)
+        other.model = model
+        if self._lean is not None:
+            other._lean = self._lean.with_model(model)
+        if self.prefix_cache is not None:
+            other.prefix_cache = PrefixCache(
+                self.prefix_cache.budget_bytes, self.prefix_cache.block_tokens
+            )
+        other._adapters = OrderedDict()  # an adapted judge adapts nothing further
+        other.adapter = adapter
+        with self._adapters_lock:
+            kept = self._adapters.setdefault(adapter.sha256, other)
+            self._adapters.move_to_end(adapter.sha256)
+            while len(self._adapters) > MAX_ADAPTERS:
+                self._adapters.popitem(last=False)
+        return kept
+
     def _score(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
+        """Run ``rows`` in bounded passes, in order: each row on the model with its queries'
+        adapter merged (``_rows`` keeps one adapter per row), or on this one."""
+        keys = [_adapter_of(row) for row in rows]
+        if all(k is None for k in keys):
+            return self._score_rows(rows, start)
+        out: list[Judgment | None] = [None] * sum(len(r) for r in rows)
+        at = [0]
+        for row in rows:
+            at.append(at[-1] + len(row))
+        for sha in dict.fromkeys(None if k is None else k.sha256 for k in keys):
+            mine = [i for i, k in enumerate(keys) if (None if k is None else k.sha256) == sha]
+            adapter = keys[mine[0]]
+            engine = self if adapter is None else self.adapted(adapter)
+            judged = iter(engine._score_rows([rows[i] for i in mine], start))
+            for i in mine:
+                for j in range(at[i], at[i + 1]):
+                    out[j] = next(judged)
+        return [j for j in out if j is not None]
+
+    def _score_rows(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
         """Run ``rows`` (each packed into one batch row) in bounded passes, in order."""
         from judge.forward import prefill, score_rows
 
@@ -245,6 +317,10 @@ class Judge(BaseEngine):
             **_hidden_states(prepared, scores),
             model_sha256=self.model_sha256,
         )
+
+
+def _adapter_of(row: list[Prepared]) -> Adapter | None:
+    return row[0].adapter if row else None
 
 
 def parameters_sha256(model: PreTrainedModel) -> str:

@@ -16,6 +16,7 @@ from typing import TypedDict
 
 import msgspec
 
+from judge.adapters import Adapter
 from judge.errors import (
     ChoiceTypeError,
     DuplicateChoiceError,
@@ -65,6 +66,10 @@ class Query(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # serves only the tokens before the span, whose hidden states the mean does not read.
     span_layers: tuple[int, ...] = ()
     item_span: tuple[int, int] | None = None
+    # Low-rank adapters to judge under (``judge.adapters``): the pass runs the model with them
+    # merged into its blocks. None: the model as loaded. A profile that carries one sets it
+    # (``calibration.Gate.asks``); an engine that cannot run one refuses the query.
+    adapter: Adapter | None = None
 
 
 class TemplateOptions(TypedDict, total=False):
@@ -88,6 +93,7 @@ class QueryOptions(QueryTemplate, total=False):
     keyword (one place says what a query takes; ``Query`` says what each field means)."""
 
     item_span: tuple[int, int] | None
+    adapter: Adapter | None
 
 
 class Judgment(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,6 +134,8 @@ class Judgment(msgspec.Struct, frozen=True, kw_only=True):
     judgment_id: str = ""
     tokens_sha256: str = ""
     model_sha256: str = ""
+    # The sha256 of the adapter it was judged under (``Query.adapter``); "" for none.
+    adapter_sha256: str = ""
     # An upper bound on the share of the choices' probability that is not known: 0 where
     # every step's children were read (always, for a model loaded here). A served model read
     # from its top next tokens only (``ServerEngine``, read "top") leaves out a choice's token
@@ -252,6 +260,7 @@ class Prepared(msgspec.Struct, frozen=True):
     # Each choice's text after ``prompt`` (escaped choice and response suffix), in choice
     # order: what an engine that sends text rather than token ids (``ServerEngine``) feeds.
     endings: tuple[str, ...] = ()
+    adapter: Adapter | None = None  # the query's
 
 
 def check_feature_layers(

@@ -7,6 +7,7 @@
                     load_prompts, judge_unlabeled, fit_unlabeled
     calibration.tasks.qualify   qualify_on_task, qualify_engine (``judge qualify``)
     calibration.tasks.cascade   CascadeStageData, FittedCascade, fit_cascade, cascade_decisions
+    calibration.tasks.adapter   AdapterProfile, fit_adapter_profile (``--method adapter``)
 
 Sits above ``judge`` and calibration's core (it uses both; nothing else in ``calibration``
 imports it, so ``import calibration`` stays free of torch) and below ``service`` (which uses it), so the command line, the HTTP fit endpoint and the benchmarks calibrate the
@@ -15,10 +16,13 @@ same way.
 
 # Everything the two modules export, and only that: a name added to a module's __all__ is
 # exported here without a second list to keep in step.
-from calibration.tasks import cascade, files, labeled, qualify
+from calibration.tasks import adapter, cascade, files, labeled, qualify
+from calibration.tasks.adapter import *  # noqa: F403
 from calibration.tasks.cascade import *  # noqa: F403
 from calibration.tasks.files import *  # noqa: F403
 from calibration.tasks.labeled import *  # noqa: F403
 from calibration.tasks.qualify import *  # noqa: F403
 
-__all__ = sorted([*cascade.__all__, *files.__all__, *labeled.__all__, *qualify.__all__])
+__all__ = sorted(
+    [*adapter.__all__, *cascade.__all__, *files.__all__, *labeled.__all__, *qualify.__all__]
+)

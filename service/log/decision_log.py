@@ -240,9 +240,9 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
 
 def replayable_query(query: Query, gate: Gate) -> dict[str, Any]:
     """What ``judge replay`` re-runs of a judgment (``LoggedDecision.request``): its query,
-    without the hidden-state layers (the gate asks for its own; the item's span stays), and
-    the gate's settings."""
-    bare = msgspec.structs.replace(query, feature_layers=(), span_layers=())
+    without the hidden-state layers and the adapter (the gate asks for its own profile's; the
+    item's span stays), and the gate's settings."""
+    bare = msgspec.structs.replace(query, feature_layers=(), span_layers=(), adapter=None)
     return {"query": msgspec.to_builtins(bare), **gate.settings()}
 
 

@@ -1,0 +1,168 @@
+"""Fit a profile whose probe reads a layer under low-rank adapters trained on the labels.
+
+The steps, each on the items the step may see (the probe split of ``calibration.fitting``,
+5:1:4, fixed by the labels and the seed before anything is fitted):
+
+1. judge every item with the model as loaded and fit a probe on the fit split
+   (``method probe``): it chooses the layer, what to read of it and the regularisation, and is
+   the profile the adapter must beat (``AdapterProfile.probe``);
+2. warm-start a head on that layer's states alone (the probe's choice, refitted without the
+   choices' log-probabilities, which the layers above the adapter would change) and train
+   adapters under it on the fit split's items (``judge.adapter_fit``: a validation fold of
+   those stops it and sets its temperature);
+3. judge every item again with the adapters merged, and certify the trained head as given
+   (``fit_profile(fitted=..., adapter=...)``) on the conformal and certify splits, which
+   neither the adapters nor the head saw: the guarantee is the probe's, exact.
+
+``torch`` is imported only by the engine's side (``judge.adapter_fit``), when this runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
+from calibration.maps import Probe
+from calibration.probe import candidate_layers, fit_probe_weights, probe_input
+from calibration.tasks.files import LabeledItem, Task, task_item_span, task_prompt, task_template
+from calibration.tasks.labeled import LabeledScores, fit_labeled, judge_task_items, labeled_queries
+
+if TYPE_CHECKING:
+    from calibration import CalibrationProfile
+    from judge.adapter_fit import AdapterFit, AdapterSettings
+    from judge.engine import Judge
+
+__all__ = ["AdapterProfile", "fit_adapter_profile"]
+
+
+@dataclass(frozen=True)
+class AdapterProfile:
+    """The adapter's profile, the frozen probe's on the same split, and how it was trained."""
+
+    profile: CalibrationProfile
+    probe: CalibrationProfile
+    fit: AdapterFit
+    scores: LabeledScores  # the adapted engine's, of every item (columns in task.choices order)
+
+
+def fit_adapter_profile(
+    engine: Judge,
+    task: Task,
+    items: Sequence[LabeledItem],
+    name: str,
+    *,
+    dataset: str,
+    dataset_sha256: str,
+    settings: FitSettings = DEFAULT_SETTINGS,
+    adapter_settings: AdapterSettings | None = None,
+    batch_size: int = 8,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> AdapterProfile:
+    """Fit and certify an adapter profile on ``items`` of ``task`` (see the module
+    docstring); ``progress(stage, done, total)`` follows the judging ("judge", "judge
+    adapted") and the training ("states", "train")."""
+    from calibration import fit_profile
+    from calibration.fitting import split_examples
+    from calibration.scaling import CalibrationFit
+    from judge.adapter_fit import fit_adapter
+
+    def judged(judge: Judge, stage: str, layers: Sequence[int]) -> LabeledScores:
+        done = [0]
+
+        def step(n: int) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(stage, done[0], len(items))
+
+        return judge_task_items(
+            judge,
+            task,
+            items,
+            batch_size=batch_size,
+            progress=step,
+            feature_layers=layers,
+            span_layers=layers,
+        )
+
+    fingerprint = engine.fingerprint()
+    num_layers = fingerprint.num_layers
+    if not num_layers:
+        raise ValueError("an adapter needs a model that reports its layers")
+    probe_settings = msgspec.structs.replace(settings, methods=("probe",))
+    base = judged(engine, "judge", candidate_layers(num_layers))
+    template = task_template(task)
+    probe_profile = fit_labeled(
+        name,
+        base,
+        task.choices,
+        fingerprint,
+        dataset=dataset,
+        dataset_sha256=dataset_sha256,
+        settings=probe_settings,
+        template=template,
+    )
+    probe = probe_profile.calibration_map
+    assert isinstance(probe, Probe)  # method probe
+    layer, reads = max(probe.layers), probe.reads
+    fit_idx, _, _ = split_examples(base.labels, settings.seed, True)
+    k = len(task.choices)
+    x = probe_input(reads, [layer], base.features, base.span_features, base.feature_layers)
+    w, b = fit_probe_weights(
+        x[fit_idx], np.zeros((fit_idx.shape[0], k)), base.labels[fit_idx], k, probe.l2
+    )
+    prompts = [task_prompt(task, items[i].text) for i in fit_idx]
+    spans = [task_item_span(task, items[i].text) for i in fit_idx]
+    queries = labeled_queries(prompts, task.choices, item_spans=spans)
+    fit = fit_adapter(
+        engine,
+        queries,
+        base.labels[fit_idx],
+        layer=layer,
+        reads=reads,
+        head_weights=w[:, : x.shape[1]],
+        head_intercept=b,
+        settings=adapter_settings,
+        progress=progress,
+    )
+    adapted = judged(engine.adapted(fit.adapter), "judge adapted", [layer])
+    head = Probe(
+        layers=[layer],
+        num_layers=num_layers,
+        feature_dim=x.shape[1] // len(reads.split("+")),
+        # The choices' log-probabilities are read with weight 0: the head was trained without.
+        weights=np.concatenate([fit.weights, np.zeros((k, k))], axis=1).tolist(),
+        intercept=fit.intercept.tolist(),
+        l2=probe.l2,
+        reads=reads,
+        span=probe.span,
+    )
+    profile = fit_profile(
+        name,
+        adapted.log_probabilities,
+        adapted.labels,
+        list(task.choices),
+        fingerprint=fingerprint,
+        dataset=dataset,
+        dataset_sha256=dataset_sha256,
+        settings=settings,
+        choice_mass=adapted.choice_mass,
+        features=adapted.features,
+        feature_layers=adapted.feature_layers,
+        span_features=adapted.span_features,
+        span=adapted.span,
+        probe_split=True,
+        fitted=CalibrationFit(
+            map=head,
+            cv_nll={"adapter, validation fold": fit.validation_nll},
+            note=fit.note + ". ",
+            method="probe",
+        ),
+        adapter=fit.adapter,
+    )
+    profile = msgspec.structs.replace(profile, template=template)
+    return AdapterProfile(profile=profile, probe=probe_profile, fit=fit, scores=adapted)

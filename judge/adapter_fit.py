@@ -1,0 +1,399 @@
+"""Train low-rank adapters under a probe's head on labeled queries (``judge calibrate
+--method adapter``).
+
+A probe (``calibration.probe``) is a linear head on a frozen layer's states; on the default
+model it stops near 0.85 on sst2 and ag_news whatever layer it reads. Here the blocks below
+the layer it reads learn too: LoRA (the ``peft`` library) on the ``blocks`` just under that
+layer, trained with the head, warm-started from the fitted probe, on the labels' cross-entropy.
+The head reads what the probe reads (the state at the decision point, its mean over the item,
+or both) and drops the choices' log-probabilities: those come from the layers above, which a
+training step does not run, so the served head must not lean on them.
+
+What makes it affordable on two cores: the blocks below the adapted ones never change, so each
+item's states entering the first adapted block are computed once (one pass of the engine's
+model) and kept; an epoch runs only the adapted blocks, in float32, forward and back. A
+validation fold of the training items (never trained on) stops the training at its best epoch
+and sets a temperature on the head; the items that certify the profile are never seen here
+(``calibration.fitting`` splits them off first).
+
+Reproducible: every draw (the fold, LoRA's initialisation, the batches' order) comes from the
+seed, and the run is single-process float32 arithmetic.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from judge.adapted import decoder_blocks
+from judge.adapters import ADAPTER_TARGETS, Adapter, AdapterTarget, weights_sha256
+from judge.judgments import Query
+
+if TYPE_CHECKING:
+    from judge.engine import Judge
+
+__all__ = ["AdapterFit", "AdapterSettings", "fit_adapter"]
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """How an adapter is trained. The defaults are the ones measured in
+    ``benchmarks/bench_adapter.py``."""
+
+    blocks: int = 10  # adapted blocks, just below the head's layer
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[AdapterTarget, ...] = ADAPTER_TARGETS
+    learning_rate: float = 5e-4
+    epochs: int = 4
+    batch_size: int = 16
+    validation_share: float = 0.2  # of the training items: early stopping and temperature
+    patience: int = 1  # epochs without a better validation NLL before stopping
+    max_seconds: float = 15 * 60.0  # training stops after the epoch that passes this
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.blocks, int) and self.blocks >= 1):
+            raise ValueError(f"blocks must be a positive integer, got {self.blocks!r}")
+        if not (isinstance(self.rank, int) and 1 <= self.rank <= 256):
+            raise ValueError(f"rank must be an integer from 1 to 256, got {self.rank!r}")
+        if not set(self.targets) <= set(ADAPTER_TARGETS) or not self.targets:
+            raise ValueError(f"targets must be some of {ADAPTER_TARGETS}, got {self.targets!r}")
+        if not 0 < self.validation_share < 1:
+            raise ValueError(f"validation_share must be in (0, 1), got {self.validation_share!r}")
+        for name in ("alpha", "learning_rate", "max_seconds"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not (isinstance(self.epochs, int) and self.epochs >= 1):
+            raise ValueError(f"epochs must be a positive integer, got {self.epochs!r}")
+
+
+@dataclass(frozen=True)
+class AdapterFit:
+    """A trained adapter and its head: ``softmax(weights @ x + intercept)`` on what the probe
+    reads (``reads`` of ``layer``: the point, then the mean), the temperature folded in."""
+
+    adapter: Adapter
+    layer: int
+    reads: str
+    weights: np.ndarray  # (k, slots * H) float64
+    intercept: np.ndarray  # (k,) float64
+    temperature: float  # set on the validation fold, already divided into weights and intercept
+    # Per epoch: training loss, validation NLL and accuracy; the epoch kept (1-based).
+    history: list[dict[str, float]] = field(default_factory=list)
+    best_epoch: int = 0
+    seconds: float = 0.0
+    n_train: int = 0
+    n_validation: int = 0
+
+    @property
+    def validation_nll(self) -> float:
+        """The kept epoch's NLL on the validation fold, before the temperature."""
+        return (
+            self.history[self.best_epoch - 1]["validation_nll"]
+            if self.best_epoch
+            else self.initial_nll
+        )
+
+    initial_nll: float = float("nan")  # the warm start's, on the validation fold
+
+    @property
+    def note(self) -> str:
+        last = self.history[self.best_epoch - 1] if self.best_epoch else {}
+        return (
+            f"LoRA rank {self.adapter.rank} on blocks {self.adapter.blocks[0] + 1}-"
+            f"{self.adapter.blocks[-1] + 1} under a head on layer {self.layer} ({self.reads}), "
+            f"trained on {self.n_train} items in {self.seconds:.0f} s; epoch {self.best_epoch} "
+            f"kept (validation NLL {last.get('validation_nll', float('nan')):.4f}, accuracy "
+            f"{last.get('validation_accuracy', float('nan')):.3f} on {self.n_validation} items "
+            f"it was not trained on), temperature {self.temperature:.3f}"
+        )
+
+
+@dataclass
+class _Item:
+    states: torch.Tensor  # (T, H) float32: the residual stream entering the first adapted block
+    span: tuple[int, int] | None  # the item's tokens, for a mean
+
+
+def fit_adapter(
+    engine: Judge,
+    queries: Sequence[Query],
+    labels: Sequence[int],
+    *,
+    layer: int,
+    reads: str,
+    head_weights: np.ndarray,
+    head_intercept: np.ndarray,
+    settings: AdapterSettings | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> AdapterFit:
+    """Train an adapter on ``queries`` (their ``item_span`` marks what a mean reads) and label
+    indices ``labels`` under a head on ``layer`` that ``reads`` "point", "mean" or
+    "point+mean", warm-started from ``head_weights`` (k, slots * H) and ``head_intercept``
+    (k,): a fitted probe's, without its log-probability columns.
+
+    ``progress(stage, done, total)`` is called as the states are computed ("states") and as
+    training steps are taken ("train").
+    """
+    s = settings or AdapterSettings()
+    y = np.asarray(labels, dtype=np.int64)
+    n = len(queries)
+    if y.shape != (n,) or n < 10:
+        raise ValueError(f"need one label per query and at least 10 queries, got {y.shape} for {n}")
+    num_layers = engine.num_layers or 0
+    if not 1 <= layer <= num_layers:
+        raise ValueError(f"layer must be 1 to {num_layers}, got {layer}")
+    if reads not in ("point", "mean", "point+mean"):
+        raise ValueError(f"reads must be point, mean or point+mean, got {reads!r}")
+    first = max(0, layer - s.blocks)
+    adapted = list(range(first, layer))
+    start = time.perf_counter()
+    torch.manual_seed(s.seed)
+    rng = np.random.default_rng(s.seed)
+
+    items = _entering_states(engine, queries, first, reads, progress)
+    train_idx, val_idx = _fold(y, s.validation_share, rng)
+    stack, norm, rotary = _trainable_stack(engine, adapted, s, last=layer == num_layers)
+    head = torch.nn.Linear(head_weights.shape[1], head_weights.shape[0])
+    with torch.no_grad():
+        head.weight.copy_(torch.as_tensor(head_weights, dtype=torch.float32))
+        head.bias.copy_(torch.as_tensor(head_intercept, dtype=torch.float32))
+    trained = [p for p in stack.parameters() if p.requires_grad] + list(head.parameters())
+    optimizer = torch.optim.AdamW(trained, lr=s.learning_rate, weight_decay=0.0)
+    labels_t = torch.as_tensor(y)
+
+    def logits_of(index: np.ndarray) -> torch.Tensor:
+        x = _features([items[i] for i in index], stack, norm, rotary, reads)  # (B, slots*H)
+        return head(x)  # (B, k)
+
+    def validation() -> tuple[float, float, torch.Tensor]:
+        with torch.no_grad():
+            z = torch.cat([logits_of(b) for b in _batches(val_idx, s.batch_size)])
+        target = labels_t[val_idx]
+        nll = float(F.cross_entropy(z, target))
+        return nll, float((z.argmax(1) == target).float().mean()), z
+
+    steps_per_epoch = math.ceil(len(train_idx) / s.batch_size)
+    total = steps_per_epoch * s.epochs
+    best_nll, _, best_z = validation()
+    initial_nll = best_nll
+    best = _snapshot(trained)
+    history: list[dict[str, float]] = []
+    best_epoch, waited, done = 0, 0, 0
+    for epoch in range(s.epochs):
+        losses = []
+        for batch in _batches(rng.permutation(train_idx), s.batch_size):
+            loss = F.cross_entropy(logits_of(batch), labels_t[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            done += 1
+            if progress is not None:
+                progress("train", done, total)
+        nll, accuracy, z = validation()
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": float(np.mean(losses)),
+                "validation_nll": nll,
+                "validation_accuracy": accuracy,
+            }
+        )
+        if nll < best_nll:
+            best_nll, best_z, best_epoch, waited = nll, z, epoch + 1, 0
+            best = _snapshot(trained)
+        else:
+            waited += 1
+        if waited > s.patience or time.perf_counter() - start > s.max_seconds:
+            break
+    _restore(trained, best)
+    temperature = _temperature(best_z, labels_t[val_idx])
+    adapter = _adapter(engine, stack, adapted, s)
+    return AdapterFit(
+        adapter=adapter,
+        layer=layer,
+        reads=reads,
+        weights=head.weight.detach().double().numpy() / temperature,
+        intercept=head.bias.detach().double().numpy() / temperature,
+        temperature=temperature,
+        history=history,
+        best_epoch=best_epoch,
+        seconds=time.perf_counter() - start,
+        n_train=len(train_idx),
+        n_validation=len(val_idx),
+        initial_nll=initial_nll,
+    )
+
+
+def _fold(y: np.ndarray, share: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Training and validation indices, stratified by label (every label in both where it
+    has two items)."""
+    val = []
+    for label in np.unique(y):
+        members = rng.permutation(np.flatnonzero(y == label))
+        take = min(len(members) - 1, round(len(members) * share)) if len(members) > 1 else 0
+        val.extend(members[:take].tolist())
+    val_idx = np.sort(np.asarray(val, dtype=np.int64))
+    train_idx = np.setdiff1d(np.arange(y.shape[0]), val_idx)
+    if val_idx.shape[0] == 0 or train_idx.shape[0] == 0:
+        raise ValueError("too few items to hold a validation fold out of the training items")
+    return train_idx, val_idx
+
+
+def _batches(index: np.ndarray, size: int) -> list[np.ndarray]:
+    return [index[i : i + size] for i in range(0, index.shape[0], size)]
+
+
+def _entering_states(
+    engine: Judge,
+    queries: Sequence[Query],
+    first: int,
+    reads: str,
+    progress: Callable[[str, int, int], None] | None,
+) -> list[_Item]:
+    """Each query's residual stream entering block ``first`` (after ``first`` blocks of the
+    engine's own model, as loaded), over its context: the tokens up to the decision point."""
+    model = engine.model
+    items = []
+    with torch.inference_mode():
+        for i, query in enumerate(queries):
+            asked = query if "mean" not in reads else _with_span(query)
+            prepared = engine.prepare(asked)
+            ids = torch.tensor([prepared.trie.context])
+            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            states = out.hidden_states[first][0].float().clone()  # (T, H)
+            items.append(_Item(states, prepared.trie.span))
+            if progress is not None:
+                progress("states", i + 1, len(queries))
+    return items
+
+
+def _with_span(query: Query) -> Query:
+    import msgspec
+
+    layers = query.span_layers or (1,)
+    return msgspec.structs.replace(query, span_layers=layers, feature_layers=(), adapter=None)
+
+
+def _trainable_stack(
+    engine: Judge, adapted: list[int], s: AdapterSettings, *, last: bool
+) -> tuple[torch.nn.ModuleList, torch.nn.Module | None, torch.nn.Module]:
+    """float32 copies of the adapted blocks with LoRA injected (peft), the final norm where
+    the head reads the last layer, and the rotary embedding."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    blocks = decoder_blocks(engine.model)
+    stack = torch.nn.ModuleList([copy.deepcopy(blocks[i]).float() for i in adapted])
+    for p in stack.parameters():
+        p.data = p.data.clone()  # not a view of the base model's fused weights
+        p.requires_grad_(False)
+    config = LoraConfig(
+        r=s.rank,
+        lora_alpha=s.alpha,  # type: ignore[arg-type]  # a float works: scaling = alpha / r
+        target_modules=list(s.targets),
+        lora_dropout=0.0,
+        bias="none",
+    )
+    inject_adapter_in_model(config, stack)  # in place
+    decoder: Any = engine.model.get_decoder()
+    norm = copy.deepcopy(decoder.norm).float() if last else None
+    rotary = copy.deepcopy(decoder.rotary_emb).float()
+    return stack, norm, rotary
+
+
+def _features(
+    items: list[_Item],
+    stack: torch.nn.ModuleList,
+    norm: torch.nn.Module | None,
+    rotary: torch.nn.Module,
+    reads: str,
+) -> torch.Tensor:
+    """The head's inputs (B, slots * H) for ``items``: their states run through the adapted
+    blocks, read at the decision point (each context's last token) and/or averaged over the
+    item's tokens."""
+    lengths = [it.states.shape[0] for it in items]
+    T, H = max(lengths), items[0].states.shape[1]
+    h = torch.zeros(len(items), T, H)  # (B, T, H), right-padded
+    valid = torch.zeros(len(items), T, dtype=torch.bool)
+    for b, it in enumerate(items):
+        h[b, : lengths[b]] = it.states
+        valid[b, : lengths[b]] = True
+    positions = torch.arange(T)[None].expand(len(items), T)  # (B, T)
+    # Causal, and no query reads a padding key; padding queries (never read) see the real ones.
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    allowed = causal[None] & valid[:, None, :]  # (B, T, T)
+    mask = torch.zeros(len(items), 1, T, T).masked_fill(
+        ~allowed[:, None], torch.finfo(torch.float32).min
+    )
+    cos_sin = rotary(h, positions)
+    for block in stack:
+        h = block(h, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
+        h = h[0] if isinstance(h, tuple) else h
+    if norm is not None:
+        h = norm(h)
+    parts = []
+    if "point" in reads:
+        parts.append(torch.stack([h[b, lengths[b] - 1] for b in range(len(items))]))
+    if "mean" in reads:
+        spans = [it.span or (0, lengths[b]) for b, it in enumerate(items)]
+        parts.append(torch.stack([h[b, a:e].mean(0) for b, (a, e) in enumerate(spans)]))
+    return torch.cat(parts, dim=1)
+
+
+def _snapshot(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params]
+
+
+def _restore(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, v in zip(params, values, strict=True):
+            p.copy_(v)
+
+
+def _temperature(z: torch.Tensor, y: torch.Tensor) -> float:
+    """The temperature that minimises the validation NLL of logits ``z`` (a grid in log
+    space: one number, so a grid is exact enough and needs no optimiser)."""
+    grid = np.exp(np.linspace(np.log(0.25), np.log(8.0), 241))
+    nll = [float(F.cross_entropy(z / t, y)) for t in grid]
+    return float(grid[int(np.argmin(nll))])
+
+
+def _adapter(
+    engine: Judge, stack: torch.nn.ModuleList, adapted: list[int], s: AdapterSettings
+) -> Adapter:
+    """The trained A and B matrices as an ``Adapter`` (safetensors bytes, named by block)."""
+    from safetensors.torch import save
+
+    tensors = {}
+    for j, block in enumerate(stack):
+        for name, module in block.named_modules():
+            target = name.rsplit(".", 1)[-1]
+            if target in s.targets and hasattr(module, "lora_A"):
+                tensors[f"{adapted[j]}.{target}.A"] = (
+                    module.lora_A["default"].weight.detach().float().contiguous()
+                )
+                tensors[f"{adapted[j]}.{target}.B"] = (
+                    module.lora_B["default"].weight.detach().float().contiguous()
+                )
+    weights = save(tensors)
+    return Adapter(
+        blocks=adapted,
+        rank=s.rank,
+        alpha=s.alpha,
+        targets=list(s.targets),
+        weights=weights,
+        sha256=weights_sha256(weights),
+        model_sha256=engine.model_sha256,
+    )
