@@ -33,6 +33,7 @@ import msgspec
 
 from calibration.errors import ProfileMismatchError
 from calibration.policy import Policy, PolicyDefaults, ScoredJudgment, Verdict, make_policy
+from judge.adapters import Adapter
 
 if TYPE_CHECKING:
     from calibration.profile import CalibrationProfile
@@ -187,7 +188,7 @@ class Gate:
     def asks(self, query: _Query) -> _Query:
         """``query`` (the engine's ``Query``) asking for the hidden states this gate reads (its
         probe's) and the log keeps; its own item span is left as it is."""
-        adapter = None if self.profile is None else self.profile.adapter
+        adapter = self.adapter
         if not (self.feature_layers or self.span_layers or adapter):
             return query
         return msgspec.structs.replace(
@@ -196,6 +197,11 @@ class Gate:
             span_layers=self.span_layers,
             adapter=adapter,
         )
+
+    @property
+    def adapter(self) -> Adapter | None:
+        """The low-rank adapter a judgment for this gate is made under: its profile's."""
+        return None if self.profile is None else self.profile.adapter
 
     @property
     def sha256(self) -> str:
@@ -404,7 +410,7 @@ class Gate:
             "response_suffix": response_suffix,
         }
         self.check_engine(engine, choices=asked, **template)
-        adapter = None if self.profile is None else self.profile.adapter
+        adapter = self.adapter
         judgment = engine.judge(
             prompt,
             asked,

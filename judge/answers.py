@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from judge.adapters import Adapter
 from judge.errors import InvalidQueryError, JudgeError
 from judge.identity import listings_sha256
 from judge.judgments import Judgment, Query, shared_query
@@ -210,13 +211,15 @@ def plan_decisions(
     response_prefix: str | None = None,
     feature_layers: Mapping[str, Sequence[int]] | None = None,
     span_layers: Mapping[str, Sequence[int]] | None = None,
+    adapters: Mapping[str, Adapter | None] | None = None,
 ) -> DecisionPlan:
     """Check ``questions`` and render every listing's query; no model work.
 
     ``questions`` maps an id to a question (or its JSON form, ``{"type": ...}``). A bad one
     raises ``InvalidQueryError`` whose field names it (``questions.<id>.criteria``).
     ``feature_layers``: hidden-state layers to read per question id (a probe's);
-    ``span_layers``, those whose mean over the state (the item) to read.
+    ``span_layers``, those whose mean over the state (the item) to read; ``adapters``, the
+    low-rank adapters to judge each question under (``Query.adapter``: a profile's).
     """
     if max_orderings < 1:
         raise ValueError(f"max_orderings must be >= 1, got {max_orderings}")
@@ -231,6 +234,7 @@ def plan_decisions(
         listings = _listings(question, max_orderings)
         layers = tuple((feature_layers or {}).get(qid, ()))
         spans = tuple((span_layers or {}).get(qid, ()))
+        adapter = (adapters or {}).get(qid)
         pair = isinstance(question, PairQuestion)
         # A pair's labels stand for places: listing [1, 0] reads the second candidate as "A".
         reads = [list(listing) if pair else list(range(len(choices))) for listing in listings]
@@ -243,6 +247,7 @@ def plan_decisions(
                 response_prefix=response_prefix,
                 feature_layers=layers,
                 span_layers=spans,
+                adapter=adapter,
             )
             queries.append(shared_query(context, query))
     return DecisionPlan(context, queries, asked)

@@ -157,12 +157,9 @@ def judge_questions(
         max_orderings=max_orderings,
         feature_layers={qid: g.feature_layers for qid, g in gates.items()},
         span_layers={qid: g.span_layers for qid, g in gates.items()},
+        adapters={qid: g.adapter for qid, g in gates.items()},
     )
-    checked = [g for g in gates.values() if g.profile is not None]
-    fingerprint = engine.fingerprint() if checked else None
     for asked in plan.asked:
-        gate = gates[asked.id]
-        if fingerprint is not None:
-            gate.check(fingerprint, choices=asked.choices, field=f"profiles.{asked.id}")
+        gates[asked.id].check_engine(engine, choices=asked.choices, field=f"profiles.{asked.id}")
     answers = plan.answers(engine.run_shared(plan.prepare(engine)))
     return {qid: (answer, gates[qid].decide_answer(answer)) for qid, answer in answers.items()}

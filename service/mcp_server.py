@@ -216,16 +216,10 @@ def create_server(
                 # A profile fitted on a task: the prompt must mark its item, and is flagged
                 # when it is not the task's prompt (as POST /judge does).
                 outside = gate.outside_template(prompt, span)
-                judgment = engine.judge(
-                    prompt,
-                    choices,
-                    system=system,
-                    feature_layers=gate.feature_layers,
-                    span_layers=gate.span_layers,
-                    item_span=span,
-                )
+                query = Query(prompt=prompt, choices=list(choices), system=system, item_span=span)
+                # The gate asks for what its profile reads: the probe's layers, its adapter.
+                judgment = engine.judge_batch([gate.asks(query)])[0]
             verdict = gate.decide(judgment, outside_template=outside)
-            query = Query(prompt=prompt, choices=list(choices), system=system, item_span=span)
             keep(
                 [
                     context.settle(

@@ -250,6 +250,16 @@ def test_a_served_model_reads_canonical_paths_only(judge: Judge) -> None:
         ServerEngine("http://fake/v1", judge.tokenizer, choice_paths="grammar", transport=transport)
 
 
+def test_an_adapter_is_refused_naming_the_field(judge: Judge) -> None:
+    from test_adapter import random_adapter
+
+    engine, fake = _fake_engine(judge)
+    with pytest.raises(InvalidQueryError, match="cannot judge under a low-rank adapter") as caught:
+        engine.judge("Is the sky blue?", ["yes", "no"], adapter=random_adapter(judge, [2]))
+    assert caught.value.field == "adapter"
+    assert fake.requests == []  # refused before any request
+
+
 def test_hidden_states_are_refused(judge: Judge) -> None:
     engine, fake = _fake_engine(judge)
     for options in ({"feature_layers": [3]}, {"span_layers": [3]}):

@@ -71,8 +71,24 @@ def test_every_route_marks_the_item_and_gives_the_same_verdict(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    views = every_route(judge, profile, tmp_path, capsys)
+    expected = views["python"]
+    for route, view in views.items():
+        for key, value in view.items():
+            assert value == expected[key], (route, key, value, expected[key])
+
+
+def every_route(
+    judge: Judge,
+    profile: CalibrationProfile,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> dict[str, dict[str, Any]]:
+    """The verdict on one item under ``profile`` (named "billing", its probe reading the mean
+    over the item) by every route: the Python gate, ``judge ask``, ``POST /judge``, a batch
+    item, a shared question, System One, ``judge replay``, MCP's ``judge`` and ``decide``."""
     profiles = tmp_path / "profiles"
-    profiles.mkdir()
+    profiles.mkdir(parents=True)
     path = save_profile(profile, profiles / "billing.json")
     prompt = _prompt()  # the state, a blank line, the rendered question
     question = prompt.removeprefix(STATE + "\n\n")
@@ -161,8 +177,4 @@ def test_every_route_marks_the_item_and_gives_the_same_verdict(
     decided: Any = asyncio.run(server.call_tool("decide", asked))
     assert not decided.is_error, decided.content
     views["MCP decide"] = _view(decided.structured_content["billing"])
-
-    expected = views["python"]
-    for route, view in views.items():
-        for key, value in view.items():
-            assert value == expected[key], (route, key, value, expected[key])
+    return views

@@ -29,6 +29,7 @@ from calibration.tasks import (
     LabeledScores,
     Task,
     content_free_prompts,
+    fit_adapter_profile,
     fit_labeled,
     fit_unlabeled,
     judge_task_items,
@@ -47,6 +48,7 @@ from service.cli.common import (
     load_engine,
     load_profile,
     open_probability,
+    positive_int,
     probability,
     task_arguments,
     to_json,
@@ -99,10 +101,29 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     fit.add_argument(
         "--method",
-        choices=["auto", "temperature", "bias_temperature", "probe"],
+        choices=["auto", "temperature", "bias_temperature", "probe", "adapter"],
         help="the calibration map: auto (default) chooses between temperature, "
         "bias_temperature and probe (a learned head on the model's hidden state) by "
-        f"cross-validated NLL; the probe is tried from {MIN_PROBE_EXAMPLES} labeled examples",
+        f"cross-validated NLL; the probe is tried from {MIN_PROBE_EXAMPLES} labeled examples; "
+        "adapter: low-rank adapters (LoRA) trained under the probe's head on the fit split, "
+        "served merged in the same pass (minutes, not seconds)",
+    )
+    adapter = fit.add_argument_group("--method adapter")
+    adapter.add_argument(
+        "--epochs", type=positive_int, default=4, help="training epochs at most (default 4)"
+    )
+    adapter.add_argument(
+        "--adapter-blocks",
+        type=positive_int,
+        default=10,
+        help="decoder blocks adapted, just below the layer the head reads (default 10)",
+    )
+    adapter.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
+    adapter.add_argument(
+        "--max-minutes",
+        type=float,
+        default=15.0,
+        help="training stops after the epoch that passes this (default 15)",
     )
     fit.add_argument(
         "--methods",
@@ -189,6 +210,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             f"{task.name}/{args.split} has {len(items)} items{limited}; a calibration profile "
             f"needs at least {MIN_EXAMPLES} labeled examples"
         )
+    if args.method == "adapter":
+        return _calibrate_adapter(args, task, name, items, digest)
     settings = fit_settings(args, values=task.values, max_std=args.max_std)
     methods = settings.methods
     if "probe" in methods and methods != "auto" and len(items) < MIN_PROBE_EXAMPLES:
@@ -269,6 +292,84 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for line in class_certificate_lines(profile):
         print(line.replace("**", ""))
     print(f"wrote {out / name}.json, .report.md, .reliability.png")
+    return 0
+
+
+def _calibrate_adapter(
+    args: argparse.Namespace, task: Task, name: str, items: list[LabeledItem], digest: str
+) -> int:
+    """``--method adapter``: a probe on the fit split, adapters trained under its head, the
+    head certified on the items neither saw (``calibration.tasks.fit_adapter_profile``)."""
+    from tqdm import tqdm
+
+    from calibration.report import metrics_table, profile_markdown
+    from judge import Judge
+    from judge.adapter_fit import AdapterSettings
+
+    if len(items) < MIN_PROBE_EXAMPLES:
+        raise UsageError(
+            f"method adapter needs at least {MIN_PROBE_EXAMPLES} labeled examples (it starts "
+            f"from a probe), and {task.name}/{args.split} has {len(items)}"
+        )
+    if not args.max_minutes > 0:
+        raise UsageError(f"--max-minutes must be a positive number, got {args.max_minutes}")
+    engine = load_engine(args, dtype=args.dtype)
+    if not isinstance(engine, Judge):
+        raise UsageError(
+            f"--method adapter trains on the model's own weights; {args.model} is served "
+            "elsewhere: load the model here (a Hugging Face id, a directory or a GGUF)"
+        )
+    settings = fit_settings(args, values=task.values, max_std=args.max_std)
+    adapter_settings = AdapterSettings(
+        blocks=args.adapter_blocks,
+        rank=args.rank,
+        epochs=args.epochs,
+        max_seconds=args.max_minutes * 60,
+        seed=settings.seed,
+    )
+    bars: dict[str, tqdm] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(total=total, desc=f"{task.name} {stage}", file=sys.stderr)
+        bar.update(done - bar.n)  # tqdm shows the time left from the rate so far
+        if done >= total:
+            bar.close()
+
+    fitted = fit_adapter_profile(
+        engine,
+        task,
+        items,
+        name,
+        dataset=f"{task.name}/{args.split}",
+        dataset_sha256=digest,
+        settings=settings,
+        adapter_settings=adapter_settings,
+        batch_size=args.batch_size,
+        progress=progress,
+    )
+    profile, probe = fitted.profile, fitted.probe
+    out = args.profiles_dir
+    save_profile(profile, out / f"{name}.json")
+    write_text(out / f"{name}.report.md", profile_markdown(profile))
+    print(f"profile {name}: method adapter; {fitted.fit.note}")
+    assert profile.metrics_before is not None and profile.metrics_after is not None
+    assert probe.metrics_after is not None
+    print(metrics_table(profile.metrics_before, profile.metrics_after))
+    for label, p in (("adapter", profile), ("probe on the same split", probe)):
+        assert p.metrics_after is not None
+        t = p.threshold
+        certified = (
+            f"threshold {t.threshold:.3f}, coverage {t.coverage:.3f}"
+            if t.threshold is not None
+            else f"no certified threshold ({t.reason})"
+        )
+        print(
+            f"{label}: held-out accuracy {p.metrics_after.accuracy.value:.3f}, "
+            f"ECE {p.metrics_after.ece.value:.3f}; {certified}"
+        )
+    print(f"wrote {out / name}.json ({(out / f'{name}.json').stat().st_size} bytes), .report.md")
     return 0
 
 

@@ -135,14 +135,15 @@ class SystemOneServing:
             for a in plan.asked
             if cascade is not None
         }
-        if any(g.feature_layers or g.span_layers for g in gates.values()):
+        if any(g.feature_layers or g.span_layers or g.adapter for g in gates.values()):
             # A probe reads the pass's hidden states (at the decision point, or their mean
-            # over the state, the item): ask for them.
+            # over the state, the item), maybe under its profile's adapter: ask for them.
             plan = plan_decisions(
                 state,
                 questions,
                 feature_layers={qid: g.feature_layers for qid, g in gates.items()},
                 span_layers={qid: g.span_layers for qid, g in gates.items()},
+                adapters={qid: g.adapter for qid, g in gates.items()},
             )
         owners = [plan.question_of(i) for i in range(len(plan.queries))]
         fields = [_systemone_field(plan.context, q, asked[q]) for q in owners]

@@ -1,0 +1,225 @@
+"""Adapters that learn (issue 56), on the real default model.
+
+A profile fitted with ``--method adapter`` carries LoRA weights trained under its probe's head
+on the fit split alone; every judgment under it runs the model with them merged, in the same
+one pass, batch- and cache-invariant bit for bit; the certificate rests on items the adapter
+never saw; a tampered adapter, one for other weights, or an engine that cannot merge one is
+refused naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from test_span_service import every_route
+
+from calibration import CalibrationProfile, Gate, ProfileMismatchError, load_profile, save_profile
+from calibration.fitting import split_examples
+from calibration.maps import Probe
+from calibration.tasks import (
+    AdapterProfile,
+    fit_adapter_profile,
+    labeled_queries,
+    load_split,
+    load_task,
+    task_item_span,
+    task_prompt,
+)
+from judge import InvalidQueryError, Judge, Query
+from judge.adapter_fit import AdapterSettings, fit_adapter
+from judge.adapters import Adapter, weights_sha256
+from service.cli.main import main
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# Small and quick: the routing, the honesty and the bits are what is tested here; what an
+# adapter buys is measured in benchmarks/bench_adapter.py.
+QUICK = AdapterSettings(blocks=2, epochs=1, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def fitted(judge: Judge) -> AdapterProfile:
+    task = load_task(DATA / "sst2")
+    items, digest = load_split(task, "calibration", 100)
+    return fit_adapter_profile(
+        judge,
+        task,
+        items,
+        "sst2",
+        dataset="sst2/calibration",
+        dataset_sha256=digest,
+        adapter_settings=QUICK,
+    )
+
+
+def random_adapter(judge: Judge, blocks: list[int], seed: int = 0) -> Adapter:
+    """An adapter of the model's shapes with small random A and B (B nonzero, so that it
+    changes the numbers)."""
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    layers: Any = judge.model.get_decoder().layers
+    for i in blocks:
+        for name in ("q_proj", "v_proj", "down_proj"):
+            part = "self_attn" if name != "down_proj" else "mlp"
+            w = layers[i].get_submodule(f"{part}.{name}").weight
+            tensors[f"{i}.{name}.A"] = torch.randn(4, w.shape[1], generator=g) * 0.05
+            tensors[f"{i}.{name}.B"] = torch.randn(w.shape[0], 4, generator=g) * 0.05
+    weights = save(tensors)
+    return Adapter(
+        blocks=blocks,
+        rank=4,
+        alpha=8.0,
+        targets=["q_proj", "v_proj", "down_proj"],
+        weights=weights,
+        sha256=weights_sha256(weights),
+        model_sha256=judge.model_sha256,
+    )
+
+
+def test_the_adapter_trains_on_the_fit_split_alone_and_is_certified_on_the_rest(
+    fitted: AdapterProfile,
+) -> None:
+    profile, probe = fitted.profile, fitted.probe
+    adapter = profile.adapter
+    assert adapter is not None and probe.adapter is None
+    # Trained and validated on the fit split's items; the rest certify.
+    assert fitted.fit.n_train + fitted.fit.n_validation == profile.split.fit
+    assert profile.split == probe.split  # the same items fit, set the quantile and certify
+    fit_idx, conformal_idx, certify_idx = split_examples(fitted.scores.labels, 0, True)
+    assert fit_idx.shape[0] == profile.split.fit and certify_idx.shape[0] == profile.split.certify
+    # The head reads what the adapted blocks feed, and the blocks sit just below it.
+    head = profile.calibration_map
+    assert isinstance(head, Probe) and adapter.blocks == [head.layers[0] - 2, head.layers[0] - 1]
+    assert profile.metrics_after is not None and profile.metrics_after.n == (
+        conformal_idx.shape[0] + certify_idx.shape[0]
+    )
+    assert "LoRA rank 8" in profile.note and "validation" in profile.note
+
+
+def test_a_profile_carries_its_adapter_and_refuses_one_tampered(
+    fitted: AdapterProfile, tmp_path: Path
+) -> None:
+    path = save_profile(fitted.profile, tmp_path / "sst2.json")
+    loaded = load_profile(path)
+    assert loaded == fitted.profile and loaded.adapter is not None
+    assert loaded.adapter.sha256 == weights_sha256(loaded.adapter.weights)
+    data = msgspec.json.decode(path.read_bytes())
+    weights = bytearray(loaded.adapter.weights)
+    weights[-1] ^= 1  # one bit of one weight
+    import base64
+
+    data["adapter"]["weights"] = base64.b64encode(bytes(weights)).decode()
+    path.write_bytes(msgspec.json.encode(data))
+    with pytest.raises(Exception, match=r"adapter\.sha256"):
+        load_profile(path)
+
+
+def test_judgments_under_an_adapter_are_batch_and_cache_invariant(judge: Judge) -> None:
+    adapter = random_adapter(judge, [12, 13, 14])
+    prompts = ["Is the sky blue?", "Is water dry? Think about it.", "Is 91 a prime number?"]
+    plain = [Query(prompt=p, choices=["yes", "no"], feature_layers=(15,)) for p in prompts]
+    adapted = [msgspec.structs.replace(q, adapter=adapter) for q in plain]
+    base = judge.judge_batch(plain)
+    lone = [judge.judge_batch([q])[0] for q in adapted]  # the base model's cache is warm
+    batch = judge.judge_batch(adapted)
+    warm = [judge.judge_batch([q])[0] for q in adapted]  # the adapter's own cache is warm
+    mixed = judge.judge_batch([adapted[0], plain[1], adapted[2], plain[0]])
+    for i in range(3):
+        assert lone[i].probs == batch[i].probs == warm[i].probs
+        assert lone[i].features == batch[i].features == warm[i].features
+        assert lone[i].adapter_sha256 == adapter.sha256 and base[i].adapter_sha256 == ""
+        assert lone[i].probs != base[i].probs  # the adapter changes the numbers
+    assert warm[0].cached_tokens > 0  # read from a cache: the adapter's, never the base's
+    assert judge.adapted(adapter).prefix_cache is not judge.prefix_cache
+    assert [m.probs for m in mixed] == [lone[0].probs, base[1].probs, lone[2].probs, base[0].probs]
+    # The base model is untouched by the merged copies.
+    assert [j.probs for j in judge.judge_batch(plain)] == [j.probs for j in base]
+
+
+def test_an_adapter_trained_on_other_weights_is_refused(judge: Judge) -> None:
+    other = msgspec.structs.replace(random_adapter(judge, [3]), model_sha256="0" * 64)
+    with pytest.raises(InvalidQueryError, match="trained on weights") as caught:
+        judge.judge("Is the sky blue?", ["yes", "no"], adapter=other)
+    assert caught.value.field == "adapter"
+
+
+def test_training_is_reproducible(judge: Judge) -> None:
+    task = load_task(DATA / "sst2")
+    items, _ = load_split(task, "calibration", 24)
+    queries = labeled_queries(
+        [task_prompt(task, it.text) for it in items],
+        task.choices,
+        item_spans=[task_item_span(task, it.text) for it in items],
+    )
+    labels = [task.choices.index(it.label) for it in items]
+    k, h = len(task.choices), judge.hidden_size or 0
+    runs = [
+        fit_adapter(
+            judge,
+            queries,
+            labels,
+            layer=8,
+            reads="mean",
+            head_weights=np.zeros((k, h)),
+            head_intercept=np.zeros(k),
+            settings=AdapterSettings(blocks=1, epochs=2, batch_size=8, seed=3),
+        )
+        for _ in range(2)
+    ]
+    assert runs[0].adapter.sha256 == runs[1].adapter.sha256
+    assert np.array_equal(runs[0].weights, runs[1].weights)
+    assert runs[0].adapter.blocks == [7]
+
+
+def test_an_engine_that_cannot_merge_an_adapter_is_refused(fitted: AdapterProfile) -> None:
+    class Served:
+        model_id = "openai+http://127.0.0.1:9/v1"
+
+        def fingerprint(self, **template: Any) -> Any:
+            raise AssertionError("refused before the fingerprint is read")
+
+    gate = Gate(fitted.profile)
+    with pytest.raises(ProfileMismatchError, match="cannot merge one") as caught:
+        gate.check_engine(Served())  # type: ignore[arg-type]
+    assert caught.value.field == "adapter"
+
+
+def test_every_route_judges_under_the_adapter(
+    judge: Judge, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_span_service import LAYER
+    from test_span_service import profile as probe_profile
+
+    base: CalibrationProfile = probe_profile.__wrapped__(judge)  # type: ignore[attr-defined]
+    adapted = msgspec.structs.replace(base, adapter=random_adapter(judge, [LAYER - 2, LAYER - 1]))
+    views = every_route(judge, adapted, tmp_path / "adapted", capsys)
+    expected = views["python"]
+    for route, view in views.items():
+        for key, value in view.items():
+            assert value == expected[key], (route, key, value, expected[key])
+    # Not the numbers of the same probe without the adapter.
+    plain = every_route(judge, base, tmp_path / "plain", capsys)["python"]
+    assert plain["raw_probabilities"] != expected["raw_probabilities"]
+
+
+def test_judge_calibrate_method_adapter_writes_a_profile_judge_ask_serves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], loaded_once: list[dict[str, object]]
+) -> None:
+    profiles = tmp_path / "profiles"
+    argv = ["calibrate", "--task", str(DATA / "sst2"), "--method", "adapter", "--limit", "100"]
+    argv += ["--epochs", "1", "--adapter-blocks", "1", "--profiles-dir", str(profiles)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "method adapter" in out and "probe on the same split" in out
+    profile = load_profile(profiles / "sst2.json")
+    assert profile.adapter is not None and len(profile.adapter.blocks) == 1
+    text = "a gorgeous, witty, seductive movie."
+    assert main(["ask", text, "--profile", str(profiles / "sst2.json")]) == 0
+    asked = msgspec.json.decode(capsys.readouterr().out)
+    assert asked["profile"] == "sst2" and set(asked["probabilities"]) == {"negative", "positive"}
