@@ -287,8 +287,8 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             return []
         if not isinstance(probe, Probe):
             return ["adapter needs a probe map: the adapter is trained under the probe's head"]
-        problems = []
-        if adapter.blocks[-1] >= min(probe.layers):
+        problems = adapter.problems()
+        if adapter.blocks and adapter.blocks[-1] >= min(probe.layers):
             problems.append(
                 f"adapter.blocks {adapter.blocks!r} must lie below the probe's layer(s) "
                 f"{probe.layers!r}: the head reads what the adapted blocks feed"

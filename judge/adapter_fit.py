@@ -109,13 +109,16 @@ class AdapterFit:
     @property
     def note(self) -> str:
         last = self.history[self.best_epoch - 1] if self.best_epoch else {}
+        nll = last.get("validation_nll", self.initial_nll)
+        kept = (
+            f"epoch {self.best_epoch} kept" if self.best_epoch else "no epoch beat the warm start"
+        )
         return (
             f"LoRA rank {self.adapter.rank} on blocks {self.adapter.blocks[0] + 1}-"
             f"{self.adapter.blocks[-1] + 1} under a head on layer {self.layer} ({self.reads}), "
-            f"trained on {self.n_train} items in {self.seconds:.0f} s; epoch {self.best_epoch} "
-            f"kept (validation NLL {last.get('validation_nll', float('nan')):.4f}, accuracy "
-            f"{last.get('validation_accuracy', float('nan')):.3f} on {self.n_validation} items "
-            f"it was not trained on), temperature {self.temperature:.3f}"
+            f"trained on {self.n_train} items in {self.seconds:.0f} s; {kept} (validation NLL "
+            f"{nll:.4f} on {self.n_validation} items it was not trained on), temperature "
+            f"{self.temperature:.3f}"
         )
 
 
@@ -365,7 +368,7 @@ def _restore(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> No
 def _temperature(z: torch.Tensor, y: torch.Tensor) -> float:
     """The temperature that minimises the validation NLL of logits ``z`` (a grid in log
     space: one number, so a grid is exact enough and needs no optimiser)."""
-    grid = np.exp(np.linspace(np.log(0.25), np.log(8.0), 241))
+    grid = np.exp(np.linspace(np.log(0.05), np.log(20.0), 361))
     nll = [float(F.cross_entropy(z / t, y)) for t in grid]
     return float(grid[int(np.argmin(nll))])
 

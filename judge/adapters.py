@@ -44,7 +44,9 @@ class Adapter(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     # is never merged into other weights than it was trained on.
     model_sha256: str
 
-    def __post_init__(self) -> None:
+    def problems(self) -> list[str]:
+        """What breaks a rule its types cannot state, each naming its field: a profile
+        refuses to load with any (``CalibrationProfile``), an engine to merge it."""
         problems = []
         b = self.blocks
         if b != list(range(b[0], b[0] + len(b))) if b else True:
@@ -56,8 +58,7 @@ class Adapter(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
                 "adapter.sha256 is not the sha256 of adapter.weights: the adapter's weights "
                 "were changed or cut short"
             )
-        if problems:
-            raise ValueError("; ".join(problems))
+        return problems
 
     @property
     def scale(self) -> float:

@@ -203,7 +203,11 @@ class Judge(BaseEngine):
     serves_adapters = True
 
     def check_adapter(self, adapter: Adapter | None) -> None:
-        """Refuse an adapter trained on other weights than this engine's."""
+        """Refuse an adapter that breaks its own rules or was trained on other weights
+        than this engine's."""
+        problems = [] if adapter is None else adapter.problems()
+        if problems:
+            raise InvalidQueryError("; ".join(problems), field="adapter")
         if adapter is not None and adapter.model_sha256 != self.model_sha256:
             raise InvalidQueryError(
                 f"adapter {adapter.short} was trained on weights with sha256 "

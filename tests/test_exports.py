@@ -39,6 +39,7 @@ _LEAVES = {
     "judge.fingerprint",
     "judge.identity",
     "judge.lazy",
+    "judge.adapters",
 }
 ALLOWED = {
     "judge.atomicio": set(),
@@ -47,8 +48,15 @@ ALLOWED = {
     "judge.fingerprint": set(),
     "judge.identity": set(),
     "judge.lazy": set(),
+    "judge.adapters": set(),  # plain data a profile carries: no torch
     "judge": _LEAVES,
-    "calibration": {"judge.atomicio", "judge.scores", "judge.fingerprint", "judge.lazy"},
+    "calibration": {
+        "judge.atomicio",
+        "judge.scores",
+        "judge.fingerprint",
+        "judge.lazy",
+        "judge.adapters",
+    },
     "calibration.tasks": _LEAVES | {"judge", "calibration"},
     "service": _LEAVES | {"judge", "calibration", "calibration.tasks"},
     "service.cli": _LEAVES | {"judge", "calibration", "calibration.tasks", "service"},

@@ -1,0 +1,185 @@
+"""What an adapter buys over the frozen probe, and what it costs (issue 56).
+
+For each shared task, on the first N items of its calibration split (the profile's labels) and
+the first M of its test split (never seen by any fit):
+
+* ``judge calibrate --method adapter``'s fit (``calibration.tasks.fit_adapter_profile``): a
+  probe on the probe split's fit items, LoRA trained under its head on those items alone, the
+  head certified on the conformal and certify splits; its wall time;
+* on the test split, the served policy of three profiles fitted on the very same split of the
+  very same labels: the scalar map (the probe profile's baseline), the frozen probe, and the
+  adapter: accuracy, ECE, the coverage accepted under the certified threshold and the
+  precision reached there (``calibration.evaluate_policy``, every gate);
+* the ms per item served, one item at a time, with and without the adapter, reading the same
+  layer, alternated item by item (same warm caches, same machine state).
+
+Run it alone: two CPU-heavy processes on two cores time each other.
+
+    python benchmarks/bench_adapter.py [--tasks sst2 ag_news trec] [--limit 500] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+from benchlib import cpu_flags, cpu_model
+
+from calibration import CalibrationProfile, evaluate_policy
+from calibration.tasks import (
+    AdapterProfile,
+    Task,
+    fit_adapter_profile,
+    judge_task_items,
+    load_split,
+    load_task,
+    task_item_span,
+    task_prompt,
+)
+from judge import Judge, Query
+from judge.adapter_fit import AdapterSettings
+from judge.atomicio import write_text
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data"
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def policy(
+    profile: CalibrationProfile, judge: Judge, task: Task, test: list[Any]
+) -> dict[str, Any]:
+    """The served policy of ``profile`` on ``test`` items, judged as the profile reads them."""
+    engine = judge if profile.adapter is None else judge.adapted(profile.adapter)
+    layers = sorted(set(profile.feature_layers) | set(profile.span_layers))
+    scores = judge_task_items(engine, task, test, feature_layers=layers, span_layers=layers)
+    ev = evaluate_policy(
+        profile,
+        scores.log_probabilities,
+        scores.labels,
+        scores.choice_mass,
+        features=scores.features_of(profile.feature_layers),
+        span_features=scores.span_features_of(profile.span_layers),
+        n_bootstrap=200,
+    )
+    return {
+        "accuracy": ev.after.accuracy.value,
+        "ece": ev.after.ece.value,
+        "threshold": ev.threshold,
+        "certified_coverage": ev.coverage if ev.certified else 0.0,
+        "precision_accepted": ev.precision,
+        "baseline": None
+        if ev.baseline is None
+        else {"accuracy": ev.baseline.after.accuracy.value, "ece": ev.baseline.after.ece.value},
+    }
+
+
+def serving_ms(
+    judge: Judge, fitted: AdapterProfile, task: Task, items: list[Any]
+) -> dict[str, float]:
+    """Median ms per lone item, with and without the adapter, reading the same layer."""
+    profile = fitted.profile
+    assert profile.adapter is not None
+    layers = tuple(profile.span_layers)
+    times: dict[str, list[float]] = {"probe": [], "adapter": []}
+    for it in items:
+        prompt = task_prompt(task, it.text)
+        base = Query(
+            prompt=prompt,
+            choices=list(task.choices),
+            span_layers=layers,
+            feature_layers=tuple(profile.feature_layers),
+            item_span=task_item_span(task, it.text),
+        )
+        for arm, query in (
+            ("probe", base),
+            ("adapter", msgspec.structs.replace(base, adapter=profile.adapter)),
+        ):
+            start = time.perf_counter()
+            judge.judge_batch([query])
+            times[arm].append((time.perf_counter() - start) * 1000)
+    return {arm: float(np.median(ms[1:])) for arm, ms in times.items()}
+
+
+def run_task(
+    judge: Judge, name: str, limit: int, test_limit: int, settings: AdapterSettings
+) -> dict[str, Any]:
+    task = load_task(DATA / name)
+    items, digest = load_split(task, "calibration", limit)
+    test, _ = load_split(task, "test", test_limit)
+    start = time.perf_counter()
+    fitted = fit_adapter_profile(
+        judge,
+        task,
+        items,
+        name,
+        dataset=f"{name}/calibration",
+        dataset_sha256=digest,
+        adapter_settings=settings,
+    )
+    fit_seconds = time.perf_counter() - start
+    probe = policy(fitted.probe, judge, task, test)
+    adapter = policy(fitted.profile, judge, task, test)
+    row = {
+        "task": name,
+        "labels": len(items),
+        "test_items": len(test),
+        "fit_seconds": fit_seconds,
+        "adapter_training_seconds": fitted.fit.seconds,
+        "adapter": adapter,
+        "probe": probe,
+        "scalar": probe["baseline"],
+        "note": fitted.fit.note,
+        "history": fitted.fit.history,
+        "adapter_bytes": len(fitted.profile.adapter.weights) if fitted.profile.adapter else 0,
+        "ms_per_item": serving_ms(judge, fitted, task, test[:21]),
+    }
+    print(
+        json.dumps({k: row[k] for k in ("task", "fit_seconds", "adapter", "probe", "ms_per_item")}),
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=["sst2", "ag_news", "trec"])
+    parser.add_argument("--limit", type=int, default=500, help="calibration items (trec has 200)")
+    parser.add_argument("--test-limit", type=int, default=500)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 100 items, 1 epoch")
+    args = parser.parse_args()
+    if args.quick:
+        args.limit, args.test_limit, args.epochs = 100, 40, 1
+    settings = AdapterSettings(epochs=args.epochs, blocks=2 if args.quick else 10)
+    judge = Judge.load()
+    rows = [run_task(judge, name, args.limit, args.test_limit, settings) for name in args.tasks]
+    print(f"\n{cpu_model()}, dtype {judge.dtype}; avx512f: {'avx512f' in cpu_flags()}")
+    print(
+        "| task | labels | scalar acc | probe acc / ECE / cert. coverage | adapter acc / ECE / cert. coverage | fit s | ms/item probe, adapter |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        a, p, s = r["adapter"], r["probe"], r["scalar"] or {"accuracy": float("nan")}
+        print(
+            f"| {r['task']} | {r['labels']} | {s['accuracy']:.3f} | {p['accuracy']:.3f} / "
+            f"{p['ece']:.3f} / {p['certified_coverage']:.3f} | {a['accuracy']:.3f} / {a['ece']:.3f}"
+            f" / {a['certified_coverage']:.3f} | {r['fit_seconds']:.0f} | "
+            f"{r['ms_per_item']['probe']:.1f}, {r['ms_per_item']['adapter']:.1f} |"
+        )
+    out = {
+        "cpu": cpu_model(),
+        "flags_avx512f": "avx512f" in cpu_flags(),
+        "dtype": judge.dtype,
+        "rows": rows,
+    }
+    name = "bench_adapter_quick.json" if args.quick else "bench_adapter.json"
+    write_text(RESULTS / name, json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
