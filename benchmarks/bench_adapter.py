@@ -152,7 +152,13 @@ def main() -> None:
     parser.add_argument("--test-limit", type=int, default=500)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 100 items, 1 epoch")
+    parser.add_argument("--out", type=Path, help="where the JSON goes (default: results/)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.limit, args.test_limit, args.epochs = 100, 40, 1
     settings = AdapterSettings(epochs=args.epochs, blocks=2 if args.quick else 10)
@@ -178,7 +184,7 @@ def main() -> None:
         "rows": rows,
     }
     name = "bench_adapter_quick.json" if args.quick else "bench_adapter.json"
-    write_text(RESULTS / name, json.dumps(out, indent=2) + "\n")
+    write_text(args.out or RESULTS / name, json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

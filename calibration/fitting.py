@@ -277,7 +277,10 @@ def fit_rule(
     best = probs.argmax(axis=1)
     correct = best == labels
     # Items the certify split does not depend on: they choose the mass gate and the starts.
-    independent = np.concatenate([fit_idx, conformal_idx])
+    # A map given with no out-of-fold probabilities for its fit items (an adapter's head,
+    # trained on them: near-certain there, whatever it does on new items) leaves them out.
+    blind = fitted is not None and fitted.heldout_probabilities is None
+    independent = conformal_idx if blind else np.concatenate([fit_idx, conformal_idx])
 
     # The served rule accepts an item only if every gate passes; an item that another gate
     # escalates gets confidence 0 here, so the certificate covers exactly that rule. The gates

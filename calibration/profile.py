@@ -285,10 +285,10 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         adapter, probe = self.adapter, self.calibration_map
         if adapter is None:
             return []
-        if not isinstance(probe, Probe):
-            return ["adapter needs a probe map: the adapter is trained under the probe's head"]
+        # Any map may read the adapted pass (a probe profile's baseline reads its logits), but a
+        # probe reads a layer the adapted blocks feed.
         problems = adapter.problems()
-        if adapter.blocks and adapter.blocks[-1] >= min(probe.layers):
+        if isinstance(probe, Probe) and adapter.blocks and adapter.blocks[-1] >= min(probe.layers):
             problems.append(
                 f"adapter.blocks {adapter.blocks!r} must lie below the probe's layer(s) "
                 f"{probe.layers!r}: the head reads what the adapted blocks feed"

@@ -135,15 +135,16 @@ def fit_adapter(
     *,
     layer: int,
     reads: str,
-    head_weights: np.ndarray,
-    head_intercept: np.ndarray,
+    warm_start: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
     settings: AdapterSettings | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> AdapterFit:
     """Train an adapter on ``queries`` (their ``item_span`` marks what a mean reads) and label
     indices ``labels`` under a head on ``layer`` that ``reads`` "point", "mean" or
-    "point+mean", warm-started from ``head_weights`` (k, slots * H) and ``head_intercept``
-    (k,): a fitted probe's, without its log-probability columns.
+    "point+mean", warm-started from ``warm_start(train)``: the head's weights (k, slots * H)
+    and intercept (k,) fitted on the frozen states of the training items ``train`` (indices
+    into ``queries``) alone, so that the validation fold is new to the head as well as to the
+    adapter (a head fitted on it would make its NLL, and the temperature, in-sample numbers).
 
     ``progress(stage, done, total)`` is called as the states are computed ("states") and as
     training steps are taken ("train").
@@ -167,6 +168,7 @@ def fit_adapter(
     items = _entering_states(engine, queries, first, reads, progress)
     train_idx, val_idx = _fold(y, s.validation_share, rng)
     stack, norm, rotary = _trainable_stack(engine, adapted, s, last=layer == num_layers)
+    head_weights, head_intercept = warm_start(train_idx)
     head = torch.nn.Linear(head_weights.shape[1], head_weights.shape[0])
     with torch.no_grad():
         head.weight.copy_(torch.as_tensor(head_weights, dtype=torch.float32))

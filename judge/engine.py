@@ -146,7 +146,9 @@ class Judge(BaseEngine):
         # The adapter merged into this judge's blocks (None: the model as loaded), and the
         # judges with one merged that this one made (``adapted``).
         self.adapter: Adapter | None = None
-        self._adapters: OrderedDict[str, Judge] = OrderedDict()
+        # Keyed by the adapter's sha256 and the choice paths read: a judge switched to the
+        # other mode (``with_choice_paths``) shares this table and must not take this one's.
+        self._adapters: OrderedDict[tuple[str, str], Judge] = OrderedDict()
         self._adapters_lock = threading.Lock()
 
     @classmethod
@@ -205,10 +207,15 @@ class Judge(BaseEngine):
     def check_adapter(self, adapter: Adapter | None) -> None:
         """Refuse an adapter that breaks its own rules or was trained on other weights
         than this engine's."""
-        problems = [] if adapter is None else adapter.problems()
+        if adapter is None:
+            return
+        kept = self._adapters.get((adapter.sha256, self.choice_paths))
+        if kept is not None and kept.adapter is adapter:
+            return  # this very object was checked when it was merged (hashing it costs ms)
+        problems = adapter.problems()
         if problems:
             raise InvalidQueryError("; ".join(problems), field="adapter")
-        if adapter is not None and adapter.model_sha256 != self.model_sha256:
+        if adapter.model_sha256 != self.model_sha256:
             raise InvalidQueryError(
                 f"adapter {adapter.short} was trained on weights with sha256 "
                 f"{adapter.model_sha256[:12]}, not this model's ({self.model_sha256[:12]}); "
@@ -222,11 +229,20 @@ class Judge(BaseEngine):
         time (least recently used out), so that each adapter is merged once."""
         from judge.adapted import MAX_ADAPTERS, merged_blocks, model_with_blocks
 
+        if self.adapter is not None:  # merged already: never one adapter on top of another
+            if adapter.sha256 == self.adapter.sha256:
+                return self
+            raise InvalidQueryError(
+                f"this judge runs adapter {self.adapter.short}; adapter {adapter.short} is "
+                "merged into the base model's judge, not into another adapter's",
+                field="adapter",
+            )
         self.check_adapter(adapter)
+        key = (adapter.sha256, self.choice_paths)
         with self._adapters_lock:
-            kept = self._adapters.get(adapter.sha256)
+            kept = self._adapters.get(key)
             if kept is not None:
-                self._adapters.move_to_end(adapter.sha256)
+                self._adapters.move_to_end(key)
                 return kept
         model = model_with_blocks(self.model, merged_blocks(self.model, adapter))
         other = copy.copy(self)
@@ -240,8 +256,8 @@ class Judge(BaseEngine):
         other._adapters = OrderedDict()  # an adapted judge adapts nothing further
         other.adapter = adapter
         with self._adapters_lock:
-            kept = self._adapters.setdefault(adapter.sha256, other)
-            self._adapters.move_to_end(adapter.sha256)
+            kept = self._adapters.setdefault(key, other)
+            self._adapters.move_to_end(key)
             while len(self._adapters) > MAX_ADAPTERS:
                 self._adapters.popitem(last=False)
         return kept

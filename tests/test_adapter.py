@@ -149,6 +149,18 @@ def test_an_adapter_trained_on_other_weights_is_refused(judge: Judge) -> None:
     assert caught.value.field == "adapter"
 
 
+def test_an_adapter_is_merged_once_into_the_base_model_only(judge: Judge) -> None:
+    first, second = random_adapter(judge, [4], seed=1), random_adapter(judge, [4], seed=2)
+    merged = judge.adapted(first)
+    assert judge.adapted(first) is merged and merged.adapted(first) is merged
+    with pytest.raises(InvalidQueryError, match="not into another adapter's"):
+        merged.adapted(second)
+    # A judge switched to the grammar-exact read shares the table, not the merged judge.
+    grammar = judge.with_choice_paths("grammar").adapted(first)
+    assert grammar is not merged and grammar.choice_paths == "grammar"
+    assert merged.choice_paths == "canonical"
+
+
 def test_training_is_reproducible(judge: Judge) -> None:
     task = load_task(DATA / "sst2")
     items, _ = load_split(task, "calibration", 24)
@@ -166,8 +178,7 @@ def test_training_is_reproducible(judge: Judge) -> None:
             labels,
             layer=8,
             reads="mean",
-            head_weights=np.zeros((k, h)),
-            head_intercept=np.zeros(k),
+            warm_start=lambda train: (np.zeros((k, h)), np.zeros(k)),
             settings=AdapterSettings(blocks=1, epochs=2, batch_size=8, seed=3),
         )
         for _ in range(2)

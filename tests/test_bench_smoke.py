@@ -361,6 +361,19 @@ def test_bench_span_features_quick(tmp_path: Path) -> None:
 @pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_adapter_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_adapter.json"
+    _run("bench_adapter.py", "--tasks", "sst2", "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["task"] == "sst2" and row["labels"] == 100 and row["adapter_bytes"] > 0
+    for arm in ("adapter", "probe"):
+        assert 0 <= row[arm]["accuracy"] <= 1 and 0 <= row[arm]["certified_coverage"] <= 1
+    assert row["ms_per_item"]["adapter"] > 0 and row["ms_per_item"]["probe"] > 0
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
 def test_bench_span_cost_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_span_cost.json"
     _run("bench_span_cost.py", "--out", str(out))

@@ -112,20 +112,25 @@ def fit_adapter_profile(
     fit_idx, _, _ = split_examples(base.labels, settings.seed, True)
     k = len(task.choices)
     x = probe_input(reads, [layer], base.features, base.span_features, base.feature_layers)
-    w, b = fit_probe_weights(
-        x[fit_idx], np.zeros((fit_idx.shape[0], k)), base.labels[fit_idx], k, probe.l2
-    )
+    x_fit, y_fit = x[fit_idx], base.labels[fit_idx]
+
+    def warm_start(train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # The probe's layer, reads and C, refitted without the log-probabilities, on the
+        # training items alone (the validation fold stays new to the head).
+        zeros = np.zeros((train.shape[0], k))
+        w, b = fit_probe_weights(x_fit[train], zeros, y_fit[train], k, probe.l2)
+        return w[:, : x.shape[1]], b
+
     prompts = [task_prompt(task, items[i].text) for i in fit_idx]
     spans = [task_item_span(task, items[i].text) for i in fit_idx]
     queries = labeled_queries(prompts, task.choices, item_spans=spans)
     fit = fit_adapter(
         engine,
         queries,
-        base.labels[fit_idx],
+        y_fit,
         layer=layer,
         reads=reads,
-        head_weights=w[:, : x.shape[1]],
-        head_intercept=b,
+        warm_start=warm_start,
         settings=adapter_settings,
         progress=progress,
     )
@@ -149,7 +154,7 @@ def fit_adapter_profile(
         fingerprint=fingerprint,
         dataset=dataset,
         dataset_sha256=dataset_sha256,
-        settings=settings,
+        settings=probe_settings,  # the head served is a probe's, given
         choice_mass=adapted.choice_mass,
         features=adapted.features,
         feature_layers=adapted.feature_layers,
