@@ -105,6 +105,11 @@ class AdapterFit:
         )
 
     initial_nll: float = float("nan")  # the warm start's, on the validation fold
+    # The validation fold (indices into the queries), and the served head's probabilities
+    # there (the temperature applied): (n_validation, k), items neither it nor the adapter
+    # was trained on, for comparing it with other maps on the same items.
+    validation_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    validation_probabilities: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
     @property
     def note(self) -> str:
@@ -225,6 +230,7 @@ def fit_adapter(
             break
     _restore(trained, best)
     temperature = _temperature(best_z, labels_t[val_idx])
+    val_probs = torch.softmax(best_z / temperature, dim=1).double().numpy()  # (n_val, k)
     adapter = _adapter(engine, stack, adapted, s)
     return AdapterFit(
         adapter=adapter,
@@ -239,6 +245,8 @@ def fit_adapter(
         n_train=len(train_idx),
         n_validation=len(val_idx),
         initial_nll=initial_nll,
+        validation_index=val_idx,
+        validation_probabilities=val_probs,
     )
 
 

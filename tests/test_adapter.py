@@ -53,6 +53,7 @@ def fitted(judge: Judge) -> AdapterProfile:
         dataset="sst2/calibration",
         dataset_sha256=digest,
         adapter_settings=QUICK,
+        keep_adapter=True,  # what is tested is the adapter's profile, won or not
     )
 
 
@@ -100,6 +101,30 @@ def test_the_adapter_trains_on_the_fit_split_alone_and_is_certified_on_the_rest(
         conformal_idx.shape[0] + certify_idx.shape[0]
     )
     assert "LoRA rank 8" in profile.note and "validation" in profile.note
+
+
+def test_what_wins_on_the_validation_fold_is_kept(fitted: AdapterProfile, judge: Judge) -> None:
+    nll = fitted.validation_nll
+    assert set(nll) == {"adapter", "probe"} and all(v > 0 for v in nll.values())
+    assert fitted.fit.validation_probabilities.shape == (fitted.fit.n_validation, 2)
+    # The same fit without keep_adapter serves whichever had the lower validation NLL.
+    task = load_task(DATA / "sst2")
+    items, digest = load_split(task, "calibration", 100)
+    chosen = fit_adapter_profile(
+        judge,
+        task,
+        items,
+        "sst2",
+        dataset="sst2/calibration",
+        dataset_sha256=digest,
+        adapter_settings=QUICK,
+    )
+    assert chosen.fit.adapter.sha256 == fitted.fit.adapter.sha256  # reproducible
+    winner = "adapter" if nll["adapter"] < nll["probe"] else "probe"
+    assert chosen.winner == fitted.winner == winner
+    assert (chosen.profile.adapter is not None) == (winner == "adapter")
+    if winner == "probe":
+        assert "not kept" in chosen.profile.note
 
 
 def test_a_profile_carries_its_adapter_and_refuses_one_tampered(
@@ -225,9 +250,9 @@ def test_judge_calibrate_method_adapter_writes_a_profile_judge_ask_serves(
     profiles = tmp_path / "profiles"
     argv = ["calibrate", "--task", str(DATA / "sst2"), "--method", "adapter", "--limit", "100"]
     argv += ["--epochs", "1", "--adapter-blocks", "1", "--profiles-dir", str(profiles)]
-    assert main(argv) == 0
+    assert main([*argv, "--keep-adapter"]) == 0
     out = capsys.readouterr().out
-    assert "method adapter" in out and "probe on the same split" in out
+    assert "adapter kept" in out and "probe on the same split" in out
     profile = load_profile(profiles / "sst2.json")
     assert profile.adapter is not None and len(profile.adapter.blocks) == 1
     text = "a gorgeous, witty, seductive movie."

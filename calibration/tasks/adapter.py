@@ -10,9 +10,12 @@ The steps, each on the items the step may see (the probe split of ``calibration.
    choices' log-probabilities, which the layers above the adapter would change) and train
    adapters under it on the fit split's items (``judge.adapter_fit``: a validation fold of
    those stops it and sets its temperature);
-3. judge every item again with the adapters merged, and certify the trained head as given
-   (``fit_profile(fitted=..., adapter=...)``) on the conformal and certify splits, which
-   neither the adapters nor the head saw: the guarantee is the probe's, exact.
+3. keep what wins on the validation fold, items neither map was fitted on: the adapter's
+   head (its temperature applied) against the probe's out-of-fold probabilities there, by
+   NLL. Where the probe wins, its profile is the result and says why;
+4. else judge every item again with the adapters merged, and certify the trained head as
+   given (``fit_profile(fitted=..., adapter=...)``) on the conformal and certify splits,
+   which neither the adapters nor the head saw: the guarantee is the probe's, exact.
 
 ``torch`` is imported only by the engine's side (``judge.adapter_fit``), when this runs.
 """
@@ -42,12 +45,17 @@ __all__ = ["AdapterProfile", "fit_adapter_profile"]
 
 @dataclass(frozen=True)
 class AdapterProfile:
-    """The adapter's profile, the frozen probe's on the same split, and how it was trained."""
+    """The profile kept, the frozen probe's on the same split, and how the adapter did."""
 
-    profile: CalibrationProfile
+    profile: CalibrationProfile  # the adapter's, or the probe's where it won (``winner``)
     probe: CalibrationProfile
     fit: AdapterFit
-    scores: LabeledScores  # the adapted engine's, of every item (columns in task.choices order)
+    # The profile's engine's scores of every item (columns in task.choices order): the
+    # adapted engine's, or the base engine's where the probe was kept.
+    scores: LabeledScores
+    winner: str  # "adapter" or "probe": the lower NLL on the validation fold
+    # NLL on the validation fold: the adapter's head, and the probe out of fold.
+    validation_nll: dict[str, float]
 
 
 def fit_adapter_profile(
@@ -62,10 +70,12 @@ def fit_adapter_profile(
     adapter_settings: AdapterSettings | None = None,
     batch_size: int = 8,
     progress: Callable[[str, int, int], None] | None = None,
+    keep_adapter: bool = False,
 ) -> AdapterProfile:
     """Fit and certify an adapter profile on ``items`` of ``task`` (see the module
     docstring); ``progress(stage, done, total)`` follows the judging ("judge", "judge
-    adapted") and the training ("states", "train")."""
+    adapted") and the training ("states", "train"). ``keep_adapter``: certify the adapter
+    even where the probe wins on the validation fold."""
     from calibration import fit_profile
     from calibration.fitting import split_examples
     from calibration.scaling import CalibrationFit
@@ -96,6 +106,7 @@ def fit_adapter_profile(
     probe_settings = msgspec.structs.replace(settings, methods=("probe",))
     base = judged(engine, "judge", candidate_layers(num_layers))
     template = task_template(task)
+    out_of_fold: list[np.ndarray] = []
     probe_profile = fit_labeled(
         name,
         base,
@@ -105,6 +116,7 @@ def fit_adapter_profile(
         dataset_sha256=dataset_sha256,
         settings=probe_settings,
         template=template,
+        out_of_sample=out_of_fold,
     )
     probe = probe_profile.calibration_map
     assert isinstance(probe, Probe)  # method probe
@@ -134,6 +146,26 @@ def fit_adapter_profile(
         settings=adapter_settings,
         progress=progress,
     )
+    val = fit_idx[fit.validation_index]
+    rows = np.arange(val.shape[0])
+    nll = {
+        "adapter": float(
+            -np.log(
+                np.clip(fit.validation_probabilities[rows, y_fit[fit.validation_index]], 1e-12, 1)
+            ).mean()
+        ),
+        "probe": float(
+            -np.log(np.clip(out_of_fold[0][val][rows, base.labels[val]], 1e-12, 1)).mean()
+        ),
+    }
+    winner = "adapter" if nll["adapter"] < nll["probe"] else "probe"
+    if winner == "probe" and not keep_adapter:
+        why = (
+            f" Adapter tried and not kept: {fit.note}; on those {val.shape[0]} validation items "
+            f"its NLL {nll['adapter']:.4f} did not beat the probe's out-of-fold {nll['probe']:.4f}."
+        )
+        kept = msgspec.structs.replace(probe_profile, note=probe_profile.note + why)
+        return AdapterProfile(kept, probe_profile, fit, base, winner, nll)
     adapted = judged(engine.adapted(fit.adapter), "judge adapted", [layer])
     head = Probe(
         layers=[layer],
@@ -170,4 +202,4 @@ def fit_adapter_profile(
         adapter=fit.adapter,
     )
     profile = msgspec.structs.replace(profile, template=template)
-    return AdapterProfile(profile=profile, probe=probe_profile, fit=fit, scores=adapted)
+    return AdapterProfile(profile, probe_profile, fit, adapted, winner, nll)

@@ -125,6 +125,12 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         default=15.0,
         help="training stops after the epoch that passes this (default 15)",
     )
+    adapter.add_argument(
+        "--keep-adapter",
+        action="store_true",
+        help="certify the adapter even where the probe beats it on the validation fold "
+        "(default: keep what wins, and say so)",
+    )
     fit.add_argument(
         "--methods",
         nargs="+",
@@ -348,16 +354,23 @@ def _calibrate_adapter(
         adapter_settings=adapter_settings,
         batch_size=args.batch_size,
         progress=progress,
+        keep_adapter=args.keep_adapter,
     )
     profile, probe = fitted.profile, fitted.probe
     out = args.profiles_dir
     save_profile(profile, out / f"{name}.json")
     write_text(out / f"{name}.report.md", profile_markdown(profile))
-    print(f"profile {name}: method adapter; {fitted.fit.note}")
+    nll = fitted.validation_nll
+    print(
+        f"profile {name}: {'adapter' if profile.adapter else 'probe'} kept ({fitted.winner} "
+        f"won on the validation fold); {fitted.fit.note}; validation NLL adapter "
+        f"{nll['adapter']:.4f}, probe (out of fold) {nll['probe']:.4f}"
+    )
     assert profile.metrics_before is not None and profile.metrics_after is not None
     assert probe.metrics_after is not None
     print(metrics_table(profile.metrics_before, profile.metrics_after))
-    for label, p in (("adapter", profile), ("probe on the same split", probe)):
+    kept = "adapter" if profile.adapter else "probe"
+    for label, p in ((f"profile ({kept})", profile), ("probe on the same split", probe)):
         assert p.metrics_after is not None
         t = p.threshold
         certified = (
