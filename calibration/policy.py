@@ -167,6 +167,8 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     model_sha256: str | None = None
     policy_sha256: str | None = None
     profile_etag: str | None = None
+    # The low-rank adapter the judgment ran under (``judge.adapters``; a profile's); None: none.
+    adapter_sha256: str | None = None
     # A full prompt sent to a profile that carries its template (``calibration.template``), and
     # not that template around its item: the certificate was measured on other prompts.
     outside_template: bool = False
@@ -532,6 +534,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                     judgment_id=judgment_id,
                     tokens_sha256=_carried(judgment, "tokens_sha256"),
                     model_sha256=_carried(judgment, "model_sha256"),
+                    adapter_sha256=_carried(judgment, "adapter_sha256"),
                     policy_sha256=sha256,
                     profile_etag=self.profile_etag,
                     calibration_method=method,

@@ -195,6 +195,9 @@ class JudgeResponse(
     # In the audit sample (the server's --audit-rate): a person should label this decision
     # (POST /judgments/{judgment_id}/label), whatever it was. Omitted when false.
     audit: bool = False
+    # The sha256 of the low-rank adapter the judgment ran under (a profile fitted with
+    # --method adapter carries one); omitted when none.
+    adapter_sha256: str | None = None
     prompt: str | None = None  # only with return_prompt
     # A score's (with values, numeral choices under max_std, or a profile with values):
     # sum of p * value and its standard deviation, over the calibrated probabilities.

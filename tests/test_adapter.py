@@ -120,7 +120,8 @@ def test_what_wins_on_the_validation_fold_is_kept(fitted: AdapterProfile, judge:
         adapter_settings=QUICK,
     )
     assert chosen.fit.adapter.sha256 == fitted.fit.adapter.sha256  # reproducible
-    winner = "adapter" if nll["adapter"] < nll["probe"] else "probe"
+    learned = fitted.fit.best_epoch > 0  # an adapter no epoch improved is not kept
+    winner = "adapter" if learned and nll["adapter"] < nll["probe"] else "probe"
     assert chosen.winner == fitted.winner == winner
     assert (chosen.profile.adapter is not None) == (winner == "adapter")
     if winner == "probe":
@@ -213,6 +214,14 @@ def test_training_is_reproducible(judge: Judge) -> None:
     assert runs[0].adapter.blocks == [7]
 
 
+def test_a_decision_names_its_adapter(fitted: AdapterProfile, judge: Judge) -> None:
+    adapter = fitted.profile.adapter
+    assert adapter is not None
+    verdict = Gate(fitted.profile).judge(judge, item="a gorgeous, witty, seductive movie.")
+    assert verdict.adapter_sha256 == adapter.sha256
+    assert Gate(fitted.probe).judge(judge, item="a dull movie.").adapter_sha256 is None
+
+
 def test_an_engine_that_cannot_merge_an_adapter_is_refused(fitted: AdapterProfile) -> None:
     class Served:
         model_id = "openai+http://127.0.0.1:9/v1"
@@ -259,3 +268,4 @@ def test_judge_calibrate_method_adapter_writes_a_profile_judge_ask_serves(
     assert main(["ask", text, "--profile", str(profiles / "sst2.json")]) == 0
     asked = msgspec.json.decode(capsys.readouterr().out)
     assert asked["profile"] == "sst2" and set(asked["probabilities"]) == {"negative", "positive"}
+    assert asked["adapter_sha256"] == profile.adapter.sha256  # the answer names its adapter

@@ -147,22 +147,19 @@ def fit_adapter_profile(
         progress=progress,
     )
     val = fit_idx[fit.validation_index]
-    rows = np.arange(val.shape[0])
     nll = {
-        "adapter": float(
-            -np.log(
-                np.clip(fit.validation_probabilities[rows, y_fit[fit.validation_index]], 1e-12, 1)
-            ).mean()
-        ),
-        "probe": float(
-            -np.log(np.clip(out_of_fold[0][val][rows, base.labels[val]], 1e-12, 1)).mean()
-        ),
+        "adapter": _nll(fit.validation_probabilities, y_fit[fit.validation_index]),
+        "probe": _nll(out_of_fold[0][val], base.labels[val]),
     }
-    winner = "adapter" if nll["adapter"] < nll["probe"] else "probe"
+    # An adapter that no epoch improved over its warm start is LoRA at zero: its head alone,
+    # a probe with fewer items and no log-probabilities, which the probe itself beats.
+    learned = fit.best_epoch > 0
+    winner = "adapter" if learned and nll["adapter"] < nll["probe"] else "probe"
     if winner == "probe" and not keep_adapter:
         why = (
             f" Adapter tried and not kept: {fit.note}; on those {val.shape[0]} validation items "
-            f"its NLL {nll['adapter']:.4f} did not beat the probe's out-of-fold {nll['probe']:.4f}."
+            f"its NLL {nll['adapter']:.4f} against the probe's out-of-fold {nll['probe']:.4f}"
+            + ("." if learned else ", and no epoch improved on its warm start.")
         )
         kept = msgspec.structs.replace(probe_profile, note=probe_profile.note + why)
         return AdapterProfile(kept, probe_profile, fit, base, winner, nll)
@@ -203,3 +200,9 @@ def fit_adapter_profile(
     )
     profile = msgspec.structs.replace(profile, template=template)
     return AdapterProfile(profile, probe_profile, fit, adapted, winner, nll)
+
+
+def _nll(probabilities: np.ndarray, labels: np.ndarray) -> float:
+    """The mean negative log-likelihood of ``labels`` (n,) under (n, k) ``probabilities``."""
+    p = probabilities[np.arange(labels.shape[0]), labels]
+    return float(-np.log(np.clip(p, 1e-12, 1.0)).mean())
