@@ -257,12 +257,13 @@ class Gate:
             return
         adapter = self.profile.adapter
         if adapter is not None and not getattr(engine, "serves_adapters", False):
+            model = getattr(engine, "model_id", type(engine).__name__)
             raise ProfileMismatchError(
                 field or "adapter",
                 f"profile {self.profile.name!r} reads its probe under a low-rank adapter "
-                f"({adapter.short}) merged into the model's blocks, and this engine "
-                f"({getattr(engine, 'model_id', type(engine).__name__)}) cannot merge one: judge with the model loaded here "
-                "(not served elsewhere), or use a profile without an adapter",
+                f"({adapter.short}) merged into the model's blocks, and this engine ({model}) "
+                "cannot merge one: judge with the model loaded here (not served elsewhere), "
+                "or use a profile without an adapter",
             )
         key = (
             id(engine),

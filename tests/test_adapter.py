@@ -41,8 +41,8 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 QUICK = AdapterSettings(blocks=2, epochs=1, batch_size=8)
 
 
-@pytest.fixture(scope="module")
-def fitted(judge: Judge) -> AdapterProfile:
+def fit_sst2(judge: Judge, *, keep_adapter: bool) -> AdapterProfile:
+    """A quick adapter fit on sst2's first 100 calibration items."""
     task = load_task(DATA / "sst2")
     items, digest = load_split(task, "calibration", 100)
     return fit_adapter_profile(
@@ -53,8 +53,14 @@ def fitted(judge: Judge) -> AdapterProfile:
         dataset="sst2/calibration",
         dataset_sha256=digest,
         adapter_settings=QUICK,
-        keep_adapter=True,  # what is tested is the adapter's profile, won or not
+        keep_adapter=keep_adapter,
     )
+
+
+@pytest.fixture(scope="module")
+def fitted(judge: Judge) -> AdapterProfile:
+    # What is tested is the adapter's profile, won or not.
+    return fit_sst2(judge, keep_adapter=True)
 
 
 def random_adapter(judge: Judge, blocks: list[int], seed: int = 0) -> Adapter:
@@ -108,17 +114,7 @@ def test_what_wins_on_the_validation_fold_is_kept(fitted: AdapterProfile, judge:
     assert set(nll) == {"adapter", "probe"} and all(v > 0 for v in nll.values())
     assert fitted.fit.validation_probabilities.shape == (fitted.fit.n_validation, 2)
     # The same fit without keep_adapter serves whichever had the lower validation NLL.
-    task = load_task(DATA / "sst2")
-    items, digest = load_split(task, "calibration", 100)
-    chosen = fit_adapter_profile(
-        judge,
-        task,
-        items,
-        "sst2",
-        dataset="sst2/calibration",
-        dataset_sha256=digest,
-        adapter_settings=QUICK,
-    )
+    chosen = fit_sst2(judge, keep_adapter=False)
     assert chosen.fit.adapter.sha256 == fitted.fit.adapter.sha256  # reproducible
     learned = fitted.fit.best_epoch > 0  # an adapter no epoch improved is not kept
     winner = "adapter" if learned and nll["adapter"] < nll["probe"] else "probe"
