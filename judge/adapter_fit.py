@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import torch
 from torch.nn import functional as F
@@ -94,16 +95,6 @@ class AdapterFit:
     seconds: float = 0.0
     n_train: int = 0
     n_validation: int = 0
-
-    @property
-    def validation_nll(self) -> float:
-        """The kept epoch's NLL on the validation fold, before the temperature."""
-        return (
-            self.history[self.best_epoch - 1]["validation_nll"]
-            if self.best_epoch
-            else self.initial_nll
-        )
-
     initial_nll: float = float("nan")  # the warm start's, on the validation fold
     # The validation fold (indices into the queries), and the served head's probabilities
     # there (the temperature applied): (n_validation, k), items neither it nor the adapter
@@ -112,9 +103,15 @@ class AdapterFit:
     validation_probabilities: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
     @property
+    def validation_nll(self) -> float:
+        """The kept epoch's NLL on the validation fold (the warm start's where no epoch beat
+        it), before the temperature."""
+        if not self.best_epoch:
+            return self.initial_nll
+        return self.history[self.best_epoch - 1]["validation_nll"]
+
+    @property
     def note(self) -> str:
-        last = self.history[self.best_epoch - 1] if self.best_epoch else {}
-        nll = last.get("validation_nll", self.initial_nll)
         kept = (
             f"epoch {self.best_epoch} kept" if self.best_epoch else "no epoch beat the warm start"
         )
@@ -122,7 +119,7 @@ class AdapterFit:
             f"LoRA rank {self.adapter.rank} on blocks {self.adapter.blocks[0] + 1}-"
             f"{self.adapter.blocks[-1] + 1} under a head on layer {self.layer} ({self.reads}), "
             f"trained on {self.n_train} items in {self.seconds:.0f} s; {kept} (validation NLL "
-            f"{nll:.4f} on {self.n_validation} items it was not trained on), temperature "
+            f"{self.validation_nll:.4f} on {self.n_validation} items it was not trained on), temperature "
             f"{self.temperature:.3f}"
         )
 
@@ -294,8 +291,8 @@ def _entering_states(
 
 
 def _with_span(query: Query) -> Query:
-    import msgspec
-
+    # Any span layer makes ``prepare`` mark the item's tokens (``trie.span``); what it reads
+    # is computed here, from the states.
     layers = query.span_layers or (1,)
     return msgspec.structs.replace(query, span_layers=layers, feature_layers=(), adapter=None)
 

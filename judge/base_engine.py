@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -294,16 +295,11 @@ class BaseEngine:
 
     def _rows(self, prepared: Sequence[Prepared]) -> list[list[Prepared]]:
         # A row is one model's pass: queries under different adapters never share one.
-        rows = []
-        start = 0
-        for end in range(1, len(prepared) + 1):
-            if end == len(prepared) or _adapter_key(prepared[end]) != _adapter_key(prepared[start]):
-                run = prepared[start:end]
-                rows += [
-                    [run[i] for i in r]
-                    for r in pack_rows([p.trie for p in run], self.max_batch_tokens)
-                ]
-                start = end
+        rows: list[list[Prepared]] = []
+        for _, group in itertools.groupby(prepared, key=adapter_key):
+            run = list(group)
+            packed = pack_rows([p.trie for p in run], self.max_batch_tokens)
+            rows += [[run[i] for i in row] for row in packed]
         return rows
 
     def _judgment(self, prepared: Prepared, logps: np.ndarray, **measured: Any) -> Judgment:
@@ -324,7 +320,7 @@ class BaseEngine:
             item_span=prepared.item_span,
             judgment_id=new_judgment_id(),
             tokens_sha256=prepared.tokens_sha256,
-            adapter_sha256=_adapter_key(prepared),
+            adapter_sha256=adapter_key(prepared),
             **measured,
         )
 
@@ -346,7 +342,8 @@ class BaseEngine:
         return choices, prompt, suffix, [json_escape(c) + suffix for c in choices]
 
 
-def _adapter_key(prepared: Prepared) -> str:
+def adapter_key(prepared: Prepared) -> str:
+    """The sha256 of the adapter ``prepared`` is judged under; "" for none."""
     return "" if prepared.adapter is None else prepared.adapter.sha256
 
 

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from judge.adapters import Adapter
-from judge.base_engine import BaseEngine
+from judge.base_engine import BaseEngine, adapter_key
 from judge.errors import (
     InvalidQueryError,
     ModelLoadError,
@@ -265,22 +265,19 @@ class Judge(BaseEngine):
     def _score(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
         """Run ``rows`` in bounded passes, in order: each row on the model with its queries'
         adapter merged (``_rows`` keeps one adapter per row), or on this one."""
-        keys = [_adapter_of(row) for row in rows]
-        if all(k is None for k in keys):
+        groups: dict[str, list[int]] = {}  # rows by their adapter's sha256 ("": none)
+        for i, row in enumerate(rows):
+            groups.setdefault(adapter_key(row[0]), []).append(i)
+        if list(groups) == [""]:
             return self._score_rows(rows, start)
-        out: list[Judgment | None] = [None] * sum(len(r) for r in rows)
-        at = [0]
-        for row in rows:
-            at.append(at[-1] + len(row))
-        for sha in dict.fromkeys(None if k is None else k.sha256 for k in keys):
-            mine = [i for i, k in enumerate(keys) if (None if k is None else k.sha256) == sha]
-            adapter = keys[mine[0]]
+        by_row: list[list[Judgment]] = [[] for _ in rows]
+        for mine in groups.values():
+            adapter = rows[mine[0]][0].adapter
             engine = self if adapter is None else self.adapted(adapter)
             judged = iter(engine._score_rows([rows[i] for i in mine], start))
             for i in mine:
-                for j in range(at[i], at[i + 1]):
-                    out[j] = next(judged)
-        return [j for j in out if j is not None]
+                by_row[i] = [next(judged) for _ in rows[i]]
+        return [j for row in by_row for j in row]
 
     def _score_rows(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
         """Run ``rows`` (each packed into one batch row) in bounded passes, in order."""
@@ -337,10 +334,6 @@ class Judge(BaseEngine):
             **_hidden_states(prepared, scores),
             model_sha256=self.model_sha256,
         )
-
-
-def _adapter_of(row: list[Prepared]) -> Adapter | None:
-    return row[0].adapter if row else None
 
 
 def parameters_sha256(model: PreTrainedModel) -> str:
