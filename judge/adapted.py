@@ -22,7 +22,13 @@ from judge.adapters import Adapter
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["MAX_ADAPTERS", "adapter_tensors", "merged_blocks", "model_with_blocks"]
+__all__ = [
+    "MAX_ADAPTERS",
+    "adapter_tensors",
+    "merged_blocks",
+    "model_below",
+    "model_with_blocks",
+]
 
 # Adapters merged and kept by one engine at once (least recently used out). Each costs its
 # blocks once more in the model's dtype and again packed: for the default model, ten of its
@@ -80,13 +86,22 @@ def model_with_blocks(
 ) -> PreTrainedModel:
     """A model that runs ``blocks`` in place of those at their indices and shares every other
     module and tensor with ``model`` (which is not changed)."""
+    layers = decoder_blocks(model)
+    return _with_layers(model, [blocks.get(i, block) for i, block in enumerate(layers)])
+
+
+def model_below(model: PreTrainedModel, count: int) -> PreTrainedModel:
+    """A model that runs only the first ``count`` blocks of ``model`` (sharing them): its
+    ``hidden_states[i]`` for i < ``count`` are the full model's, at a fraction of the cost."""
+    return _with_layers(model, list(decoder_blocks(model))[:count])
+
+
+def _with_layers(model: PreTrainedModel, layers: list[torch.nn.Module]) -> PreTrainedModel:
     decoder: Any = model.get_decoder()
     name = next(n for n, m in model.named_children() if m is decoder)
     new_decoder = copy.copy(decoder)
     new_decoder._modules = dict(decoder._modules)
-    new_decoder.layers = torch.nn.ModuleList(
-        [blocks.get(i, block) for i, block in enumerate(decoder.layers)]
-    )
+    new_decoder.layers = torch.nn.ModuleList(layers)
     new = copy.copy(model)
     new._modules = dict(model._modules)
     setattr(new, name, new_decoder)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from judge.adapted import decoder_blocks
+from judge.adapted import decoder_blocks, model_below
 from judge.adapters import ADAPTER_TARGETS, Adapter, AdapterTarget, weights_sha256
 from judge.judgments import Query
 
@@ -274,8 +274,10 @@ def _entering_states(
     progress: Callable[[str, int, int], None] | None,
 ) -> list[_Item]:
     """Each query's residual stream entering block ``first`` (after ``first`` blocks of the
-    engine's own model, as loaded), over its context: the tokens up to the decision point."""
-    model = engine.model
+    engine's own model, as loaded), over its context: the tokens up to the decision point.
+    Only the blocks up to ``first`` run (the last output a model reports is normed, so one
+    block more than the state read)."""
+    model = model_below(engine.model, first + 1)
     items = []
     with torch.inference_mode():
         for i, query in enumerate(queries):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from calibration.maps import Probe
 from judge import Judge
 from service import ServiceConfig, create_app
 from service.cli.main import main
+from service.log.decision_log import open_log
 from service.profiles import ProfileStore
 
 LAYER = 15
@@ -102,6 +104,7 @@ def every_route(
         **{key: getattr(verdict, key) for key in SAME},
         "probabilities": verdict.probabilities,
         "raw_probabilities": verdict.raw_probabilities,
+        "adapter_sha256": verdict.adapter_sha256,
     }
     argv = ["ask", prompt, "--item", STATE, "--choice", "yes", "--choice", "no"]
     assert main([*argv, "--profile", str(path)]) == 0
@@ -152,6 +155,15 @@ def every_route(
             assert 400 <= refused.status_code < 500, refused.text
             assert refused.json()["field"] == "item_span", refused.text
 
+    # The log's row names what decided it, the adapter included.
+    with closing(open_log(str(log))) as opened:
+        logged = opened.get(judged.json()["judgment_id"])
+    assert logged is not None
+    views["decision log"] = {
+        "decision": logged.decision,
+        "probabilities": logged.probabilities,
+        "adapter_sha256": logged.adapter_sha256,
+    }
     # The logged request keeps its item: judge replay decides it again, the same.
     argv = ["replay", judged.json()["judgment_id"], "--log", str(log), "--profiles-dir"]
     assert main([*argv, str(profiles)]) == 0

@@ -182,6 +182,9 @@ class LoggedDecision(msgspec.Struct, frozen=True, kw_only=True):
     policy_sha256: str
     profile: str | None
     profile_etag: str | None  # the profile's version
+    # The SHA-256 of the adapter the judgment ran under (the profile's); None: the model as
+    # loaded.
+    adapter_sha256: str | None = None
     choices: list[str]  # in the judgment's order
     log_probs: list[float]  # raw per-choice log-probabilities, in `choices` order
     choice_mass: float
