@@ -75,7 +75,12 @@ def _stored(profile: str, profiles_dir: Path) -> tuple[CalibrationProfile, str, 
 
 
 def run_label(args: argparse.Namespace) -> int:
-    """Store the labels of a JSONL file; every line is checked before any is stored."""
+    """Store the labels of a JSONL file; every line is checked before any is stored. With
+    --queue, label from the terminal (``service.cli.label_queue``)."""
+    if args.queue:
+        from service.cli.label_queue import run_queue
+
+        return run_queue(args)
     lines: list[_LabelLine] = []
     source = sys.stdin if args.input == "-" else None
     try:
@@ -410,15 +415,31 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     log_help = "the decision log: a SQLite file or a postgresql:// URL"
     label = commands.add_parser(
         "label",
-        help="store the true labels of logged decisions from a JSONL file",
-        description='Each line: {"judgment_id": "...", "label": "..."}. Every line is read '
-        "before any is stored; exit 1 if any label was refused (unknown id, not a choice, "
-        "another label already and no --replace).",
+        help="store the true labels of logged decisions: from a JSONL file, or one key at a "
+        "time (--queue)",
+        description='--input: each line {"judgment_id": "...", "label": "..."}. Every line is '
+        "read before any is stored; exit 1 if any label was refused (unknown id, not a "
+        "choice, another label already and no --replace). --queue: the profile's unlabelled "
+        "decisions one at a time, audit ones (a uniform sample: they certify) and the least "
+        "certain others (they teach a refit) in turn; a digit labels, s skips, q quits.",
     )
     label.add_argument("--log", required=True, help=log_help)
-    label.add_argument("--input", required=True, help="the JSONL file ('-' for stdin)")
+    source = label.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", help="the JSONL file ('-' for stdin)")
+    source.add_argument(
+        "--queue", action="store_true", help="label from the terminal, one key per decision"
+    )
     label.add_argument(
         "--replace", action="store_true", help="change labels given before (else refused)"
+    )
+    queue = label.add_argument_group("--queue")
+    queue.add_argument("--profile", help="a profile file, or a name in --profiles-dir")
+    queue.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    queue.add_argument(
+        "--stream",
+        choices=["both", "audit", "teach"],
+        default="both",
+        help="which decisions: audit (they certify), teach (they fit), or both in turn",
     )
     label.set_defaults(run=run_label)
     check = commands.add_parser(

@@ -1,0 +1,169 @@
+"""A labelling queue over the decision log: the next decision a person should label, from two
+streams kept apart (``calibration.labelling``).
+
+* **audit**: the decisions the service marked for audit when it made them (a uniform random
+  share of the traffic), unlabelled, oldest first. Only these certify: a refit certifies on
+  them, and ``judge check`` reads the live precision from them. Each one skipped leaves the
+  labelled audit sample a little less uniform, so the queue counts skips and says so.
+* **teach**: every other unlabelled decision, the least certain first, spread over the logged
+  hidden states where the log keeps them (``--log-features``): labels that teach a refit map
+  the most. They fit a map; they never certify one.
+
+A decision can be labelled only where the log kept its request (``--log-requests``): a person
+must see the item. ``LabellingQueue`` alternates the streams asked for, stores each label as
+it is given (``DecisionLog.label``: nothing is lost on a quit or a crash) and reports, after
+each, what the labelled audit decisions say of the profile's version (``profile_health``:
+the live precision and about how many labels more would open the gate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from calibration import CalibrationProfile
+from calibration.labelling import teach_order
+from service.log.decision_log import DecisionLog, LabelOutcome, LoggedDecision
+from service.log.health import ProfileHealth, profile_health
+
+__all__ = ["STREAMS", "LabellingQueue", "QueueItem", "Stream"]
+
+Stream = Literal["audit", "teach"]
+STREAMS: tuple[Stream, ...] = ("audit", "teach")
+TEACH_ROUND = 10  # teach picks spread at a time, among the 4 x as many most uncertain left
+
+
+@dataclass(frozen=True)
+class QueueItem:
+    """One decision to label, as a person sees it."""
+
+    judgment_id: str
+    stream: Stream
+    item: str  # what was judged: the item alone where the request marked it, else the prompt
+    prompt: str
+    choices: list[str]  # the profile's order
+    probabilities: dict[str, float]  # calibrated, as served
+    choice: str  # the service's answer
+    decision: str  # accept or escalate
+
+
+@dataclass
+class LabellingQueue:
+    """The unlabelled decisions of ``profile`` in ``log`` (every version of it), in the order
+    a person should label them; ``etag``: the version whose certificate the state speaks of."""
+
+    log: DecisionLog
+    profile: CalibrationProfile
+    etag: str
+    streams: Sequence[Stream] = STREAMS
+    _pending: dict[Stream, list[QueueItem]] = field(init=False)
+    _turn: int = field(default=0, init=False)
+    labelled: dict[Stream, int] = field(init=False)
+    skipped: dict[Stream, int] = field(init=False)
+    unreadable: int = field(default=0, init=False)  # unlabelled, but no request was logged
+
+    def __post_init__(self) -> None:
+        unknown = set(self.streams) - set(STREAMS)
+        if unknown or not self.streams:
+            raise ValueError(f"streams must be some of {STREAMS}, got {list(self.streams)}")
+        records = self.log.decisions(profile=self.profile.name, labeled=False)
+        readable = [r for r in records if _prompt_of(r) is not None]
+        self.unreadable = len(records) - len(readable)
+        audit = [r for r in readable if r.audit]
+        teach = [r for r in readable if not r.audit]
+        self._pending = {
+            "audit": [self._item(r, "audit") for r in audit],
+            "teach": [self._item(teach[i], "teach") for i in self._teach_order(teach)],
+        }
+        self.labelled = {"audit": 0, "teach": 0}
+        self.skipped = {"audit": 0, "teach": 0}
+
+    def pending(self, stream: Stream) -> int:
+        """Decisions of ``stream`` still to label."""
+        return len(self._pending[stream])
+
+    def next(self) -> QueueItem | None:
+        """The next decision to label: the streams asked for in turn, each in its own order;
+        None when none is left."""
+        for step in range(len(self.streams)):
+            stream = self.streams[(self._turn + step) % len(self.streams)]
+            if self._pending[stream]:
+                self._turn = (self._turn + step + 1) % len(self.streams)
+                return self._pending[stream][0]
+        return None
+
+    def label(self, item: QueueItem, label: str) -> LabelOutcome:
+        """Store ``label`` for ``item`` (one of its choices) and take it off the queue."""
+        if label not in item.choices:
+            raise ValueError(f"label must be one of {item.choices}, got {label!r}")
+        outcome = self.log.label(item.judgment_id, label)
+        self._drop(item)
+        self.labelled[item.stream] += 1
+        return outcome
+
+    def skip(self, item: QueueItem) -> None:
+        """Take ``item`` off the queue unlabelled (for this session)."""
+        self._drop(item)
+        self.skipped[item.stream] += 1
+
+    def health(self) -> ProfileHealth:
+        """What the labelled audit decisions of the profile's version say now."""
+        return profile_health(self.log, self.profile, self.etag)
+
+    def _drop(self, item: QueueItem) -> None:
+        pending = self._pending[item.stream]
+        pending[:] = [p for p in pending if p.judgment_id != item.judgment_id]
+
+    def _item(self, record: LoggedDecision, stream: Stream) -> QueueItem:
+        prompt, span = _prompt_of(record) or ("", None)
+        choices = list(self.profile.choices)
+        return QueueItem(
+            judgment_id=record.judgment_id,
+            stream=stream,
+            item=prompt if span is None else prompt[span[0] : span[1]],
+            prompt=prompt,
+            choices=choices,
+            probabilities={c: float(record.probabilities.get(c, 0.0)) for c in choices},
+            choice=record.choice,
+            decision=record.decision,
+        )
+
+    def _teach_order(self, records: list[LoggedDecision]) -> np.ndarray:
+        if not records:
+            return np.zeros(0, dtype=np.int64)
+        choices = list(self.profile.choices)
+        p = np.array([[r.probabilities.get(c, 0.0) for c in choices] for r in records])
+        features = None
+        if all(r.features is not None for r in records):
+            rows = [r.features.array()[0] for r in records if r.features is not None]
+            if len({row.shape for row in rows}) == 1:
+                features = np.stack(rows)
+        # In rounds: each spreads its picks among the most uncertain of what is left (one
+        # spread over the whole log would order by distance alone).
+        left = np.arange(len(records))
+        order: list[int] = []
+        while left.shape[0]:
+            x = None if features is None else features[left]
+            picks = left[teach_order(p[left], min(TEACH_ROUND, left.shape[0]), features=x)]
+            order.extend(picks.tolist())
+            left = np.setdiff1d(left, picks)
+        return np.asarray(order, dtype=np.int64)
+
+
+def _prompt_of(record: LoggedDecision) -> tuple[str, tuple[int, int] | None] | None:
+    """The prompt a logged request judged and the item's span in it; None where the log kept
+    no request (or one with no prompt: a typed question's)."""
+    request: Any = record.request
+    if not isinstance(request, dict) or not isinstance(request.get("query"), dict):
+        return None
+    query = request["query"]
+    prompt = query.get("prompt")
+    if not isinstance(prompt, str):
+        return None
+    span = query.get("item_span")
+    if isinstance(span, list | tuple) and len(span) == 2 and all(isinstance(v, int) for v in span):
+        return prompt, (span[0], span[1])
+    return prompt, None
