@@ -156,25 +156,48 @@ def split_examples(
     return tuple(np.sort(order[part == s]) for s in range(3))  # type: ignore[return-value]
 
 
-def held_out_examples(labels: ArrayLike, split: DataSplit) -> np.ndarray:
+def _split(
+    labels: np.ndarray, seed: int, probe: bool, fit_only: ArrayLike | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``split_examples`` on the items not marked ``fit_only``, those joining the fit split;
+    and how many joined it."""
+    if fit_only is None:
+        return (*split_examples(labels, seed, probe), 0)
+    only = np.asarray(fit_only)
+    if only.shape != labels.shape or only.dtype != np.bool_:
+        raise ValueError(
+            f"fit_only must be {labels.shape[0]} booleans, got {only.shape} {only.dtype}"
+        )
+    free = np.flatnonzero(~only)
+    fit_i, conformal_i, certify_i = split_examples(labels[free], seed, probe)
+    fit_idx = np.sort(np.concatenate([free[fit_i], np.flatnonzero(only)]))
+    return fit_idx, free[conformal_i], free[certify_i], int(only.sum())
+
+
+def held_out_examples(
+    labels: ArrayLike, split: DataSplit, fit_only: ArrayLike | None = None
+) -> np.ndarray:
     """Sorted indices of the examples a profile's map was not fitted on (its conformal and
     certify splits), recomputed from the labels it was fitted on and its ``split``
     (``profile_split``)."""
-    _, conformal_idx, certify_idx = profile_split(labels, split)
+    _, conformal_idx, certify_idx = profile_split(labels, split, fit_only)
     return np.sort(np.concatenate([conformal_idx, certify_idx]))
 
 
-def profile_split(labels: ArrayLike, split: DataSplit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def profile_split(
+    labels: ArrayLike, split: DataSplit, fit_only: ArrayLike | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The indices of a profile's fit, conformal and certify examples, recomputed from the
-    labels it was fitted on and its ``split``: the stratified split is a function of the
+    labels it was fitted on, its ``split`` and the items that could only fit it
+    (``fit_only``, as ``fit_rule`` was given it): the stratified split is a function of the
     labels, the seed and the pattern, and the pattern (3:2:5, or 5:1:4 with a probe among the
     candidates) is the one whose counts the profile recorded. A ValueError where neither gives
     those counts (other labels than the fit's)."""
     y = np.asarray(labels)
     for probe in (False, True):
-        fit_idx, conformal_idx, certify_idx = split_examples(y, split.seed, probe)
-        counts = (fit_idx.shape[0], conformal_idx.shape[0], certify_idx.shape[0])
-        if counts == (split.fit, split.conformal, split.certify):
+        fit_idx, conformal_idx, certify_idx, taught = _split(y, split.seed, probe, fit_only)
+        counts = (fit_idx.shape[0], conformal_idx.shape[0], certify_idx.shape[0], taught)
+        if counts == (split.fit, split.conformal, split.certify, split.taught):
             return fit_idx, conformal_idx, certify_idx
     raise ValueError(
         f"these {y.shape[0]} labels do not split into the profile's {split.fit} fit, "
@@ -218,6 +241,7 @@ def fit_rule(
     span_features: ArrayLike | None = None,
     span: ProbeSpan | None = None,
     fitted: CalibrationFit | None = None,
+    fit_only: ArrayLike | None = None,
 ) -> FittedRule:
     """The whole fitting procedure on (n, k) log-probabilities and (n,) label indices.
 
@@ -229,7 +253,9 @@ def fit_rule(
     ``num_layers`` blocks (and may read ``span_features``, the same layers' means over each
     item's ``span``), and needs ``MIN_PROBE_EXAMPLES``. ``probe_split`` chooses the
     split (None: the probe's split exactly when "probe" is a candidate), so that a baseline
-    can be fitted on the same items as a probe.
+    can be fitted on the same items as a probe. ``fit_only`` (n,) marks items that may only
+    fit the map (labels a teach stream chose, not a uniform sample): they join the fit split,
+    and the split itself is drawn from the others, so that only those certify.
     """
     z = check_logits(log_probabilities, name="log_probabilities")
     labels = check_labels(y, z.shape[0], z.shape[1])
@@ -253,8 +279,8 @@ def fit_rule(
     values = None if settings.values is None else check_values(settings.values, columns)
     max_std = None if settings.max_std is None else check_max_std(settings.max_std)
     seed = settings.seed
-    fit_idx, conformal_idx, certify_idx = split_examples(
-        labels, seed, probe if probe_split is None else probe_split
+    fit_idx, conformal_idx, certify_idx, taught = _split(
+        labels, seed, probe if probe_split is None else probe_split, fit_only
     )
 
     fit = fitted or fit_calibrator(
@@ -373,6 +399,7 @@ def fit_rule(
             conformal=int(conformal_idx.shape[0]),
             certify=int(certify_idx.shape[0]),
             seed=seed,
+            taught=taught,
         ),
         probabilities=probs,
         out_of_sample=out_of_sample,
@@ -402,6 +429,7 @@ def fit_profile(
     out_of_sample: list[np.ndarray] | None = None,
     fitted: CalibrationFit | None = None,
     adapter: Adapter | None = None,
+    fit_only: ArrayLike | None = None,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
 
@@ -425,7 +453,9 @@ def fit_profile(
     ``fitted`` and ``adapter``: a probe head trained with low-rank adapters on the probe
     split's fit items alone (``judge.adapter_fit``), and those adapters; the scores are the
     adapted engine's, and the profile carries the adapter. Nothing chooses the map here, so
-    the conformal and certify splits, which neither saw, certify it exactly.
+    the conformal and certify splits, which neither saw, certify it exactly. ``fit_only``
+    (n,) booleans: items that may only fit the map (a teach stream's labels): the split is
+    drawn from the others (``split.taught`` counts them).
     """
     if (fitted is None) != (adapter is None):
         raise ValueError("fitted and adapter go together: the head trained with the adapter")
@@ -448,6 +478,7 @@ def fit_profile(
         span_features=span_features,
         span=span,
         fitted=fitted,
+        fit_only=fit_only,
     )
     held = rule.held_out
     evidence = {"seed": settings.seed, "n_bootstrap": settings.n_bootstrap}
@@ -463,6 +494,7 @@ def fit_profile(
             ),
             choices=choices,
             probe_split=True,
+            fit_only=fit_only,
         )
         assert not isinstance(base.fit.map, Probe) and base.conformal_quantile is not None
         baseline = Baseline(
@@ -538,6 +570,7 @@ def labels_for_next_look(
     features: ArrayLike | None = None,
     feature_layers: Sequence[int] = (),
     span_features: ArrayLike | None = None,
+    fit_only: ArrayLike | None = None,
 ) -> LabelsNeeded:
     """About how many labels the next look of ``profile``'s lineage would need to certify its
     target (``calibration.recertify.labels_to_certify``), judged by the profile's own map on
@@ -545,7 +578,7 @@ def labels_for_next_look(
     gate but the threshold applied), at the next look's delta. The arguments are the ones
     ``fit_profile`` was given."""
     labels = np.asarray(y)
-    held = held_out_examples(labels, profile.split)
+    held = held_out_examples(labels, profile.split, fit_only)
     z = np.asarray(log_probabilities, dtype=np.float64)[held]
     mass = None if choice_mass is None else np.asarray(choice_mass)[held]
     f = None if features is None else np.asarray(features)[held]
@@ -564,7 +597,8 @@ def labels_for_next_look(
         target_precision=profile.threshold.target_precision,
         delta=next_look_delta(profile.recertification, profile.threshold.delta),
         certify_share=certify_share(isinstance(profile.calibration_map, Probe)),
-        given=int(labels.shape[0]),
+        # Only the uniform labels certify: the taught ones are not counted as given.
+        given=int(labels.shape[0]) - profile.split.taught,
     )
 
 

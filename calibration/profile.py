@@ -82,11 +82,16 @@ class DataSplit(msgspec.Struct, frozen=True, kw_only=True):
     conformal: Count  # examples the conformal quantile was computed on
     certify: Count  # examples the threshold was certified on
     seed: int
+    # Of the fit examples, those labelled because a teach stream chose them (not a uniform
+    # sample): they fit the map, and the split of the others sets the quantile and certifies.
+    taught: Count = 0
 
     def __post_init__(self) -> None:
-        for field in ("fit", "conformal", "certify"):
+        for field in ("fit", "conformal", "certify", "taught"):
             if getattr(self, field) < 0:
                 raise RuleError(f"split.{field} must be >= 0, got {getattr(self, field)}")
+        if self.taught > self.fit:
+            raise RuleError(f"split.taught ({self.taught}) counts fit examples: at most {self.fit}")
 
 
 class Baseline(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -28,6 +28,7 @@ from postgres import postgres_database, postgres_url  # noqa: F401
 from server import wait_app_ready as wait_ready
 
 from calibration import CalibrationProfile, FitSettings, fit_profile
+from calibration.fitting import split_examples
 from judge import Fingerprint, Judgment, Query
 from service import ServiceConfig, create_app
 from service.cli.main import main
@@ -419,6 +420,39 @@ def test_calibrate_from_log_refits_on_the_audit_sample(
     # Its reference is the live traffic's: the shifted prior shows in its choice counts.
     counts = refit.reference.choice_counts
     assert counts[0] / sum(counts) > 0.55
+
+
+def test_labels_outside_the_audit_sample_fit_and_never_certify(
+    tmp_path: Path, profile: CalibrationProfile, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = np.random.default_rng(8)
+    p, labels = stream(rng, 800)
+    with served(tmp_path, profile, audit_rate=0.4) as c:
+        responses = judge_all(c, p)
+        n = label_audited(c, responses, labels)
+        # A person labels 120 others too (the least certain, say: a teach stream's picks).
+        others = [(r, y) for r, y in zip(responses, labels, strict=True) if not r.get("audit")]
+        others.sort(key=lambda pair: abs(pair[0]["probabilities"]["yes"] - 0.5))
+        pairs = [{"judgment_id": r["judgment_id"], "label": y} for r, y in others[:120]]
+        assert c.post("/labels", json={"labels": pairs}).status_code == 200
+    argv = ["calibrate", "--from-log", str(tmp_path / "decisions.db"), "--profile", "gate"]
+    argv += ["--profiles-dir", str(tmp_path / "profiles"), "--method", "temperature"]
+    assert main([*argv, "--name", "refit"]) == 0, capsys.readouterr().err
+    assert "120 labeled decisions outside the audit sample fit the map only" in (
+        capsys.readouterr().out
+    )
+    refit = ProfileStore(tmp_path / "profiles").get("refit")
+    assert refit.n_examples == n + 120 and refit.split.taught == 120
+    # Only the audited decisions set the quantile and certify: the same counts as the audited
+    # decisions alone split into (3:2:5), the taught ones all in the fit split.
+    audited = np.array(
+        [CHOICES.index(y) for r, y in zip(responses, labels, strict=True) if r.get("audit")]
+    )
+    fit_i, conformal_i, certify_i = split_examples(audited, refit.split.seed)
+    assert (refit.split.conformal, refit.split.certify) == (conformal_i.size, certify_i.size)
+    assert refit.split.fit == fit_i.size + 120
+    assert refit.metrics_after is not None and refit.metrics_after.n == n - fit_i.size
+    assert refit.dataset.endswith("and 120 others labeled (fit only)")
 
 
 # --- replay, on the real model ------------------------------------------------------------------

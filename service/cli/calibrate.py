@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
+
 from calibration import MIN_EXAMPLES
 from calibration.maps import Probe, ProbeSpan
 from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
@@ -67,8 +69,9 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     source.add_argument(
         "--from-log",
         metavar="LOG",
-        help="instead of --task: refit --profile on the audited, labeled decisions of this "
-        "decision log (a SQLite file or a postgresql:// URL), from their logged scores",
+        help="instead of --task: refit --profile on the labeled decisions of this decision "
+        "log (a SQLite file or a postgresql:// URL), from their logged scores: the audited "
+        "ones certify, the others only fit",
     )
     fit.add_argument(
         "--profile", help="with --from-log: the profile to refit (a name in --profiles-dir)"
@@ -106,11 +109,16 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "bias_temperature and probe (a learned head on the model's hidden state) by "
         f"cross-validated NLL; the probe is tried from {MIN_PROBE_EXAMPLES} labeled examples; "
         "adapter: low-rank adapters (LoRA) trained under the probe's head on the fit split, "
-        "served merged in the same pass (minutes, not seconds)",
+        "served merged in the same pass, kept where they beat auto's choice on a validation "
+        "fold (minutes, not seconds)",
     )
     adapter = fit.add_argument_group("--method adapter")
     adapter.add_argument(
-        "--epochs", type=positive_int, default=4, help="training epochs at most (default 4)"
+        "--epochs",
+        type=positive_int,
+        default=6,
+        help="training epochs (default 6): the learning rate decays to zero over them; a "
+        "validation fold may stop it sooner",
     )
     adapter.add_argument(
         "--adapter-blocks",
@@ -325,7 +333,10 @@ def _calibrate_adapter(
             f"--method adapter trains on the model's own weights; {args.model} is served "
             "elsewhere: load the model here (a Hugging Face id, a directory or a GGUF)"
         )
-    settings = fit_settings(args, values=task.values, max_std=args.max_std)
+    # The adapter's rival is auto's choice between the scalar maps and the probe.
+    settings = msgspec.structs.replace(
+        fit_settings(args, values=task.values, max_std=args.max_std), methods="auto"
+    )
     adapter_settings = AdapterSettings(
         blocks=args.adapter_blocks,
         rank=args.rank,
@@ -356,21 +367,21 @@ def _calibrate_adapter(
         progress=progress,
         keep_adapter=args.keep_adapter,
     )
-    profile, probe = fitted.profile, fitted.probe
+    profile, rival = fitted.profile, fitted.rival
     out = args.profiles_dir
     save_profile(profile, out / f"{name}.json")
     write_text(out / f"{name}.report.md", profile_markdown(profile))
     nll = fitted.validation_nll
+    kept = "adapter" if profile.adapter else profile.calibration_map.method
+    versus = rival.calibration_map.method
     print(
-        f"profile {name}: {'adapter' if profile.adapter else 'probe'} kept ({fitted.winner} "
-        f"won on the validation fold); {fitted.fit.note}; validation NLL adapter "
-        f"{nll['adapter']:.4f}, probe (out of fold) {nll['probe']:.4f}"
+        f"profile {name}: {kept} kept ({fitted.winner} won on the validation fold); "
+        f"{fitted.fit.note}; validation NLL adapter {nll['adapter']:.4f}, {versus} "
+        f"{nll['rival']:.4f}"
     )
     assert profile.metrics_before is not None and profile.metrics_after is not None
-    assert probe.metrics_after is not None
     print(metrics_table(profile.metrics_before, profile.metrics_after))
-    kept = "adapter" if profile.adapter else "probe"
-    for label, p in ((f"profile ({kept})", profile), ("probe on the same split", probe)):
+    for label, p in ((f"profile ({kept})", profile), (f"{versus} on the same split", rival)):
         assert p.metrics_after is not None
         t = p.threshold
         certified = (

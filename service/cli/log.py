@@ -269,8 +269,10 @@ def _view(record: LoggedDecision) -> dict[str, Any]:
 
 def run_from_log(args: argparse.Namespace) -> int:
     """``judge calibrate --from-log``: a new version of a profile, fitted on the logged
-    log-probabilities of its audited, labeled decisions (every version's, same weights), and on
-    their hidden states where the log kept them (``--log-features``): a probe.
+    log-probabilities of its labeled decisions (every version's, same weights), and on their
+    hidden states where the log kept them (``--log-features``): a probe. The audited ones (a
+    uniform sample) are split as a fit's labels are, and alone set the quantile and certify;
+    the others (``judge label --queue``'s teach stream, say) join the fit split only.
 
     Each run is one look of the profile's lineage and certifies at its share of ``--delta``
     (``calibration.recertify``), so that refitting again and again as labels arrive keeps
@@ -292,12 +294,15 @@ def run_from_log(args: argparse.Namespace) -> int:
     if not re.fullmatch(NAME_PATTERN, name):
         raise UsageError(f"profile name {name!r} must match {NAME_PATTERN}")
     with _open(args.from_log) as log:
+        # The audited decisions certify; the other labelled ones (a teach stream's picks, or
+        # any a person chose) only fit the map: they are not a uniform sample of the traffic.
         records = log.decisions(profile=profile.name, audit=True, labeled=True)
+        records += log.decisions(profile=profile.name, audit=False, labeled=True)
     weights = profile.fingerprint.model_sha256
     other = {r.model_sha256 for r in records} - {weights}
     if weights is not None and other:
         raise UsageError(
-            f"the audited decisions of {profile.name!r} were made with other weights too "
+            f"the labeled decisions of {profile.name!r} were made with other weights too "
             f"({', '.join(sorted(s[:12] for s in other))}) than the profile's ({weights[:12]}): "
             "their log-probabilities are not comparable; refit with judge calibrate --task"
         )
@@ -305,13 +310,21 @@ def run_from_log(args: argparse.Namespace) -> int:
     records, features, layers = _with_features(records, settings.methods, profile)
     if len(records) < labeled:
         print(
-            f"read {len(records)} of the {labeled} audited, labeled decisions: those that kept "
+            f"read {len(records)} of the {labeled} labeled decisions: those that kept "
             f"the hidden states of layers {list(layers)}, which a probe reads"
         )
-    if len(records) < MIN_EXAMPLES:
+    fit_only = np.array([not r.audit for r in records], dtype=bool)
+    n_audited = int((~fit_only).sum())
+    if n_audited < MIN_EXAMPLES:
         raise UsageError(
-            f"the log holds {len(records)} audited, labeled decisions of {profile.name!r}; a "
+            f"the log holds {n_audited} audited, labeled decisions of {profile.name!r}; a "
             f"profile needs at least {MIN_EXAMPLES} (raise --audit-rate, or label more)"
+        )
+    taught = int(fit_only.sum())
+    if taught:
+        print(
+            f"{taught} labeled decisions outside the audit sample fit the map only; the "
+            f"{n_audited} audited ones certify"
         )
     index = {c: j for j, c in enumerate(profile.choices)}
     z = np.array(
@@ -335,14 +348,16 @@ def run_from_log(args: argparse.Namespace) -> int:
         profile.choices,
         fingerprint=profile.fingerprint,
         choice_mass=mass,
-        dataset=f"decision log {recertification.log}: {len(records)} audited decisions of "
+        dataset=f"decision log {recertification.log}: {n_audited} audited decisions of "
         f"{profile.name}"
+        + (f" and {taught} others labeled (fit only)" if taught else "")
         + (f", with the hidden states of layers {list(layers)}" if layers else ""),
         dataset_sha256=digest,
         settings=msgspec.structs.replace(settings, delta=recertification.spent),
         features=features,
         feature_layers=layers,
         recertification=recertification,
+        fit_only=fit_only if taught else None,
     )
     etag = store.put(refit)
     t = refit.threshold
@@ -355,7 +370,9 @@ def run_from_log(args: argparse.Namespace) -> int:
         print(f"threshold: {t.threshold:.3f}, coverage {t.coverage:.3f} (on the certify split)")
     else:
         print(f"no certified threshold: {t.reason}")
-        needed = labels_for_next_look(refit, z, y, mass, features, layers)
+        needed = labels_for_next_look(
+            refit, z, y, mass, features, layers, fit_only=fit_only if taught else None
+        )
         print(f"the next look: {needed.reason}")
     print(f"wrote {store.directory / name}.json (ETag {etag})")
     return 0
