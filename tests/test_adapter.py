@@ -112,17 +112,19 @@ def test_the_adapter_trains_on_the_fit_split_alone_and_is_certified_on_the_rest(
 
 def test_what_wins_on_the_validation_fold_is_kept(fitted: AdapterProfile, judge: Judge) -> None:
     nll = fitted.validation_nll
-    assert set(nll) == {"adapter", "probe"} and all(v > 0 for v in nll.values())
+    assert set(nll) == {"adapter", "rival"} and all(v > 0 for v in nll.values())
     assert fitted.fit.validation_probabilities.shape == (fitted.fit.n_validation, 2)
     # The same fit without keep_adapter serves whichever had the lower validation NLL.
     chosen = fit_sst2(judge, keep_adapter=False)
     assert chosen.fit.adapter.sha256 == fitted.fit.adapter.sha256  # reproducible
     learned = fitted.fit.best_epoch > 0  # an adapter no epoch improved is not kept
-    winner = "adapter" if learned and nll["adapter"] < nll["probe"] else "probe"
+    rival = fitted.rival.calibration_map.method  # auto's choice on the same split
+    assert fitted.rival.split == fitted.probe.split
+    winner = "adapter" if learned and nll["adapter"] < nll["rival"] else rival
     assert chosen.winner == fitted.winner == winner
     assert (chosen.profile.adapter is not None) == (winner == "adapter")
-    if winner == "probe":
-        assert "not kept" in chosen.profile.note
+    if winner != "adapter":
+        assert "not kept" in chosen.profile.note and chosen.profile.calibration_map.method == rival
 
 
 def test_a_profile_carries_its_adapter_and_refuses_one_tampered(
@@ -279,7 +281,7 @@ def test_judge_calibrate_method_adapter_writes_a_profile_judge_ask_serves(
     argv += ["--epochs", "1", "--adapter-blocks", "1", "--profiles-dir", str(profiles)]
     assert main([*argv, "--keep-adapter"]) == 0
     out = capsys.readouterr().out
-    assert "adapter kept" in out and "probe on the same split" in out
+    assert "adapter kept" in out and "on the same split" in out
     profile = load_profile(profiles / "sst2.json")
     assert profile.adapter is not None and len(profile.adapter.blocks) == 1
     text = "a gorgeous, witty, seductive movie."

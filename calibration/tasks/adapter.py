@@ -4,15 +4,19 @@ The steps, each on the items the step may see (the probe split of ``calibration.
 5:1:4, fixed by the labels and the seed before anything is fitted):
 
 1. judge every item with the model as loaded and fit a probe on the fit split
-   (``method probe``): it chooses the layer, what to read of it and the regularisation, and is
-   the profile the adapter must beat (``AdapterProfile.probe``);
+   (``method probe``): it chooses the layer, what to read of it and the regularisation
+   (``AdapterProfile.probe``). The profile the adapter must beat is that probe's, or, with the
+   settings' methods "auto", whichever of the scalar maps and the probe ``auto`` chooses on
+   the same split (``AdapterProfile.rival``): so ``--method adapter`` chooses between
+   temperature, probe and adapter by measurement on items none of them was fitted on;
 2. warm-start a head on that layer's states alone (the probe's choice, refitted without the
    choices' log-probabilities, which the layers above the adapter would change) and train
    adapters under it on the fit split's items (``judge.adapter_fit``: a validation fold of
    those stops it and sets its temperature);
 3. keep what wins on the validation fold, items neither map was fitted on: the adapter's
-   head (its temperature applied) against the probe's out-of-fold probabilities there, by
-   NLL. Where the probe wins, its profile is the result and says why;
+   head (its temperature applied) against the rival's out-of-fold probabilities there (a
+   scalar map's are its fit's: one or a few parameters), by NLL. Where the rival wins, its
+   profile is the result and says why;
 4. else judge every item again with the adapters merged, and certify the trained head as
    given (``fit_profile(fitted=..., adapter=...)``) on the conformal and certify splits,
    which neither the adapters nor the head saw: the guarantee is the probe's, exact.
@@ -47,14 +51,17 @@ __all__ = ["AdapterProfile", "fit_adapter_profile"]
 class AdapterProfile:
     """The profile kept, the frozen probe's on the same split, and how the adapter did."""
 
-    profile: CalibrationProfile  # the adapter's, or the probe's where it won (``winner``)
-    probe: CalibrationProfile
+    profile: CalibrationProfile  # the adapter's, or the rival's where it won (``winner``)
+    probe: CalibrationProfile  # the probe the adapter's head started from
+    rival: CalibrationProfile  # what the adapter had to beat: the probe, or auto's choice
     fit: AdapterFit
     # The profile's engine's scores of every item (columns in task.choices order): the
-    # adapted engine's, or the base engine's where the probe was kept.
+    # adapted engine's, or the base engine's where the rival was kept.
     scores: LabeledScores
-    winner: str  # "adapter" or "probe": the lower NLL on the validation fold
-    # NLL on the validation fold: the adapter's head, and the probe out of fold.
+    # "adapter", or the rival's method ("probe", "temperature", ...): the lower NLL on the
+    # validation fold.
+    winner: str
+    # NLL on the validation fold: "adapter" (its head), "rival" (out of fold).
     validation_nll: dict[str, float]
 
 
@@ -75,7 +82,9 @@ def fit_adapter_profile(
     """Fit and certify an adapter profile on ``items`` of ``task`` (see the module
     docstring); ``progress(stage, done, total)`` follows the judging ("judge", "judge
     adapted") and the training ("states", "train"). ``keep_adapter``: certify the adapter
-    even where the probe wins on the validation fold."""
+    even where the rival wins on the validation fold. ``settings.methods`` "auto" (the
+    default) makes the rival auto's choice between the scalar maps and the probe; any other
+    methods, the probe."""
     from calibration import fit_profile
     from calibration.fitting import split_examples
     from calibration.scaling import CalibrationFit
@@ -106,18 +115,30 @@ def fit_adapter_profile(
     probe_settings = msgspec.structs.replace(settings, methods=("probe",))
     base = judged(engine, "judge", candidate_layers(num_layers))
     template = task_template(task)
-    out_of_fold: list[np.ndarray] = []
-    probe_profile = fit_labeled(
-        name,
-        base,
-        task.choices,
-        fingerprint,
-        dataset=dataset,
-        dataset_sha256=dataset_sha256,
-        settings=probe_settings,
-        template=template,
-        out_of_sample=out_of_fold,
-    )
+
+    def labeled_fit(fit_settings: FitSettings) -> tuple[CalibrationProfile, np.ndarray]:
+        out_of_fold: list[np.ndarray] = []
+        fitted = fit_labeled(
+            name,
+            base,
+            task.choices,
+            fingerprint,
+            dataset=dataset,
+            dataset_sha256=dataset_sha256,
+            settings=fit_settings,
+            template=template,
+            out_of_sample=out_of_fold,
+        )
+        return fitted, out_of_fold[0]
+
+    auto = settings.methods == "auto"
+    rival_profile, rival_oof = labeled_fit(settings if auto else probe_settings)
+    if isinstance(rival_profile.calibration_map, Probe):
+        probe_profile = rival_profile
+    else:  # auto chose a scalar map: the head still starts from the probe
+        probe_profile, _ = labeled_fit(probe_settings)
+    if rival_profile.split != probe_profile.split:
+        raise AssertionError("auto and the probe must share the probe split")  # 5:1:4 both
     probe = probe_profile.calibration_map
     assert isinstance(probe, Probe)  # method probe
     layer, reads = max(probe.layers), probe.reads
@@ -149,20 +170,22 @@ def fit_adapter_profile(
     val = fit_idx[fit.validation_index]
     nll = {
         "adapter": _nll(fit.validation_probabilities, y_fit[fit.validation_index]),
-        "probe": _nll(out_of_fold[0][val], base.labels[val]),
+        "rival": _nll(rival_oof[val], base.labels[val]),
     }
+    rival_method = rival_profile.calibration_map.method
     # An adapter that no epoch improved over its warm start is LoRA at zero: its head alone,
     # a probe with fewer items and no log-probabilities, which the probe itself beats.
     learned = fit.best_epoch > 0
-    winner = "adapter" if learned and nll["adapter"] < nll["probe"] else "probe"
-    if winner == "probe" and not keep_adapter:
+    winner = "adapter" if learned and nll["adapter"] < nll["rival"] else rival_method
+    if winner != "adapter" and not keep_adapter:
         why = (
             f" Adapter tried and not kept: {fit.note}; on those {val.shape[0]} validation items "
-            f"its NLL {nll['adapter']:.4f} against the probe's out-of-fold {nll['probe']:.4f}"
+            f"its NLL {nll['adapter']:.4f} against the {rival_method} map's "
+            f"{'out-of-fold ' if rival_method == 'probe' else ''}{nll['rival']:.4f}"
             + ("." if learned else ", and no epoch improved on its warm start.")
         )
-        kept = msgspec.structs.replace(probe_profile, note=probe_profile.note + why)
-        return AdapterProfile(kept, probe_profile, fit, base, winner, nll)
+        kept = msgspec.structs.replace(rival_profile, note=rival_profile.note + why)
+        return AdapterProfile(kept, probe_profile, rival_profile, fit, base, winner, nll)
     adapted = judged(engine.adapted(fit.adapter), "judge adapted", [layer])
     head = Probe(
         layers=[layer],
@@ -199,7 +222,7 @@ def fit_adapter_profile(
         adapter=fit.adapter,
     )
     profile = msgspec.structs.replace(profile, template=template)
-    return AdapterProfile(profile, probe_profile, fit, adapted, winner, nll)
+    return AdapterProfile(profile, probe_profile, rival_profile, fit, adapted, winner, nll)
 
 
 def _nll(probabilities: np.ndarray, labels: np.ndarray) -> float:
