@@ -18,14 +18,11 @@ the delta (``calibration.recertify``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 
 from service.cli.common import (
     UsageError,
@@ -268,20 +265,14 @@ def _view(record: LoggedDecision) -> dict[str, Any]:
 
 
 def run_from_log(args: argparse.Namespace) -> int:
-    """``judge calibrate --from-log``: a new version of a profile, fitted on the logged
-    log-probabilities of its labeled decisions (every version's, same weights), and on their
-    hidden states where the log kept them (``--log-features``): a probe. The audited ones (a
-    uniform sample) are split as a fit's labels are, and alone set the quantile and certify;
-    the others (``judge label --queue``'s teach stream, say) join the fit split only.
-
-    Each run is one look of the profile's lineage and certifies at its share of ``--delta``
-    (``calibration.recertify``), so that refitting again and again as labels arrive keeps
-    every look's certificate at once."""
-    from calibration import MIN_EXAMPLES, fit_profile
+    """``judge calibrate --from-log``: a new version of a profile from its decision log's
+    labels (``service.log.refit``: the audited ones certify, the others only fit), stored
+    under --name. Each run is one look of the profile's lineage and certifies at its share of
+    ``--delta``."""
     from calibration.fitting import labels_for_next_look
     from calibration.profile import NAME_PATTERN
-    from calibration.recertify import Recertification
     from service.log.decision_log import mask_target
+    from service.log.refit import RefitError, refit_from_log
 
     if args.profile is None:
         raise UsageError("calibrate --from-log: name the profile to refit with --profile")
@@ -294,71 +285,15 @@ def run_from_log(args: argparse.Namespace) -> int:
     if not re.fullmatch(NAME_PATTERN, name):
         raise UsageError(f"profile name {name!r} must match {NAME_PATTERN}")
     with _open(args.from_log) as log:
-        # The audited decisions certify; the other labelled ones (a teach stream's picks, or
-        # any a person chose) only fit the map: they are not a uniform sample of the traffic.
-        records = log.decisions(profile=profile.name, audit=True, labeled=True)
-        records += log.decisions(profile=profile.name, audit=False, labeled=True)
-    weights = profile.fingerprint.model_sha256
-    other = {r.model_sha256 for r in records} - {weights}
-    if weights is not None and other:
-        raise UsageError(
-            f"the labeled decisions of {profile.name!r} were made with other weights too "
-            f"({', '.join(sorted(s[:12] for s in other))}) than the profile's ({weights[:12]}): "
-            "their log-probabilities are not comparable; refit with judge calibrate --task"
-        )
-    labeled = len(records)
-    records, features, layers = _with_features(records, settings.methods, profile)
-    if len(records) < labeled:
-        print(
-            f"read {len(records)} of the {labeled} labeled decisions: those that kept "
-            f"the hidden states of layers {list(layers)}, which a probe reads"
-        )
-    fit_only = np.array([not r.audit for r in records], dtype=bool)
-    n_audited = int((~fit_only).sum())
-    if n_audited < MIN_EXAMPLES:
-        raise UsageError(
-            f"the log holds {n_audited} audited, labeled decisions of {profile.name!r}; a "
-            f"profile needs at least {MIN_EXAMPLES} (raise --audit-rate, or label more)"
-        )
-    taught = int(fit_only.sum())
-    if taught:
-        print(
-            f"{taught} labeled decisions outside the audit sample fit the map only; the "
-            f"{n_audited} audited ones certify"
-        )
-    index = {c: j for j, c in enumerate(profile.choices)}
-    z = np.array(
-        [
-            [dict(zip(r.choices, r.log_probs, strict=True))[c] for c in profile.choices]
-            for r in records
-        ]
-    )
-    y = np.array([index[r.label] for r in records if r.label is not None])
-    digest = hashlib.sha256(
-        msgspec.json.encode([[r.judgment_id, r.label] for r in records])
-    ).hexdigest()
-    mass = np.array([r.choice_mass for r in records])
-    recertification = Recertification.after(
-        profile.recertification, settings.delta, mask_target(args.from_log)
-    )
-    refit = fit_profile(
-        name,
-        z,
-        y,
-        profile.choices,
-        fingerprint=profile.fingerprint,
-        choice_mass=mass,
-        dataset=f"decision log {recertification.log}: {n_audited} audited decisions of "
-        f"{profile.name}"
-        + (f" and {taught} others labeled (fit only)" if taught else "")
-        + (f", with the hidden states of layers {list(layers)}" if layers else ""),
-        dataset_sha256=digest,
-        settings=msgspec.structs.replace(settings, delta=recertification.spent),
-        features=features,
-        feature_layers=layers,
-        recertification=recertification,
-        fit_only=fit_only if taught else None,
-    )
+        try:
+            fitted = refit_from_log(
+                log, profile, settings, name=name, log_name=mask_target(args.from_log)
+            )
+        except RefitError as exc:
+            raise UsageError(str(exc)) from None
+    for note in fitted.notes:
+        print(note)
+    refit, recertification = fitted.profile, fitted.recertification
     etag = store.put(refit)
     t = refit.threshold
     print(f"profile {name}: {refit.note}")
@@ -371,59 +306,17 @@ def run_from_log(args: argparse.Namespace) -> int:
     else:
         print(f"no certified threshold: {t.reason}")
         needed = labels_for_next_look(
-            refit, z, y, mass, features, layers, fit_only=fit_only if taught else None
+            refit,
+            fitted.log_probabilities,
+            fitted.labels,
+            fitted.choice_mass,
+            fitted.features,
+            fitted.feature_layers,
+            fit_only=fitted.fit_only,
         )
         print(f"the next look: {needed.reason}")
     print(f"wrote {store.directory / name}.json (ETag {etag})")
     return 0
-
-
-def _with_features(
-    records: list[LoggedDecision], methods: Sequence[str] | str, profile: CalibrationProfile
-) -> tuple[list[LoggedDecision], np.ndarray | None, tuple[int, ...]]:
-    """The records a refit reads, their hidden states (n, m, H) and the m layers, or None.
-
-    A probe is fitted on the records that kept hidden states (``--log-features``), on the
-    layers every one of them kept (else the newest one's, and only the records with those):
-    with "auto" when there are enough of them (``MIN_PROBE_EXAMPLES``), else on every record
-    without features; an explicit probe refuses when there are too few."""
-    from calibration.probe import MIN_PROBE_EXAMPLES
-
-    wanted = "probe" in methods if not isinstance(methods, str) else methods == "auto"
-    kept = [r for r in records if r.features is not None]
-    if not wanted or not kept:
-        if wanted and methods != "auto":
-            raise UsageError(
-                f"calibrate --from-log --method probe: none of the {len(records)} audited, "
-                "labeled decisions kept hidden states; serve with --log-features (or choose "
-                "--method temperature)"
-            )
-        return records, None, ()
-    shared = set.intersection(*(set(r.features.layers) for r in kept if r.features))
-    newest = kept[-1].features
-    assert newest is not None
-    layers = tuple(sorted(shared)) or tuple(newest.layers)
-    kept = [r for r in kept if r.features is not None and set(layers) <= set(r.features.layers)]
-    if len(kept) < MIN_PROBE_EXAMPLES:
-        if methods != "auto":
-            raise UsageError(
-                f"calibrate --from-log --method probe: {len(kept)} audited, labeled decisions "
-                f"kept the hidden states of layers {list(layers)}, and a probe needs "
-                f"{MIN_PROBE_EXAMPLES}: label more, or choose --method temperature"
-            )
-        return records, None, ()
-    width = profile.fingerprint.hidden_size
-    rows = []
-    for r in kept:
-        assert r.features is not None
-        if width is not None and r.features.width != width:
-            raise UsageError(
-                f"decision {r.judgment_id} kept hidden states {r.features.width} wide, and "
-                f"the profile's model is {width} wide"
-            )
-        states = r.features.array()
-        rows.append(states[[r.features.layers.index(n) for n in layers]])
-    return kept, np.stack(rows), layers
 
 
 def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,0 +1,197 @@
+"""A profile's next version, fitted from its decision log's labels: one look of its lineage.
+
+``refit_from_log`` is what ``judge calibrate --from-log`` and the server's background refit
+(``service.web.background_refit``) both run. It reads the profile's labelled decisions (every
+version's, made with the same weights): the audited ones (a uniform sample of the traffic) are
+split as a fit's labels are and alone set the quantile and certify; the others (a teach
+stream's picks, or any a person chose) join the fit split only (``fit_profile(fit_only=)``).
+Where the log kept hidden states (``--log-features``) a probe may read them. The refit is
+the next look of the profile's lineage and certifies at its share of the lineage's delta
+(``calibration.recertify``), so that refitting again and again as labels arrive keeps every
+look's certificate at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from calibration import MIN_EXAMPLES, CalibrationProfile, FitSettings, fit_profile
+from calibration.probe import MIN_PROBE_EXAMPLES
+from calibration.recertify import Recertification
+from service.log.decision_log import DecisionLog, LoggedDecision
+
+__all__ = ["LogRefit", "RefitError", "refit_from_log", "refit_settings"]
+
+
+class RefitError(ValueError):
+    """The log cannot refit the profile (too few labels, other weights, ...): says why."""
+
+
+@dataclass(frozen=True)
+class LogRefit:
+    """A refit profile (not stored) and what it was fitted on."""
+
+    profile: CalibrationProfile
+    recertification: Recertification
+    audited: int  # labelled audit decisions: split, and certify
+    taught: int  # other labelled decisions: fit only
+    notes: list[str]  # what was read or left out, for a person
+    # What ``fit_profile`` was given, for ``labels_for_next_look``.
+    log_probabilities: np.ndarray
+    labels: np.ndarray
+    choice_mass: np.ndarray
+    features: np.ndarray | None
+    feature_layers: tuple[int, ...]
+    fit_only: np.ndarray | None
+
+
+def refit_settings(profile: CalibrationProfile) -> FitSettings:
+    """The settings a refit keeps from the profile it refits: its target precision, its
+    lineage's delta, its conformal level, a score's values and std bound, and "auto"."""
+    before = profile.recertification
+    return FitSettings(
+        target_precision=profile.threshold.target_precision,
+        delta=before.delta if before is not None else profile.threshold.delta,
+        alpha=profile.conformal_alpha,
+        values=profile.values,
+        max_std=profile.max_std,
+    )
+
+
+def refit_from_log(
+    log: DecisionLog,
+    profile: CalibrationProfile,
+    settings: FitSettings,
+    *,
+    name: str,
+    log_name: str,
+) -> LogRefit:
+    """The next version of ``profile`` (named ``name``) from the labelled decisions of
+    ``log`` (``log_name``: how the profile names it, a password masked), under ``settings``
+    (their delta the lineage's: this look certifies at its share)."""
+    records = log.decisions(profile=profile.name, audit=True, labeled=True)
+    records += log.decisions(profile=profile.name, audit=False, labeled=True)
+    weights = profile.fingerprint.model_sha256
+    other = {r.model_sha256 for r in records} - {weights}
+    if weights is not None and other:
+        raise RefitError(
+            f"the labeled decisions of {profile.name!r} were made with other weights too "
+            f"({', '.join(sorted(s[:12] for s in other))}) than the profile's ({weights[:12]}): "
+            "their log-probabilities are not comparable; refit with judge calibrate --task"
+        )
+    notes = []
+    labeled = len(records)
+    records, features, layers = _with_features(records, settings.methods, profile)
+    if len(records) < labeled:
+        notes.append(
+            f"read {len(records)} of the {labeled} labeled decisions: those that kept "
+            f"the hidden states of layers {list(layers)}, which a probe reads"
+        )
+    fit_only = np.array([not r.audit for r in records], dtype=bool)
+    audited, taught = int((~fit_only).sum()), int(fit_only.sum())
+    if audited < MIN_EXAMPLES:
+        raise RefitError(
+            f"the log holds {audited} audited, labeled decisions of {profile.name!r}; a "
+            f"profile needs at least {MIN_EXAMPLES} (raise --audit-rate, or label more)"
+        )
+    if taught:
+        notes.append(
+            f"{taught} labeled decisions outside the audit sample fit the map only; the "
+            f"{audited} audited ones certify"
+        )
+    index = {c: j for j, c in enumerate(profile.choices)}
+    z = np.array(
+        [
+            [dict(zip(r.choices, r.log_probs, strict=True))[c] for c in profile.choices]
+            for r in records
+        ]
+    )
+    y = np.array([index[r.label] for r in records if r.label is not None])
+    digest = hashlib.sha256(
+        msgspec.json.encode([[r.judgment_id, r.label] for r in records])
+    ).hexdigest()
+    mass = np.array([r.choice_mass for r in records])
+    recertification = Recertification.after(profile.recertification, settings.delta, log_name)
+    only = fit_only if taught else None
+    refit = fit_profile(
+        name,
+        z,
+        y,
+        profile.choices,
+        fingerprint=profile.fingerprint,
+        choice_mass=mass,
+        dataset=f"decision log {recertification.log}: {audited} audited decisions of "
+        f"{profile.name}"
+        + (f" and {taught} others labeled (fit only)" if taught else "")
+        + (f", with the hidden states of layers {list(layers)}" if layers else ""),
+        dataset_sha256=digest,
+        settings=msgspec.structs.replace(settings, delta=recertification.spent),
+        features=features,
+        feature_layers=layers,
+        recertification=recertification,
+        fit_only=only,
+    )
+    return LogRefit(
+        profile=refit,
+        recertification=recertification,
+        audited=audited,
+        taught=taught,
+        notes=notes,
+        log_probabilities=z,
+        labels=y,
+        choice_mass=mass,
+        features=features,
+        feature_layers=layers,
+        fit_only=only,
+    )
+
+
+def _with_features(
+    records: list[LoggedDecision], methods: Sequence[str] | str, profile: CalibrationProfile
+) -> tuple[list[LoggedDecision], np.ndarray | None, tuple[int, ...]]:
+    """The records a refit reads, their hidden states (n, m, H) and the m layers, or None.
+
+    A probe is fitted on the records that kept hidden states (``--log-features``), on the
+    layers every one of them kept (else the newest one's, and only the records with those):
+    with "auto" when there are enough of them (``MIN_PROBE_EXAMPLES``), else on every record
+    without features; an explicit probe refuses when there are too few."""
+    wanted = "probe" in methods if not isinstance(methods, str) else methods == "auto"
+    kept = [r for r in records if r.features is not None]
+    if not wanted or not kept:
+        if wanted and methods != "auto":
+            raise RefitError(
+                f"calibrate --from-log --method probe: none of the {len(records)} labeled "
+                "decisions kept hidden states; serve with --log-features (or choose "
+                "--method temperature)"
+            )
+        return records, None, ()
+    shared = set.intersection(*(set(r.features.layers) for r in kept if r.features))
+    newest = kept[-1].features
+    assert newest is not None
+    layers = tuple(sorted(shared)) or tuple(newest.layers)
+    kept = [r for r in kept if r.features is not None and set(layers) <= set(r.features.layers)]
+    if len(kept) < MIN_PROBE_EXAMPLES:
+        if methods != "auto":
+            raise RefitError(
+                f"calibrate --from-log --method probe: {len(kept)} labeled decisions "
+                f"kept the hidden states of layers {list(layers)}, and a probe needs "
+                f"{MIN_PROBE_EXAMPLES}: label more, or choose --method temperature"
+            )
+        return records, None, ()
+    width = profile.fingerprint.hidden_size
+    rows = []
+    for r in kept:
+        assert r.features is not None
+        if width is not None and r.features.width != width:
+            raise RefitError(
+                f"decision {r.judgment_id} kept hidden states {r.features.width} wide, and "
+                f"the profile's model is {width} wide"
+            )
+        states = r.features.array()
+        rows.append(states[[r.features.layers.index(n) for n in layers]])
+    return kept, np.stack(rows), layers
