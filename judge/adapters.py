@@ -24,6 +24,8 @@ __all__ = ["ADAPTER_TARGETS", "Adapter", "AdapterTarget", "weights_sha256"]
 # three (the lean pass fuses q/k/v and gate/up, so a merged adapter costs nothing per pass).
 AdapterTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER_TARGETS: tuple[AdapterTarget, ...] = get_args(AdapterTarget)
+# Standard base64 (RFC 4648, padded), as msgspec writes and reads bytes in JSON.
+BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 
 def weights_sha256(weights: bytes) -> str:
@@ -38,7 +40,9 @@ class Adapter(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     rank: Annotated[int, Meta(ge=1, le=256)]
     alpha: Annotated[float, Meta(gt=0)]
     targets: Annotated[list[AdapterTarget], Meta(min_length=1)]
-    weights: bytes  # safetensors, float32; base64 in JSON
+    # safetensors, float32; base64 in JSON (the pattern tells a schema's reader so: a string
+    # that is not base64 is not this field's, and is refused as the JSON is read).
+    weights: Annotated[bytes, Meta(extra_json_schema={"pattern": BASE64})]
     sha256: str  # of ``weights``
     # The blocks' model: its parameters' sha256 (``Judge.model_sha256``), so that an adapter
     # is never merged into other weights than it was trained on.

@@ -280,6 +280,21 @@ class ServiceConfig:
             group="log",
         ),
     ] = 1_000_000
+    # Refit a profile from the log in the background once this many new labels of its
+    # decisions have arrived (service.web.background_refit); None: never (a person runs
+    # judge calibrate --from-log).
+    refit_every: Annotated[
+        int | None,
+        Flag(
+            "--refit-every",
+            "count",
+            "refit a profile from the log in the background after this many new labels of its "
+            "decisions; the refit is served only when it certifies at least the coverage of "
+            "the version it refits (every version kept: POST /profiles/{name}/rollback)",
+            metavar="LABELS",
+            group="log",
+        ),
+    ] = None
     # The share of decisions marked for audit (calibration.Policy.audit_rate), for the server
     # and per profile name (which wins).
     audit_rate: Annotated[float, _AUDIT_RATE] = 0.0
@@ -294,6 +309,13 @@ class ServiceConfig:
             check_probability(self.uncertified_threshold, "uncertified_threshold")
         for profile, rate in self.audit_rates.items():
             check_probability(rate, f"audit_rates[{profile!r}]")
+        if self.refit_every is not None:
+            if isinstance(self.refit_every, bool) or not (
+                isinstance(self.refit_every, int) and self.refit_every >= 1
+            ):
+                raise ValueError(f"refit_every must be an integer >= 1, got {self.refit_every!r}")
+            if self.decision_log is None:
+                raise ValueError("refit_every refits from the decision log: set decision_log")
         for name in [self.stage_name, *self.cascade]:
             if not re.fullmatch(NAME_PATTERN, name):
                 raise ValueError(f"a stage's name must match {NAME_PATTERN}, got {name!r}")

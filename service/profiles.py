@@ -22,6 +22,12 @@ in the directory, across threads and processes alike; a failed comparison raises
 ``PreconditionFailedError`` and writes nothing. Without preconditions the last write wins, and
 the new ETag it returns tells the writer which version is stored.
 
+Every version written is kept too (``<directory>/.versions/<name>/<sha256>.json``, the newest
+``KEPT_VERSIONS`` per name, a deleted profile's included), so that a change, a background
+refit's included, is one request to undo: ``ProfileStore.rollback`` stores a kept version
+again (its ETag the one it had). A profile that carries an adapter is megabytes: twenty kept
+versions of one are up to about 90 MB.
+
 Writes go through ``atomicio`` (temporary file, fsync, rename), so a reader sees the old
 profile or the new one, never half of one; the temporaries a killed writer leaves behind are
 removed when the store opens and on every write.
@@ -66,6 +72,7 @@ __all__ = [
     "ProfileStore",
     "SharedDirectory",
     "Stored",
+    "Version",
     "etag_of",
     "parse_etags",
 ]
@@ -80,6 +87,13 @@ class PreconditionFailedError(Exception):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field  # the request header that failed: If-Match or If-None-Match
+
+
+class Version(NamedTuple):
+    """One kept version of a profile: its ETag, and when it was (last) written."""
+
+    etag: str
+    stored_at: float  # unix seconds
 
 
 class Stored(NamedTuple):
@@ -141,6 +155,8 @@ class Preconditions:
 
 
 ALWAYS = Preconditions()
+HISTORY = ".versions"  # <directory>/.versions/<name>/<sha256>.json: every version written
+KEPT_VERSIONS = 20  # per name; the oldest beyond are dropped
 
 
 @runtime_checkable
@@ -170,6 +186,19 @@ class ProfileBackend(Protocol):
 
     def remove(self, name: str, when: Preconditions = ALWAYS) -> None:
         """Remove ``name`` if ``when`` holds; ProfileNotFoundError when absent."""
+        ...
+
+    def versions(self, name: str) -> list[Version]:
+        """The versions of ``name`` written here (the current one among them), newest
+        first; the oldest beyond ``KEPT_VERSIONS`` are dropped."""
+        ...
+
+    def keep(self, name: str, data: bytes) -> str:
+        """Keep ``data`` among ``name``'s versions without serving it; return its ETag."""
+        ...
+
+    def read_version(self, name: str, etag: str) -> bytes | None:
+        """The bytes of ``name``'s version ``etag``, if it is kept."""
         ...
 
 
@@ -214,12 +243,51 @@ class LocalDirectory:
         return _stat_version(st)
 
     def write(self, name: str, data: bytes, when: Preconditions = ALWAYS) -> str:
+        etag = etag_of(data)
         with self._locked():
             current = self.read(name)
             when.check(name, current.etag if current else None)
+            # Kept first: a crash between the two leaves a version kept, never one lost.
+            self._keep(name, etag, data)
             atomicio.write_bytes(self._file(name), data)
         atomicio.remove_orphans(self.path)
-        return etag_of(data)
+        return etag
+
+    def keep(self, name: str, data: bytes) -> str:
+        etag = etag_of(data)
+        with self._locked():
+            self._keep(name, etag, data)
+        return etag
+
+    def versions(self, name: str) -> list[Version]:
+        kept = []
+        for path in self._history(name).glob("*.json"):
+            try:
+                kept.append(Version(etag=f'"{path.stem}"', stored_at=path.stat().st_mtime))
+            except FileNotFoundError:  # dropped meanwhile
+                continue
+        return sorted(kept, key=lambda v: (-v.stored_at, v.etag))
+
+    def read_version(self, name: str, etag: str) -> bytes | None:
+        digest = etag.strip('"')
+        if not re.fullmatch("[0-9a-f]{64}", digest):
+            return None
+        try:
+            return (self._history(name) / f"{digest}.json").read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _history(self, name: str) -> Path:
+        return self.path / HISTORY / name
+
+    def _keep(self, name: str, etag: str, data: bytes) -> None:
+        """Keep ``data`` among ``name``'s versions (its mtime: when it was last written) and
+        drop the oldest beyond ``KEPT_VERSIONS``."""
+        history = self._history(name)
+        history.mkdir(parents=True, exist_ok=True)
+        atomicio.write_bytes(history / f"{etag.strip(chr(34))}.json", data)
+        for old in self.versions(name)[KEPT_VERSIONS:]:
+            (history / f"{old.etag.strip(chr(34))}.json").unlink(missing_ok=True)
 
     def remove(self, name: str, when: Preconditions = ALWAYS) -> None:
         with self._locked():
@@ -334,3 +402,24 @@ class ProfileStore:
         self.backend.remove(self._check_name(name), when)
         with self._lock:
             self._cache.pop(name, None)
+
+    def keep(self, profile: CalibrationProfile) -> str:
+        """Keep ``profile`` among its name's versions without serving it (a refit not
+        served); return its ETag."""
+        return self.backend.keep(self._check_name(profile.name), profile_bytes(profile))
+
+    def versions(self, name: str) -> list[Version]:
+        """``name``'s kept versions, newest first (a deleted profile's too)."""
+        return self.backend.versions(self._check_name(name))
+
+    def version_of(self, name: str, etag: str) -> CalibrationProfile:
+        """``name``'s kept version ``etag``; ProfileNotFoundError where none is kept."""
+        data = self.backend.read_version(self._check_name(name), etag)
+        if data is None:
+            raise ProfileNotFoundError(f"no version {etag} of profile {name!r} is kept")
+        return decode_profile(data, source=f"profile {name!r} version {etag}")
+
+    def rollback(self, name: str, etag: str, when: Preconditions = ALWAYS) -> str:
+        """Serve ``name``'s kept version ``etag`` again (if ``when`` holds of the current
+        one); returns its ETag, the same as when it was first stored."""
+        return self.put(self.version_of(name, etag), when)

@@ -51,7 +51,11 @@ __all__ = [
     "PairRequest",
     "ProfileName",
     "ProfileSummary",
+    "ProfileVersion",
+    "ProfileVersions",
     "ReadyResponse",
+    "RefitRecord",
+    "RollbackRequest",
     "SharedBatch",
     "SharedQuestion",
     "StatusResponse",
@@ -441,6 +445,39 @@ class ProfileSummary(msgspec.Struct, frozen=True, kw_only=True):
     label_free: LabelFree | None = None  # how a label-free correction was fitted
     values: dict[str, float] | None = None
     max_std: float | None = None
+
+
+class RollbackRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Serve a kept version of a profile again: its ETag (``GET /profiles/{name}/versions``)."""
+
+    etag: Annotated[str, Meta(pattern='^"[0-9a-f]{64}"$')]
+
+
+class RefitRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One background refit of a profile from its decision log, and what became of it."""
+
+    at: str  # ISO 8601, UTC: when it finished
+    from_etag: str  # the version it refitted
+    etag: str | None  # the refit's version (kept whether served or not); None: it failed
+    served: bool
+    reason: str
+    labels: int  # labelled decisions it read (audited and taught)
+    coverage_before: float  # certified coverage of the version refitted (0: none certified)
+    coverage_after: float | None  # the refit's; None: it failed
+
+
+class ProfileVersion(msgspec.Struct, frozen=True, kw_only=True):
+    etag: str
+    stored_at: str  # ISO 8601, UTC: when it was last written
+    current: bool  # the version served now
+
+
+class ProfileVersions(msgspec.Struct, frozen=True, kw_only=True):
+    """A profile's kept versions, newest first, and its background refits, newest last."""
+
+    name: str
+    versions: list[ProfileVersion]
+    refits: list[RefitRecord]
 
 
 class ErrorResponse(msgspec.Struct, frozen=True, kw_only=True):

@@ -106,6 +106,38 @@ def test_preconditions_compare_and_swap(backend: Any, profile: CalibrationProfil
         store.get("sms")
 
 
+def test_every_version_is_kept_and_a_rollback_serves_one_again(
+    backend: Any, profile: CalibrationProfile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ProfileStore(backend)
+    first = store.put(profile)
+    changed = msgspec.structs.replace(profile, n_examples=profile.n_examples + 1)
+    second = store.put(changed)
+    kept = store.versions("sms")
+    assert [v.etag for v in kept] == [second, first]  # newest first
+    assert store.version_of("sms", first) == profile
+    # A rollback stores the kept version again: its ETag is the one it had, and it is served.
+    with pytest.raises(PreconditionFailedError):
+        store.rollback("sms", first, Preconditions(if_match=[first]))  # not the current one
+    assert store.rollback("sms", first, Preconditions(if_match=[second])) == first
+    assert store.get_tagged("sms") == (profile, first)
+    assert [v.etag for v in store.versions("sms")][0] == first
+    with pytest.raises(ProfileNotFoundError, match="no version"):
+        store.rollback("sms", '"' + "0" * 64 + '"')
+    with pytest.raises(ProfileNotFoundError, match="no version"):
+        store.version_of("sms", "../sms")  # not an ETag: nothing outside the history is read
+    # A deleted profile's versions stay: it can be brought back.
+    store.delete("sms")
+    assert store.rollback("sms", second) == second and store.get("sms") == changed
+    # The oldest beyond the bound are dropped.
+    monkeypatch.setattr("service.profiles.KEPT_VERSIONS", 3)
+    for n in range(5):
+        store.put(msgspec.structs.replace(profile, n_examples=1000 + n))
+    assert len(store.versions("sms")) == 3
+    assert store.get("sms").n_examples == 1004
+    assert "sms" in store.names() and store.names() == ["sms"]  # the history is not a profile
+
+
 def test_the_cache_notices_changes_made_by_another_store(
     backend: Any, profile: CalibrationProfile
 ) -> None:

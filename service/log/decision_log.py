@@ -747,12 +747,16 @@ class DecisionLog(ABC):
         found = self._run("read decisions", lambda cur: cur.rows(sql, params), write=False)
         return [_decode(record, label, at) for record, label, at, _, _ in found]
 
-    def count(self, profile: str | None = None) -> int:
-        """How many decisions the log holds (with ``profile``: under that profile)."""
-        sql = "SELECT count(*) FROM decisions"
-        params: tuple[str, ...] = ()
+    def count(self, profile: str | None = None, *, labeled: bool | None = None) -> int:
+        """How many decisions the log holds (with ``profile``: under that profile; with
+        ``labeled``: only those with, or without, a label)."""
+        where, params = [], []
         if profile is not None:
-            sql, params = f"{sql} WHERE profile = ?", (profile,)
+            where.append("profile = ?")
+            params.append(profile)
+        if labeled is not None:
+            where.append("label IS NOT NULL" if labeled else "label IS NULL")
+        sql = "SELECT count(*) FROM decisions" + (f" WHERE {' AND '.join(where)}" if where else "")
         found = self._run("count decisions", lambda cur: cur.rows(sql, params), write=False)
         return int(found[0][0])
 

@@ -8,7 +8,8 @@ stream's picks, or any a person chose) join the fit split only (``fit_profile(fi
 Where the log kept hidden states (``--log-features``) a probe may read them. The refit is
 the next look of the profile's lineage and certifies at its share of the lineage's delta
 (``calibration.recertify``), so that refitting again and again as labels arrive keeps every
-look's certificate at once.
+look's certificate at once. The refit keeps the profile's prompt template and adapter: the
+logged decisions were judged under them.
 """
 
 from __future__ import annotations
@@ -136,6 +137,10 @@ def refit_from_log(
         recertification=recertification,
         fit_only=only,
     )
+    # What the refit map reads is what the logged decisions were judged under: the profile's
+    # prompt (an item sent alone is placed in it) and its adapter (the logged scores and
+    # states are the adapted model's), so the refit carries both.
+    refit = msgspec.structs.replace(refit, template=profile.template, adapter=profile.adapter)
     return LogRefit(
         profile=refit,
         recertification=recertification,

@@ -28,6 +28,7 @@ import functools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from litestar import Litestar
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
@@ -68,6 +69,8 @@ def create_app(
         finally:
             loading.cancel()
             await service.batcher.stop()
+            if service.refitter is not None:  # a refit under way finishes first
+                await anyio.to_thread.run_sync(service.refitter.close)
             if service.decision_log is not None:
                 service.decision_log.close()  # every decision in it was committed when made
 

@@ -34,7 +34,9 @@ from service.schemas import (
     LabelsRequest,
     LabelsResponse,
     ProfileSummary,
+    ProfileVersions,
     ReadyResponse,
+    RollbackRequest,
     StatusResponse,
 )
 from service.systemone import SystemOneRequest, SystemOneResponse
@@ -160,6 +162,13 @@ OPERATIONS: tuple[Operation, ...] = (
               "Fit a profile on labeled examples and store it", body=FitRequest,
               ok=(200, CalibrationProfile), errors=(*_BODY_ERRORS, 422, 503), model=True,
               idempotent=False),
+    Operation("profile_versions", "GET", "/profiles/{name}/versions",
+              "A profile's kept versions, and its background refits from the decision log",
+              ok=(200, ProfileVersions), errors=(400, 404)),
+    Operation("rollback_profile", "POST", "/profiles/{name}/rollback",
+              "Serve a kept version of a profile again (If-Match: only over that version)",
+              body=RollbackRequest, ok=(200, CalibrationProfile),
+              errors=(*_BODY_ERRORS, 404, 412)),
     Operation("profile_health", "GET", "/profiles/{name}/health",
               "A profile's health from the decision log: audited precision against its "
               "certificate, drift from its calibration data, the model",

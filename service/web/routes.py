@@ -210,6 +210,24 @@ async def delete_profile(
     await anyio.to_thread.run_sync(remove)
 
 
+async def profile_versions(
+    name: FromPath[str], service: NamedDependency[Service]
+) -> schemas.ProfileVersions:
+    return await anyio.to_thread.run_sync(service.profiles.versions, name)
+
+
+async def rollback_profile(
+    name: FromPath[str], request: AnyRequest, service: NamedDependency[Service]
+) -> Response[CalibrationProfile]:
+    """Store a kept version again; ``If-Match`` makes it replace only that current version."""
+    body = await _body(request, schemas.RollbackRequest)
+    rollback = functools.partial(
+        service.store.rollback, name, body.etag, Preconditions.of(request.headers)
+    )
+    etag = await anyio.to_thread.run_sync(rollback)
+    return Response(service.store.get(name), headers={"ETag": etag})
+
+
 async def profile_health(name: FromPath[str], service: NamedDependency[Service]) -> ProfileHealth:
     return await service.feedback.health(name)
 
@@ -249,6 +267,8 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "put_profile": put_profile,
     "delete_profile": delete_profile,
     "fit": fit,
+    "profile_versions": profile_versions,
+    "rollback_profile": rollback_profile,
     "profile_health": profile_health,
     "judgment": judgment,
     "label": label,

@@ -63,6 +63,7 @@ from service.log.decision_log import (
 )
 from service.metrics import ServiceMetrics
 from service.profiles import ProfileStore
+from service.web.background_refit import BackgroundRefit
 from service.web.batcher import Batcher
 from service.web.frontdoor import Admission
 
@@ -120,6 +121,13 @@ class ServiceCore:
                 retention=Retention(
                     max_age_days=config.log_max_age_days, max_rows=config.log_max_rows
                 ),
+            )
+        # Labels that arrive refit their profile in the background (``--refit-every``).
+        self.refitter: BackgroundRefit | None = None
+        if config.refit_every is not None and self.decision_log is not None:
+            assert config.decision_log is not None
+            self.refitter = BackgroundRefit(
+                self.store, self.decision_log, config.decision_log, config.refit_every
             )
         # Every gate is opened through this, as the MCP server opens its own (one context).
         self.gates = GateContext(

@@ -63,6 +63,7 @@ class FeedbackServing:
         )
         outcome = await anyio.to_thread.run_sync(label)
         self.service.metrics.labels.labels(outcome.status).inc()
+        self._nudge_refit([outcome.status])
         return LabelResult(
             judgment_id=outcome.judgment_id,
             label=outcome.label,
@@ -101,7 +102,13 @@ class FeedbackServing:
                     )
                 )
                 self.service.metrics.labels.labels(outcome.status).inc()
+        self._nudge_refit([r.status for r in results])
         return LabelsResponse(results=results)
+
+    def _nudge_refit(self, statuses: list[str]) -> None:
+        """Tell the background refit (``--refit-every``) that labels were stored."""
+        if self.service.refitter is not None and {"labeled", "relabeled"} & set(statuses):
+            self.service.refitter.labels_arrived()
 
     async def health(self, name: str) -> ProfileHealth:
         """The health of the stored profile ``name`` (its current version) from the log."""

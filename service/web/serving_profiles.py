@@ -15,12 +15,19 @@ import functools
 import hashlib
 import re
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 import anyio.to_thread
 import msgspec
 import numpy as np
 
-from calibration import CalibrationError, CalibrationProfile, FitError, ProfileError
+from calibration import (
+    CalibrationError,
+    CalibrationProfile,
+    FitError,
+    ProfileError,
+    ProfileNotFoundError,
+)
 from calibration.carry import carry
 from calibration.fit_settings import FitSettings
 from calibration.fitting import resolve_methods
@@ -31,7 +38,13 @@ from calibration.tasks import fit_labeled, labeled_queries, scores_from_judgment
 from judge import Fingerprint, Judgment, Prepared
 from service.errors import BadFieldError, UnprocessableError
 from service.profiles import ALWAYS, Preconditions
-from service.schemas import CalibrationMapSummary, FitRequest, ProfileSummary
+from service.schemas import (
+    CalibrationMapSummary,
+    FitRequest,
+    ProfileSummary,
+    ProfileVersion,
+    ProfileVersions,
+)
 from service.web.serving_core import ServiceCore, Ticket
 
 __all__ = ["ProfileServing"]
@@ -176,6 +189,37 @@ class ProfileServing:
                 )
             )
         return summaries
+
+    def versions(self, name: str) -> ProfileVersions:
+        """``name``'s kept versions (newest first) and the background refits of it since this
+        server started; a 404 where no profile is stored under ``name`` (for one deleted, the
+        404 names its newest kept version)."""
+        store, refitter = self.service.store, self.service.refitter
+        kept = store.versions(name)
+        try:
+            current = store.etag(name)
+        except ProfileNotFoundError:
+            if not kept:
+                raise
+            # Deleted: nothing is served under the name, but its versions are kept.
+            raise ProfileNotFoundError(
+                f"no profile named {name!r}: it was deleted; {len(kept)} versions are kept, "
+                f"newest {kept[0].etag} (POST /profiles/{name}/rollback serves one again)"
+            ) from None
+        return ProfileVersions(
+            name=name,
+            versions=[
+                ProfileVersion(
+                    etag=v.etag,
+                    stored_at=datetime.fromtimestamp(v.stored_at, UTC).isoformat(
+                        timespec="seconds"
+                    ),
+                    current=v.etag == current,
+                )
+                for v in kept
+            ],
+            refits=[] if refitter is None else list(refitter.refits.get(name, [])),
+        )
 
     def put(self, name: str, profile: CalibrationProfile, when: Preconditions = ALWAYS) -> str:
         """Store ``profile`` under ``name`` and return its ETag.
