@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from litestar.testing import TestClient
@@ -115,6 +116,26 @@ def test_a_worse_refit_is_kept_and_not_served(tmp_path: Path) -> None:
         # Kept all the same, for a person to look at (and roll forward to, if they choose).
         assert refit["etag"] in [v["etag"] for v in body["versions"]]
         assert [v["current"] for v in body["versions"] if v["etag"] == before] == [True]
+
+
+def test_a_refit_that_certifies_nothing_replaces_only_a_profile_that_certifies_nothing(
+    tmp_path: Path,
+) -> None:
+    blind = msgspec.structs.replace(
+        profile_on(200, seed=6),
+        threshold=msgspec.structs.replace(
+            profile_on(200, seed=6).threshold, threshold=None, feasible=False, coverage=0.0
+        ),
+    )
+    p, labels = stream(np.random.default_rng(7), 120)
+    rng = np.random.default_rng(8)
+    coin = [str(rng.choice(CHOICES)) for _ in labels]  # labels no map can certify on
+    with served(tmp_path, blind, audit_rate=1.0, refit_every=50) as c:
+        before = c.get("/profiles/gate").headers["etag"]
+        label_audited(c, judge_all(c, p), coin)
+        (refit,) = refits(c, 1)["refits"]
+        assert refit["coverage_after"] == 0.0 and refit["served"], refit
+        assert c.get("/profiles/gate").headers["etag"] == refit["etag"] != before
 
 
 def test_refit_every_needs_a_log() -> None:

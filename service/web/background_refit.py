@@ -6,9 +6,10 @@ counts each stored profile's labelled decisions; where N or more arrived since t
 last refit (or since the server started), it runs ``service.log.refit.refit_from_log`` (the
 audited labels certify, the others only fit; the next look of the lineage, at its share of
 delta). The refit is kept among the profile's versions whatever happens; it is served only
-when it certifies a threshold whose coverage is at least the coverage the version it refits
-certified at the same target, and only if that version is still the one stored (a write in
-between wins: If-Match). Each attempt is logged and kept in memory (``refits``:
+when the coverage it certifies is at least the coverage the version it refits certified at
+the same target (a version that certifies none is replaced by a refit that certifies none
+either: both escalate everything, and the refit's map has seen more labels), and only if that
+version is still the one stored (a write in between wins: If-Match). Each attempt is logged and kept in memory (``refits``:
 ``GET /profiles/{name}/versions``); a rollback is ``POST /profiles/{name}/rollback``.
 
 Requests are never blocked: label requests only hand the worker a nudge, and judging reads
@@ -105,10 +106,11 @@ class BackgroundRefit:
         refit = fitted.profile
         after = certified_coverage(refit)
         kept = self.store.keep(refit)
-        if refit.threshold.threshold is None:
+        if refit.threshold.threshold is None and profile.threshold.threshold is not None:
             served, why = (
                 False,
-                f"not served: the refit certifies no threshold ({refit.threshold.reason})",
+                f"not served: the refit certifies no threshold ({refit.threshold.reason}), "
+                f"and the version it refits certifies coverage {before:.3f}",
             )
         elif after < before:
             served, why = (
