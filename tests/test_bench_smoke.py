@@ -374,6 +374,20 @@ def test_bench_adapter_quick(tmp_path: Path) -> None:
 @pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_labelling_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench_labelling.json"
+    _run("bench_labelling.py", "--tasks", "sst2", "--out", str(out))
+    runs = json.loads(out.read_text())["tasks"]["sst2"]
+    assert runs["pool"] == 120 + 60 and runs["evaluation"] == 60
+    for strategy in ("uniform", "taught"):
+        (seed,) = runs[strategy]
+        assert [r["budget"] for r in seed["rows"]] == [100, 150]
+        assert all(0 <= r["certified_coverage"] <= 1 for r in seed["rows"])
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
 def test_bench_span_cost_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_span_cost.json"
     _run("bench_span_cost.py", "--out", str(out))
