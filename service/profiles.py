@@ -247,7 +247,11 @@ class LocalDirectory:
         with self._locked():
             current = self.read(name)
             when.check(name, current.etag if current else None)
-            # Kept first: a crash between the two leaves a version kept, never one lost.
+            # Kept first: a crash between the two leaves a version kept, never one lost. The
+            # version replaced is kept too, if it was written by other means (a file copied
+            # in, judge calibrate's save).
+            if current is not None and not self._kept(name, current.etag):
+                self._keep(name, current.etag, current.data)
             self._keep(name, etag, data)
             atomicio.write_bytes(self._file(name), data)
         atomicio.remove_orphans(self.path)
@@ -266,7 +270,15 @@ class LocalDirectory:
                 kept.append(Version(etag=f'"{path.stem}"', stored_at=path.stat().st_mtime))
             except FileNotFoundError:  # dropped meanwhile
                 continue
+        current = self.read(name)  # written by other means, it is not among them yet
+        if current is not None and current.etag not in {v.etag for v in kept}:
+            with contextlib.suppress(FileNotFoundError):
+                stored_at = self._file(name).stat().st_mtime
+                kept.append(Version(etag=current.etag, stored_at=stored_at))
         return sorted(kept, key=lambda v: (-v.stored_at, v.etag))
+
+    def _kept(self, name: str, etag: str) -> bool:
+        return (self._history(name) / f"{etag.strip(chr(34))}.json").exists()
 
     def read_version(self, name: str, etag: str) -> bytes | None:
         digest = etag.strip('"')
@@ -275,7 +287,8 @@ class LocalDirectory:
         try:
             return (self._history(name) / f"{digest}.json").read_bytes()
         except FileNotFoundError:
-            return None
+            current = self.read(name)
+            return current.data if current is not None and current.etag == etag else None
 
     def _history(self, name: str) -> Path:
         return self.path / HISTORY / name

@@ -22,6 +22,7 @@ from calibration.limits import MIN_EXAMPLES
 from calibration.metrics import MetricReport
 from calibration.policy import ReasonCode
 from calibration.profile import NAME_PATTERN
+from calibration.recertify import LabelsNeeded
 from calibration.signal import SignalReport
 from judge.limits import MAX_CHOICES
 
@@ -43,6 +44,7 @@ __all__ = [
     "JudgeRequest",
     "JudgeResponse",
     "LabelItem",
+    "LabelQueue",
     "LabelRequest",
     "LabelResult",
     "LabeledExample",
@@ -53,6 +55,7 @@ __all__ = [
     "ProfileSummary",
     "ProfileVersion",
     "ProfileVersions",
+    "QueueEntry",
     "ReadyResponse",
     "RefitRecord",
     "RollbackRequest",
@@ -445,6 +448,39 @@ class ProfileSummary(msgspec.Struct, frozen=True, kw_only=True):
     label_free: LabelFree | None = None  # how a label-free correction was fitted
     values: dict[str, float] | None = None
     max_std: float | None = None
+    # It carries the prompt it was fitted on: a request may send the item alone.
+    takes_item: bool = False
+
+
+class QueueEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """A logged decision to label, as a person sees it (``service.log.labelling_queue``)."""
+
+    judgment_id: str
+    stream: Literal["audit", "teach"]
+    item: str  # the item alone where the request marked it, else the whole prompt
+    prompt: str
+    choices: list[str]  # the profile's order: label with one of them
+    probabilities: dict[str, float]  # calibrated, as served
+    choice: str
+    decision: str
+
+
+class LabelQueue(msgspec.Struct, frozen=True, kw_only=True):
+    """What to label next under a profile: the next decisions of each stream, and what the
+    labelled audit decisions say of its current version."""
+
+    profile: str
+    etag: str  # the version the health speaks of
+    audit: list[QueueEntry]  # the next few, oldest first: they certify
+    teach: list[QueueEntry]  # the next few, least certain first: they only fit
+    pending_audit: int
+    pending_teach: int
+    unreadable: int  # unlabelled, but logged without the request: nothing to show
+    n_audited: int
+    n_audited_labeled: int
+    threshold: float | None  # the version's certified threshold; None: none
+    coverage: float  # its certified coverage; 0 where none
+    labels: LabelsNeeded | None  # about how many audit labels more would open the gate
 
 
 class RollbackRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

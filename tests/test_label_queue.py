@@ -228,3 +228,40 @@ def test_queue_needs_a_profile(tmp_path: Path, profile: CalibrationProfile) -> N
 
     log_target, _, _ = logged(tmp_path, profile)
     assert main(["label", "--queue", "--log", log_target]) == 2
+
+
+def test_the_queue_over_http(tmp_path: Path) -> None:
+    from test_background_refit import profile_on
+    from test_feedback import judge_all, served, stream
+
+    p, _ = stream(np.random.default_rng(9), 60)
+    with served(tmp_path, profile_on(200, seed=9), audit_rate=0.3, log_requests=True) as c:
+        responses = judge_all(c, p)
+        audited = [r["judgment_id"] for r in responses if r.get("audit")]
+        body = c.get("/profiles/gate/queue").json()
+        assert body["profile"] == "gate" and body["etag"] == c.get("/profiles/gate").headers["etag"]
+        assert [e["judgment_id"] for e in body["audit"]] == audited[:20]  # oldest first
+        assert body["pending_audit"] == len(audited)
+        assert body["pending_teach"] == len(responses) - len(audited)
+        margins = [abs(e["probabilities"]["yes"] - e["probabilities"]["no"]) for e in body["teach"]]
+        assert margins == sorted(margins)  # least certain first (no features logged)
+        first = body["audit"][0]
+        assert first["item"] == first["prompt"] and first["choices"] == CHOICES
+        labelled = c.post(f"/judgments/{first['judgment_id']}/label", json={"label": "yes"})
+        assert labelled.status_code == 200
+        after = c.get("/profiles/gate/queue").json()
+        assert after["pending_audit"] == len(audited) - 1 and after["n_audited_labeled"] == 1
+        assert after["audit"][0]["judgment_id"] == audited[1]
+        assert c.get("/profiles/nothing/queue").status_code == 404
+    from litestar.testing import TestClient
+    from server import wait_app_ready
+    from test_feedback import ScoreEngine
+
+    from service import ServiceConfig, create_app
+
+    ProfileStore(tmp_path / "plain").put(profile_on(200, seed=9))
+    config = ServiceConfig(profiles_dir=tmp_path / "plain")  # no decision log
+    with TestClient(app=create_app(ScoreEngine(), config=config)) as c:
+        wait_app_ready(c)
+        nolog = c.get("/profiles/gate/queue")
+        assert nolog.status_code == 404 and "--decision-log" in nolog.json()["detail"]

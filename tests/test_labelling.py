@@ -27,7 +27,7 @@ def test_the_picks_spread_over_the_features() -> None:
     rng = np.random.default_rng(0)
     # Ten near-duplicates, all a coin toss; three distinct items almost as uncertain; many
     # sure ones. By margin alone the duplicates take every pick.
-    duplicates = rng.normal(0.0, 0.01, (10, 4)) + [5.0, 0, 0, 0]
+    duplicates = rng.normal(0.0, 0.01, (10, 4)) + np.array([5.0, 0, 0, 0])
     distinct = np.array([[0.0, 5.0, 0, 0], [0, 0, 5.0, 0], [0, 0, 0, 5.0]])
     sure = rng.normal(0.0, 1.0, (40, 4))
     x = np.concatenate([duplicates, distinct, sure])

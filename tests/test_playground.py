@@ -276,12 +276,16 @@ class Page:
         return list(self.driver.find_elements(self.by.CSS_SELECTOR, css))
 
     def open(self) -> None:
+        self.open_with("sms")
+
+    def open_with(self, profile: str) -> None:
+        """Open the page, type the key, and wait for ``profile`` among the profiles."""
         self.driver.get(self.url + "/")
         self.wait.until(lambda d: d.current_url.endswith("/playground"))
         key = self.find("#api-key")
         key.send_keys(KEY)
         self.find("#prompt").click()  # leaving the field fires its change: profiles load
-        self.wait.until(lambda d: self.all("#profile option[value='sms']"))
+        self.wait.until(lambda d: self.all(f"#profile option[value='{profile}']"))
         assert self.shown_panels() == ["judge-view"]
 
     def fill(self, css: str, text: str) -> None:
@@ -514,3 +518,116 @@ def test_the_profile_view_of_a_probe(browser: Any, server: Server) -> None:
 def assert_no_csp_violations(driver: Any) -> None:
     logs = driver.get_log("browser")
     assert not [e for e in logs if "Content Security Policy" in e.get("message", "")], logs
+
+
+# --- the labelling loop in Chromium (issue 57) -------------------------------------------
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+LABELLED = 30  # labels given in the page; the server refits after as many
+
+
+@pytest.fixture(scope="module")
+def labelling_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Server, dict[str, str]]]:
+    """A server on the default model with a task profile (sms_spam, on 40 labels: it takes
+    the item alone and certifies nothing at precision 0.999), a decision log that keeps the
+    requests, every decision audited, and a refit after every 30 new labels. Also returns
+    each test item's true label by its text."""
+    if not DATA.exists():
+        pytest.skip("the shared datasets are not beside this checkout")
+    profiles = tmp_path_factory.mktemp("labelling-profiles")
+    log = tmp_path_factory.mktemp("labelling-log") / "decisions.db"
+    calibrate = [sys.executable, "-m", "service.cli.main", "calibrate", "--task"]
+    calibrate += [str(DATA / "sms_spam"), "--limit", "40", "--target-precision", "0.999"]
+    calibrate += ["--profiles-dir", str(profiles), "--dtype", "float32"]
+    done = subprocess.run(calibrate, cwd=profiles, capture_output=True, text=True, timeout=READY_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    port = free_port()
+    command = [sys.executable, "-m", "service.cli.main", "serve", "--port", str(port)]
+    options = ["--dtype", "float32", "--profiles-dir", str(profiles), "--decision-log", str(log)]
+    options += ["--log-requests", "--audit-rate", "1", "--refit-every", str(LABELLED)]
+    options += ["--request-timeout", f"{READY_S:g}"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("JUDGE_API_KEY", KEY)
+        s = Server([*command, *options], port)
+    try:
+        s.wait_ready(auth())
+        rows = [json.loads(line) for line in (DATA / "sms_spam" / "test.jsonl").open()][:40]
+        yield s, {row["text"]: row["label"] for row in rows}
+    finally:
+        s.stop()
+
+
+def test_the_playground_decides_an_item_alone_under_a_task_profile(
+    browser: Any, labelling_server: tuple[Server, dict[str, str]]
+) -> None:
+    server, truth = labelling_server
+    item = next(iter(truth))
+    page = Page(browser, server.url)
+    page.open_with("sms_spam")
+    from selenium.webdriver.support.ui import Select
+
+    Select(page.find("#profile")).select_by_value("sms_spam")
+    assert page.find("#prompt-label").text == "Item" and page.find("#item-note").is_displayed()
+    assert page.find("#choices").get_attribute("value").split("\n") == ["ham", "spam"]
+    page.fill("#prompt", item)
+    page.driver.execute_script("document.getElementById('judge-form').dataset.state = 'idle'")
+    page.find("#submit").click()
+    page.wait.until(
+        lambda d: page.find("#judge-form").get_attribute("data-state") in ("done", "error")
+    )
+    assert page.find("#judge-form").get_attribute("data-state") == "done", page.find("#error").text
+    # The same answer as POST /judge with the item alone, and the prompt it was placed in.
+    status, body = judged(server, {"item": item, "profile": "sms_spam", "return_prompt": True})
+    assert status == 200
+    assert page.find("#rendered-prompt").text.strip() == body["prompt"].strip()
+    assert item in body["prompt"] and body["prompt"] != item
+    assert [b[1] for b in page.bars()] == [f"{p:.4f}" for p in body["probabilities"].values()]
+
+
+def test_labels_given_in_the_playground_refit_the_profile(
+    browser: Any, labelling_server: tuple[Server, dict[str, str]]
+) -> None:
+    server, truth = labelling_server
+    decided = [judged(server, {"item": text, "profile": "sms_spam"})[1] for text in truth]
+    before = {d["profile_etag"] for d in decided}
+    assert len(before) == 1
+    (etag,) = before
+    page = Page(browser, server.url)
+    page.open_with("sms_spam")
+    page.show("tab-label", "label-view")
+    from selenium.webdriver.support.ui import Select
+
+    page.wait.until(lambda d: page.all("#label-profile option[value='sms_spam']"))
+    Select(page.find("#label-profile")).select_by_value("sms_spam")
+    page.wait.until(lambda d: page.find("#label-version").get_attribute("data-etag") == etag)
+    seen = set()
+    for _ in range(LABELLED):
+        page.wait.until(lambda d: page.find("#label-card").get_attribute("data-state") == "ready")
+        judgment = page.find("#label-card").get_attribute("data-judgment")
+        assert judgment not in seen  # each decision is shown once
+        seen.add(judgment)
+        assert page.find("#label-stream").text.startswith("audit")
+        label = truth[page.find("#label-item").text]
+        page.find(f"#label-buttons button[data-choice='{label}']").click()
+
+        def moved_on(_: Any, shown: str = judgment) -> bool:
+            card = page.find("#label-card")
+            return bool(
+                card.get_attribute("data-judgment") != shown
+                or card.get_attribute("data-state") == "empty"
+            )
+
+        page.wait.until(moved_on)
+    assert "audit 30 of" in page.find("#label-state").text
+    # The server refits in the background; the page sees the version change.
+    page.wait.until(lambda d: page.find("#label-version").get_attribute("data-etag") != etag)
+    new = page.find("#label-version").get_attribute("data-etag")
+    served = page.all("#label-refits li[data-served='true']")
+    assert served and "served" in served[-1].text
+    # The labels are the log's, and a decision made now is made under the new version.
+    logged = httpx.get(f"{server.url}/judgments/{decided[0]['judgment_id']}", headers=auth())
+    assert logged.json()["label"] == truth[next(iter(truth))]
+    status, now = judged(server, {"item": next(iter(truth)), "profile": "sms_spam"})
+    assert status == 200 and now["profile_etag"] == new != etag

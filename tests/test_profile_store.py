@@ -121,7 +121,7 @@ def test_every_version_is_kept_and_a_rollback_serves_one_again(
         store.rollback("sms", first, Preconditions(if_match=[first]))  # not the current one
     assert store.rollback("sms", first, Preconditions(if_match=[second])) == first
     assert store.get_tagged("sms") == (profile, first)
-    assert [v.etag for v in store.versions("sms")][0] == first
+    assert store.versions("sms")[0].etag == first
     with pytest.raises(ProfileNotFoundError, match="no version"):
         store.rollback("sms", '"' + "0" * 64 + '"')
     with pytest.raises(ProfileNotFoundError, match="no version"):
@@ -136,6 +136,20 @@ def test_every_version_is_kept_and_a_rollback_serves_one_again(
     assert len(store.versions("sms")) == 3
     assert store.get("sms").n_examples == 1004
     assert "sms" in store.names() and store.names() == ["sms"]  # the history is not a profile
+
+
+def test_a_version_written_by_other_means_is_listed_and_kept_when_replaced(
+    backend: Any, profile: CalibrationProfile
+) -> None:
+    from calibration import save_profile
+
+    save_profile(profile, backend.path / "sms.json")  # judge calibrate's way: not the store's
+    store = ProfileStore(backend)
+    first = store.etag("sms")
+    assert [v.etag for v in store.versions("sms")] == [first]
+    second = store.put(msgspec.structs.replace(profile, n_examples=profile.n_examples + 1))
+    assert [v.etag for v in store.versions("sms")] == [second, first]
+    assert store.rollback("sms", first) == first
 
 
 def test_the_cache_notices_changes_made_by_another_store(

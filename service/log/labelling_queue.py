@@ -85,6 +85,10 @@ class LabellingQueue:
         """Decisions of ``stream`` still to label."""
         return len(self._pending[stream])
 
+    def upcoming(self, stream: Stream, n: int) -> list[QueueItem]:
+        """The next ``n`` decisions of ``stream``, in its order."""
+        return list(self._pending[stream][:n])
+
     def next(self) -> QueueItem | None:
         """The next decision to label: the streams asked for in turn, each in its own order;
         None when none is left."""

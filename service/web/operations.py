@@ -29,6 +29,7 @@ from service.schemas import (
     FitRequest,
     JudgeBody,
     JudgeResponse,
+    LabelQueue,
     LabelRequest,
     LabelResult,
     LabelsRequest,
@@ -169,6 +170,10 @@ OPERATIONS: tuple[Operation, ...] = (
               "Serve a kept version of a profile again (If-Match: only over that version)",
               body=RollbackRequest, ok=(200, CalibrationProfile),
               errors=(*_BODY_ERRORS, 404, 412)),
+    Operation("label_queue", "GET", "/profiles/{name}/queue",
+              "What to label next under a profile: its unlabelled logged decisions, the audit "
+              "stream (they certify) and the teach stream (they fit), and the certificate's state",
+              ok=(200, LabelQueue), errors=(400, 404)),
     Operation("profile_health", "GET", "/profiles/{name}/health",
               "A profile's health from the decision log: audited precision against its "
               "certificate, drift from its calibration data, the model",

@@ -228,6 +228,10 @@ async def rollback_profile(
     return Response(service.store.get(name), headers={"ETag": etag})
 
 
+async def label_queue(name: FromPath[str], service: NamedDependency[Service]) -> schemas.LabelQueue:
+    return await service.feedback.queue(name)
+
+
 async def profile_health(name: FromPath[str], service: NamedDependency[Service]) -> ProfileHealth:
     return await service.feedback.health(name)
 
@@ -269,6 +273,7 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "fit": fit,
     "profile_versions": profile_versions,
     "rollback_profile": rollback_profile,
+    "label_queue": label_queue,
     "profile_health": profile_health,
     "judgment": judgment,
     "label": label,

@@ -22,11 +22,20 @@ from service.log.decision_log import (
     UnknownJudgmentError,
 )
 from service.log.health import ProfileHealth, profile_health
-from service.schemas import LabelRequest, LabelResult, LabelsRequest, LabelsResponse
+from service.log.labelling_queue import LabellingQueue, QueueItem
+from service.schemas import (
+    LabelQueue,
+    LabelRequest,
+    LabelResult,
+    LabelsRequest,
+    LabelsResponse,
+    QueueEntry,
+)
 from service.web.serving_core import ServiceCore
 
 __all__ = ["FeedbackServing"]
 
+QUEUE_AHEAD = 20  # decisions of each stream GET /profiles/{name}/queue returns
 HEALTH_TTL_S = 30.0  # /metrics reads the profiles' health at most this often
 # A refused label in a batch: the status the same label alone would have got.
 _LABEL_FAILURES = {"unknown_judgment": 404, "not_a_choice": 422, "relabel": 409}
@@ -110,6 +119,33 @@ class FeedbackServing:
         if self.service.refitter is not None and {"labeled", "relabeled"} & set(statuses):
             self.service.refitter.labels_arrived()
 
+    async def queue(self, name: str) -> LabelQueue:
+        """The next decisions to label under profile ``name`` (``QUEUE_AHEAD`` of each
+        stream) and what its labelled audit decisions say (``service.log.labelling_queue``)."""
+        decision_log = self._log_or_404()
+        profile, etag = self.service.store.get_tagged(name)
+
+        def read() -> LabelQueue:
+            queue = LabellingQueue(decision_log, profile, etag)
+            health = queue.health()
+            t = profile.threshold
+            return LabelQueue(
+                profile=name,
+                etag=etag,
+                audit=[_entry(i) for i in queue.upcoming("audit", QUEUE_AHEAD)],
+                teach=[_entry(i) for i in queue.upcoming("teach", QUEUE_AHEAD)],
+                pending_audit=queue.pending("audit"),
+                pending_teach=queue.pending("teach"),
+                unreadable=queue.unreadable,
+                n_audited=health.n_audited,
+                n_audited_labeled=health.n_audited_labeled,
+                threshold=t.threshold,
+                coverage=t.coverage if t.threshold is not None else 0.0,
+                labels=health.labels,
+            )
+
+        return await anyio.to_thread.run_sync(read)
+
     async def health(self, name: str) -> ProfileHealth:
         """The health of the stored profile ``name`` (its current version) from the log."""
         decision_log = self._log_or_404()
@@ -144,3 +180,7 @@ class FeedbackServing:
                     out.append(health)
         self._health = (now, out)
         return out
+
+
+def _entry(item: QueueItem) -> QueueEntry:
+    return QueueEntry(**{f: getattr(item, f) for f in QueueEntry.__struct_fields__})

@@ -186,6 +186,7 @@ class ProfileServing:
                     ProfileSummary,
                     model=p.fingerprint.model,
                     calibration_map=_map_summary(p.calibration_map),
+                    takes_item=p.template is not None,
                 )
             )
         return summaries

@@ -94,7 +94,8 @@ async function loadProfiles() {
   if (asked !== profilesAsked) return;
   profileSummaries = summaries;
   if (failure) showError(failure);
-  for (const [id, first] of [["profile", "none"], ["profile-pick", "choose a profile"]]) {
+  const pickers = [["profile", "none"], ["profile-pick", "choose a profile"], ["label-profile", "choose a profile"]];
+  for (const [id, first] of pickers) {
     const select = $(id);
     const keep = select.value;
     select.replaceChildren(el("option", { value: "" }, first));
@@ -103,15 +104,35 @@ async function loadProfiles() {
   }
 }
 
+// A profile that carries the prompt it was fitted on takes the item alone: the form asks for
+// the item, the choices are the profile's, and the answer shows the prompt it was placed in.
+let itemMode = false;
+
 function onProfileChosen() {
-  // The profile's choices are the only ones it applies to: offer them when none are typed.
   const p = profileSummaries.find((s) => s.name === $("profile").value);
-  if (p && !$("choices").value.trim()) $("choices").value = p.choices.join("\n");
+  itemMode = Boolean(p && p.takes_item);
+  $("prompt-label").textContent = itemMode ? "Item" : "Prompt";
+  $("item-note").hidden = !itemMode;
+  $("choices").readOnly = itemMode;
+  $("return-prompt").disabled = itemMode;
+  if (itemMode) {
+    $("choices").value = p.choices.join("\n");
+    $("return-prompt").checked = true;
+  } else if (p && !$("choices").value.trim()) {
+    // The profile's choices are the only ones it applies to: offer them when none are typed.
+    $("choices").value = p.choices.join("\n");
+  }
 }
 
 // --- judging -----------------------------------------------------------------------------
 
 function readRequest() {
+  if (itemMode) {
+    const item = { item: $("prompt").value, profile: $("profile").value, return_prompt: true };
+    const t = $("threshold").value.trim();
+    if (t !== "") item.threshold = Number(t);
+    return item;
+  }
   const body = {
     prompt: $("prompt").value,
     choices: $("choices").value.split("\n").map((c) => c.trim()).filter((c) => c !== ""),
@@ -373,6 +394,132 @@ async function showPng(name) {
   img.hidden = false;
 }
 
+// --- the labelling queue -----------------------------------------------------------------
+
+// GET /profiles/{name}/queue gives the next decisions of each stream; the page takes them in
+// turn (audit, teach, ...), skips what the person skipped (in this tab only) and labels with
+// POST /judgments/{id}/label. The audit stream certifies; the teach stream only fits.
+const STREAMS = ["audit", "teach"];
+let labelQueue = null;
+let labelTurn = 0;
+const skipped = new Set();
+
+function labelName() {
+  return $("label-profile").value;
+}
+
+async function loadQueue() {
+  const name = labelName();
+  const card = $("label-card");
+  card.dataset.state = "busy";
+  clearError();
+  if (!name) {
+    card.hidden = true;
+    $("label-empty").hidden = true;
+    return;
+  }
+  try {
+    labelQueue = await api("GET", "/profiles/" + encodeURIComponent(name) + "/queue");
+    showLabelState(labelQueue);
+    showNextItem();
+    await loadVersions();
+  } catch (err) {
+    card.hidden = true;
+    card.dataset.state = "error";
+    showError(err);
+  }
+}
+
+function showLabelState(q) {
+  const parts = ["audit " + q.n_audited_labeled + " of " + q.n_audited + " labelled"];
+  parts.push(q.threshold === null
+    ? "no certified threshold"
+    : "threshold " + fmt(q.threshold, 3) + " certified, coverage " + fmt(q.coverage, 3));
+  if (q.labels) {
+    if (q.labels.more === null) parts.push(q.labels.reason);
+    else if (q.labels.more === 0) parts.push("enough audit labels to refit and certify");
+    else parts.push("about " + q.labels.more + " more audit labels would open the gate");
+  }
+  $("label-state").textContent = parts.join(" · ");
+}
+
+function nextEntry() {
+  for (let step = 0; step < STREAMS.length; step++) {
+    const stream = STREAMS[(labelTurn + step) % STREAMS.length];
+    const entry = labelQueue[stream].find((e) => !skipped.has(e.judgment_id));
+    if (entry) {
+      labelTurn = (labelTurn + step) % STREAMS.length;
+      return entry;
+    }
+  }
+  return null;
+}
+
+function showNextItem() {
+  const card = $("label-card");
+  const entry = nextEntry();
+  $("label-empty").hidden = entry !== null;
+  card.hidden = entry === null;
+  if (entry === null) {
+    card.dataset.state = "empty";
+    return;
+  }
+  const left = entry.stream === "audit" ? labelQueue.pending_audit : labelQueue.pending_teach;
+  $("label-stream").textContent = entry.stream === "audit"
+    ? "audit (a uniform sample: it certifies)"
+    : "teach (the least certain: it fits)";
+  $("label-left").textContent = left + " left in this stream";
+  $("label-item").textContent = entry.item;
+  const ranked = Object.entries(entry.probabilities).sort((a, b) => b[1] - a[1]);
+  $("label-model").textContent = ranked.map(([c, p]) => c + " " + fmt(p, 2)).join(", ");
+  const buttons = $("label-buttons");
+  buttons.replaceChildren();
+  for (const choice of entry.choices) {
+    const b = el("button", { type: "button", class: "label-choice", "data-choice": choice }, choice);
+    b.addEventListener("click", () => giveLabel(entry, choice));
+    buttons.append(b);
+  }
+  const skip = el("button", { type: "button", id: "label-skip", class: "secondary" }, "skip");
+  skip.addEventListener("click", () => {
+    skipped.add(entry.judgment_id);
+    labelTurn = (labelTurn + 1) % STREAMS.length;
+    showNextItem();
+  });
+  buttons.append(skip);
+  card.dataset.judgment = entry.judgment_id;
+  card.dataset.state = "ready";
+}
+
+async function giveLabel(entry, choice) {
+  const card = $("label-card");
+  card.dataset.state = "busy";
+  try {
+    await api("POST", "/judgments/" + encodeURIComponent(entry.judgment_id) + "/label", { label: choice });
+    labelTurn = (labelTurn + 1) % STREAMS.length;
+    await loadQueue();
+  } catch (err) {
+    card.dataset.state = "error";
+    showError(err);
+  }
+}
+
+async function loadVersions() {
+  const name = labelName();
+  if (!name) return;
+  const v = await api("GET", "/profiles/" + encodeURIComponent(name) + "/versions");
+  const current = v.versions.find((x) => x.current);
+  const shown = $("label-version");
+  shown.textContent = current ? current.etag : "none";
+  shown.dataset.etag = current ? current.etag : "";
+  $("label-refits").replaceChildren(...v.refits.map((r) =>
+    el("li", { "data-served": String(r.served) }, r.at + ": " + r.reason)));
+}
+
+// A background refit finishes on its own time: while the queue is on screen, look again.
+setInterval(() => {
+  if (!$("label-view").hidden && labelName()) loadVersions().catch(() => {});
+}, 2000);
+
 // --- wiring ------------------------------------------------------------------------------
 
 function showView(id) {
@@ -387,6 +534,11 @@ document.addEventListener("DOMContentLoaded", () => {
   $("judge-form").addEventListener("submit", onSubmit);
   $("profile").addEventListener("change", onProfileChosen);
   $("profile-pick").addEventListener("change", onProfilePicked);
+  $("label-profile").addEventListener("change", () => {
+    skipped.clear();
+    labelTurn = 0;
+    loadQueue();
+  });
   $("api-key").addEventListener("input", () => {
     apiKey = $("api-key").value;
   });
@@ -397,7 +549,7 @@ document.addEventListener("DOMContentLoaded", () => {
   for (const tab of document.querySelectorAll("[role=tab]")) {
     tab.addEventListener("click", () => {
       showView(tab.dataset.view);
-      if (tab.dataset.view === "profiles-view") loadProfiles();
+      if (tab.dataset.view === "profiles-view" || tab.dataset.view === "label-view") loadProfiles();
     });
   }
   loadProfiles();
