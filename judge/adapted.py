@@ -26,7 +26,6 @@ __all__ = [
     "MAX_ADAPTERS",
     "adapter_tensors",
     "merged_blocks",
-    "model_below",
     "model_with_blocks",
 ]
 
@@ -88,12 +87,6 @@ def model_with_blocks(
     module and tensor with ``model`` (which is not changed)."""
     layers = decoder_blocks(model)
     return _with_layers(model, [blocks.get(i, block) for i, block in enumerate(layers)])
-
-
-def model_below(model: PreTrainedModel, count: int) -> PreTrainedModel:
-    """A model that runs only the first ``count`` blocks of ``model`` (sharing them): its
-    ``hidden_states[i]`` for i < ``count`` are the full model's, at a fraction of the cost."""
-    return _with_layers(model, list(decoder_blocks(model))[:count])
 
 
 def _with_layers(model: PreTrainedModel, layers: list[torch.nn.Module]) -> PreTrainedModel:

@@ -31,7 +31,6 @@ from calibration.tasks import (
     task_prompt,
 )
 from judge import InvalidQueryError, Judge, Query
-from judge.adapted import decoder_blocks, model_below
 from judge.adapter_fit import AdapterSettings, fit_adapter
 from judge.adapters import Adapter, weights_sha256
 from service.cli.main import main
@@ -184,23 +183,6 @@ def test_an_adapter_is_merged_once_into_the_base_model_only(judge: Judge) -> Non
     grammar = judge.with_choice_paths("grammar").adapted(first)
     assert grammar is not merged and grammar.choice_paths == "grammar"
     assert merged.choice_paths == "canonical"
-
-
-def test_the_states_entering_the_adapter_are_the_full_models(judge: Judge) -> None:
-    # Training reads each item's state entering the first adapted block from a model cut
-    # just above it: the same numbers as the whole model's, bit for bit.
-    ids = torch.tensor(
-        [judge.prepare(Query(prompt="Is 7 prime?", choices=["yes", "no"])).trie.context]
-    )
-    with torch.inference_mode():
-        full = judge.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        for first in (0, 5, (judge.num_layers or 1) - 1):
-            cut = model_below(judge.model, first + 1)(
-                input_ids=ids, output_hidden_states=True, use_cache=False
-            )
-            assert len(cut.hidden_states) == first + 2
-            assert torch.equal(cut.hidden_states[first], full.hidden_states[first]), first
-    assert len(decoder_blocks(judge.model)) == judge.num_layers  # the model is not changed
 
 
 def test_training_is_reproducible(judge: Judge) -> None:

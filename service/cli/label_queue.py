@@ -8,16 +8,17 @@ is a key. Each label is stored as it is given.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+from calibration import CalibrationProfile
 from service.cli.common import UsageError
+from service.log.decision_log import DecisionLog
 from service.log.health import ProfileHealth
-from service.log.labelling_queue import STREAMS, LabellingQueue, QueueItem, Stream
+from service.log.labelling_queue import STREAMS, LabellingQueue, QueueItem
 
 __all__ = ["run_queue"]
 
@@ -25,46 +26,41 @@ MAX_CHOICES = 9  # one digit key each
 ITEM_CHARS = 600  # an item longer than this is shown cut, with its length
 
 
-def run_queue(args: argparse.Namespace) -> int:
-    """Label the profile's unlabelled decisions from the terminal, until none is left or q."""
-    from service.cli.log import _open, _stored
-
-    if args.profile is None:
-        raise UsageError("--queue needs --profile: the profile whose decisions to label")
-    profile, etag, _ = _stored(args.profile, args.profiles_dir)
+def run_queue(log: DecisionLog, profile: CalibrationProfile, etag: str, stream: str) -> int:
+    """Label ``profile``'s unlabelled decisions in ``log`` from the terminal, until none is
+    left or q; ``stream``: "audit", "teach" or "both"."""
     if len(profile.choices) > MAX_CHOICES:
         raise UsageError(
             f"--queue labels with one digit per choice; {profile.name} has "
             f"{len(profile.choices)} choices (at most {MAX_CHOICES})"
         )
-    streams: tuple[Stream, ...] = STREAMS if args.stream == "both" else (args.stream,)
+    streams = STREAMS if stream == "both" else tuple(s for s in STREAMS if s == stream)
     out = sys.stdout
-    with _open(args.log) as log:
-        queue = LabellingQueue(log, profile, etag, streams=streams)
-        out.write(_opening(queue) + "\n")
-        with _keys(sys.stdin) as keys:
-            while (item := queue.next()) is not None:
-                out.write(_shown(item, queue))
+    queue = LabellingQueue(log, profile, etag, streams=streams)
+    out.write(_opening(queue) + "\n")
+    with _keys(sys.stdin) as keys:
+        while (item := queue.next()) is not None:
+            out.write(_shown(item, queue))
+            out.flush()
+            key = next(keys, "q")
+            while key not in ("q", "s") and not (
+                key.isdigit() and 1 <= int(key) <= len(item.choices)
+            ):
+                out.write(f"no such key {key!r}: 1-{len(item.choices)}, s or q\n")
                 out.flush()
                 key = next(keys, "q")
-                while key not in ("q", "s") and not (
-                    key.isdigit() and 1 <= int(key) <= len(item.choices)
-                ):
-                    out.write(f"no such key {key!r}: 1-{len(item.choices)}, s or q\n")
-                    out.flush()
-                    key = next(keys, "q")
-                if key == "q":
-                    break
-                if key == "s":
-                    queue.skip(item)
-                    out.write("skipped\n")
-                    continue
-                label = item.choices[int(key) - 1]
-                outcome = queue.label(item, label)
-                out.write(f"labelled {label} ({outcome.status}, {item.stream})\n")
-                out.write(_state(queue.health()) + "\n")
-        out.write(_closing(queue) + "\n")
-        out.flush()
+            if key == "q":
+                break
+            if key == "s":
+                queue.skip(item)
+                out.write("skipped\n")
+                continue
+            label = item.choices[int(key) - 1]
+            outcome = queue.label(item, label)
+            out.write(f"labelled {label} ({outcome.status}, {item.stream})\n")
+            out.write(_state(queue.health()) + "\n")
+    out.write(_closing(queue) + "\n")
+    out.flush()
     return 0
 
 

@@ -77,7 +77,11 @@ def run_label(args: argparse.Namespace) -> int:
     if args.queue:
         from service.cli.label_queue import run_queue
 
-        return run_queue(args)
+        if args.profile is None:
+            raise UsageError("--queue needs --profile: the profile whose decisions to label")
+        profile, etag, _ = _stored(args.profile, args.profiles_dir)
+        with _open(args.log) as log:
+            return run_queue(log, profile, etag, args.stream)
     lines: list[_LabelLine] = []
     source = sys.stdin if args.input == "-" else None
     try:

@@ -516,9 +516,11 @@ async function loadVersions() {
 }
 
 // A background refit finishes on its own time: while the queue is on screen, look again.
-setInterval(() => {
-  if (!$("label-view").hidden && labelName()) loadVersions().catch(() => {});
-}, 2000);
+function watchVersions() {
+  setInterval(() => {
+    if (!$("label-view").hidden && labelName()) loadVersions().catch(() => {});
+  }, 2000);
+}
 
 // --- wiring ------------------------------------------------------------------------------
 
@@ -553,4 +555,5 @@ document.addEventListener("DOMContentLoaded", () => {
     });
   }
   loadProfiles();
+  watchVersions();
 });
