@@ -278,14 +278,13 @@ class LocalDirectory:
         return sorted(kept, key=lambda v: (-v.stored_at, v.etag))
 
     def _kept(self, name: str, etag: str) -> bool:
-        return (self._history(name) / f"{etag.strip(chr(34))}.json").exists()
+        return self._version_file(name, etag).exists()
 
     def read_version(self, name: str, etag: str) -> bytes | None:
-        digest = etag.strip('"')
-        if not re.fullmatch("[0-9a-f]{64}", digest):
+        if not re.fullmatch('"[0-9a-f]{64}"', etag):
             return None
         try:
-            return (self._history(name) / f"{digest}.json").read_bytes()
+            return self._version_file(name, etag).read_bytes()
         except FileNotFoundError:
             current = self.read(name)
             return current.data if current is not None and current.etag == etag else None
@@ -293,14 +292,17 @@ class LocalDirectory:
     def _history(self, name: str) -> Path:
         return self.path / HISTORY / name
 
+    def _version_file(self, name: str, etag: str) -> Path:
+        """Where version ``etag`` (a quoted sha256) of ``name`` is kept."""
+        return self._history(name) / f"{etag.strip(chr(34))}.json"
+
     def _keep(self, name: str, etag: str, data: bytes) -> None:
         """Keep ``data`` among ``name``'s versions (its mtime: when it was last written) and
         drop the oldest beyond ``KEPT_VERSIONS``."""
-        history = self._history(name)
-        history.mkdir(parents=True, exist_ok=True)
-        atomicio.write_bytes(history / f"{etag.strip(chr(34))}.json", data)
+        self._history(name).mkdir(parents=True, exist_ok=True)
+        atomicio.write_bytes(self._version_file(name, etag), data)
         for old in self.versions(name)[KEPT_VERSIONS:]:
-            (history / f"{old.etag.strip(chr(34))}.json").unlink(missing_ok=True)
+            self._version_file(name, old.etag).unlink(missing_ok=True)
 
     def remove(self, name: str, when: Preconditions = ALWAYS) -> None:
         with self._locked():

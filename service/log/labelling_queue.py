@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import numpy as np
 
 from calibration import CalibrationProfile
@@ -36,9 +37,9 @@ STREAMS: tuple[Stream, ...] = ("audit", "teach")
 TEACH_ROUND = 10  # teach picks spread at a time, among the 4 x as many most uncertain left
 
 
-@dataclass(frozen=True)
-class QueueItem:
-    """One decision to label, as a person sees it."""
+class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One decision to label, as a person sees it (``GET /profiles/{name}/queue`` carries
+    it as ``service.schemas.QueueEntry``)."""
 
     judgment_id: str
     stream: Stream
@@ -70,13 +71,15 @@ class LabellingQueue:
         if unknown or not self.streams:
             raise ValueError(f"streams must be some of {STREAMS}, got {list(self.streams)}")
         records = self.log.decisions(profile=self.profile.name, labeled=False)
-        readable = [r for r in records if _prompt_of(r) is not None]
+        # Each record with the prompt its logged request judged (parsed once), if it kept one.
+        readable = [(r, p) for r in records if (p := _prompt_of(r)) is not None]
         self.unreadable = len(records) - len(readable)
-        audit = [r for r in readable if r.audit]
-        teach = [r for r in readable if not r.audit]
+        audit = [(r, p) for r, p in readable if r.audit]
+        teach = [(r, p) for r, p in readable if not r.audit]
+        order = self._teach_order([r for r, _ in teach])
         self._pending = {
-            "audit": [self._item(r, "audit") for r in audit],
-            "teach": [self._item(teach[i], "teach") for i in self._teach_order(teach)],
+            "audit": [self._item(r, p, "audit") for r, p in audit],
+            "teach": [self._item(teach[i][0], teach[i][1], "teach") for i in order],
         }
         self.labelled = {"audit": 0, "teach": 0}
         self.skipped = {"audit": 0, "teach": 0}
@@ -121,8 +124,13 @@ class LabellingQueue:
         pending = self._pending[item.stream]
         pending[:] = [p for p in pending if p.judgment_id != item.judgment_id]
 
-    def _item(self, record: LoggedDecision, stream: Stream) -> QueueItem:
-        prompt, span = _prompt_of(record) or ("", None)
+    def _item(
+        self,
+        record: LoggedDecision,
+        judged: tuple[str, tuple[int, int] | None],
+        stream: Stream,
+    ) -> QueueItem:
+        prompt, span = judged
         choices = list(self.profile.choices)
         return QueueItem(
             judgment_id=record.judgment_id,

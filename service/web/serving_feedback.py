@@ -13,6 +13,7 @@ import time
 import anyio.to_thread
 
 from calibration import ProfileError
+from calibration.carry import carry
 from service.errors import NoLogError
 from service.log.decision_log import (
     DecisionLog,
@@ -22,7 +23,7 @@ from service.log.decision_log import (
     UnknownJudgmentError,
 )
 from service.log.health import ProfileHealth, profile_health
-from service.log.labelling_queue import LabellingQueue, QueueItem
+from service.log.labelling_queue import LabellingQueue
 from service.schemas import (
     LabelQueue,
     LabelRequest,
@@ -132,8 +133,8 @@ class FeedbackServing:
             return LabelQueue(
                 profile=name,
                 etag=etag,
-                audit=[_entry(i) for i in queue.upcoming("audit", QUEUE_AHEAD)],
-                teach=[_entry(i) for i in queue.upcoming("teach", QUEUE_AHEAD)],
+                audit=[carry(i, QueueEntry) for i in queue.upcoming("audit", QUEUE_AHEAD)],
+                teach=[carry(i, QueueEntry) for i in queue.upcoming("teach", QUEUE_AHEAD)],
                 pending_audit=queue.pending("audit"),
                 pending_teach=queue.pending("teach"),
                 unreadable=queue.unreadable,
@@ -180,7 +181,3 @@ class FeedbackServing:
                     out.append(health)
         self._health = (now, out)
         return out
-
-
-def _entry(item: QueueItem) -> QueueEntry:
-    return QueueEntry(**{f: getattr(item, f) for f in QueueEntry.__struct_fields__})
