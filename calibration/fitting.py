@@ -107,6 +107,7 @@ __all__ = [
     "resolve_methods",
     "served_gates",
     "split_examples",
+    "split_with_taught",
 ]
 
 # The split's patterns (calibration.limits): which part each of ten examples goes to.
@@ -156,7 +157,7 @@ def split_examples(
     return tuple(np.sort(order[part == s]) for s in range(3))  # type: ignore[return-value]
 
 
-def _split(
+def split_with_taught(
     labels: np.ndarray, seed: int, probe: bool, fit_only: ArrayLike | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """``split_examples`` on the items not marked ``fit_only``, those joining the fit split;
@@ -195,7 +196,7 @@ def profile_split(
     those counts (other labels than the fit's)."""
     y = np.asarray(labels)
     for probe in (False, True):
-        fit_idx, conformal_idx, certify_idx, taught = _split(y, split.seed, probe, fit_only)
+        fit_idx, conformal_idx, certify_idx, taught = split_with_taught(y, split.seed, probe, fit_only)
         counts = (fit_idx.shape[0], conformal_idx.shape[0], certify_idx.shape[0], taught)
         if counts == (split.fit, split.conformal, split.certify, split.taught):
             return fit_idx, conformal_idx, certify_idx
@@ -279,7 +280,7 @@ def fit_rule(
     values = None if settings.values is None else check_values(settings.values, columns)
     max_std = None if settings.max_std is None else check_max_std(settings.max_std)
     seed = settings.seed
-    fit_idx, conformal_idx, certify_idx, taught = _split(
+    fit_idx, conformal_idx, certify_idx, taught = split_with_taught(
         labels, seed, probe if probe_split is None else probe_split, fit_only
     )
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["audit_order", "margins", "teach_order"]
+__all__ = ["TEACH_ROUND", "audit_order", "margins", "teach_order", "teach_rounds"]
+
+TEACH_ROUND = 10  # teach picks spread at a time, among the ``widen`` x as many most uncertain
 
 
 def margins(probabilities: npt.ArrayLike) -> np.ndarray:
@@ -72,6 +74,31 @@ def teach_order(
         picked.append(far)
         nearest = np.minimum(nearest, np.linalg.norm(xc - xc[far], axis=1))
     return candidates[np.asarray(picked)]
+
+
+def teach_rounds(
+    probabilities: npt.ArrayLike,
+    *,
+    features: npt.ArrayLike | None = None,
+    round_size: int = TEACH_ROUND,
+) -> np.ndarray:
+    """Every item of a pool in the order to label it to teach the map: ``teach_order`` in
+    rounds of ``round_size``, each spread among the most uncertain of what is left (one spread
+    over the whole pool would order it by distance alone)."""
+    p = np.asarray(probabilities, dtype=np.float64)
+    x = None if features is None else np.asarray(features, dtype=np.float64)
+    if not (isinstance(round_size, int) and round_size >= 1):
+        raise ValueError(f"round_size must be an integer >= 1, got {round_size!r}")
+    left = np.arange(p.shape[0])
+    order: list[int] = []
+    while left.shape[0]:
+        chosen = teach_order(
+            p[left], min(round_size, left.shape[0]), features=None if x is None else x[left]
+        )
+        picks = left[chosen]
+        order.extend(picks.tolist())
+        left = np.setdiff1d(left, picks)
+    return np.asarray(order, dtype=np.int64)
 
 
 def audit_order(n: int, seed: int) -> np.ndarray:

@@ -36,7 +36,14 @@ import numpy as np
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.maps import Probe
 from calibration.probe import candidate_layers, fit_probe_weights, probe_input
-from calibration.tasks.files import LabeledItem, Task, task_item_span, task_prompt, task_template
+from calibration.tasks.files import (
+    LabeledItem,
+    Task,
+    task_item_span,
+    task_prompt,
+    task_template,
+    taught_items,
+)
 from calibration.tasks.labeled import LabeledScores, fit_labeled, judge_task_items, labeled_queries
 
 if TYPE_CHECKING:
@@ -86,7 +93,7 @@ def fit_adapter_profile(
     default) makes the rival auto's choice between the scalar maps and the probe; any other
     methods, the probe."""
     from calibration import fit_profile
-    from calibration.fitting import split_examples
+    from calibration.fitting import split_with_taught
     from calibration.scaling import CalibrationFit
     from judge.adapter_fit import fit_adapter
 
@@ -113,6 +120,7 @@ def fit_adapter_profile(
     if not num_layers:
         raise ValueError("an adapter needs a model that reports its layers")
     probe_settings = msgspec.structs.replace(settings, methods=("probe",))
+    taught = taught_items(items)  # chosen to teach: they train the adapter, never certify
     base = judged(engine, "judge", candidate_layers(num_layers))
     template = task_template(task)
 
@@ -128,6 +136,7 @@ def fit_adapter_profile(
             settings=fit_settings,
             template=template,
             out_of_sample=out_of_fold,
+            fit_only=taught,
         )
         return fitted, out_of_fold[0]
 
@@ -142,7 +151,7 @@ def fit_adapter_profile(
     probe = probe_profile.calibration_map
     assert isinstance(probe, Probe)  # method probe
     layer, reads = max(probe.layers), probe.reads
-    fit_idx, _, _ = split_examples(base.labels, settings.seed, True)
+    fit_idx, _, _, _ = split_with_taught(base.labels, settings.seed, True, taught)
     k = len(task.choices)
     x = probe_input(reads, [layer], base.features, base.span_features, base.feature_layers)
     x_fit, y_fit = x[fit_idx], base.labels[fit_idx]
@@ -213,6 +222,7 @@ def fit_adapter_profile(
         span_features=adapted.span_features,
         span=adapted.span,
         probe_split=True,
+        fit_only=taught,
         fitted=CalibrationFit(
             map=head,
             cv_nll={"adapter, validation fold": fit.validation_nll},

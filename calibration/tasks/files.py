@@ -2,7 +2,8 @@
 
 A task directory holds ``task.json`` with ``name``, ``choices`` and ``instruction``, and one
 JSON object per line in ``calibration.jsonl`` / ``test.jsonl`` with ``text`` and ``label``
-(and optionally ``id``). A graded task adds ``"kind": "score"`` and ``values`` (the number each
+(and optionally ``id``, and ``stream``: "teach" marks a label chosen to teach the map, which may
+fit a profile but never certify one; "audit", or none, a label of a uniform sample). A graded task adds ``"kind": "score"`` and ``values`` (the number each
 choice stands for; default: the numerals themselves). The prompt for an item is the instruction, the item's text, and the
 list of allowed answers. Reading a split also returns the file's sha256, which a calibration
 profile records so that it can say exactly which data it was fitted on.
@@ -12,16 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 from calibration.template import PromptTemplate
 from judge.scores import ValuesError, check_values
 
 __all__ = [
+    "STREAMS",
     "LabeledItem",
     "Task",
     "TaskError",
@@ -30,7 +33,12 @@ __all__ = [
     "task_item_span",
     "task_prompt",
     "task_template",
+    "taught_items",
 ]
+
+
+# Where a labelled line came from: a uniform sample (it may certify) or a pick to teach.
+STREAMS = ("audit", "teach")
 
 
 class TaskError(ValueError):
@@ -46,6 +54,8 @@ class LabeledItem(msgspec.Struct, frozen=True):
     id: str
     text: str
     label: str
+    # Chosen to teach (``judge label --queue --items``): it may fit a map, never certify one.
+    taught: bool = False
 
 
 class Task(msgspec.Struct, frozen=True):
@@ -104,9 +114,17 @@ def load_split(task: Task, split: str, limit: int | None = None) -> tuple[list[L
     for n, line in _jsonl_lines(data):
         try:
             row = json.loads(line)
-            item = LabeledItem(id=str(row.get("id", n)), text=row["text"], label=row["label"])
+            stream = row.get("stream", "audit")
+            item = LabeledItem(
+                id=str(row.get("id", n)),
+                text=row["text"],
+                label=row["label"],
+                taught=stream == "teach",
+            )
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise TaskError(f"{file}:{n}: expected an object with text and label ({exc})") from exc
+        if stream not in STREAMS:
+            raise TaskError(f"{file}:{n}: stream must be one of {list(STREAMS)}, got {stream!r}")
         if not isinstance(item.text, str):
             raise TaskError(f"{file}:{n}: text must be a string, got {type(item.text).__name__}")
         if item.label not in task.choices:
@@ -115,6 +133,13 @@ def load_split(task: Task, split: str, limit: int | None = None) -> tuple[list[L
         if limit is not None and len(items) >= limit:
             break
     return items, hashlib.sha256(data).hexdigest()
+
+
+def taught_items(items: Sequence[LabeledItem]) -> np.ndarray | None:
+    """Which ``items`` were chosen to teach (``fit_profile``'s ``fit_only``); None where none
+    was, so that a split of uniform labels alone is the one it always was."""
+    taught = np.array([item.taught for item in items], dtype=np.bool_)
+    return taught if taught.any() else None
 
 
 def _jsonl_lines(data: bytes) -> Iterator[tuple[int, str]]:

@@ -52,6 +52,7 @@ __all__ = [
     "fit_unlabeled",
     "judge_labeled",
     "judge_task_items",
+    "judge_task_pool",
     "judge_unlabeled",
     "labeled_queries",
     "load_prompts",
@@ -395,6 +396,49 @@ def judge_task_items(
     return judge_labeled(engine, queries, labels, columns, batch_size=batch_size, progress=progress)
 
 
+def judge_task_pool(
+    engine: Engine,
+    task: Task,
+    texts: Sequence[str],
+    *,
+    layer: int | None = None,
+    batch_size: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A task's unlabelled items judged as ``judge_task_items`` judges labelled ones: their
+    (n, k) log-probabilities in ``task.choices`` order and, with ``layer``, their (n, H) mean
+    hidden states over each item's own text there (what a labelling queue spreads its picks
+    over); None without."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    layers = () if layer is None else (layer,)
+    queries = labeled_queries(
+        [task_prompt(task, text) for text in texts],
+        task.choices,
+        item_spans=[task_item_span(task, text) for text in texts] if layers else None,
+        feature_layers=layers,
+        span_layers=layers,
+    )
+    z = np.empty((len(queries), len(task.choices)))  # (n, k)
+    means = []
+    for start in range(0, len(queries), batch_size):
+        chunk = queries[start : start + batch_size]
+        for i, judgment in enumerate(engine.judge_batch(chunk), start=start):
+            z[i] = _row(judgment, list(task.choices), i)
+            if layer is not None:
+                # An empty text has no span: its whole prompt's mean stands in.
+                spans = judgment.span_features or {}
+                feats = judgment.features or {}
+                means.append(spans.get(layer, feats.get(layer)))
+        if progress is not None:
+            progress(len(chunk))
+    if layer is None or not queries:
+        return z, None
+    if any(m is None for m in means):
+        raise TaskError(f"the engine returned no hidden states at layer {layer}")
+    return z, np.asarray(means, dtype=np.float32)
+
+
 def fit_labeled(
     name: str,
     scores: LabeledScores,
@@ -406,6 +450,7 @@ def fit_labeled(
     settings: FitSettings = DEFAULT_SETTINGS,
     template: PromptTemplate | None = None,
     out_of_sample: list[np.ndarray] | None = None,
+    fit_only: np.ndarray | None = None,
 ) -> CalibrationProfile:
     """Fit a calibration profile on ``scores``, for the engine that ``fingerprint`` describes.
 
@@ -433,6 +478,8 @@ def fit_labeled(
     out_of_sample : list, optional
         Gets the items' calibrated probabilities as the map would judge new ones
         (``fit_profile``).
+    fit_only : array of bool, optional
+        The items chosen to teach (``taught_items``): they fit the map, never certify it.
     """
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
@@ -457,6 +504,7 @@ def fit_labeled(
         span_features=scores.span_features,
         span=scores.span,
         out_of_sample=out_of_sample,
+        fit_only=fit_only,
     )
     return profile if template is None else msgspec.structs.replace(profile, template=template)
 

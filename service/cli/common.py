@@ -130,7 +130,9 @@ def positive_int(text: str) -> int:
     return value
 
 
-def model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") -> None:
+def model_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, dtype_help: str = ""
+) -> None:
     """--model, --dtype (default None: the profile's, else auto) and --device."""
     parser.add_argument(
         "--model",
@@ -143,7 +145,7 @@ def model_arguments(parser: argparse.ArgumentParser, *, dtype_help: str = "") ->
 
 
 def choice_paths_argument(
-    parser: argparse.ArgumentParser, *, default: str | None = "canonical"
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: str | None = "canonical"
 ) -> None:
     """--choice-paths: which token paths spell a choice (``Judge(choice_paths=)``)."""
     parser.add_argument(

@@ -1,7 +1,8 @@
-"""``judge label --queue``: label the decision log's decisions one key at a time.
+"""``judge label --queue``: label the decision log's decisions, or a file's items, one key at a
+time.
 
-The queue (``service.log.labelling_queue``) picks each decision; this module only shows it
-and reads a key: 1-9 labels it with that choice, ``s`` skips it, ``q`` quits. On a terminal a
+The queue (``service.log.labelling_queue`` over a log, ``calibration.tasks.item_queue`` over
+a file of a new task's items) picks each item; this module only shows it and reads a key: 1-9 labels it with that choice, ``s`` skips it, ``q`` quits. On a terminal a
 key acts at once (cbreak mode, restored on exit); from a pipe, each line's first character
 is a key. Each label is stored as it is given.
 """
@@ -10,17 +11,18 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TextIO
+from typing import Any, Protocol, TextIO, TypeVar
 
 from calibration import CalibrationProfile
+from calibration.tasks.item_queue import ItemQueue, PoolItem
 from service.cli.common import UsageError
 from service.log.decision_log import DecisionLog
 from service.log.health import ProfileHealth
-from service.log.labelling_queue import STREAMS, LabellingQueue, QueueItem
+from service.log.labelling_queue import STREAMS, LabellingQueue, QueueItem, Stream
 
-__all__ = ["run_queue"]
+__all__ = ["run_item_queue", "run_queue"]
 
 MAX_CHOICES = 9  # one digit key each
 ITEM_CHARS = 600  # an item longer than this is shown cut, with its length
@@ -29,18 +31,78 @@ ITEM_CHARS = 600  # an item longer than this is shown cut, with its length
 def run_queue(log: DecisionLog, profile: CalibrationProfile, etag: str, stream: str) -> int:
     """Label ``profile``'s unlabelled decisions in ``log`` from the terminal, until none is
     left or q; ``stream``: "audit", "teach" or "both"."""
-    if len(profile.choices) > MAX_CHOICES:
-        raise UsageError(
-            f"--queue labels with one digit per choice; {profile.name} has "
-            f"{len(profile.choices)} choices (at most {MAX_CHOICES})"
+    _check_keys(profile.name, profile.choices)
+    queue = LabellingQueue(log, profile, etag, streams=_streams(stream))
+    sys.stdout.write(_opening(queue) + "\n")
+
+    def give(item: QueueItem, label: str) -> str:
+        outcome = queue.label(item, label)
+        return f"labelled {label} ({outcome.status}, {item.stream})\n{_state(queue.health())}"
+
+    _label_loop(queue, lambda item: _shown(item, queue), give)
+    sys.stdout.write(_closing(queue) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def run_item_queue(queue: ItemQueue, command: str) -> int:
+    """Label a file's items from the terminal (``calibration.tasks.ItemQueue``), until none
+    is left or q; ``command``: the ``judge calibrate`` that fits on the labels written."""
+    _check_keys(queue.task.name, queue.task.choices)
+    sys.stdout.write(
+        f"labelling {queue.task.name} into {queue.out}: {queue.pending('audit')} audit items "
+        f"(a uniform sample: they certify) and {queue.pending('teach')} others (the model's "
+        f"least certain first: they teach) unlabelled; streams: {', '.join(queue.streams)}\n"
+    )
+
+    def shown(item: PoolItem) -> str:
+        header = f"[{item.stream}: {queue.pending(item.stream)} left] {item.id}"
+        return _card(
+            header, item.text, item.probabilities, item.choices, "the model (uncalibrated)"
         )
-    streams = STREAMS if stream == "both" else tuple(s for s in STREAMS if s == stream)
+
+    def give(item: PoolItem, label: str) -> str:
+        queue.label(item, label)
+        return f"labelled {label} ({item.stream})\n{_pool_state(queue, command)}"
+
+    _label_loop(queue, shown, give)
+    done = sum(queue.labelled.values())
+    sys.stdout.write(
+        f"labelled {done} (audit {queue.labelled['audit']}, teach {queue.labelled['teach']}) "
+        f"into {queue.out}; left: audit {queue.pending('audit')}, teach {queue.pending('teach')}"
+        + (f"; fit a profile on them: {command}" if queue.ready() else "")
+        + "\n"
+    )
+    sys.stdout.flush()
+    return 0
+
+
+class _Labelled(Protocol):
+    @property
+    def choices(self) -> list[str]: ...
+
+    @property
+    def stream(self) -> Any: ...
+
+
+Item = TypeVar("Item", bound=_Labelled)
+
+
+class _Queue(Protocol[Item]):
+    def next(self) -> Item | None: ...
+
+    def skip(self, item: Item) -> None: ...
+
+
+def _label_loop(
+    queue: _Queue[Item], shown: Callable[[Item], str], give: Callable[[Item, str], str]
+) -> None:
+    """Show each item, read a key: a digit labels it (``give`` stores the label and says what
+    follows), s skips it, q quits."""
     out = sys.stdout
-    queue = LabellingQueue(log, profile, etag, streams=streams)
-    out.write(_opening(queue) + "\n")
     with _keys(sys.stdin) as keys:
         while (item := queue.next()) is not None:
-            out.write(_shown(item, queue))
+            out.write(shown(item))
             out.flush()
             key = next(keys, "q")
             while key not in ("q", "s") and not (
@@ -55,13 +117,19 @@ def run_queue(log: DecisionLog, profile: CalibrationProfile, etag: str, stream: 
                 queue.skip(item)
                 out.write("skipped\n")
                 continue
-            label = item.choices[int(key) - 1]
-            outcome = queue.label(item, label)
-            out.write(f"labelled {label} ({outcome.status}, {item.stream})\n")
-            out.write(_state(queue.health()) + "\n")
-    out.write(_closing(queue) + "\n")
-    out.flush()
-    return 0
+            out.write(give(item, item.choices[int(key) - 1]) + "\n")
+
+
+def _check_keys(name: str, choices: Sequence[str]) -> None:
+    if len(choices) > MAX_CHOICES:
+        raise UsageError(
+            f"--queue labels with one digit per choice; {name} has {len(choices)} choices "
+            f"(at most {MAX_CHOICES})"
+        )
+
+
+def _streams(stream: str) -> tuple[Stream, ...]:
+    return STREAMS if stream == "both" else tuple(s for s in STREAMS if s == stream)
 
 
 @contextmanager
@@ -105,14 +173,43 @@ def _opening(queue: LabellingQueue) -> str:
 
 
 def _shown(item: QueueItem, queue: LabellingQueue) -> str:
-    text = item.item if len(item.item) <= ITEM_CHARS else item.item[:ITEM_CHARS] + "..."
-    ranked = sorted(item.probabilities.items(), key=lambda kv: -kv[1])
-    model = ", ".join(f"{c} {p:.2f}" for c, p in ranked)
-    keys = " · ".join(f"{i} {c}" for i, c in enumerate(item.choices, 1))
-    return (
-        f"\n[{item.stream}: {queue.pending(item.stream)} left] {item.judgment_id} "
-        f"({item.decision})\n  {text}\n  the model: {model}\n  {keys} · s skip · q quit\n"
+    header = (
+        f"[{item.stream}: {queue.pending(item.stream)} left] {item.judgment_id} ({item.decision})"
     )
+    return _card(header, item.item, item.probabilities, item.choices, "the model")
+
+
+def _card(
+    header: str, text: str, probabilities: dict[str, float], choices: list[str], whose: str
+) -> str:
+    """An item as the queue shows it: where it comes from, its text (cut past ITEM_CHARS),
+    the model's probabilities, the keys."""
+    if len(text) > ITEM_CHARS:
+        text = text[:ITEM_CHARS] + "..."
+    ranked = sorted(probabilities.items(), key=lambda kv: -kv[1])
+    model = ", ".join(f"{c} {p:.2f}" for c, p in ranked)
+    keys = " · ".join(f"{i} {c}" for i, c in enumerate(choices, 1))
+    return f"\n{header}\n  {text}\n  {whose}: {model}\n  {keys} · s skip · q quit\n"
+
+
+def _pool_state(queue: ItemQueue, command: str) -> str:
+    """What the file's labels say so far: how many of each stream, and about how many audit
+    labels a fitted profile would need to certify its target."""
+    parts = [f"in the file: audit {queue.total('audit')}, teach {queue.total('teach')}"]
+    needed = queue.needed()
+    if needed is not None:
+        if needed.more is None:
+            parts.append(f"gate: {needed.reason}")
+        elif needed.more == 0:
+            parts.append(f"likely enough audit labels to certify (about {needed.labels})")
+        else:
+            parts.append(
+                f"about {needed.more} more audit labels would likely certify "
+                f"{queue.target_precision:g} (the model's confidence so far)"
+            )
+    if queue.ready():
+        parts.append(f"fit: {command}")
+    return "; ".join(parts)
 
 
 def _state(health: ProfileHealth) -> str:

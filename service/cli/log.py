@@ -18,6 +18,7 @@ the delta (``calibration.recertify``).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,12 @@ def _stored(profile: str, profiles_dir: Path) -> tuple[CalibrationProfile, str, 
 def run_label(args: argparse.Namespace) -> int:
     """Store the labels of a JSONL file; every line is checked before any is stored. With
     --queue, label from the terminal (``service.cli.label_queue``)."""
+    if args.queue and args.items is not None:
+        return _label_items(args)
+    if args.items is not None or args.task is not None:
+        raise UsageError("--items and --task go with --queue: label a file's items one at a time")
+    if args.log is None:
+        raise UsageError("--log is required: the decision log whose decisions to label")
     if args.queue:
         from service.cli.label_queue import run_queue
 
@@ -115,6 +122,59 @@ def run_label(args: argparse.Namespace) -> int:
             failures.append(outcome)
     print(to_json({"counts": counts, "errors": failures}, indent=2))
     return 1 if failures else 0
+
+
+def _label_items(args: argparse.Namespace) -> int:
+    """``--queue --items``: a new task's first labels, from a file of its unlabelled items,
+    written into the task's directory for ``judge calibrate``."""
+    from calibration.probe import candidate_layers
+    from calibration.tasks import ItemQueue, TaskError, judge_task_pool, load_pool, load_task
+    from service.cli.common import load_engine
+    from service.cli.label_queue import run_item_queue
+
+    if args.task is None:
+        raise UsageError("--items needs --task: the task directory whose choices to label with")
+    if args.log is not None or args.profile is not None:
+        raise UsageError("--items labels a file, not a log: drop --log and --profile")
+    try:
+        task = load_task(args.task)
+        pool = load_pool(args.items)
+    except TaskError as exc:
+        raise UsageError(str(exc), field="--items") from None
+    split = args.split
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", split) or split in ("calibration", "test"):
+        raise UsageError(
+            f"--split {split!r} must be a plain file name, not calibration or test (the "
+            "task's own labelled splits)",
+            field="--split",
+        )
+    if not 0 < args.audit_share <= 1:
+        raise UsageError(f"--audit-share must be in (0, 1], got {args.audit_share}")
+    engine = load_engine(args, dtype=args.dtype)
+    num_layers = engine.fingerprint().num_layers
+    # The teach stream spreads its picks over the items' mean states at the middle candidate
+    # layer of a probe; a model that reports no layers gives margins alone.
+    layers = candidate_layers(num_layers) if num_layers else ()
+    layer = layers[len(layers) // 2] if layers else None
+    sys.stderr.write(f"judging {len(pool)} items of {args.items} ...\n")
+    z, features = judge_task_pool(
+        engine, task, [text for _, text in pool], layer=layer, batch_size=args.batch_size
+    )
+    try:
+        queue = ItemQueue(
+            task,
+            pool,
+            z,
+            Path(task.path) / f"{split}.jsonl",
+            features=features,
+            seed=args.seed,
+            audit_share=args.audit_share,
+            streams=["audit", "teach"] if args.stream == "both" else [args.stream],
+        )
+    except TaskError as exc:
+        raise UsageError(str(exc), field="--split") from None
+    command = f"judge calibrate --task {task.path} --split {split}"
+    return run_item_queue(queue, command)
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -337,7 +397,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "decisions one at a time, audit ones (a uniform sample: they certify) and the least "
         "certain others (they teach a refit) in turn; a digit labels, s skips, q quits.",
     )
-    label.add_argument("--log", required=True, help=log_help)
+    label.add_argument("--log", help=log_help + " (not with --items)")
     source = label.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", help="the JSONL file ('-' for stdin)")
     source.add_argument(
@@ -355,6 +415,30 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         default="both",
         help="which decisions: audit (they certify), teach (they fit), or both in turn",
     )
+    items = label.add_argument_group(
+        "--queue --items (a new task's first labels, before any decision is logged)"
+    )
+    items.add_argument(
+        "--items",
+        type=Path,
+        help='a JSONL file of the task\'s unlabelled items, {"text": ..., "id": ...} a line',
+    )
+    items.add_argument("--task", type=Path, help="the task directory (task.json) they belong to")
+    items.add_argument(
+        "--split",
+        default="labelled",
+        help="the labels go to <task>/<split>.jsonl, for judge calibrate --task T --split "
+        "SPLIT (default labelled); labelled items are left out when the queue is run again",
+    )
+    items.add_argument(
+        "--audit-share",
+        type=float,
+        default=0.5,
+        help="the share of the items drawn (at random, before any label) for the audit stream",
+    )
+    items.add_argument("--seed", type=int, default=0, help="the streams' random draw")
+    model_arguments(items)
+    items.add_argument("--batch-size", type=positive_int, default=8)
     label.set_defaults(run=run_label)
     check = commands.add_parser(
         "check",

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from calibration import CalibrationProfile
-from calibration.labelling import teach_order
+from calibration.labelling import teach_rounds
 from service.log.decision_log import DecisionLog, LabelOutcome, LoggedDecision
 from service.log.health import ProfileHealth, profile_health
 
@@ -34,7 +34,6 @@ __all__ = ["STREAMS", "LabellingQueue", "QueueItem", "Stream"]
 
 Stream = Literal["audit", "teach"]
 STREAMS: tuple[Stream, ...] = ("audit", "teach")
-TEACH_ROUND = 10  # teach picks spread at a time, among the 4 x as many most uncertain left
 
 
 class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -153,16 +152,7 @@ class LabellingQueue:
             rows = [r.features.array()[0] for r in records if r.features is not None]
             if len({row.shape for row in rows}) == 1:
                 features = np.stack(rows)
-        # In rounds: each spreads its picks among the most uncertain of what is left (one
-        # spread over the whole log would order by distance alone).
-        left = np.arange(len(records))
-        order: list[int] = []
-        while left.shape[0]:
-            x = None if features is None else features[left]
-            picks = left[teach_order(p[left], min(TEACH_ROUND, left.shape[0]), features=x)]
-            order.extend(picks.tolist())
-            left = np.setdiff1d(left, picks)
-        return np.asarray(order, dtype=np.int64)
+        return teach_rounds(p, features=features)
 
 
 def _prompt_of(record: LoggedDecision) -> tuple[str, tuple[int, int] | None] | None:
