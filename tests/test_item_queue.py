@@ -4,7 +4,6 @@ fit a profile but never certify it."""
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,7 +179,10 @@ def test_judge_label_items_then_calibrate(
     task = load_task(task_dir)
 
     # The keys a person who knows the truth would press: read each item's id off the screen.
-    class Person(io.StringIO):
+    class Person:
+        def isatty(self) -> bool:
+            return False
+
         def __iter__(self) -> Iterator[str]:
             while True:
                 shown = capsys.readouterr().out
