@@ -41,7 +41,15 @@ if TYPE_CHECKING:
     from service.log.decision_log import DecisionLog, LoggedDecision
     from service.profiles import ProfileStore
 
-__all__ = ["add_arguments", "run_check", "run_from_log", "run_label", "run_replay"]
+__all__ = [
+    "add_arguments",
+    "open_decision_log",
+    "run_check",
+    "run_from_log",
+    "run_label",
+    "run_replay",
+    "stored_profile",
+]
 
 
 class _LabelLine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -49,7 +57,7 @@ class _LabelLine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     label: str
 
 
-def _open(target: str) -> DecisionLog:
+def open_decision_log(target: str) -> DecisionLog:
     from service.log.decision_log import DecisionLogError, open_log
 
     try:
@@ -58,7 +66,9 @@ def _open(target: str) -> DecisionLog:
         raise UsageError(f"--log: {exc}") from None
 
 
-def _stored(profile: str, profiles_dir: Path) -> tuple[CalibrationProfile, str, ProfileStore]:
+def stored_profile(
+    profile: str, profiles_dir: Path
+) -> tuple[CalibrationProfile, str, ProfileStore]:
     """The profile ``profile`` names, a file or a name in ``profiles_dir``, and its ETag (the
     version the server's decisions carry)."""
     from service.profiles import ProfileStore
@@ -86,8 +96,8 @@ def run_label(args: argparse.Namespace) -> int:
 
         if args.profile is None:
             raise UsageError("--queue needs --profile: the profile whose decisions to label")
-        profile, etag, _ = _stored(args.profile, args.profiles_dir)
-        with _open(args.log) as log:
+        profile, etag, _ = stored_profile(args.profile, args.profiles_dir)
+        with open_decision_log(args.log) as log:
             return run_queue(log, profile, etag, args.stream)
     lines: list[_LabelLine] = []
     source = sys.stdin if args.input == "-" else None
@@ -109,7 +119,7 @@ def run_label(args: argparse.Namespace) -> int:
         raise UsageError(f"--input: {args.input} holds no labels")
     from service.log.decision_log import LabelFailure
 
-    with _open(args.log) as log:
+    with open_decision_log(args.log) as log:
         outcomes = log.label_many(
             [(line.judgment_id, line.label) for line in lines], replace=args.replace
         )
@@ -183,14 +193,14 @@ def run_check(args: argparse.Namespace) -> int:
 
     from service.log.health import profile_health
 
-    profile, etag, _ = _stored(args.profile, args.profiles_dir)
+    profile, etag, _ = stored_profile(args.profile, args.profiles_dir)
     current = None
     if args.model is not None or args.check_model:
         from service.cli.common import load_engine
 
         current = load_engine(args, profile).model_sha256
     since = None if args.since_days is None else time.time() - args.since_days * 86400
-    with _open(args.log) as log:
+    with open_decision_log(args.log) as log:
         health = profile_health(
             log,
             profile,
@@ -224,7 +234,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from calibration import Gate
     from service.cli.common import load_engine
 
-    with _open(args.log) as log:
+    with open_decision_log(args.log) as log:
         record = log.get(args.judgment_id)
     if record is None:
         raise UsageError(f"no decision {args.judgment_id!r} in the log {args.log}")
@@ -237,7 +247,7 @@ def run_replay(args: argparse.Namespace) -> int:
     overrides, defaults = _logged_settings(request)
     profile = etag = None
     if request.get("profile") is not None:
-        profile, etag, _ = _stored(request["profile"], args.profiles_dir)
+        profile, etag, _ = stored_profile(request["profile"], args.profiles_dir)
     gate = Gate(profile, etag=etag, overrides=overrides, defaults=defaults)
     engine = load_engine(args, profile)
     if "question" in request:
@@ -340,7 +350,7 @@ def run_from_log(args: argparse.Namespace) -> int:
 
     if args.profile is None:
         raise UsageError("calibrate --from-log: name the profile to refit with --profile")
-    profile, _, store = _stored(args.profile, args.profiles_dir)
+    profile, _, store = stored_profile(args.profile, args.profiles_dir)
     max_std = args.max_std if args.max_std is not None else profile.max_std
     settings = fit_settings(args, values=profile.values, max_std=max_std)
     name = args.name or profile.name
@@ -348,7 +358,7 @@ def run_from_log(args: argparse.Namespace) -> int:
 
     if not re.fullmatch(NAME_PATTERN, name):
         raise UsageError(f"profile name {name!r} must match {NAME_PATTERN}")
-    with _open(args.from_log) as log:
+    with open_decision_log(args.from_log) as log:
         try:
             fitted = refit_from_log(
                 log, profile, settings, name=name, log_name=mask_target(args.from_log)

@@ -47,6 +47,7 @@ COMMAND_MODULES = (
     "service.cli.decide",  # decide
     "service.cli.log",  # label, check, replay
     "service.cli.calibrate",  # calibrate (and calibrate --from-log), evaluate
+    "service.cli.estimate",  # estimate
     "service.cli.qualify",  # qualify
     "service.cli.serve",  # serve
     "service.cli.serve_mcp",  # mcp
