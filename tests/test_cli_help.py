@@ -31,6 +31,7 @@ COMMANDS = [
     "replay",
     "calibrate",
     "evaluate",
+    "estimate",
     "qualify",
     "serve",
     "mcp",
