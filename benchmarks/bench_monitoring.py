@@ -14,7 +14,8 @@ probability 5%. At the end of the stream the monitor runs
 
     drift      ``drift_test`` on the last 1000 items, alpha 0.01 (KS on confidence and
                chi-square on top choice, Bonferroni)
-    precision  ``audited_precision`` on the audited accepted items of the last 4000 items
+    precision  ``audited_precision`` (a sequential bet since issue 58) on the audited accepted
+               items of the last 4000 items
                (about 200 audits), alpha 0.05, against the target
 
 Windows reach back before the change when N is smaller than they are. Scenarios:

@@ -42,6 +42,7 @@ __all__ = [
     "classical_mean",
     "dataset_estimate",
     "ppi_mean",
+    "tuned_lambda",
 ]
 
 
@@ -108,7 +109,7 @@ def ppi_mean(
     if not all(np.isfinite(a).all() for a in (y_l, f_l, f_u)):
         raise ValueError("y, yhat and yhat_unlabeled must be finite")
     if lam is None:
-        lam = _tuned_lambda(y_l, f_l, f_u)
+        lam = tuned_lambda(y_l, f_l, f_u)
     estimate = float((lam * f_u).mean() + (y_l - lam * f_l).mean())
     var_u = float((lam * f_u).var())
     var_r = float((y_l - lam * f_l).var())
@@ -124,7 +125,7 @@ def ppi_mean(
     )
 
 
-def _tuned_lambda(y: np.ndarray, f: np.ndarray, f_u: np.ndarray) -> float:
+def tuned_lambda(y: np.ndarray, f: np.ndarray, f_u: np.ndarray) -> float:
     """PPI++'s variance-minimising lam for one mean, clipped to [0, 1]; 0 where the judge's
     predictions do not vary (they carry nothing)."""
     n, big_n = y.shape[0], f_u.shape[0]

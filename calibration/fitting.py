@@ -196,7 +196,9 @@ def profile_split(
     those counts (other labels than the fit's)."""
     y = np.asarray(labels)
     for probe in (False, True):
-        fit_idx, conformal_idx, certify_idx, taught = split_with_taught(y, split.seed, probe, fit_only)
+        fit_idx, conformal_idx, certify_idx, taught = split_with_taught(
+            y, split.seed, probe, fit_only
+        )
         counts = (fit_idx.shape[0], conformal_idx.shape[0], certify_idx.shape[0], taught)
         if counts == (split.fit, split.conformal, split.certify, split.taught):
             return fit_idx, conformal_idx, certify_idx

@@ -5,8 +5,9 @@ delta, on traffic like its calibration data. In production every decision is log
 uniform random share of them is audited (labeled by people). Three questions can then be asked
 of the log, each with a stated false-alarm rate:
 
-* ``audited_precision``: do the audited accepted items contradict the target? The one-sided
-  Clopper-Pearson upper bound on their precision (Clopper & Pearson 1934) falls below it.
+* ``audited_precision``: do the audited accepted items contradict the target? A bet against
+  it, one label at a time (``calibration.sequential``), whose capital reaching 1/alpha
+  rejects: valid however often it is checked.
 * ``drift_test``: has live traffic moved away from the calibration data? Live items are
   compared with a ``Reference`` (calibration items the map was not fitted on, kept in the
   profile) by their calibrated top confidence (two-sample Kolmogorov-Smirnov; Kolmogorov 1933,
@@ -17,13 +18,15 @@ of the log, each with a stated false-alarm rate:
 * ``prediction_powered_shares``: what share of live traffic belongs to each choice? The
   judge's probabilities on the items not audited, debiased by the audited ones
   (prediction-powered inference, Angelopoulos, Bates, Fannjiang, Jordan & Zrnic, Science
-  2023): asymptotically valid however wrong the judge is, and narrower than the audits alone
-  when it is good.
+  2023, power-tuned as PPI++), with asymptotic confidence sequences: valid at every
+  recomputation, and narrower than the audits alone when the judge is good.
 
 Every guarantee assumes independent draws: the reference items from the calibration
 distribution, the live items from live traffic, and the audit sample uniform over live items
-and independent of them. A rate alpha is per check: a monitor that checks every hour, on
-overlapping windows, raises a false alarm at rate alpha each time, not alpha overall.
+and independent of them. The precision alarm and the shares hold over the whole stream (alpha
+overall, however often they are checked); the drift test's alpha is per check: a monitor
+that tests drift every hour, on overlapping windows, raises a false drift alarm at rate alpha
+each time.
 """
 
 from __future__ import annotations
@@ -280,45 +283,51 @@ def drift_test(
 
 
 class PrecisionCheck(msgspec.Struct, frozen=True, kw_only=True):
-    """The audited accepted items against the certified target precision."""
+    """The audited accepted items against the certified target precision, as a sequential
+    test: valid however often it is checked (``audited_precision``)."""
 
     n: int  # audited accepted items with a label
     correct: int
     precision: float | None  # None when n == 0
-    lower: float | None  # two-sided Clopper-Pearson interval at level 1 - alpha
+    lower: float | None  # the confidence sequence at level 1 - alpha, after the last label
     upper: float | None
     target: float  # the certified target precision
     alpha: float
-    contradicts: bool  # the one-sided upper bound at 1 - alpha is below the target
+    contradicts: bool  # the bet against the target has reached 1 / alpha at some label
     reason: str
-
-
-def _beta_ppf(q: float, a: float, b: float) -> float:
-    from scipy import stats
-
-    return float(stats.beta.ppf(q, a, b))
+    # The most the bet against "precision >= target" has held at any label so far, starting
+    # from 1 (1 / alpha or more rejects); None when n == 0.
+    max_capital: float | None = None
+    method: str = "betting confidence sequence (Waudby-Smith & Ramdas 2023), anytime-valid"
 
 
 def audited_precision(correct: ArrayLike, *, target: float, alpha: float = 0.05) -> PrecisionCheck:
-    """Do the audited accepted items contradict the certified precision?
+    """Do the audited accepted items contradict the certified precision? A test that holds
+    however often it is run.
 
-    With k of n audited accepted items correct, the labels contradict the certificate when the
-    one-sided Clopper-Pearson upper bound at 1 - alpha, the 1 - alpha quantile of Beta(k + 1,
-    n - k) (1 when k = n), is below ``target``: the exact binomial test of "precision >=
-    target" (Clopper & Pearson 1934). When the true precision of accepted live items is at
-    least the target, it contradicts with probability at most alpha (a certificate that was
-    wrong from the start, probability delta, is caught, not falsely accused). This needs the
-    audited items to be a uniform sample of the accepted ones (an audit flag drawn independently
-    of the item). ``lower`` and ``upper`` are the two-sided interval at 1 - alpha, for display.
-    With n = 0 there is nothing to say: contradicts is False.
+    ``correct`` are the audited accepted items' outcomes in the order their labels arrived.
+    A gambler bets against "precision >= target" one label at a time (``calibration.sequential
+    .betting_capital``); the labels contradict the certificate once the capital has reached
+    1 / alpha at any label. While the true precision of accepted live items is at least the
+    target, that happens with probability at most alpha over the whole stream (Ville's
+    inequality), so checking after every label, or from cron every minute, keeps the overall
+    false-alarm rate at alpha; the price is a few more labels to catch a real drop than a
+    one-off test at a fixed n would need (benchmarks/bench_monitoring.py). A contradiction
+    stays: the profile's version must be refitted (a new version starts a new bet). This
+    needs the audited items to be a uniform sample of the accepted ones, labelled in an order
+    that does not depend on their correctness. ``lower`` and ``upper`` are the confidence
+    sequence at 1 - alpha (alpha / 2 a side) after the last label. With n = 0 there is
+    nothing to say: contradicts is False.
 
     Parameters
     ----------
     correct : array of shape (n,), booleans or 0/1: label == choice for each audited accepted
-        item with a label
+        item with a label, in the order the labels arrived
     target : float in (0, 1], the profile's target precision
     alpha : float in (0, 1)
     """
+    from calibration.sequential import betting_bounds, betting_capital
+
     arr = np.asarray(correct)
     hits = check_correct(arr, len(arr) if arr.ndim == 1 else 0, "correct")
     if isinstance(target, bool) or not isinstance(target, int | float | np.integer | np.floating):
@@ -328,38 +337,43 @@ def audited_precision(correct: ArrayLike, *, target: float, alpha: float = 0.05)
         raise ValueError(f"target must be in (0, 1], got {target!r}")
     alpha = check_unit_open(alpha, "alpha")
     n, k = int(hits.shape[0]), int(hits.sum())
-    # One record either way: with no audited item the precision and its interval stay None.
-    precision: float | None = None
-    lower: float | None = None
-    upper: float | None = None
-    contradicts = False
     if n == 0:
-        reason = "no audited accepted item has a label yet: nothing to check"
-    else:
-        precision = k / n
-        lower = 0.0 if k == 0 else _beta_ppf(alpha / 2, k, n - k + 1)
-        upper = 1.0 if k == n else _beta_ppf(1 - alpha / 2, k + 1, n - k)
-        bound = 1.0 if k == n else _beta_ppf(1 - alpha, k + 1, n - k)  # one-sided
-        contradicts = bound < target
-        said = (
-            f"{k} of {n} audited accepted items correct ({k / n:.3f}); the {1 - alpha:g} upper "
-            f"bound {bound:.4f}"
+        return PrecisionCheck(
+            n=0,
+            correct=0,
+            precision=None,
+            lower=None,
+            upper=None,
+            target=target,
+            alpha=alpha,
+            contradicts=False,
+            reason="no audited accepted item has a label yet: nothing to check",
         )
-        reason = (
-            f"{said} is below the target {target:g}: the labels contradict the certificate"
-            if contradicts
-            else f"{said} reaches the target {target:g}: no contradiction"
-        )
+    x = hits.astype(np.float64)
+    capital = max(1.0, float(betting_capital(x, target).max()))  # it starts at 1
+    lower, upper = betting_bounds(x, alpha)
+    contradicts = capital >= 1 / alpha
+    said = (
+        f"{k} of {n} audited accepted items correct ({k / n:.3f}); the bet against precision "
+        f">= {target:g} reached {capital:.3g} at most"
+    )
+    reason = (
+        f"{said}, past 1/alpha = {1 / alpha:g}: the labels contradict the certificate (this "
+        "version stays contradicted; refit it)"
+        if contradicts
+        else f"{said}, short of 1/alpha = {1 / alpha:g}: no contradiction"
+    )
     return PrecisionCheck(
         n=n,
         correct=k,
-        precision=precision,
+        precision=k / n,
         lower=lower,
         upper=upper,
         target=target,
         alpha=alpha,
         contradicts=contradicts,
         reason=reason,
+        max_capital=capital,
     )
 
 
@@ -384,21 +398,24 @@ def prediction_powered_shares(
     *,
     alpha: float = 0.05,
 ) -> ShareEstimate:
-    """Each choice's share of the true labels of live traffic, by prediction-powered inference.
+    """Each choice's share of the true labels of live traffic, by prediction-powered inference
+    with power tuning (PPI++), with intervals that hold however often they are recomputed.
 
-    The estimate of the share vector is the judge's mean probability vector over the unlabeled
-    items, corrected by the mean of onehot(y) - p(x) over the labeled ones (the rectifier):
-    unbiased however miscalibrated p is, as long as the labeled items are a uniform sample of
-    the same traffic (the audit sample) and p was not fitted on them (Angelopoulos, Bates,
-    Fannjiang, Jordan & Zrnic 2023, "Prediction-powered inference", Science). Its interval is
-    the CLT one, estimate +- z sqrt(var_unlabeled / N + var_rectifier / n), clipped to [0, 1].
-    The better p predicts the labels, the smaller the rectifier's variance, and the narrower
-    the interval than the labeled items' own (var_label / n).
+    For choice j, the estimate is lam * (the judge's mean probability of j over the
+    unlabelled items) + the mean of onehot(y)_j - lam * p_j(x) over the labelled ones:
+    unbiased for any lam however miscalibrated p is, as long as the labelled items are a
+    uniform sample of the same traffic (the audit sample) and p was not fitted on them
+    (Angelopoulos, Bates, Fannjiang, Jordan & Zrnic 2023); lam is PPI++'s variance-minimising
+    one (Angelopoulos, Duchi & Zrnic 2023; ``calibration.estimates``), so the interval is never
+    much wider than the labels' own and narrower the better p predicts. Each of the two means
+    gets an asymptotic confidence sequence (``calibration.sequential.asymptotic_half_width``)
+    rather than a fixed-n CLT interval: the interval holds at every recomputation at once, as
+    the samples grow, so a dashboard refreshed after every label does not pay alpha each time.
 
-    Coverage: all k intervals hold at once with probability -> 1 - alpha as N and n grow
-    (Bonferroni over the k choices, z at alpha / (2k); for k = 2 the two intervals are one
-    event, the shares summing to 1, so z is at alpha / 2). Pass the items not audited as
-    unlabeled, the audited ones as labeled: the two samples must be independent.
+    Coverage: all k intervals hold at all times at once with probability -> 1 - alpha
+    (Bonferroni over the k choices and the two samples; for k = 2 the shares are one number,
+    so no correction over choices). Pass every decision of the profile's version not audited
+    (or audited and not yet labelled) as unlabelled, the audited labelled ones as labelled.
 
     Parameters
     ----------
@@ -410,6 +427,9 @@ def prediction_powered_shares(
     Raises ValueError when there are fewer than 2 items on either side: no variance, so no
     interval (an interval of [0, 1] would only hide that).
     """
+    from calibration.estimates import tuned_lambda
+    from calibration.sequential import asymptotic_half_width
+
     alpha = check_unit_open(alpha, "alpha")
     names = list(choices)
     if len(set(names)) != len(names) or not all(isinstance(c, str) for c in names):
@@ -427,23 +447,31 @@ def prediction_powered_shares(
             )
     y = check_labels(labels, labeled.shape[0], k, "labels")
     big_n, n = unlabeled.shape[0], labeled.shape[0]
-    rectifier = np.eye(k)[y] - labeled  # (n, k)
-    estimate = unlabeled.mean(axis=0) + rectifier.mean(axis=0)  # (k,)
-    se = np.sqrt(unlabeled.var(axis=0, ddof=1) / big_n + rectifier.var(axis=0, ddof=1) / n)
-    from scipy import stats
-
+    onehot = np.eye(k)[y]  # (n, k)
     family = 1 if k == 2 else k
-    z = float(stats.norm.isf(alpha / (2 * family)))
+    level = alpha / (2 * family)  # each choice, each of its two samples
+    estimate, lower, upper = [], [], []
+    for j in range(k):
+        lam = tuned_lambda(onehot[:, j], labeled[:, j], unlabeled[:, j])
+        imputed, rectifier = lam * unlabeled[:, j], onehot[:, j] - lam * labeled[:, j]
+        value = float(imputed.mean() + rectifier.mean())
+        half = asymptotic_half_width(big_n, float(imputed.var()), level) + asymptotic_half_width(
+            n, float(rectifier.var()), level
+        )
+        estimate.append(min(1.0, max(0.0, value)))
+        lower.append(min(1.0, max(0.0, value - half)))
+        upper.append(min(1.0, max(0.0, value + half)))
     return ShareEstimate(
         choices=names,
-        estimate=[float(v) for v in np.clip(estimate, 0.0, 1.0)],
-        lower=[float(v) for v in np.clip(estimate - z * se, 0.0, 1.0)],
-        upper=[float(v) for v in np.clip(estimate + z * se, 0.0, 1.0)],
+        estimate=estimate,
+        lower=lower,
+        upper=upper,
         n_unlabeled=big_n,
         n_labeled=n,
         alpha=alpha,
         method=(
-            "prediction-powered inference (Angelopoulos et al. 2023), CLT interval"
-            + (f", Bonferroni over {k} choices" if family > 1 else "")
+            "prediction-powered inference with power tuning (PPI++, Angelopoulos, Duchi & "
+            "Zrnic 2023), asymptotic confidence sequences (Waudby-Smith et al. 2021): valid "
+            "at every recomputation" + (f", Bonferroni over {k} choices" if family > 1 else "")
         ),
     )

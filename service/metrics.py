@@ -148,8 +148,14 @@ class _HealthCollector:
         labeled = family("audited_labeled", "Audited decisions of it that carry a label.")
         precision = family(
             "audited_precision",
-            "Precision of audited accepted decisions, and its Clopper-Pearson bounds.",
+            "Precision of audited accepted decisions, and its confidence sequence's bounds "
+            "(valid however often read).",
             ("profile", "bound"),
+        )
+        capital = family(
+            "precision_bet",
+            "The most the bet against the certified precision has held (starts at 1; the "
+            "precision alarm fires at 1/alpha, a false alarm at most alpha over all time).",
         )
         drift = family(
             "drift_p_value",
@@ -171,9 +177,11 @@ class _HealthCollector:
                 ):
                     if value is not None:
                         precision.add_metric([h.profile, bound], value)
+                if p.max_capital is not None:
+                    capital.add_metric([h.profile], p.max_capital)
             d = h.drift
             if d is not None:
                 for test, value in (("confidence", d.confidence_p), ("choice", d.choice_p)):
                     if value is not None:
                         drift.add_metric([h.profile, test], value)
-        yield from (healthy, alarm, decisions, labeled, precision, drift)
+        yield from (healthy, alarm, decisions, labeled, precision, capital, drift)

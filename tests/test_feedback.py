@@ -341,6 +341,10 @@ def test_a_stationary_stream_is_healthy(
     shares = dict(zip(health["shares"]["choices"], health["shares"]["estimate"], strict=True))
     assert abs(shares["yes"] - 0.5) < 0.1
     assert 'judge_profile_healthy{profile="gate"} 1.0' in metrics
+    # The alarm is the sequential one, and says so on every front.
+    assert "anytime-valid" in health["precision"]["method"]
+    bet = health["precision"]["max_capital"]
+    assert 1.0 <= bet < 20 and f'judge_profile_precision_bet{{profile="gate"}} {bet}' in metrics
     log = str(tmp_path / "decisions.db")
     profile_file = str(tmp_path / "profiles" / "gate.json")
     assert main(["check", "--profile", profile_file, "--log", log]) == 0

@@ -132,6 +132,8 @@ def assess(
         # The certificate is about the certified rule: decisions made under an override
         # (a request's own threshold) carry no guarantee and are left out.
         graded = [r for r in labeled if r.decision == "accept" and r.certified]
+        # In the order the labels arrived: the sequential test bets one label at a time.
+        graded.sort(key=lambda r: (r.labeled_at or 0.0, r.created_at))
         correct = np.array([r.label == r.choice for r in graded], dtype=bool)
         precision = audited_precision(correct, target=target, alpha=alpha_precision)
 
@@ -148,7 +150,9 @@ def assess(
         drift = drift_test(profile.reference, confidence, choice, alpha=alpha_drift)
 
     shares = None
-    unlabeled = [r for r in newest if r.label is None or not r.audit]
+    # Every decision of the version, not the window: the shares' confidence sequences hold
+    # as the version's samples grow, however often they are recomputed.
+    unlabeled = [r for r in records if r.label is None or not r.audit]
     if len(labeled) >= 2 and not unlabeled:
         notes.append(
             "no estimate of the shares: every decision read is audited and labeled, none is "
