@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, Unpack
 import msgspec
 
 from calibration.errors import ProfileMismatchError
-from calibration.policy import Policy, PolicyDefaults, ScoredJudgment, Verdict, make_policy
+from calibration.policy import Hold, Policy, PolicyDefaults, ScoredJudgment, Verdict, make_policy
 from judge.adapters import Adapter
 
 if TYPE_CHECKING:
@@ -145,6 +145,8 @@ class Gate:
     audit_rate : the share of decisions marked for a person to label (``is_audited``).
     log_layers : hidden-state layers the decision log keeps of each judgment (a server's
         ``--log-features``), read by the same pass as the probe's; default none.
+    hold : what a server's monitor found the certificate does not cover (``Hold``): every
+        decision escalates; None: nothing.
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class Gate:
         defaults: PolicyDefaults | None = None,
         audit_rate: float = 0.0,
         log_layers: Sequence[int] = (),
+        hold: Hold | None = None,
     ) -> None:
         self.profile = profile
         self.overrides = overrides or Overrides()
@@ -172,6 +175,8 @@ class Gate:
             profile_etag=etag,
             audit_rate=audit_rate,
         )
+        if hold is not None:
+            self.policy = msgspec.structs.replace(self.policy, hold=hold)
         # The hidden-state layers a judgment must carry for this gate: a probe's and those
         # the log keeps. Ask the engine for them (``Query.feature_layers``) when judging for
         # this gate; the probe's alone are ``policy.feature_layers``.

@@ -87,6 +87,10 @@ class Reference(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     confidence: list[float]  # (m,) top confidence of up to MAX_REFERENCE of them, m <= n
     choice_counts: list[int]  # (k,) how often each choice was the top one; sums to n
     label_counts: list[int] | None  # (k,) the labels of the same items; None: no labels
+    # (k,) the items' mean calibrated probability of each choice: the class prior the map
+    # itself implies on its source (what a label-shift correction starts from); None: a
+    # profile fitted before references kept it.
+    mean_probabilities: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -103,6 +107,12 @@ class Reference(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         _check_counts(self.choice_counts, "choice_counts", self.n, None)
         if self.label_counts is not None:
             _check_counts(self.label_counts, "label_counts", self.n, len(self.choice_counts))
+        if self.mean_probabilities is not None:
+            means = np.asarray(self.mean_probabilities, dtype=np.float64)
+            if means.shape != (len(self.choice_counts),) or not np.all(means >= 0):
+                raise RuleError("reference.mean_probabilities must be k numbers >= 0")
+            if abs(means.sum() - 1) > 1e-6:
+                raise RuleError("reference.mean_probabilities must sum to 1")
 
 
 def _check_counts(counts: list[int], name: str, n: int, k: int | None) -> None:
@@ -155,6 +165,7 @@ def reference_of(
         confidence=[float(c) for c in confidence],
         choice_counts=[int(c) for c in np.bincount(p.argmax(axis=1), minlength=k)],
         label_counts=label_counts,
+        mean_probabilities=[float(v) for v in p.mean(axis=0)],
     )
 
 

@@ -80,6 +80,7 @@ __all__ = [
     "DEFAULT_MAX_POSITION_SPREAD",
     "REASON_CODES",
     "Gates",
+    "Hold",
     "Policy",
     "PolicyDefaults",
     "ReasonCode",
@@ -99,6 +100,7 @@ ReasonCode = Literal[
     "order_sensitive",
     "position_inconsistent",
     "partial_logprobs",
+    "prior_shift",
 ]
 REASON_CODES: tuple[str, ...] = get_args(ReasonCode)
 ThresholdSource = Literal["request", "profile", "default"]
@@ -238,20 +240,35 @@ class Gates:
         )
 
 
+def _held(hold: Hold | None) -> tuple[list[ReasonCode], list[str]]:
+    """A decision's first reason code and reason: its policy's hold, if it has one."""
+    return (["prior_shift"], [hold.reason]) if hold is not None else ([], [])
+
+
+def _at_live_prior(probs: npt.NDArray[np.float64], hold: Hold | None) -> npt.NDArray[np.float64]:
+    """Calibrated probabilities moved to the live class prior where a hold carries one: Bayes'
+    rule under label shift (``calibration.label_shift.correct``)."""
+    if hold is None or hold.prior_weights is None:
+        return probs
+    moved = probs * np.asarray(hold.prior_weights)
+    return moved / moved.sum(axis=1, keepdims=True)
+
+
 def _other_gates_pass(
     low_choice_mass: npt.NDArray[np.bool_],
     membership: npt.NDArray[np.bool_] | None,
     high_std: npt.NDArray[np.bool_],
     order_sensitive: npt.NDArray[np.bool_],
+    hold: Hold | None = None,
 ) -> npt.NDArray[np.bool_]:
     """(n,) every gate but the threshold passes: enough choice mass, a single-choice conformal
-    set (where there are sets), the std and order-spread bounds."""
+    set (where there are sets), the std and order-spread bounds, and no ``hold``."""
     ambiguous = (
         np.zeros(low_choice_mass.shape, dtype=bool)
         if membership is None
         else membership.sum(axis=1) != 1
     )
-    return ~(low_choice_mass | ambiguous | high_std | order_sensitive)
+    return ~(low_choice_mass | ambiguous | high_std | order_sensitive) & (hold is None)
 
 
 class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
@@ -272,6 +289,17 @@ class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
         check_probability(self.min_choice_mass, "min_choice_mass")
         if self.max_std is not None:
             check_max_std(self.max_std)
+
+
+class Hold(msgspec.Struct, frozen=True, kw_only=True):
+    """What a server's monitor found that the certificate does not cover
+    (``calibration.label_shift``): every decision escalates with reason code ``prior_shift``
+    and ``reason``, until the profile is re-certified (a new version is a new policy); with
+    ``prior_weights`` (the estimated live prior over the source's, per choice) the served
+    probabilities are moved to the live prior (the server's opt-in)."""
+
+    reason: str
+    prior_weights: list[float] | None = None
 
 
 class Policy(msgspec.Struct, frozen=True, kw_only=True):
@@ -305,6 +333,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     # all traffic, accepted and escalated alike, for people to label. Without it only
     # escalated items ever get labels, and the precision of accepted items goes unobserved.
     audit_rate: float = 0.0
+    hold: Hold | None = None  # a server's monitor found the live mix moved (``Hold``)
 
     @property
     def sha256(self) -> str:
@@ -442,8 +471,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         method, temperature, layers = self._map_record()
         decisions = []
         for i in range(g.probabilities.shape[0]):
-            codes: list[ReasonCode] = []
-            reasons: list[str] = []
+            codes, reasons = _held(self.hold)
             held_to = float(g.thresholds[i])
             if math.isnan(held_to):
                 codes.append("uncalibrated" if self.profile is None else "no_certified_threshold")
@@ -583,9 +611,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
                 "choices",
                 f"profile {self.profile!r} decides between {self.choices!r}, not {list(choices)!r}",
             )
-        probs = self.calibration_map.apply(
-            np.asarray(log_probabilities, dtype=np.float64), features
-        )
+        z = np.asarray(log_probabilities, dtype=np.float64)
+        probs = _at_live_prior(self.calibration_map.apply(z, features), self.hold)
         if probs.ndim != 2 or probs.shape[1] != len(choices):
             raise ValueError(
                 f"log_probabilities must have shape (n, {len(choices)}), got {probs.shape}"
@@ -630,7 +657,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             std=std,
             high_std=high_std,
             order_sensitive=order_sensitive,
-            accepted=~below & _other_gates_pass(low_mass, membership, high_std, order_sensitive),
+            accepted=~below
+            & _other_gates_pass(low_mass, membership, high_std, order_sensitive, self.hold),
         )
 
     def _item_thresholds(self, best: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:

@@ -295,6 +295,41 @@ class ServiceConfig:
             group="log",
         ),
     ] = None
+    # Every this many logged decisions of a profile version, the class mix of its answers is
+    # tested against its certificate's (service.log.shift_watch); once it moved, the version's
+    # decisions escalate (prior_shift) until the profile is re-certified.
+    shift_check_every: Annotated[
+        int,
+        Flag(
+            "--shift-check-every",
+            "count",
+            "test each profile version's answers' mix against its certificate's every this "
+            "many logged decisions (a sequential test: a false hold at most --alpha-prior over "
+            "all time); once it moved, that version escalates everything (prior_shift) until "
+            "re-certified",
+            metavar="DECISIONS",
+            group="log",
+        ),
+    ] = 50
+    alpha_prior: Annotated[
+        float,
+        Flag(
+            "--alpha-prior",
+            "probability",
+            "the mix test's false-hold rate while nothing shifts, over all checks",
+            group="log",
+        ),
+    ] = 0.01
+    correct_prior: Annotated[
+        bool,
+        Flag(
+            "--correct-prior",
+            "switch",
+            "while a version is held for a moved mix, serve its probabilities moved to the "
+            "live class prior estimated without labels (EM); they still escalate",
+            group="log",
+        ),
+    ] = False
     # The share of decisions marked for audit (calibration.Policy.audit_rate), for the server
     # and per profile name (which wins).
     audit_rate: Annotated[float, _AUDIT_RATE] = 0.0
@@ -309,6 +344,14 @@ class ServiceConfig:
             check_probability(self.uncertified_threshold, "uncertified_threshold")
         for profile, rate in self.audit_rates.items():
             check_probability(rate, f"audit_rates[{profile!r}]")
+        if isinstance(self.shift_check_every, bool) or not (
+            isinstance(self.shift_check_every, int) and self.shift_check_every >= 1
+        ):
+            raise ValueError(
+                f"shift_check_every must be an integer >= 1, got {self.shift_check_every!r}"
+            )
+        if not 0 < self.alpha_prior < 1:
+            raise ValueError(f"alpha_prior must be in (0, 1), got {self.alpha_prior!r}")
         if self.refit_every is not None:
             if isinstance(self.refit_every, bool) or not (
                 isinstance(self.refit_every, int) and self.refit_every >= 1

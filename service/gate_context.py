@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from calibration.gate import Gate, Overrides
-from calibration.policy import PolicyDefaults, Verdict
+from calibration.policy import Hold, PolicyDefaults, Verdict
 from service.log.decision_log import LoggedDecision
 from service.log.logged_features import LoggedFeatures, log_layers
 
@@ -52,6 +52,8 @@ class GateContext:
     logging: bool = False  # a decision log is kept
     log_features: bool = False  # and it keeps hidden states (--log-features)
     log_requests: bool = False  # and it keeps what replays each decision (--log-requests)
+    # The hold on a profile version, if its traffic's class mix moved (service.log.shift_watch).
+    holds: Callable[[str | None, str | None], Hold | None] | None = None
     _open: OrderedDict[tuple[str | None, str | None, bytes], Gate] = field(
         default_factory=OrderedDict, init=False, repr=False, compare=False
     )
@@ -84,7 +86,8 @@ class GateContext:
         (``OPEN_GATES`` of them): every request under it shares its resolved policy and the
         checks it has passed. A new version (another ETag) is another gate."""
         profile, etag = self.store.get_tagged(name) if name is not None else (None, None)
-        key = (name, etag, msgspec.json.encode(overrides or Overrides()))
+        hold = None if self.holds is None else self.holds(name, etag)
+        key = (name, etag, msgspec.json.encode([overrides or Overrides(), hold]))
         with self._lock:
             gate = self._open.get(key)
             if gate is not None:
@@ -97,6 +100,7 @@ class GateContext:
             defaults=self.defaults,
             audit_rate=self.audit_rate_for(name),
             log_layers=self.log_layers(profile),
+            hold=hold,
         )
         with self._lock:
             self._open[key] = gate

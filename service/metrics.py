@@ -142,7 +142,9 @@ class _HealthCollector:
 
         healthy = family("healthy", "1 when no check of the profile's health fired, else 0.")
         alarm = family(
-            "alarm", "1 when the check fired: precision, drift or model.", ("profile", "check")
+            "alarm",
+            "1 when the check fired: precision, drift, prior or model.",
+            ("profile", "check"),
         )
         decisions = family("decisions", "Logged decisions of the profile's current version.")
         labeled = family("audited_labeled", "Audited decisions of it that carry a label.")
@@ -164,7 +166,7 @@ class _HealthCollector:
         )
         for h in checks:
             healthy.add_metric([h.profile], float(h.healthy))
-            for check in ("precision", "drift", "model"):
+            for check in ("precision", "drift", "prior", "model"):
                 alarm.add_metric([h.profile, check], float(check in h.alarms))
             decisions.add_metric([h.profile], h.n_decisions)
             labeled.add_metric([h.profile], h.n_audited_labeled)

@@ -208,6 +208,7 @@ def run_check(args: argparse.Namespace) -> int:
             window=args.window,
             alpha_drift=args.alpha_drift,
             alpha_precision=args.alpha_precision,
+            alpha_prior=args.alpha_prior,
             current_model_sha256=current,
             since=since,
         )
@@ -475,7 +476,15 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "--alpha-precision",
         type=open_probability,
         default=0.05,
-        help="false-alarm rate of the precision check while the certificate holds (0.05)",
+        help="false-alarm rate of the precision check while the certificate holds, over all "
+        "checks however often run (0.05)",
+    )
+    check.add_argument(
+        "--alpha-prior",
+        type=open_probability,
+        default=0.01,
+        help="false-alarm rate of the answers' mix check while nothing shifts, over all "
+        "checks (0.01)",
     )
     check.add_argument(
         "--since-days", type=positive_number, help="read only the last N days of the log"

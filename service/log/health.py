@@ -6,13 +6,18 @@ each is one check here (the statistics are ``calibration.monitoring``'s):
 
 * **precision**: the audited decisions it accepted under its certified rule (``audit``:
   a uniform random share of all traffic, see ``calibration.Policy.audit_rate``), labeled by
-  people (``POST /judgments/{id}/label``): the labels contradict the certificate when the
-  one-sided Clopper-Pearson upper bound of their precision is below the target (a false
-  alarm at most ``alpha_precision`` of the time while the certificate holds);
+  people (``POST /judgments/{id}/label``), in the order their labels arrived: the labels
+  contradict the certificate once a bet against it has grown 1/``alpha_precision``-fold (a
+  false alarm at most ``alpha_precision`` over the whole stream while the certificate holds,
+  however often this runs);
 * **drift**: the newest ``window`` decisions of the profile's current version against its
   reference (``CalibrationProfile.reference``, held-out calibration items): their calibrated
   confidence (Kolmogorov-Smirnov) and top choice (chi-square), no labels needed, a false
   alarm at most ``alpha_drift`` of the time per check when nothing changed;
+* **prior**: the mix of the version's answers, in the order decided, against the reference's
+  (``calibration.label_shift.mix_shift``, a sequential test: a false alarm at most
+  ``alpha_prior`` over the whole stream), and the live class prior estimated by EM from the
+  calibrated probabilities of the newest ``window`` decisions made before any hold;
 * **model**: the weights that made the logged decisions, and the server's (or ``judge
   check --model``'s), against the profile's fingerprint.
 
@@ -30,6 +35,13 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from calibration.label_shift import (
+    MixShift,
+    PriorEstimate,
+    mix_shift,
+    prior_estimate,
+    source_prior,
+)
 from calibration.limits import certify_share
 from calibration.monitoring import (
     DriftTest,
@@ -43,10 +55,18 @@ from calibration.profile import CalibrationProfile
 from calibration.recertify import LabelsNeeded, labels_to_certify, next_look_delta
 from service.log.decision_log import DecisionLog, LoggedDecision
 
-__all__ = ["DEFAULT_WINDOW", "ModelCheck", "ProfileHealth", "assess", "profile_health"]
+__all__ = [
+    "DEFAULT_WINDOW",
+    "ModelCheck",
+    "ProfileHealth",
+    "answers_mix",
+    "assess",
+    "live_prior",
+    "profile_health",
+]
 
 DEFAULT_WINDOW = 1000  # the newest decisions the drift test reads
-Alarm = Literal["precision", "drift", "model"]
+Alarm = Literal["precision", "drift", "prior", "model"]
 
 
 class ModelCheck(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +92,10 @@ class ProfileHealth(msgspec.Struct, frozen=True, kw_only=True):
     precision: PrecisionCheck | None  # None: the profile certifies no threshold
     drift: DriftTest | None  # None: the profile keeps no reference (fitted before it did)
     shares: ShareEstimate | None  # each choice's share of the traffic; None: too few labels
+    # The answers' mix against the reference's (None: no reference, or no decision yet), and
+    # the live class prior (None: the reference kept no labels, or too few decisions).
+    mix: MixShift | None = None
+    prior: PriorEstimate | None = None
     model: ModelCheck
     # About how many labeled audit decisions would open the gate at the target, at the
     # precision and acceptance the labeled ones show; None: none are labeled yet.
@@ -89,6 +113,7 @@ def profile_health(
     window: int = DEFAULT_WINDOW,
     alpha_drift: float = 0.01,
     alpha_precision: float = 0.05,
+    alpha_prior: float = 0.01,
     current_model_sha256: str | None = None,
     since: float | None = None,
 ) -> ProfileHealth:
@@ -101,7 +126,45 @@ def profile_health(
         window=window,
         alpha_drift=alpha_drift,
         alpha_precision=alpha_precision,
+        alpha_prior=alpha_prior,
         current_model_sha256=current_model_sha256,
+    )
+
+
+def answers_mix(
+    profile: CalibrationProfile, records: Sequence[LoggedDecision], *, alpha: float = 0.01
+) -> MixShift | None:
+    """The answers' mix of a version's decisions (``records``, oldest first) against the
+    profile's reference (``mix_shift``); None where it keeps no reference or there is no
+    decision."""
+    if profile.reference is None or not records:
+        return None
+    index = {c: j for j, c in enumerate(profile.choices)}
+    return mix_shift(profile.reference, np.array([index[r.choice] for r in records]), alpha=alpha)
+
+
+def live_prior(
+    profile: CalibrationProfile,
+    records: Sequence[LoggedDecision],
+    *,
+    alpha: float = 0.01,
+    window: int = DEFAULT_WINDOW,
+) -> PriorEstimate | None:
+    """The live class prior from the newest ``window`` decisions made before any hold (later
+    ones may carry probabilities moved to a prior already); None where the profile's
+    reference kept no labels, or fewer than 2 such decisions."""
+    source = None if profile.reference is None else source_prior(profile.reference)
+    before = [r for r in records if "prior_shift" not in r.reason_codes][-window:]
+    if source is None or len(before) < 2:
+        return None
+    probabilities = _probabilities(before, profile.choices)
+    assert profile.reference is not None  # the source is the reference's
+    return prior_estimate(
+        list(profile.choices),
+        probabilities,
+        source,
+        source_n=profile.reference.n,
+        alpha=alpha,
     )
 
 
@@ -113,6 +176,7 @@ def assess(
     window: int = DEFAULT_WINDOW,
     alpha_drift: float = 0.01,
     alpha_precision: float = 0.05,
+    alpha_prior: float = 0.01,
     current_model_sha256: str | None = None,
 ) -> ProfileHealth:
     """The health of ``profile`` (version ``etag``) from its logged decisions, oldest first."""
@@ -169,6 +233,8 @@ def assess(
     else:
         notes.append("fewer than 2 audited decisions are labeled: no estimate of the shares")
 
+    mix = answers_mix(profile, records, alpha=alpha_prior)
+    prior = live_prior(profile, records, alpha=alpha_prior, window=window)
     labels = _labels_needed(profile, labeled)
     if labels is None:
         notes.append("no audited decision is labeled: no estimate of the labels the gate needs")
@@ -178,6 +244,8 @@ def assess(
         alarms.append("precision")
     if drift is not None and drift.drifted:
         alarms.append("drift")
+    if mix is not None and mix.shifted:
+        alarms.append("prior")
     if not model.matches:
         alarms.append("model")
     return ProfileHealth(
@@ -191,6 +259,8 @@ def assess(
         precision=precision,
         drift=drift,
         shares=shares,
+        mix=mix,
+        prior=prior,
         model=model,
         labels=labels,
         alarms=alarms,

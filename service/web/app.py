@@ -71,6 +71,8 @@ def create_app(
             await service.batcher.stop()
             if service.refitter is not None:  # a refit under way finishes first
                 await anyio.to_thread.run_sync(service.refitter.close)
+            if service.shift_watch is not None:  # and a check of the class mix
+                await anyio.to_thread.run_sync(service.shift_watch.close)
             if service.decision_log is not None:
                 service.decision_log.close()  # every decision in it was committed when made
 

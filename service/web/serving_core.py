@@ -61,6 +61,7 @@ from service.log.decision_log import (
     Retention,
     open_log,
 )
+from service.log.shift_watch import ShiftWatch
 from service.metrics import ServiceMetrics
 from service.profiles import ProfileStore
 from service.web.background_refit import BackgroundRefit
@@ -129,6 +130,16 @@ class ServiceCore:
             self.refitter = BackgroundRefit(
                 self.store, self.decision_log, config.decision_log, config.refit_every
             )
+        # A version whose traffic's class mix moved escalates until re-certified.
+        self.shift_watch: ShiftWatch | None = None
+        if self.decision_log is not None:
+            self.shift_watch = ShiftWatch(
+                self.store,
+                self.decision_log,
+                every=config.shift_check_every,
+                alpha=config.alpha_prior,
+                correct=config.correct_prior,
+            )
         # Every gate is opened through this, as the MCP server opens its own (one context).
         self.gates = GateContext(
             self.store,
@@ -138,6 +149,7 @@ class ServiceCore:
             logging=self.decision_log is not None,
             log_features=config.log_features,
             log_requests=config.log_requests,
+            holds=None if self.shift_watch is None else self.shift_watch.hold,
         )
         self.batcher = Batcher(
             lambda prepared: self.engine().run(prepared),
@@ -233,6 +245,8 @@ class ServiceCore:
                 "not served: retry later"
             ) from exc
         self.metrics.decisions_logged.inc(len(records))
+        if self.shift_watch is not None:
+            self.shift_watch.logged(records)
 
     async def prepare(
         self, engine: Engine, queries: Sequence[Query], fields: Sequence[str | None] = ()

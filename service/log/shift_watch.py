@@ -1,0 +1,130 @@
+"""A server's watch on the class mix of each profile version's traffic: once it has left the
+mix the certificate was measured on, the version's decisions escalate (``prior_shift``) until
+the profile is re-certified.
+
+After each request's decisions are logged, ``ShiftWatch.logged`` counts them per profile
+version; every ``every`` of them one worker thread reads the version's decisions from the log
+and runs ``service.log.health.answers_mix`` (the answers' mix against the profile's reference,
+a sequential test: over the whole stream a false hold at most ``alpha``, however often it
+runs). A version found shifted stays held (``hold``): the gates the server opens for it carry a
+``calibration.policy.Hold`` and escalate everything, saying why; with ``correct`` (``judge
+serve --correct-prior``) they also serve the probabilities moved to the live prior estimated
+at detection. A new version (a refit, a PUT, a rollback to another ETag) is unheld, and its own
+stream starts afresh. At start, every stored profile's current version is checked once, so
+that a restart does not forget a hold.
+
+Requests never wait: judging reads the holds found so far.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from calibration import ProfileError
+from calibration.policy import Hold
+from service.log.decision_log import DecisionLog, DecisionLogError, LoggedDecision
+from service.log.health import answers_mix, live_prior
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from service.profiles import ProfileStore
+
+__all__ = ["ShiftWatch"]
+
+log = logging.getLogger("judge.shift")
+
+
+class ShiftWatch:
+    """Holds on profile versions whose traffic's class mix moved (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: ProfileStore,
+        decision_log: DecisionLog,
+        *,
+        every: int,
+        alpha: float = 0.01,
+        correct: bool = False,
+    ) -> None:
+        self.store = store
+        self.decision_log = decision_log
+        self.every = every
+        self.alpha = alpha
+        self.correct = correct
+        self._holds: dict[tuple[str, str], Hold] = {}
+        self._counts: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="judge-shift")
+        for name in store.names():
+            try:
+                _, etag = store.get_tagged(name)
+            except ProfileError:
+                continue
+            self._worker.submit(self._check, name, etag)
+
+    def hold(self, name: str | None, etag: str | None) -> Hold | None:
+        """The hold on version ``etag`` of profile ``name``; None: none (found so far)."""
+        if name is None or etag is None:
+            return None
+        with self._lock:
+            return self._holds.get((name, etag))
+
+    def logged(self, records: Sequence[LoggedDecision]) -> list[Future[None]]:
+        """Count a request's logged decisions; a version that reached ``every`` more since its
+        last check is checked again in the background (the futures, for tests)."""
+        due = []
+        with self._lock:
+            for r in records:
+                if r.profile is None or r.profile_etag is None:
+                    continue
+                key = (r.profile, r.profile_etag)
+                if key in self._holds:
+                    continue  # held until re-certified: nothing to check
+                self._counts[key] = self._counts.get(key, 0) + 1
+                if self._counts[key] >= self.every:
+                    self._counts[key] = 0
+                    due.append(key)
+        return [self._worker.submit(self._check, *key) for key in due]
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def _check(self, name: str, etag: str) -> None:
+        try:
+            profile, current = self.store.get_tagged(name)
+            if current != etag:
+                return  # another version is served now: this one's decisions are done
+            records = self.decision_log.decisions(profile=name, profile_etag=etag)
+        except (ProfileError, DecisionLogError) as exc:
+            log.warning("checking the class mix of %s failed: %s", name, exc)
+            return
+        mix = answers_mix(profile, records, alpha=self.alpha)
+        if mix is None or not mix.shifted:
+            return
+        prior = live_prior(profile, records, alpha=self.alpha)
+        weights = None
+        if self.correct and prior is not None:
+            weights = [float(v) for v in np.asarray(prior.estimate) / np.asarray(prior.source)]
+        moved = (
+            ""
+            if prior is None
+            else "; live prior about "
+            + ", ".join(f"{c} {v:.2f}" for c, v in zip(prior.choices, prior.estimate, strict=True))
+            + " against "
+            + ", ".join(f"{v:.2f}" for v in prior.source)
+            + (" (probabilities moved to it)" if weights is not None else "")
+        )
+        hold = Hold(
+            reason=f"profile {name!r}: {mix.reason}{moved}; every decision escalates until the "
+            "profile is re-certified on traffic like today's",
+            prior_weights=weights,
+        )
+        with self._lock:
+            self._holds[(name, etag)] = hold
+        log.warning("holding %s (ETag %s): %s", name, etag, hold.reason)
