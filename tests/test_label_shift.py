@@ -117,6 +117,13 @@ def test_a_server_holds_a_shifted_version_until_it_is_re_certified(
         health = c.get("/profiles/gate/health").json()
         assert "prior" in health["alarms"] and health["mix"]["shifted"]
         assert health["prior"]["estimate"][0] > health["prior"]["source"][0] + 0.2
+        # The history shows it: no alarm at first, the prior alarm by the end, the live
+        # prior moving away from the certificate's.
+        history = c.get("/profiles/gate/health/history").json()
+        points = history["points"]
+        assert len(points) == 20 and points[0]["alarms"] == []
+        assert "prior" in points[-1]["alarms"]
+        assert points[-1]["prior"][0] > history["source_prior"][0] + 0.2
         reason = after[-1]["reasons"][0]
         assert "left the reference's" in reason and "re-certified" in reason
         # The first item again, now held: with the opt-in its P(yes) moves up toward the

@@ -631,3 +631,42 @@ def test_labels_given_in_the_playground_refit_the_profile(
     assert logged.json()["label"] == truth[next(iter(truth))]
     status, now = judged(server, {"item": next(iter(truth)), "profile": "sms_spam"})
     assert status == 200 and now["profile_etag"] == new != etag
+
+
+def test_the_traffic_panel_plots_shares_prior_and_alarms(
+    browser: Any, labelling_server: tuple[Server, dict[str, str]]
+) -> None:
+    """The Profiles tab draws the current version's health over its decisions: a band per
+    choice (the shares' confidence sequences), the live prior, the alarms' state."""
+    server, truth = labelling_server
+    texts = list(truth)[:12]
+    decided = [judged(server, {"item": text, "profile": "sms_spam"})[1] for text in texts]
+    etag = decided[-1]["profile_etag"]
+    mine = [(d, t) for d, t in zip(decided, texts, strict=True) if d["profile_etag"] == etag]
+    for d, text in mine[:4]:
+        r = httpx.post(
+            f"{server.url}/judgments/{d['judgment_id']}/label",
+            json={"label": truth[text]},
+            headers=auth(),
+        )
+        assert r.status_code == 200, r.text
+    history = httpx.get(f"{server.url}/profiles/sms_spam/health/history", headers=auth()).json()
+    assert history["profile_etag"] == etag and history["points"]
+    page = Page(browser, server.url)
+    page.open_with("sms_spam")
+    page.show("tab-profiles", "profiles-view")
+    from selenium.webdriver.support.ui import Select
+
+    page.wait.until(lambda d: page.all("#profile-pick option[value='sms_spam']"))
+    Select(page.find("#profile-pick")).select_by_value("sms_spam")
+    page.wait.until(lambda d: page.find("#profile-detail").get_attribute("data-state") == "done")
+    assert [g.get_attribute("data-choice") for g in page.all("#traffic-svg g.share")] == [
+        "ham",
+        "spam",
+    ]
+    last = history["points"][-1]
+    assert f"{last['n_decisions']} decisions" in page.find("#traffic-state").text
+    assert page.find("#traffic-state").get_attribute("data-alarms") == ",".join(last["alarms"])
+    if last["shares"] is not None:  # two labelled and two not, at least: the bands are drawn
+        assert len(page.all("#traffic-svg polygon.band")) == 2
+    assert len(page.all("#traffic-svg polyline.prior")) == 2

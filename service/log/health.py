@@ -62,6 +62,7 @@ __all__ = [
     "answers_mix",
     "assess",
     "live_prior",
+    "probabilities_of",
     "profile_health",
 ]
 
@@ -157,7 +158,7 @@ def live_prior(
     before = [r for r in records if "prior_shift" not in r.reason_codes][-window:]
     if source is None or len(before) < 2:
         return None
-    probabilities = _probabilities(before, profile.choices)
+    probabilities = probabilities_of(before, profile.choices)
     assert profile.reference is not None  # the source is the reference's
     return prior_estimate(
         list(profile.choices),
@@ -225,8 +226,8 @@ def assess(
     elif len(labeled) >= 2:
         shares = prediction_powered_shares(
             profile.choices,
-            _probabilities(unlabeled, profile.choices),
-            _probabilities(labeled, profile.choices),
+            probabilities_of(unlabeled, profile.choices),
+            probabilities_of(labeled, profile.choices),
             np.array([index[r.label] for r in labeled if r.label is not None], dtype=np.int64),
             alpha=alpha_precision,
         )
@@ -296,7 +297,7 @@ def _labels_needed(
     )
 
 
-def _probabilities(records: Sequence[LoggedDecision], choices: Sequence[str]) -> np.ndarray:
+def probabilities_of(records: Sequence[LoggedDecision], choices: Sequence[str]) -> np.ndarray:
     """(n, k) calibrated probabilities of ``records``, columns in ``choices`` order."""
     return np.array(
         [[r.probabilities[c] for c in choices] for r in records], dtype=np.float64

@@ -23,6 +23,7 @@ from urllib.parse import quote
 from calibration.profile import NAME_PATTERN, CalibrationProfile
 from service.log.decision_log import LoggedDecision
 from service.log.health import ProfileHealth
+from service.log.health_history import HealthHistory
 from service.schemas import (
     BatchRequest,
     BatchResponse,
@@ -178,6 +179,10 @@ OPERATIONS: tuple[Operation, ...] = (
               "A profile's health from the decision log: audited precision against its "
               "certificate, drift from its calibration data, the model",
               ok=(200, ProfileHealth), errors=(400, 404)),
+    Operation("profile_health_history", "GET", "/profiles/{name}/health/history",
+              "A profile's health at 20 points of its current version's decisions: each "
+              "choice's share with its confidence sequence, the live class prior, the alarms",
+              ok=(200, HealthHistory), errors=(400, 404)),
     Operation("judgment", "GET", "/judgments/{judgment_id}",
               "A logged decision, with its label if it has one", ok=(200, LoggedDecision),
               errors=(400, 404)),

@@ -33,6 +33,7 @@ from calibration.profile import current_format
 from service.errors import BadFieldError, TooLargeError
 from service.log.decision_log import LoggedDecision
 from service.log.health import ProfileHealth
+from service.log.health_history import HealthHistory
 from service.profiles import Preconditions
 from service.systemone import SystemOneResponse, decode_request
 from service.web.bodies import decode_body, decode_each
@@ -236,6 +237,12 @@ async def profile_health(name: FromPath[str], service: NamedDependency[Service])
     return await service.feedback.health(name)
 
 
+async def profile_health_history(
+    name: FromPath[str], service: NamedDependency[Service]
+) -> HealthHistory:
+    return await service.feedback.history(name)
+
+
 async def judgment(judgment_id: FromPath[str], service: NamedDependency[Service]) -> LoggedDecision:
     return await service.feedback.judgment(judgment_id)
 
@@ -275,6 +282,7 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "rollback_profile": rollback_profile,
     "label_queue": label_queue,
     "profile_health": profile_health,
+    "profile_health_history": profile_health_history,
     "judgment": judgment,
     "label": label,
     "labels": labels,

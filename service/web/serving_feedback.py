@@ -23,6 +23,7 @@ from service.log.decision_log import (
     UnknownJudgmentError,
 )
 from service.log.health import ProfileHealth, profile_health
+from service.log.health_history import HealthHistory, health_history
 from service.log.labelling_queue import LabellingQueue
 from service.schemas import (
     LabelQueue,
@@ -153,9 +154,28 @@ class FeedbackServing:
         profile, etag = self.service.store.get_tagged(name)
         current = getattr(self.service.loaded, "model_sha256", None)
         check = functools.partial(
-            profile_health, decision_log, profile, etag, current_model_sha256=current or None
+            profile_health,
+            decision_log,
+            profile,
+            etag,
+            current_model_sha256=current or None,
+            alpha_prior=self.service.config.alpha_prior,
         )
         return await anyio.to_thread.run_sync(check)
+
+    async def history(self, name: str) -> HealthHistory:
+        """The stored profile ``name``'s current version's health at 20 points of its
+        decisions (``service.log.health_history``)."""
+        decision_log = self._log_or_404()
+        profile, etag = self.service.store.get_tagged(name)
+
+        def read() -> HealthHistory:
+            records = decision_log.decisions(profile=name, profile_etag=etag)
+            return health_history(
+                profile, etag, records, alpha_prior=self.service.config.alpha_prior
+            )
+
+        return await anyio.to_thread.run_sync(read)
 
     def health_all(self) -> list[ProfileHealth]:
         """The health of every stored profile that has logged decisions; for /metrics, read
@@ -174,6 +194,7 @@ class FeedbackServing:
                         profile,
                         etag,
                         current_model_sha256=current or None,
+                        alpha_prior=self.service.config.alpha_prior,
                     )
                 except (ProfileError, DecisionLogError):
                     continue  # unreadable: its own GET says why

@@ -276,6 +276,7 @@ async function onProfilePicked() {
   try {
     showProfile(await api("GET", "/profiles/" + encodeURIComponent(name)));
     detail.hidden = false;
+    await showTraffic(name);
     detail.dataset.state = "done";
     await showPng(name);
   } catch (err) {
@@ -380,6 +381,78 @@ function drawCalibration(before, after) {
   $("reliability-note").textContent =
     "The profile stores these summaries, not per-bin counts; lower is better. " +
     "Where `judge calibrate` wrote a reliability diagram beside the profile, it is shown below.";
+}
+
+// --- traffic: each share with its interval over time, the live prior, the alarms ----------
+
+// GET /profiles/{name}/health/history: 20 points of the version's decisions. Each choice's
+// share is drawn as a band (its confidence sequence: it holds at every point at once) around
+// its estimate, the live prior EM estimates without labels as a dashed line, and the mix the
+// certificate was measured on as a dotted one; the alarms that had fired by each point are
+// marked on the axis.
+const TRAFFIC_COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
+
+async function showTraffic(name) {
+  const state = $("traffic-state");
+  const box = $("traffic");
+  box.replaceChildren();
+  let history;
+  try {
+    history = await api("GET", "/profiles/" + encodeURIComponent(name) + "/health/history");
+  } catch (err) {
+    state.textContent = err.status === 404 ? "No decision log: the server keeps no traffic to show." : "Traffic: " + err.detail;
+    return;
+  }
+  const points = history.points;
+  if (!points.length) {
+    state.textContent = "No decision of this version is logged yet.";
+    return;
+  }
+  const last = points[points.length - 1];
+  state.dataset.alarms = last.alarms.join(",");
+  state.textContent = last.n_decisions + " decisions, " + last.n_labeled + " audited and labelled; alarms: " +
+    (last.alarms.length ? last.alarms.join(", ") : "none");
+  const W = 640, H = 240, left = 44, right = 16, top = 16, bottom = 40;
+  const maxN = last.n_decisions;
+  const x = (n) => left + (W - left - right) * n / maxN;
+  const y = (v) => top + (H - top - bottom) * (1 - v);
+  const chart = svg("svg", { id: "traffic-svg", viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img" });
+  chart.append(svg("title", {}, "Each choice's share over the version's decisions, with its confidence sequence"));
+  for (const v of [0, 0.25, 0.5, 0.75, 1]) {
+    chart.append(svg("line", { x1: left, x2: W - right, y1: y(v), y2: y(v), class: "grid" }));
+    chart.append(svg("text", { x: left - 6, y: y(v) + 4, "text-anchor": "end", class: "tick" }, fmt(v, 2)));
+  }
+  chart.append(svg("text", { x: W - right, y: H - 6, "text-anchor": "end", class: "tick" }, maxN + " decisions"));
+  history.choices.forEach((choice, j) => {
+    const color = TRAFFIC_COLORS[j % TRAFFIC_COLORS.length];
+    const g = svg("g", { class: "share", "data-choice": choice });
+    const withShares = points.filter((p) => p.shares);
+    if (withShares.length) {
+      const upper = withShares.map((p) => `${x(p.n_decisions)},${y(p.shares.upper[j])}`);
+      const lower = withShares.map((p) => `${x(p.n_decisions)},${y(p.shares.lower[j])}`).reverse();
+      g.append(svg("polygon", { points: upper.concat(lower).join(" "), fill: color, "fill-opacity": 0.15, class: "band" }));
+      g.append(svg("polyline", { points: withShares.map((p) => `${x(p.n_decisions)},${y(p.shares.estimate[j])}`).join(" "), stroke: color, fill: "none", class: "estimate" }));
+    }
+    const withPrior = points.filter((p) => p.prior);
+    if (withPrior.length) {
+      g.append(svg("polyline", { points: withPrior.map((p) => `${x(p.n_decisions)},${y(p.prior[j])}`).join(" "), stroke: color, fill: "none", "stroke-dasharray": "5 3", class: "prior" }));
+    }
+    if (history.source_prior) {
+      g.append(svg("line", { x1: left, x2: W - right, y1: y(history.source_prior[j]), y2: y(history.source_prior[j]), stroke: color, "stroke-dasharray": "1 3", class: "source" }));
+    }
+    g.append(svg("title", {}, choice));
+    chart.append(g);
+    chart.append(svg("text", { x: left + 8 + 90 * j, y: H - 6, fill: color, class: "tick" }, choice));
+  });
+  for (const p of points) {
+    if (!p.alarms.length) continue;
+    chart.append(svg("circle", { cx: x(p.n_decisions), cy: y(0) + 10, r: 4, class: "alarm", "data-alarms": p.alarms.join(",") }));
+  }
+  box.replaceChildren(chart);
+  box.append(el("p", { class: "muted" },
+    "Solid: each choice's share of the traffic (labels and the model together, PPI++), its band valid at every point at once; " +
+    "dashed: the live class prior the model's probabilities imply (EM, no labels); dotted: the mix the certificate was measured on; " +
+    "red dots: an alarm had fired."));
 }
 
 async function showPng(name) {
