@@ -64,6 +64,7 @@ from service.log.decision_log import (
     replayable_question,
     with_cascade,
 )
+from service.log.shift_watch import ShiftWatch
 from service.profiles import ProfileStore
 from service.schemas import JudgeResponse
 
@@ -108,6 +109,9 @@ def create_server(
     ``stage_name``.
     """
     defaults = defaults or PolicyDefaults()
+    # As judge serve does: a version whose traffic's class mix moved escalates until
+    # re-certified (service.log.shift_watch).
+    watch = None if decision_log is None else ShiftWatch(store, decision_log, every=50)
     context = GateContext(
         store,
         defaults,
@@ -116,6 +120,7 @@ def create_server(
         logging=decision_log is not None,
         log_features=log_features,
         log_requests=log_requests,
+        holds=None if watch is None else watch.hold,
     )
     model_lock = threading.Lock()
 
@@ -131,6 +136,8 @@ def create_server(
                 f"the decision could not be written to the decision log ({exc}), so it is "
                 "not served: retry later"
             ) from None
+        if watch is not None:
+            watch.logged(rows)
 
     def gate_of(name: str | None, field: str, overrides: Overrides | None = None) -> Gate:
         """A call's gate (``GateContext.open``), a missing profile a ToolError naming ``field``."""
