@@ -8,9 +8,10 @@ test split judged once. Each stream is drawn from the test split: ``BEFORE`` dec
 test split's own mix, then ``AFTER`` at a planted one (items drawn with replacement, per
 class). Two plantings per task:
 
-    prior    the first choice's share raised (sst2, sms_spam) or one class made the majority
-             (ag_news): the test split resampled, as the issue asks
-    swap     the test mix's most and least frequent classes trade shares
+    prior    the first choice's share raised (sst2, ag_news) or spam's (sms_spam): the test
+             split resampled, as the issue asks
+    second   the other way: the last choice's share raised to 0.7 (sst2, ag_news), or ham
+             and spam trade shares (sms_spam: spam 88%)
 
 and one stream with no change (the false-alarm check). Per stream: the live decision at which
 ``mix_shift`` (alpha 0.01, checked after every decision by construction) first fires, the
@@ -58,13 +59,13 @@ def planted(task: str, base: np.ndarray, how: str) -> np.ndarray:
     k = base.shape[0]
     if how == "none":
         return base
-    if how == "swap":
-        moved = base.copy()
-        hi, lo = int(base.argmax()), int(base.argmin())
-        moved[hi], moved[lo] = base[lo], base[hi]
-        return moved
-    target = {"sst2": 0.85, "sms_spam": 0.5}.get(task, 0.55)  # "prior"
-    j = 1 if task == "sms_spam" else 0  # sms_spam: spam (the minority) grows
+    if how == "second" and task == "sms_spam":
+        return base[::-1].copy()
+    if how == "second":
+        target, j = 0.7, k - 1
+    else:
+        target = {"sst2": 0.85, "sms_spam": 0.5}.get(task, 0.55)
+        j = 1 if task == "sms_spam" else 0  # sms_spam: spam (the minority) grows
     rest = np.delete(base, j)
     moved = np.insert(rest / rest.sum() * (1 - target), j, target)
     assert moved.shape == (k,)
@@ -127,7 +128,7 @@ def run_task(judge: Judge, name: str, seeds: int) -> dict[str, Any]:
         "test_mix": [float(v) for v in base],
         "plantings": {},
     }
-    for how in ("none", "prior", "swap"):
+    for how in ("none", "prior", "second"):
         mix = planted(name, base, how)
         rows = []
         for seed in range(seeds):

@@ -244,7 +244,24 @@ class Judge(BaseEngine):
             if kept is not None:
                 self._adapters.move_to_end(key)
                 return kept
-        model = model_with_blocks(self.model, merged_blocks(self.model, adapter))
+        other = self._copied(model_with_blocks(self.model, merged_blocks(self.model, adapter)))
+        other.adapter = adapter  # an adapted judge adapts nothing further
+        with self._adapters_lock:
+            kept = self._adapters.setdefault(key, other)
+            self._adapters.move_to_end(key)
+            while len(self._adapters) > MAX_ADAPTERS:
+                self._adapters.popitem(last=False)
+        return kept
+
+    def sibling(self) -> Judge:
+        """This judge's weights and settings with caches of its own: for judging on another
+        thread (a server's background refit) while this one serves. The weights are shared
+        and only read; the prefix cache and the merged adapters are not shared."""
+        return self._copied(self.model)
+
+    def _copied(self, model: Any) -> Judge:
+        """A copy of this judge on ``model`` (its blocks, or copies of them), its prefix
+        cache and adapter table new and empty."""
         other = copy.copy(self)
         other.model = model
         if self._lean is not None:
@@ -253,14 +270,9 @@ class Judge(BaseEngine):
             other.prefix_cache = PrefixCache(
                 self.prefix_cache.budget_bytes, self.prefix_cache.block_tokens
             )
-        other._adapters = OrderedDict()  # an adapted judge adapts nothing further
-        other.adapter = adapter
-        with self._adapters_lock:
-            kept = self._adapters.setdefault(key, other)
-            self._adapters.move_to_end(key)
-            while len(self._adapters) > MAX_ADAPTERS:
-                self._adapters.popitem(last=False)
-        return kept
+        other._adapters = OrderedDict()
+        other._adapters_lock = threading.Lock()
+        return other
 
     def _score(self, rows: list[list[Prepared]], start: float) -> list[Judgment]:
         """Run ``rows`` in bounded passes, in order: each row on the model with its queries'

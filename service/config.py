@@ -295,6 +295,18 @@ class ServiceConfig:
             group="log",
         ),
     ] = None
+    # With refit_every: an adapter profile's refit retrains its adapter too, not only its head.
+    refit_adapters: Annotated[
+        bool,
+        Flag(
+            "--refit-adapters",
+            "switch",
+            "with --refit-every: retrain an adapter profile's adapter on the logged items too "
+            "(needs --log-requests; minutes of the machine's cores, in the background), not "
+            "only its head on the logged scores",
+            group="log",
+        ),
+    ] = False
     # Every this many logged decisions of a profile version, the class mix of its answers is
     # tested against its certificate's (service.log.shift_watch); once it moved, the version's
     # decisions escalate (prior_shift) until the profile is re-certified.
@@ -359,6 +371,10 @@ class ServiceConfig:
                 raise ValueError(f"refit_every must be an integer >= 1, got {self.refit_every!r}")
             if self.decision_log is None:
                 raise ValueError("refit_every refits from the decision log: set decision_log")
+        if self.refit_adapters and (self.refit_every is None or not self.log_requests):
+            raise ValueError(
+                "refit_adapters retrains from the logged items: set refit_every and log_requests"
+            )
         for name in [self.stage_name, *self.cascade]:
             if not re.fullmatch(NAME_PATTERN, name):
                 raise ValueError(f"a stage's name must match {NAME_PATTERN}, got {name!r}")

@@ -4,11 +4,14 @@ A profile fitted with ``--method adapter`` carries LoRA weights trained under it
 on the fit split alone; every judgment under it runs the model with them merged, in the same
 one pass, batch- and cache-invariant bit for bit; the certificate rests on items the adapter
 never saw; a tampered adapter, one for other weights, or an engine that cannot merge one is
-refused naming the field.
+refused naming the field. An adapter profile retrained from its decision log (issue 57)
+trains a new adapter on the logged items, the audited labels alone certifying.
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from test_label_queue import decision
 from test_span_service import every_route
 
 from calibration import CalibrationProfile, Gate, ProfileMismatchError, load_profile, save_profile
@@ -34,6 +38,12 @@ from judge import InvalidQueryError, Judge, Query
 from judge.adapter_fit import AdapterSettings, fit_adapter
 from judge.adapters import Adapter, weights_sha256
 from service.cli.main import main
+from service.config import ServiceConfig
+from service.log.adapter_refit import logged_items, retrain_from_log
+from service.log.decision_log import LoggedDecision, open_log
+from service.log.refit import LogRefit, refit_settings
+from service.profiles import ProfileStore
+from service.web.background_refit import BackgroundRefit
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # Small and quick: the routing, the honesty and the bits are what is tested here; what an
@@ -271,3 +281,111 @@ def test_judge_calibrate_method_adapter_writes_a_profile_judge_ask_serves(
     asked = msgspec.json.decode(capsys.readouterr().out)
     assert asked["profile"] == "sst2" and set(asked["probabilities"]) == {"negative", "positive"}
     assert asked["adapter_sha256"] == profile.adapter.sha256  # the answer names its adapter
+
+
+# --- retrained from the decision log (issue 57) --------------------------------------------
+
+
+def logged(profile: CalibrationProfile, path: Path) -> tuple[str, dict[str, str]]:
+    """A log of sst2 decisions under ``profile``, each keeping its request: 110 audited and
+    20 others labelled, 3 without a request. Returns the log and each id's label."""
+    task = load_task(DATA / "sst2")
+    items, _ = load_split(task, "test", 130)
+    assert profile.template is not None
+    now = time.time() - 600
+    records: list[LoggedDecision] = []
+    labels = {}
+    for i, item in enumerate(items):
+        prompt, span = profile.template.render(item.text)
+        base = decision("e" * 8, 0.7, audit=i < 110, item="x", at=now + i)
+        record = msgspec.structs.replace(
+            base,
+            profile=profile.name,
+            choices=list(profile.choices),
+            log_probs=[float(np.log(0.5))] * 2,
+            probabilities=dict.fromkeys(profile.choices, 0.5),
+            choice=profile.choices[0],
+            model_sha256=profile.fingerprint.model_sha256 or "a" * 64,
+            request={"query": {"prompt": prompt, "choices": profile.choices, "item_span": span}},
+        )
+        records.append(record)
+        labels[record.judgment_id] = item.label
+    for i in range(3):  # labelled, but with no request kept: left out
+        bare = decision("e" * 8, 0.7, audit=True, item=None, at=now + 200 + i)
+        records.append(
+            msgspec.structs.replace(
+                bare,
+                profile=profile.name,
+                choices=list(profile.choices),
+                probabilities=dict.fromkeys(profile.choices, 0.5),
+                choice=profile.choices[0],
+                model_sha256=profile.fingerprint.model_sha256 or "a" * 64,
+            )
+        )
+        labels[records[-1].judgment_id] = profile.choices[0]
+    target = str(path / "decisions.db")
+    with closing(open_log(target)) as log:
+        log.append(records)
+        for judgment_id, label in labels.items():
+            log.label(judgment_id, label)
+    return target, labels
+
+
+def test_the_adapter_is_retrained_from_the_logged_items(
+    judge: Judge, fitted: AdapterProfile, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profile = fitted.profile
+    assert profile.adapter is not None
+    target, labels = logged(profile, tmp_path)
+    with closing(open_log(target)) as log:
+        items, left_out = logged_items(log.decisions(profile=profile.name, labeled=True), profile)
+        assert left_out == 3 and len(items) == 130
+        assert sum(item.taught for item in items) == 20
+        assert all(item.label == labels[item.id] for item in items)
+        refit = retrain_from_log(
+            log,
+            profile,
+            judge.sibling(),
+            refit_settings(profile),
+            name=profile.name,
+            log_name="test log",
+            adapter_settings=QUICK,
+        )
+    new = refit.profile
+    assert refit.audited == 110 and refit.taught == 20
+    assert new.recertification is not None and new.recertification.look == 1
+    assert new.threshold.delta == pytest.approx(new.recertification.spent)
+    assert new.split.taught == 20  # the taught items trained, never certified
+    assert "decision log test log" in new.dataset
+    assert "3 labelled decisions left out" in refit.notes[1]
+    if new.adapter is not None:  # the adapter won again: a new one, trained on the log
+        assert new.adapter.sha256 != profile.adapter.sha256
+    else:  # the probe or a scalar map won the validation fold, and says so
+        assert "Adapter tried and not kept" in new.note
+    # The server's background refit takes this path for an adapter profile when it has a
+    # judge to train with (--refit-adapters), and the head-only refit otherwise.
+    calls: list[str] = []
+
+    def fake(*args: Any, **kwargs: Any) -> LogRefit:
+        calls.append(kwargs["name"])
+        return refit
+
+    monkeypatch.setattr("service.web.background_refit.retrain_from_log", fake)
+    store = ProfileStore(tmp_path / "profiles")
+    store.put(profile)
+    with closing(open_log(target)) as log:
+        BackgroundRefit(store, log, target, 1, trainer=judge.sibling)._refit(profile.name, 133)
+        assert calls == [profile.name]
+        head_only = BackgroundRefit(store, log, target, 1)
+        head_only._refit(profile.name, 133)
+        assert calls == [profile.name]  # not called again: the head-only refit ran
+        assert head_only.refits[profile.name]
+
+
+def test_refit_adapters_needs_refits_and_requests(tmp_path: Path) -> None:
+    log = str(tmp_path / "d.db")
+    with pytest.raises(ValueError, match="refit_adapters"):
+        ServiceConfig(decision_log=log, refit_adapters=True, log_requests=True)
+    with pytest.raises(ValueError, match="refit_adapters"):
+        ServiceConfig(decision_log=log, refit_adapters=True, refit_every=10)
+    ServiceConfig(decision_log=log, refit_adapters=True, refit_every=10, log_requests=True)

@@ -67,6 +67,9 @@ class Task(msgspec.Struct, frozen=True):
     path: str
     kind: Literal["classification", "score"] = "classification"
     values: dict[str, float] | None = None  # a score task's number per choice
+    # The prompt around each item, where it is not the instruction's (``task_template``): a
+    # task read back from a profile fitted on another prompt (a refit from its log).
+    template: PromptTemplate | None = None
 
 
 class _TaskFile(msgspec.Struct):
@@ -151,7 +154,10 @@ def _jsonl_lines(data: bytes) -> Iterator[tuple[int, str]]:
 
 def task_template(task: Task) -> PromptTemplate:
     """The task's prompt with the item left out: the instruction, the item, then the allowed
-    answers. A profile fitted on the task keeps it (``CalibrationProfile.template``)."""
+    answers (or the task's own ``template``). A profile fitted on the task keeps it
+    (``CalibrationProfile.template``)."""
+    if task.template is not None:
+        return task.template
     allowed = ", ".join(task.choices)
     return PromptTemplate(
         before=f"{task.instruction}\n\n", after=f"\n\nAnswer with one of: {allowed}."

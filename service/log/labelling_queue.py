@@ -30,7 +30,7 @@ from calibration.labelling import teach_rounds
 from service.log.decision_log import DecisionLog, LabelOutcome, LoggedDecision
 from service.log.health import ProfileHealth, profile_health
 
-__all__ = ["STREAMS", "LabellingQueue", "QueueItem", "Stream"]
+__all__ = ["STREAMS", "LabellingQueue", "QueueItem", "Stream", "logged_prompt"]
 
 Stream = Literal["audit", "teach"]
 STREAMS: tuple[Stream, ...] = ("audit", "teach")
@@ -71,7 +71,7 @@ class LabellingQueue:
             raise ValueError(f"streams must be some of {STREAMS}, got {list(self.streams)}")
         records = self.log.decisions(profile=self.profile.name, labeled=False)
         # Each record with the prompt its logged request judged (parsed once), if it kept one.
-        readable = [(r, p) for r in records if (p := _prompt_of(r)) is not None]
+        readable = [(r, p) for r in records if (p := logged_prompt(r)) is not None]
         self.unreadable = len(records) - len(readable)
         audit = [(r, p) for r, p in readable if r.audit]
         teach = [(r, p) for r, p in readable if not r.audit]
@@ -155,7 +155,7 @@ class LabellingQueue:
         return teach_rounds(p, features=features)
 
 
-def _prompt_of(record: LoggedDecision) -> tuple[str, tuple[int, int] | None] | None:
+def logged_prompt(record: LoggedDecision) -> tuple[str, tuple[int, int] | None] | None:
     """The prompt a logged request judged and the item's span in it; None where the log kept
     no request (or one with no prompt: a typed question's)."""
     request: Any = record.request

@@ -26,7 +26,7 @@ from calibration.probe import MIN_PROBE_EXAMPLES
 from calibration.recertify import Recertification
 from service.log.decision_log import DecisionLog, LoggedDecision
 
-__all__ = ["LogRefit", "RefitError", "refit_from_log", "refit_settings"]
+__all__ = ["LogRefit", "RefitError", "labelled_decisions", "refit_from_log", "refit_settings"]
 
 
 class RefitError(ValueError):
@@ -75,16 +75,7 @@ def refit_from_log(
     """The next version of ``profile`` (named ``name``) from the labelled decisions of
     ``log`` (``log_name``: how the profile names it, a password masked), under ``settings``
     (their delta the lineage's: this look certifies at its share)."""
-    records = log.decisions(profile=profile.name, audit=True, labeled=True)
-    records += log.decisions(profile=profile.name, audit=False, labeled=True)
-    weights = profile.fingerprint.model_sha256
-    other = {r.model_sha256 for r in records} - {weights}
-    if weights is not None and other:
-        raise RefitError(
-            f"the labeled decisions of {profile.name!r} were made with other weights too "
-            f"({', '.join(sorted(s[:12] for s in other))}) than the profile's ({weights[:12]}): "
-            "their log-probabilities are not comparable; refit with judge calibrate --task"
-        )
+    records = labelled_decisions(log, profile)
     notes = []
     labeled = len(records)
     records, features, layers = _with_features(records, settings.methods, profile)
@@ -154,6 +145,22 @@ def refit_from_log(
         feature_layers=layers,
         fit_only=only,
     )
+
+
+def labelled_decisions(log: DecisionLog, profile: CalibrationProfile) -> list[LoggedDecision]:
+    """Every labelled decision of ``profile`` (all its versions), the audited ones first; a
+    RefitError where some were made with other weights than the profile's."""
+    records = log.decisions(profile=profile.name, audit=True, labeled=True)
+    records += log.decisions(profile=profile.name, audit=False, labeled=True)
+    weights = profile.fingerprint.model_sha256
+    other = {r.model_sha256 for r in records} - {weights}
+    if weights is not None and other:
+        raise RefitError(
+            f"the labeled decisions of {profile.name!r} were made with other weights too "
+            f"({', '.join(sorted(s[:12] for s in other))}) than the profile's ({weights[:12]}): "
+            "their log-probabilities are not comparable; refit with judge calibrate --task"
+        )
+    return records
 
 
 def _with_features(

@@ -20,14 +20,20 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from calibration import CalibrationProfile, ProfileError
+from service.log.adapter_refit import retrain_from_log
 from service.log.decision_log import DecisionLog, DecisionLogError, mask_target
 from service.log.refit import RefitError, refit_from_log, refit_settings
 from service.profiles import PreconditionFailedError, Preconditions, ProfileStore
 from service.schemas import RefitRecord
+
+if TYPE_CHECKING:
+    from judge.engine import Judge
 
 __all__ = ["KEPT_REFITS", "BackgroundRefit", "certified_coverage"]
 
@@ -46,9 +52,17 @@ class BackgroundRefit:
     """One worker that refits profiles from ``decision_log`` every ``every`` new labels."""
 
     def __init__(
-        self, store: ProfileStore, decision_log: DecisionLog, log_target: str, every: int
+        self,
+        store: ProfileStore,
+        decision_log: DecisionLog,
+        log_target: str,
+        every: int,
+        trainer: Callable[[], Judge | None] | None = None,
     ) -> None:
         self.store = store
+        # With --refit-adapters: the judge an adapter profile's adapter is retrained with (the
+        # served one's sibling: its weights, its own caches); None: heads only.
+        self.trainer = trainer
         self.decision_log = decision_log
         self.log_name = mask_target(log_target)
         self.every = every
@@ -92,14 +106,25 @@ class BackgroundRefit:
         except ProfileError:
             return  # unreadable, or deleted meanwhile: its own GET says why
         before = certified_coverage(profile)
+        engine = None if profile.adapter is None or self.trainer is None else self.trainer()
         try:
-            fitted = refit_from_log(
-                self.decision_log,
-                profile,
-                refit_settings(profile),
-                name=name,
-                log_name=self.log_name,
-            )
+            if engine is not None:
+                fitted = retrain_from_log(
+                    self.decision_log,
+                    profile,
+                    engine,
+                    refit_settings(profile),
+                    name=name,
+                    log_name=self.log_name,
+                )
+            else:
+                fitted = refit_from_log(
+                    self.decision_log,
+                    profile,
+                    refit_settings(profile),
+                    name=name,
+                    log_name=self.log_name,
+                )
         except (RefitError, DecisionLogError, ValueError) as exc:
             self._record(name, etag, None, False, f"not refitted: {exc}", labelled, before, None)
             return
@@ -131,6 +156,7 @@ class BackgroundRefit:
                     (
                         f"served: look {fitted.recertification.look}, coverage {after:.3f} (was "
                         f"{before:.3f}) on {fitted.audited} audited and {fitted.taught} taught labels"
+                        + (f"; {fitted.notes[0]}" if engine is not None else "")
                     ),
                 )
         self._record(name, etag, kept, served, why, labelled, before, after)

@@ -39,6 +39,7 @@ from calibration import (
 )
 from judge import (
     Engine,
+    Judge,
     JudgeError,
     Judgment,
     PrefixCache,
@@ -111,6 +112,7 @@ class ServiceCore:
         self.store = ProfileStore(config.profiles_dir)
         self.metrics = ServiceMetrics()
         self.loaded: Engine | None = None  # set once the engine has loaded and judged once
+        self._training: Judge | None = None  # a sibling of it for background retraining
         self.failure: str | None = None  # why loading failed
         self.admission = Admission(config.max_queue, config.admission_wait_s)
         # Opened (and written to once) here, so that a log that cannot be written stops the
@@ -128,7 +130,11 @@ class ServiceCore:
         if config.refit_every is not None and self.decision_log is not None:
             assert config.decision_log is not None
             self.refitter = BackgroundRefit(
-                self.store, self.decision_log, config.decision_log, config.refit_every
+                self.store,
+                self.decision_log,
+                config.decision_log,
+                config.refit_every,
+                trainer=self._trainer if config.refit_adapters else None,
             )
         # A version whose traffic's class mix moved escalates until re-certified.
         self.shift_watch: ShiftWatch | None = None
@@ -159,6 +165,14 @@ class ServiceCore:
             max_jobs=config.max_jobs,
             on_batch=self.metrics.batch_size.observe,
         )
+
+    def _trainer(self) -> Judge | None:
+        """What a background refit retrains adapters with: a sibling of the served judge (its
+        weights, caches of its own), made once; None until it loads, or where the model is
+        served elsewhere (an adapter trains on weights loaded here)."""
+        if self._training is None and isinstance(self.loaded, Judge) and not self.loaded.adapter:
+            self._training = self.loaded.sibling()
+        return self._training
 
     def engine(self) -> Engine:
         if self.loaded is None:
