@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol, TextIO, TypeVar
 
 from calibration import CalibrationProfile
+from calibration.recertify import LabelsNeeded
 from calibration.tasks.item_queue import ItemQueue, PoolItem
 from service.cli.common import UsageError
 from service.log.decision_log import DecisionLog
@@ -198,15 +199,8 @@ def _pool_state(queue: ItemQueue, command: str) -> str:
     parts = [f"in the file: audit {queue.total('audit')}, teach {queue.total('teach')}"]
     needed = queue.needed()
     if needed is not None:
-        if needed.more is None:
-            parts.append(f"gate: {needed.reason}")
-        elif needed.more == 0:
-            parts.append(f"likely enough audit labels to certify (about {needed.labels})")
-        else:
-            parts.append(
-                f"about {needed.more} more audit labels would likely certify "
-                f"{queue.target_precision:g} (the model's confidence so far)"
-            )
+        goal = f"likely certify {queue.target_precision:g} (the model's confidence so far)"
+        parts.append(_needed(needed, goal))
     if queue.ready():
         parts.append(f"fit: {command}")
     return "; ".join(parts)
@@ -221,15 +215,19 @@ def _state(health: ProfileHealth) -> str:
             f"live precision {check.precision:.3f} on {check.n} accepted "
             f"[{check.lower:.3f}, {check.upper:.3f}] against the certified {check.target}"
         )
-    needed = health.labels
-    if needed is not None:
-        if needed.more is None:
-            parts.append(f"gate: {needed.reason}")
-        elif needed.more == 0:
-            parts.append(f"enough labels to refit and certify (about {needed.labels})")
-        else:
-            parts.append(f"about {needed.more} more audit labels would open the gate")
+    if health.labels is not None:
+        parts.append(_needed(health.labels, "open the gate"))
     return "; ".join(parts)
+
+
+def _needed(needed: LabelsNeeded, goal: str) -> str:
+    """What ``needed`` says in a few words: why no number of labels would reach ``goal``,
+    that there are enough, or how many more would."""
+    if needed.more is None:
+        return f"gate: {needed.reason}"
+    if needed.more == 0:
+        return f"likely enough audit labels (about {needed.labels} in all)"
+    return f"about {needed.more} more audit labels would {goal}"
 
 
 def _closing(queue: LabellingQueue) -> str:
