@@ -86,18 +86,19 @@ def _recent_moments(obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     the weight of one observation: what each bet is sized on. A bet may be sized on anything
     already seen; forgetting lets it turn soon after the precision drops, where a mean over
     every label since the version began would be slow to move."""
+    from scipy.signal import lfilter  # a server dependency, not the client's
+
     keep = 1 - 1 / MEMORY
     n = obs.shape[0]
-    mu, var = np.empty(n), np.empty(n)
-    weight, total, squares = 1.0, 0.5, 0.25  # the prior: one observation's worth
-    for i in range(n):
-        mu[i] = total / weight
-        var[i] = squares / weight
-        x = obs[i]
-        weight = keep * weight + 1
-        total = keep * total + x
-        squares = keep * squares + (x - total / weight) ** 2
-    return mu, var
+    # The state after i observations, for i = 0..n: each sum decays by ``keep`` per step
+    # (a first-order recursion: lfilter), starting from the prior's one observation.
+    decay = keep ** np.arange(n + 1)
+    weight = decay + (1 - decay) / (1 - keep)
+    total = 0.5 * decay + np.concatenate([[0.0], lfilter([1.0], [1.0, -keep], obs)])
+    deviation = (obs - total[1:] / weight[1:]) ** 2  # each observation from the mean after it
+    squares = 0.25 * decay + np.concatenate([[0.0], lfilter([1.0], [1.0, -keep], deviation)])
+    # Before observation i: the state after i - 1 of them.
+    return total[:n] / weight[:n], squares[:n] / weight[:n]
 
 
 def betting_bounds(x: ArrayLike, alpha: float) -> tuple[float, float]:

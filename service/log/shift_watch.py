@@ -3,10 +3,10 @@ mix the certificate was measured on, the version's decisions escalate (``prior_s
 the profile is re-certified.
 
 After each request's decisions are logged, ``ShiftWatch.logged`` counts them per profile
-version; every ``every`` of them one worker thread reads the version's decisions from the log
-and runs ``service.log.health.answers_mix`` (the answers' mix against the profile's reference,
-a sequential test: over the whole stream a false hold at most ``alpha``, however often it
-runs). A version found shifted stays held (``hold``): the gates the server opens for it carry a
+version; every ``every`` of them one worker thread reads the version's decisions logged since
+its last check and runs ``calibration.label_shift.mix_shift`` on all its answers read so far
+(against the profile's reference, a sequential test: over the whole stream a false hold at
+most ``alpha``, however often it runs). A version found shifted stays held (``hold``): the gates the server opens for it carry a
 ``calibration.policy.Hold`` and escalate everything, saying why; with ``correct`` (``judge
 serve --correct-prior``) they also serve the probabilities moved to the live prior estimated
 at detection. A new version (a refit, a PUT, a rollback to another ETag) is unheld, and its own
@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from calibration import ProfileError
+from calibration.label_shift import mix_shift
 from calibration.policy import Hold
 from service.log.decision_log import DecisionLog, DecisionLogError, LoggedDecision
-from service.log.health import answers_mix, live_prior
+from service.log.health import DEFAULT_WINDOW, live_prior
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -36,6 +37,27 @@ if TYPE_CHECKING:
     from service.profiles import ProfileStore
 
 __all__ = ["ShiftWatch"]
+
+
+class _Seen:
+    """A version's answers (choice indices) in the order decided, and where reading stopped."""
+
+    def __init__(self) -> None:
+        self.answers: list[int] = []
+        self.last_at: float | None = None
+        self._at_last: set[str] = set()  # the decisions read that were made at ``last_at``
+
+    def add(self, records: Sequence[LoggedDecision], index: dict[str, int]) -> None:
+        """The decisions made at or after ``last_at`` (as the log gives them), oldest first,
+        less those already read."""
+        for r in records:
+            if r.created_at == self.last_at and r.judgment_id in self._at_last:
+                continue
+            self.answers.append(index[r.choice])
+            if r.created_at != self.last_at:
+                self.last_at, self._at_last = r.created_at, set()
+            self._at_last.add(r.judgment_id)
+
 
 log = logging.getLogger("judge.shift")
 
@@ -59,6 +81,9 @@ class ShiftWatch:
         self.correct = correct
         self._holds: dict[tuple[str, str], Hold] = {}
         self._counts: dict[tuple[str, str], int] = {}
+        # Each version's answers read so far (worker thread only): a check reads the log's
+        # decisions since the last one, not the whole version again.
+        self._seen: dict[tuple[str, str], _Seen] = {}
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="judge-shift")
         for name in store.names():
@@ -98,16 +123,23 @@ class ShiftWatch:
     def _check(self, name: str, etag: str) -> None:
         try:
             profile, current = self.store.get_tagged(name)
-            if current != etag:
-                return  # another version is served now: this one's decisions are done
-            records = self.decision_log.decisions(profile=name, profile_etag=etag)
+            if current != etag or profile.reference is None:
+                return  # another version is served now, or there is nothing to test against
+            seen = self._seen.setdefault((name, etag), _Seen())
+            records = self.decision_log.decisions(
+                profile=name, profile_etag=etag, since=seen.last_at
+            )
+            seen.add(records, {c: j for j, c in enumerate(profile.choices)})
+            mix = mix_shift(profile.reference, np.asarray(seen.answers), alpha=self.alpha)
+            if not mix.shifted:
+                return
+            newest = self.decision_log.decisions(
+                profile=name, profile_etag=etag, limit=DEFAULT_WINDOW
+            )
         except (ProfileError, DecisionLogError) as exc:
             log.warning("checking the class mix of %s failed: %s", name, exc)
             return
-        mix = answers_mix(profile, records, alpha=self.alpha)
-        if mix is None or not mix.shifted:
-            return
-        prior = live_prior(profile, records, alpha=self.alpha)
+        prior = live_prior(profile, newest, alpha=self.alpha)
         weights = None
         if self.correct and prior is not None:
             weights = [float(v) for v in np.asarray(prior.estimate) / np.asarray(prior.source)]
