@@ -67,6 +67,7 @@ import msgspec
 from calibration.profile import CalibrationProfile
 from service.log.decision_log import LoggedDecision
 from service.log.health import ProfileHealth
+from service.log.health_history import HealthHistory
 from service.schemas import (
     MAX_BATCH_ITEMS,
     BatchItem,
@@ -80,12 +81,15 @@ from service.schemas import (
     JudgeResponse,
     LabeledExample,
     LabelItem,
+    LabelQueue,
     LabelRequest,
     LabelResult,
     LabelsRequest,
     LabelsResponse,
     PairRequest,
     ProfileSummary,
+    ProfileVersions,
+    RollbackRequest,
     SharedBatch,
     SharedQuestion,
 )
@@ -574,6 +578,19 @@ class _Core:
     def _profile_health(self, name: str) -> Steps[ProfileHealth]:
         return self._call("profile_health", ProfileHealth, name=name)
 
+    def _profile_health_history(self, name: str) -> Steps[HealthHistory]:
+        return self._call("profile_health_history", HealthHistory, name=name)
+
+    def _profile_versions(self, name: str) -> Steps[ProfileVersions]:
+        return self._call("profile_versions", ProfileVersions, name=name)
+
+    def _rollback_profile(self, name: str, etag: str) -> Steps[CalibrationProfile]:
+        body = RollbackRequest(etag=etag)
+        return self._call("rollback_profile", CalibrationProfile, body, name=name)
+
+    def _label_queue(self, name: str) -> Steps[LabelQueue]:
+        return self._call("label_queue", LabelQueue, name=name)
+
     def _ready(self) -> Steps[bool]:
         ready = BY_NAME["ready"]
         return _ready((yield _Send(ready.method, ready.path)))
@@ -804,6 +821,24 @@ class JudgeClient(_Core):
         server's decision log."""
         return self._run(self._profile_health(name))
 
+    def profile_health_history(self, name: str) -> HealthHistory:
+        """``GET /profiles/{name}/health/history``: the health at 20 points of the current
+        version's decisions (shares with their confidence sequences, live prior, alarms)."""
+        return self._run(self._profile_health_history(name))
+
+    def profile_versions(self, name: str) -> ProfileVersions:
+        """``GET /profiles/{name}/versions``: the kept versions and the background refits."""
+        return self._run(self._profile_versions(name))
+
+    def rollback_profile(self, name: str, etag: str) -> CalibrationProfile:
+        """``POST /profiles/{name}/rollback``: serve the kept version ``etag`` again."""
+        return self._run(self._rollback_profile(name, etag))
+
+    def label_queue(self, name: str) -> LabelQueue:
+        """``GET /profiles/{name}/queue``: what to label next (audit and teach streams) and
+        the certificate's state."""
+        return self._run(self._label_queue(name))
+
     def ready(self) -> bool:
         """``GET /ready``: True once the model is loaded, False while it loads.
 
@@ -990,6 +1025,22 @@ class AsyncJudgeClient(_Core):
     async def profile_health(self, name: str) -> ProfileHealth:
         """``JudgeClient.profile_health``, awaited."""
         return await self._run(self._profile_health(name))
+
+    async def profile_health_history(self, name: str) -> HealthHistory:
+        """``JudgeClient.profile_health_history``, awaited."""
+        return await self._run(self._profile_health_history(name))
+
+    async def profile_versions(self, name: str) -> ProfileVersions:
+        """``JudgeClient.profile_versions``, awaited."""
+        return await self._run(self._profile_versions(name))
+
+    async def rollback_profile(self, name: str, etag: str) -> CalibrationProfile:
+        """``JudgeClient.rollback_profile``, awaited."""
+        return await self._run(self._rollback_profile(name, etag))
+
+    async def label_queue(self, name: str) -> LabelQueue:
+        """``JudgeClient.label_queue``, awaited."""
+        return await self._run(self._label_queue(name))
 
     async def ready(self) -> bool:
         """``JudgeClient.ready``, awaited."""

@@ -708,6 +708,10 @@ def test_each_method_sends_its_operation_s_method_and_path() -> None:
         ("delete_profile", {"name": "sms"}, lambda c: c.delete_profile("sms")),
         ("fit", {"name": "sms"}, lambda c: c.fit("sms", ["a", "b"], [("p", "a")])),
         ("ready", {}, lambda c: c.ready()),
+        ("profile_health_history", {"name": "sms"}, lambda c: c.profile_health_history("sms")),
+        ("profile_versions", {"name": "sms"}, lambda c: c.profile_versions("sms")),
+        ("rollback_profile", {"name": "sms"}, lambda c: c.rollback_profile("sms", '"abc"')),
+        ("label_queue", {"name": "sms"}, lambda c: c.label_queue("sms")),
     ]  # fmt: skip
     for name, params, call in calls:
         op = BY_NAME[name]

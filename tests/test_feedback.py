@@ -524,6 +524,13 @@ def test_the_client_labels_and_reads_health(tmp_path: Path, profile: Calibration
             assert kept.label == audited[0][1] and kept.audit
             health = await client.profile_health("gate")
             assert health.n_audited_labeled == len(audited) and health.healthy
+            history = await client.profile_health_history("gate")
+            assert history.points[-1].n_decisions == 300 and history.points[-1].alarms == []
+            assert history.points[-1].shares is not None
+            versions = await client.profile_versions("gate")
+            assert [v.etag for v in versions.versions if v.current] == [health.profile_etag]
+            queue = await client.label_queue("gate")
+            assert queue.pending_audit == 0  # every audited decision is labelled
 
     asyncio.run(calls())
 

@@ -33,7 +33,7 @@ class HealthPoint(msgspec.Struct, frozen=True, kw_only=True):
 
     n_decisions: int
     at: float  # the last of them's time (unix seconds)
-    n_labeled: int  # audited decisions among them labelled by then
+    n_labeled: int  # audited decisions among them labelled by then (the last point: by now)
     shares: ShareEstimate | None  # None: fewer than 2 labelled, or nothing left unlabelled
     prior: list[float] | None  # EM's live prior; None: the reference keeps no prior
     alarms: list[str]  # "precision", "prior": fired by then
@@ -69,8 +69,10 @@ def health_history(
     out = []
     for end in ends:
         seen, at = records[:end], records[end - 1].created_at
+        # Labels given by then; the last point is now, every label given so far.
+        cutoff = at if end < len(records) else float("inf")
         labeled = [
-            r for r in seen if r.audit and r.label is not None and (r.labeled_at or 0.0) <= at
+            r for r in seen if r.audit and r.label is not None and (r.labeled_at or 0.0) <= cutoff
         ]
         ids = {r.judgment_id for r in labeled}
         unlabeled = [r for r in seen if r.judgment_id not in ids]
