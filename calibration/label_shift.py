@@ -25,6 +25,8 @@ classes' precisions, weighted anew. Three tools:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 import numpy as np
 from numpy.typing import ArrayLike
@@ -165,10 +167,17 @@ class MixShift(msgspec.Struct, frozen=True, kw_only=True):
     )
 
 
-def mix_shift(reference: Reference, answers: ArrayLike, *, alpha: float = 0.01) -> MixShift:
+def mix_shift(
+    reference: Reference,
+    answers: ArrayLike,
+    *,
+    alpha: float = 0.01,
+    choices: Sequence[str] | None = None,
+) -> MixShift:
     """Has the mix of live answers (each decision's top choice index, in the order decided)
     left the reference's? See the module docstring; the overall false-alarm rate while
-    nothing shifts is at most ``alpha``, however often this is run on the growing stream."""
+    nothing shifts is at most ``alpha``, however often this is run on the growing stream.
+    ``choices``: their names, for the reason (else their indices)."""
     from scipy import stats
 
     from calibration.sequential import betting_capital
@@ -202,9 +211,10 @@ def mix_shift(reference: Reference, answers: ArrayLike, *, alpha: float = 0.01) 
         live = np.bincount(top, minlength=k) / top.size
     shifted = first is not None
     worst = int(np.argmax(capital))
+    named = repr(choices[worst]) if choices is not None else str(worst)
     reason = (
         f"the answers' mix left the reference's after {first} of {top.size} live decisions "
-        f"(choice {worst}: {live[worst]:.3f} live against [{lower[worst]:.3f}, "
+        f"(choice {named}: {live[worst]:.3f} live against [{lower[worst]:.3f}, "
         f"{upper[worst]:.3f}] in the reference); the certificate was measured on another mix"
         if shifted
         else f"the {top.size} live answers' mix is within the reference's (no bet reached {bar:g})"

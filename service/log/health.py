@@ -141,7 +141,8 @@ def answers_mix(
     if profile.reference is None or not records:
         return None
     index = {c: j for j, c in enumerate(profile.choices)}
-    return mix_shift(profile.reference, np.array([index[r.choice] for r in records]), alpha=alpha)
+    answers = np.array([index[r.choice] for r in records])
+    return mix_shift(profile.reference, answers, alpha=alpha, choices=profile.choices)
 
 
 def live_prior(

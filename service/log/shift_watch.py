@@ -130,7 +130,8 @@ class ShiftWatch:
                 profile=name, profile_etag=etag, since=seen.last_at
             )
             seen.add(records, {c: j for j, c in enumerate(profile.choices)})
-            mix = mix_shift(profile.reference, np.asarray(seen.answers), alpha=self.alpha)
+            answers = np.asarray(seen.answers)
+            mix = mix_shift(profile.reference, answers, alpha=self.alpha, choices=profile.choices)
             if not mix.shifted:
                 return
             newest = self.decision_log.decisions(
