@@ -28,6 +28,7 @@ together by Bonferroni (for two choices the shares are one number, so no correct
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -38,10 +39,12 @@ from calibration.validation import check_labels, check_probs, check_unit_open
 __all__ = [
     "DatasetEstimate",
     "MeanEstimate",
+    "PPITerms",
     "ShareEstimates",
     "classical_mean",
     "dataset_estimate",
     "ppi_mean",
+    "ppi_terms",
     "tuned_lambda",
 ]
 
@@ -108,11 +111,8 @@ def ppi_mean(
         )
     if not all(np.isfinite(a).all() for a in (y_l, f_l, f_u)):
         raise ValueError("y, yhat and yhat_unlabeled must be finite")
-    if lam is None:
-        lam = tuned_lambda(y_l, f_l, f_u)
-    estimate = float((lam * f_u).mean() + (y_l - lam * f_l).mean())
-    var_u = float((lam * f_u).var())
-    var_r = float((y_l - lam * f_l).var())
+    terms = ppi_terms(y_l, f_l, f_u, lam)
+    estimate, lam, var_u, var_r = terms.estimate, terms.lam, terms.var_unlabeled, terms.var_labeled
     se = math.sqrt(var_u / big_n + var_r / n)
     half = _z(alpha, family) * se
     return MeanEstimate(
@@ -122,6 +122,30 @@ def ppi_mean(
         lam=float(lam),
         std_error=se,
         labels_to_halve=_halving(var_u, var_r, n, big_n),
+    )
+
+
+class PPITerms(NamedTuple):
+    """A PPI++ estimate and what its interval is made of."""
+
+    estimate: float
+    lam: float
+    var_unlabeled: float  # of lam * yhat over the unlabelled items (ddof 0, as ppi_py)
+    var_labeled: float  # of y - lam * yhat over the labelled ones: the rectifier's
+
+
+def ppi_terms(y: np.ndarray, f: np.ndarray, f_u: np.ndarray, lam: float | None = None) -> PPITerms:
+    """The PPI++ estimate of a mean from labelled ``y`` (n,) with the judge's ``f`` on them
+    and ``f_u`` (N,) on the rest, at ``lam`` (None: ``tuned_lambda``), and the two sample
+    variances its interval (fixed-n, ``ppi_mean``, or time-uniform, the live shares) reads."""
+    if lam is None:
+        lam = tuned_lambda(y, f, f_u)
+    imputed, rectifier = lam * f_u, y - lam * f
+    return PPITerms(
+        estimate=float(imputed.mean() + rectifier.mean()),
+        lam=float(lam),
+        var_unlabeled=float(imputed.var()),
+        var_labeled=float(rectifier.var()),
     )
 
 

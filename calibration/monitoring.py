@@ -438,7 +438,7 @@ def prediction_powered_shares(
     Raises ValueError when there are fewer than 2 items on either side: no variance, so no
     interval (an interval of [0, 1] would only hide that).
     """
-    from calibration.estimates import tuned_lambda
+    from calibration.estimates import ppi_terms
     from calibration.sequential import asymptotic_half_width
 
     alpha = check_unit_open(alpha, "alpha")
@@ -463,11 +463,10 @@ def prediction_powered_shares(
     level = alpha / (2 * family)  # each choice, each of its two samples
     estimate, lower, upper = [], [], []
     for j in range(k):
-        lam = tuned_lambda(onehot[:, j], labeled[:, j], unlabeled[:, j])
-        imputed, rectifier = lam * unlabeled[:, j], onehot[:, j] - lam * labeled[:, j]
-        value = float(imputed.mean() + rectifier.mean())
-        half = asymptotic_half_width(big_n, float(imputed.var()), level) + asymptotic_half_width(
-            n, float(rectifier.var()), level
+        terms = ppi_terms(onehot[:, j], labeled[:, j], unlabeled[:, j])
+        value = terms.estimate
+        half = asymptotic_half_width(big_n, terms.var_unlabeled, level) + asymptotic_half_width(
+            n, terms.var_labeled, level
         )
         estimate.append(min(1.0, max(0.0, value)))
         lower.append(min(1.0, max(0.0, value - half)))
