@@ -139,3 +139,25 @@ def test_a_server_holds_a_shifted_version_until_it_is_re_certified(
         assert c.put("/profiles/gate", content=msgspec.json.encode(refit)).status_code in (200, 201)
         again = judge_all(c, calm[:50])
         assert not any("prior_shift" in r["reason_codes"] for r in again)
+
+
+def test_shares_need_two_decisions_on_each_side(profile: CalibrationProfile) -> None:
+    """One unlabelled decision beside the labelled ones: no estimate (a variance needs two),
+    said in the health's notes, where it once raised."""
+    from test_label_queue import decision
+
+    from service.log.health import assess, traffic_shares
+
+    etag = "e" * 8
+    labelled = [
+        msgspec.structs.replace(
+            decision(etag, p, audit=True, item="x", at=1.0 + i), label="yes", labeled_at=9.0
+        )
+        for i, p in enumerate([0.9, 0.8, 0.7])
+    ]
+    alone = [decision(etag, 0.6, audit=False, item="y", at=5.0)]
+    assert traffic_shares(profile, labelled, alone, alpha=0.05) is None
+    assert traffic_shares(profile, labelled, alone * 2, alpha=0.05) is not None
+    health = assess(profile, etag, [*labelled, *alone])
+    assert health.shares is None
+    assert any("no estimate of the shares" in note for note in health.notes)

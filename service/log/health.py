@@ -61,9 +61,11 @@ __all__ = [
     "ProfileHealth",
     "answers_mix",
     "assess",
+    "labelled_precision",
     "live_prior",
     "probabilities_of",
     "profile_health",
+    "traffic_shares",
 ]
 
 DEFAULT_WINDOW = 1000  # the newest decisions the drift test reads
@@ -132,6 +134,45 @@ def profile_health(
     )
 
 
+def labelled_precision(
+    profile: CalibrationProfile, labeled: Sequence[LoggedDecision], *, alpha: float
+) -> PrecisionCheck | None:
+    """The sequential precision check on the audited, labelled decisions ``labeled``; None
+    where the profile certifies no threshold. The certificate is about the certified rule:
+    decisions made under an override (a request's own threshold) carry no guarantee and are
+    left out; the rest are taken in the order their labels arrived (the test bets one label
+    at a time)."""
+    if profile.threshold.threshold is None:
+        return None
+    graded = sorted(
+        (r for r in labeled if r.decision == "accept" and r.certified),
+        key=lambda r: (r.labeled_at or 0.0, r.created_at),
+    )
+    correct = np.array([r.label == r.choice for r in graded], dtype=bool)
+    return audited_precision(correct, target=profile.threshold.target_precision, alpha=alpha)
+
+
+def traffic_shares(
+    profile: CalibrationProfile,
+    labeled: Sequence[LoggedDecision],
+    unlabeled: Sequence[LoggedDecision],
+    *,
+    alpha: float,
+) -> ShareEstimate | None:
+    """Each choice's share of the traffic from the audited, labelled decisions and the rest
+    (``prediction_powered_shares``); None with fewer than 2 on either side."""
+    if len(labeled) < 2 or len(unlabeled) < 2:
+        return None
+    index = {c: j for j, c in enumerate(profile.choices)}
+    return prediction_powered_shares(
+        profile.choices,
+        probabilities_of(unlabeled, profile.choices),
+        probabilities_of(labeled, profile.choices),
+        np.array([index[r.label] for r in labeled if r.label is not None], dtype=np.int64),
+        alpha=alpha,
+    )
+
+
 def answers_mix(
     profile: CalibrationProfile, records: Sequence[LoggedDecision], *, alpha: float = 0.01
 ) -> MixShift | None:
@@ -190,18 +231,9 @@ def assess(
     audited = [r for r in records if r.audit]
     labeled = [r for r in audited if r.label is not None]
 
-    precision = None
-    target = profile.threshold.target_precision
-    if profile.threshold.threshold is None:
+    precision = labelled_precision(profile, labeled, alpha=alpha_precision)
+    if precision is None:
         notes.append("the profile certifies no threshold: there is no precision to check")
-    else:
-        # The certificate is about the certified rule: decisions made under an override
-        # (a request's own threshold) carry no guarantee and are left out.
-        graded = [r for r in labeled if r.decision == "accept" and r.certified]
-        # In the order the labels arrived: the sequential test bets one label at a time.
-        graded.sort(key=lambda r: (r.labeled_at or 0.0, r.created_at))
-        correct = np.array([r.label == r.choice for r in graded], dtype=bool)
-        precision = audited_precision(correct, target=target, alpha=alpha_precision)
 
     newest = records[-window:]
     drift = None
@@ -215,25 +247,17 @@ def assess(
         choice = np.array([index[r.choice] for r in newest], dtype=np.int64)
         drift = drift_test(profile.reference, confidence, choice, alpha=alpha_drift)
 
-    shares = None
     # Every decision of the version, not the window: the shares' confidence sequences hold
     # as the version's samples grow, however often they are recomputed.
     unlabeled = [r for r in records if r.label is None or not r.audit]
-    if len(labeled) >= 2 and not unlabeled:
-        notes.append(
-            "no estimate of the shares: every decision read is audited and labeled, none is "
-            "left to estimate them for"
-        )
-    elif len(labeled) >= 2:
-        shares = prediction_powered_shares(
-            profile.choices,
-            probabilities_of(unlabeled, profile.choices),
-            probabilities_of(labeled, profile.choices),
-            np.array([index[r.label] for r in labeled if r.label is not None], dtype=np.int64),
-            alpha=alpha_precision,
-        )
-    else:
+    shares = traffic_shares(profile, labeled, unlabeled, alpha=alpha_precision)
+    if len(labeled) < 2:
         notes.append("fewer than 2 audited decisions are labeled: no estimate of the shares")
+    elif shares is None:
+        notes.append(
+            "no estimate of the shares: fewer than 2 decisions read are not audited and "
+            "labeled, too few to estimate them for"
+        )
 
     mix = answers_mix(profile, records, alpha=alpha_prior)
     prior = live_prior(profile, records, alpha=alpha_prior, window=window)

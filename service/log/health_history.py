@@ -15,13 +15,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 
 from calibration.label_shift import em_prior, source_prior
-from calibration.monitoring import ShareEstimate, audited_precision, prediction_powered_shares
+from calibration.monitoring import ShareEstimate
 from calibration.profile import CalibrationProfile
 from service.log.decision_log import LoggedDecision
-from service.log.health import answers_mix, probabilities_of
+from service.log.health import (
+    answers_mix,
+    labelled_precision,
+    probabilities_of,
+    traffic_shares,
+)
 
 __all__ = ["MAX_POINTS", "HealthHistory", "HealthPoint", "health_history"]
 
@@ -62,7 +66,6 @@ def health_history(
         raise ValueError(f"points must be in [1, {MAX_POINTS}], got {points}")
     records = [r for r in records if r.profile == profile.name and r.profile_etag == etag]
     choices = list(profile.choices)
-    index = {c: j for j, c in enumerate(choices)}
     source = None if profile.reference is None else source_prior(profile.reference)
     mix = answers_mix(profile, records, alpha=alpha_prior)
     ends = sorted({round(len(records) * (i + 1) / points) for i in range(points)} - {0})
@@ -76,25 +79,11 @@ def health_history(
         ]
         ids = {r.judgment_id for r in labeled}
         unlabeled = [r for r in seen if r.judgment_id not in ids]
-        shares = None
-        if len(labeled) >= 2 and len(unlabeled) >= 2:
-            shares = prediction_powered_shares(
-                choices,
-                probabilities_of(unlabeled, choices),
-                probabilities_of(labeled, choices),
-                np.array([index[r.label] for r in labeled if r.label is not None]),
-                alpha=alpha_precision,
-            )
+        shares = traffic_shares(profile, labeled, unlabeled, alpha=alpha_precision)
         alarms = []
-        graded = sorted(
-            (r for r in labeled if r.decision == "accept" and r.certified),
-            key=lambda r: (r.labeled_at or 0.0, r.created_at),
-        )
-        if profile.threshold.threshold is not None and graded:
-            correct = np.array([r.label == r.choice for r in graded])
-            target = profile.threshold.target_precision
-            if audited_precision(correct, target=target, alpha=alpha_precision).contradicts:
-                alarms.append("precision")
+        precision = labelled_precision(profile, labeled, alpha=alpha_precision)
+        if precision is not None and precision.contradicts:
+            alarms.append("precision")
         if mix is not None and mix.detected_at is not None and mix.detected_at <= end:
             alarms.append("prior")
         before = [r for r in seen if "prior_shift" not in r.reason_codes]
