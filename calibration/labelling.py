@@ -19,10 +19,22 @@ benchmark (``benchmarks/bench_labelling.py``) call them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence, Sized
+from typing import TypeVar
+
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["TEACH_ROUND", "audit_order", "margins", "teach_order", "teach_rounds"]
+S = TypeVar("S", bound=str)
+
+__all__ = [
+    "TEACH_ROUND",
+    "audit_order",
+    "margins",
+    "next_stream",
+    "teach_order",
+    "teach_rounds",
+]
 
 TEACH_ROUND = 10  # teach picks spread at a time, among the ``widen`` x as many most uncertain
 
@@ -107,3 +119,16 @@ def audit_order(n: int, seed: int) -> np.ndarray:
     if not (isinstance(n, int) and n >= 0):
         raise ValueError(f"n must be an integer >= 0, got {n!r}")
     return np.random.default_rng(seed).permutation(n)
+
+
+def next_stream(
+    streams: Sequence[S], pending: Mapping[S, Sized], turn: int
+) -> tuple[S, int] | None:
+    """Which of ``streams``, taking turns from the ``turn``-th, gives the next item (an empty
+    one passes its turn on), and the turn after it; None when every one is empty. A queue
+    keeps the turn and its streams' pending items (``pending``)."""
+    for step in range(len(streams)):
+        stream = streams[(turn + step) % len(streams)]
+        if len(pending[stream]):
+            return stream, (turn + step + 1) % len(streams)
+    return None

@@ -29,14 +29,17 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from calibration.labelling import audit_order, teach_rounds
+from calibration.labelling import audit_order, next_stream, teach_rounds
 from calibration.limits import MIN_EXAMPLES, certify_share
+from calibration.maps import softmax
 from calibration.recertify import LabelsNeeded, labels_to_certify
 from calibration.tasks.files import (
     STREAMS,
+    LabeledItem,
     Task,
     TaskError,
     _jsonl_lines,
+    load_split,
     task_prompt,
 )
 from judge.atomicio import write_text
@@ -95,7 +98,7 @@ class ItemQueue:
     task: Task
     pool: Sequence[tuple[str, str]]
     log_probabilities: np.ndarray
-    out: Path
+    split: str  # the labels go to ``<task>/<split>.jsonl`` (``out``)
     features: np.ndarray | None = None
     seed: int = 0
     audit_share: float = 0.5
@@ -104,7 +107,7 @@ class ItemQueue:
     delta: float = 0.1
     labelled: dict[str, int] = field(init=False)  # this session's, per stream
     skipped: dict[str, int] = field(init=False)
-    _rows: list[dict[str, str]] = field(init=False)  # every line of ``out``, old and new
+    _labelled: list[LabeledItem] = field(init=False)  # every line of ``out``, old and new
     _pending: dict[str, list[int]] = field(init=False)  # pool indices, in order
     _index: dict[str, int] = field(init=False)  # each pool item's index by its id
     _p: np.ndarray = field(init=False)  # (n, k) the model's probabilities
@@ -120,12 +123,11 @@ class ItemQueue:
             raise ValueError(f"audit_share must be in (0, 1], got {self.audit_share}")
         if not self.streams or set(self.streams) - set(STREAMS):
             raise ValueError(f"streams must be some of {STREAMS}, got {list(self.streams)}")
-        self._rows = _read_labels(self.out, self.task)
-        done = {row["id"] for row in self._rows}
+        # What earlier sessions labelled, read (and checked) as judge calibrate will read it.
+        self._labelled = load_split(self.task, self.split)[0] if self.out.exists() else []
+        done = {item.id for item in self._labelled}
         self._index = {key: i for i, (key, _) in enumerate(self.pool)}
-        z = self.log_probabilities
-        self._p = np.exp(z - z.max(axis=1, keepdims=True))
-        self._p /= self._p.sum(axis=1, keepdims=True)
+        self._p = softmax(self.log_probabilities)
         # The split is drawn over the whole pool, labelled or not, so that a resumed session
         # sees the same streams. A generator of its own: audit_order draws from ``seed``.
         audit = np.random.default_rng([self.seed, 1]).random(n) < self.audit_share
@@ -146,19 +148,23 @@ class ItemQueue:
 
     def next(self) -> PoolItem | None:
         """The next item to label: the streams asked for in turn; None when none is left."""
-        for step in range(len(self.streams)):
-            stream = self.streams[(self._turn + step) % len(self.streams)]
-            if self._pending[stream]:
-                self._turn = (self._turn + step + 1) % len(self.streams)
-                return self._item(self._pending[stream][0], stream)
-        return None
+        found = next_stream(self.streams, self._pending, self._turn)
+        if found is None:
+            return None
+        stream, self._turn = found
+        return self._item(self._pending[stream][0], stream)
 
     def label(self, item: PoolItem, label: str) -> None:
         """Write ``label`` for ``item`` (one of the task's choices) and take it off the queue."""
         if label not in self.task.choices:
             raise ValueError(f"label must be one of {self.task.choices}, got {label!r}")
-        self._rows.append({"id": item.id, "text": item.text, "label": label, "stream": item.stream})
-        write_text(self.out, "".join(json.dumps(row) + "\n" for row in self._rows))
+        taught = item.stream == "teach"
+        self._labelled.append(LabeledItem(id=item.id, text=item.text, label=label, taught=taught))
+        rows = [
+            {"id": i.id, "text": i.text, "label": i.label, "stream": _stream(i)}
+            for i in self._labelled
+        ]
+        write_text(self.out, "".join(json.dumps(row) + "\n" for row in rows))
         self._drop(item)
         self.labelled[item.stream] += 1
 
@@ -169,7 +175,7 @@ class ItemQueue:
 
     def total(self, stream: str) -> int:
         """The labels of ``stream`` in ``out``, this session's and earlier ones."""
-        return sum(row["stream"] == stream for row in self._rows)
+        return sum(_stream(item) == stream for item in self._labelled)
 
     def needed(self) -> LabelsNeeded | None:
         """About how many audit labels a profile fitted on ``out`` would need to certify the
@@ -177,11 +183,11 @@ class ItemQueue:
         to the audit labels so far: an estimate before any map is fitted (a fitted map is
         usually sharper). None before any audit label."""
         choice = {c: j for j, c in enumerate(self.task.choices)}
-        rows = [r for r in self._rows if r["stream"] == "audit" and r["id"] in self._index]
+        rows = [i for i in self._labelled if not i.taught and i.id in self._index]
         if not rows:
             return None
-        p = self._p[[self._index[r["id"]] for r in rows]]
-        correct = p.argmax(axis=1) == np.array([choice[r["label"]] for r in rows])
+        p = self._p[[self._index[i.id] for i in rows]]
+        correct = p.argmax(axis=1) == np.array([choice[i.label] for i in rows])
         return labels_to_certify(
             p.max(axis=1),
             correct,
@@ -193,7 +199,12 @@ class ItemQueue:
 
     def ready(self) -> bool:
         """Whether ``out`` holds enough labels for ``judge calibrate`` to fit a profile."""
-        return len(self._rows) >= MIN_EXAMPLES and self.total("audit") > 0
+        return len(self._labelled) >= MIN_EXAMPLES and self.total("audit") > 0
+
+    @property
+    def out(self) -> Path:
+        """The file the labels go to: the task's split ``split``."""
+        return Path(self.task.path) / f"{self.split}.jsonl"
 
     def _item(self, i: int, stream: str) -> PoolItem:
         key, text = self.pool[i]
@@ -212,33 +223,6 @@ class ItemQueue:
         self._pending[item.stream].remove(self._index[item.id])
 
 
-def _read_labels(path: Path, task: Task) -> list[dict[str, str]]:
-    """The lines already in ``path`` (none where it does not exist), each checked as
-    ``load_split`` would read it."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        raise TaskError(f"cannot read labels from {str(path)!r}: {exc.strerror}") from None
-    rows = []
-    for n, line in _jsonl_lines(data):
-        try:
-            row = json.loads(line)
-            kept = {
-                "id": str(row["id"]),
-                "text": row["text"],
-                "label": row["label"],
-                "stream": row.get("stream", "audit"),
-            }
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise TaskError(
-                f"{path}:{n}: expected an object with id, text and label ({exc})"
-            ) from None
-        if kept["label"] not in task.choices or kept["stream"] not in STREAMS:
-            raise TaskError(
-                f"{path}:{n}: label must be one of {task.choices} and stream one of "
-                f"{list(STREAMS)}, got {kept['label']!r} and {kept['stream']!r}"
-            )
-        rows.append(kept)
-    return rows
+def _stream(item: LabeledItem) -> str:
+    """The stream a labelled line came from, as the split file names it."""
+    return "teach" if item.taught else "audit"

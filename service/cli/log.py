@@ -175,7 +175,7 @@ def _label_items(args: argparse.Namespace) -> int:
             task,
             pool,
             z,
-            Path(task.path) / f"{split}.jsonl",
+            split,
             features=features,
             seed=args.seed,
             audit_share=args.audit_share,

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from calibration import CalibrationProfile
-from calibration.labelling import teach_rounds
+from calibration.labelling import next_stream, teach_rounds
 from service.log.decision_log import DecisionLog, LabelOutcome, LoggedDecision
 from service.log.health import ProfileHealth, profile_health
 
@@ -94,12 +94,11 @@ class LabellingQueue:
     def next(self) -> QueueItem | None:
         """The next decision to label: the streams asked for in turn, each in its own order;
         None when none is left."""
-        for step in range(len(self.streams)):
-            stream = self.streams[(self._turn + step) % len(self.streams)]
-            if self._pending[stream]:
-                self._turn = (self._turn + step + 1) % len(self.streams)
-                return self._pending[stream][0]
-        return None
+        found = next_stream(self.streams, self._pending, self._turn)
+        if found is None:
+            return None
+        stream, self._turn = found
+        return self._pending[stream][0]
 
     def label(self, item: QueueItem, label: str) -> LabelOutcome:
         """Store ``label`` for ``item`` (one of its choices) and take it off the queue."""
