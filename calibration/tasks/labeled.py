@@ -237,9 +237,7 @@ def scores_from_judgments(
         if label not in index:
             raise TaskError(f"label {i} is {label!r}, which is not one of the choices {choices}")
         label_index[i] = index[label]
-    z = np.empty((len(judgments), len(choices)))  # (n, k)
-    for i, judgment in enumerate(judgments):
-        z[i] = _row(judgment, choices, i)
+    z = _rows(judgments, choices)  # (n, k)
     mass = np.array([j.choice_mass for j in judgments], dtype=np.float64)  # (n,)
     features = None
     if feature_layers:
@@ -409,8 +407,6 @@ def judge_task_pool(
     (n, k) log-probabilities in ``task.choices`` order and, with ``layer``, their (n, H) mean
     hidden states over each item's own text there (what a labelling queue spreads its picks
     over); None without."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     layers = () if layer is None else (layer,)
     queries = labeled_queries(
         [task_prompt(task, text) for text in texts],
@@ -419,21 +415,12 @@ def judge_task_pool(
         feature_layers=layers,
         span_layers=layers,
     )
-    z = np.empty((len(queries), len(task.choices)))  # (n, k)
-    means = []
-    for start in range(0, len(queries), batch_size):
-        chunk = queries[start : start + batch_size]
-        for i, judgment in enumerate(engine.judge_batch(chunk), start=start):
-            z[i] = _row(judgment, list(task.choices), i)
-            if layer is not None:
-                # An empty text has no span: its whole prompt's mean stands in.
-                spans = judgment.span_features or {}
-                feats = judgment.features or {}
-                means.append(spans.get(layer, feats.get(layer)))
-        if progress is not None:
-            progress(len(chunk))
-    if layer is None or not queries:
+    judgments = _judged(engine, queries, batch_size, progress)
+    z = _rows(judgments, task.choices)
+    if layer is None or not judgments:
         return z, None
+    # An empty text has no span of its own: the mean is then over its whole prompt.
+    means = [(j.span_features or {}).get(layer) for j in judgments]
     if any(m is None for m in means):
         raise TaskError(f"the engine returned no hidden states at layer {layer}")
     return z, np.asarray(means, dtype=np.float32)
@@ -555,16 +542,32 @@ def judge_unlabeled(
     progress: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """(n, k) per-choice log-probabilities of ``prompts``, columns in ``choices`` order."""
+    return _rows(_judged(engine, labeled_queries(prompts, choices), batch_size, progress), choices)
+
+
+def _judged(
+    engine: Engine,
+    queries: Sequence[Query],
+    batch_size: int,
+    progress: Callable[[int], None] | None,
+) -> list[Judgment]:
+    """``queries`` judged ``batch_size`` at a time, ``progress`` told after each batch."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    queries = labeled_queries(prompts, choices)
-    z = np.empty((len(queries), len(choices)))  # (n, k)
+    judgments: list[Judgment] = []
     for start in range(0, len(queries), batch_size):
         chunk = queries[start : start + batch_size]
-        for i, judgment in enumerate(engine.judge_batch(chunk), start=start):
-            z[i] = _row(judgment, list(choices), i)
+        judgments.extend(engine.judge_batch(chunk))
         if progress is not None:
             progress(len(chunk))
+    return judgments
+
+
+def _rows(judgments: Sequence[Judgment], choices: Sequence[str]) -> np.ndarray:
+    """(n, k) the judgments' log-probabilities, columns in ``choices`` order."""
+    z = np.empty((len(judgments), len(choices)))
+    for i, judgment in enumerate(judgments):
+        z[i] = _row(judgment, list(choices), i)
     return z
 
 
