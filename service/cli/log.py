@@ -387,6 +387,7 @@ def run_from_log(args: argparse.Namespace) -> int:
             fitted.choice_mass,
             fitted.features,
             fitted.feature_layers,
+            span_features=fitted.span_features,
             fit_only=fitted.fit_only,
         )
         print(f"the next look: {needed.reason}")

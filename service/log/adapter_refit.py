@@ -137,4 +137,5 @@ def retrain_from_log(
         features=scores.features,
         feature_layers=scores.feature_layers,
         fit_only=only if taught else None,
+        span_features=scores.span_features,
     )

@@ -49,6 +49,9 @@ class LogRefit:
     features: np.ndarray | None
     feature_layers: tuple[int, ...]
     fit_only: np.ndarray | None
+    # Their means over each item (a retrained adapter's scores, which the head may read);
+    # None: the log kept none.
+    span_features: np.ndarray | None = None
 
 
 def refit_settings(profile: CalibrationProfile) -> FitSettings:
