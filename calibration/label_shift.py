@@ -41,6 +41,8 @@ __all__ = [
     "em_prior",
     "mix_shift",
     "prior_estimate",
+    "prior_weights",
+    "reweighted",
     "source_prior",
 ]
 
@@ -70,8 +72,19 @@ def correct(
 ) -> np.ndarray:
     """``probabilities`` (n, k) calibrated under ``source_prior``, moved to ``target_prior``."""
     p = check_probs(probabilities, "probabilities")
-    weights = _prior(target_prior, p.shape[1]) / _prior(source_prior, p.shape[1])
-    moved = p * weights
+    return reweighted(p, prior_weights(source_prior, target_prior))
+
+
+def prior_weights(source_prior: ArrayLike, target_prior: ArrayLike) -> np.ndarray:
+    """Each class's weight (k,) under the move from ``source_prior`` to ``target_prior``."""
+    source = np.asarray(source_prior, dtype=np.float64)
+    return _prior(target_prior, source.shape[0]) / _prior(source, source.shape[0])
+
+
+def reweighted(probabilities: np.ndarray, weights: ArrayLike) -> np.ndarray:
+    """Probabilities (n, k) times each class's ``weights``, renormalised: Bayes' rule when
+    the class prior moves and nothing else does (what ``calibration.policy.Hold`` serves)."""
+    moved = probabilities * np.asarray(weights, dtype=np.float64)
     return moved / moved.sum(axis=1, keepdims=True)
 
 

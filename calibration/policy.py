@@ -68,6 +68,7 @@ import numpy.typing as npt
 from calibration.carry import carry
 from calibration.conformal import set_membership
 from calibration.errors import NoCertificateError, ProfileMismatchError, ValuesError
+from calibration.label_shift import reweighted
 from calibration.maps import CalibrationMap, Identity, Probe
 from calibration.scored import ScoredJudgment, check_max_std, probe_row
 from calibration.scores import check_values, numeral_values, value_moments
@@ -250,8 +251,7 @@ def _at_live_prior(probs: npt.NDArray[np.float64], hold: Hold | None) -> npt.NDA
     rule under label shift (``calibration.label_shift.correct``)."""
     if hold is None or hold.prior_weights is None:
         return probs
-    moved = probs * np.asarray(hold.prior_weights)
-    return moved / moved.sum(axis=1, keepdims=True)
+    return reweighted(probs, hold.prior_weights)
 
 
 def _other_gates_pass(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from calibration import ProfileError
-from calibration.label_shift import mix_shift
+from calibration.label_shift import mix_shift, prior_weights
 from calibration.policy import Hold
 from service.log.decision_log import DecisionLog, DecisionLogError, LoggedDecision
 from service.log.health import DEFAULT_WINDOW, live_prior
@@ -143,7 +143,7 @@ class ShiftWatch:
         prior = live_prior(profile, newest, alpha=self.alpha)
         weights = None
         if self.correct and prior is not None:
-            weights = [float(v) for v in np.asarray(prior.estimate) / np.asarray(prior.source)]
+            weights = [float(v) for v in prior_weights(prior.source, prior.estimate)]
         moved = (
             ""
             if prior is None
