@@ -162,8 +162,8 @@ def test_the_readme_cascade_example_runs(judge: Judge) -> None:
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Cascade: escalate to a stronger judge") :]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cascade.md").read_text()
+    section = page[page.index("# Cascade: escalate to a stronger judge") :]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
     labels = np.random.default_rng(5).integers(0, 2, 600)
 

@@ -275,9 +275,9 @@ def test_usage_errors(no_model: None, capsys: pytest.CaptureFixture[str], argv: 
 
 
 def _readme_section(heading: str) -> str:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    start = readme.index(heading)
-    return readme[start : readme.index("\n#", start + len(heading))]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    start = page.index(heading)
+    return page[start : page.index("\n#", start + len(heading))]
 
 
 @pytest.mark.slow
@@ -287,7 +287,7 @@ def test_the_readme_example(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    section = _readme_section("### Typed questions: `judge decide`")
+    section = _readme_section("## Typed questions: `judge decide`")
     command = re.search(r"```sh\n(.*?)```", section, re.S)
     shown = re.search(r"```json\n(.*?)```", section, re.S)
     assert command and shown, "the section shows a command and its output"

@@ -289,13 +289,13 @@ def test_async_client_judges_and_gates(server: Server) -> None:
 
 
 def test_readme_client_example_runs(server: Server) -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Python client and playground") :]
+    page = (ROOT / "docs" / "client.md").read_text()
+    section = page[page.index("# Python client and playground") :]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
     code = code.replace("http://127.0.0.1:8000", server.url)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "docs/client.md", "exec"), {})
     lines = out.getvalue().splitlines()
     assert len(lines) == 3, lines
     assert re.fullmatch(r"(spam|ham) [01]\.\d{3} (accept|escalate)", lines[0])

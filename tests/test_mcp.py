@@ -318,8 +318,8 @@ def test_without_the_sdk_judge_mcp_says_how_to_install_it(
 
 
 def test_the_readme_s_client_configuration_starts_judge_mcp() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### MCP server: `judge mcp`") :]
+    page = (ROOT / "docs" / "cli.md").read_text()
+    section = page[page.index("## MCP server: `judge mcp`") :]
     block = re.search(r"```json\n(.*?)```", section, re.S)
     assert block, "the section shows a client configuration"
     server = json.loads(block.group(1))["mcpServers"]["judge"]

@@ -364,11 +364,11 @@ def test_judge_decide_answers_a_pair(
 def test_the_readme_example_runs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], judge: Judge
 ) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("### Pairs: which of two is better") :]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    section = page[page.index("## Pairs: which of two is better") :]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
     monkeypatch.setattr(Judge, "load", staticmethod(lambda *_, **__: judge))
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/cli.md", "exec"), {})
     winner, confidence, orderings, spread = capsys.readouterr().out.split()
     assert winner in ("paris", "lyon") and 0.5 <= float(confidence) <= 1.0
     assert orderings == "2" and 0.0 <= float(spread) <= 1.0

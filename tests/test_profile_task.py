@@ -262,7 +262,7 @@ def test_the_client_sends_the_item_alone(calibrated: Path, judge: Judge) -> None
 @needs_data
 def test_the_readme_s_way_to_a_certified_accept(calibrated: Path, judge: Judge) -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("To a certified accept in two commands") :]
+    section = readme[readme.index("To a certified accept:") :]
     commands = re.search(r"```sh\n(.*?)```", section, re.S)
     shown = re.search(r"```json\n(.*?)```", section, re.S)
     assert commands and shown
@@ -282,6 +282,40 @@ def test_the_readme_s_way_to_a_certified_accept(calibrated: Path, judge: Judge) 
     assert set(answer) == set(example)
     for field in ("decision", "choice", "certified", "threshold", "profile", "prediction_set"):
         assert answer[field] == example[field], field
+
+
+@needs_data
+def test_the_readme_s_command_line_and_python_give_the_same_certified_accept(
+    calibrated: Path,
+    judge: Judge,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The quickstart's ``judge ask --profile`` line and its Python block, as written, run from
+    a folder holding ``profiles/sms_spam.json``: both accept the item, certified, as spam."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("The same decision from the command line:") :]
+    command = re.search(r"```sh\n(.*?)```", section, re.S)
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert command and code
+    words = shlex.split(command.group(1))
+    assert words[:2] == [".venv/bin/judge", "ask"]
+    monkeypatch.setattr(Judge, "load", staticmethod(lambda model=None, **options: judge))
+    monkeypatch.chdir(calibrated.parent)
+    (calibrated.parent / "profiles").mkdir(exist_ok=True)
+    (calibrated.parent / "profiles" / "sms_spam.json").write_bytes(
+        (calibrated / "sms_spam.json").read_bytes()
+    )
+    capsys.readouterr()
+    assert main(words[1:]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    namespace: dict[str, Any] = {}
+    exec(compile(code.group(1), "README.md", "exec"), namespace)
+    verdict = namespace["verdict"]
+    assert answer["decision"] == verdict.decision == "accept"
+    assert answer["choice"] == verdict.choice == "spam"
+    assert answer["certified"] is verdict.certified is True
+    assert answer["confidence"] == pytest.approx(verdict.confidence, abs=1e-6)
 
 
 @needs_data

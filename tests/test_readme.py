@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def quickstart_commands() -> list[str]:
     readme = (ROOT / "README.md").read_text()
-    block = re.search(r"## Quickstart.*?```sh\n(.*?)```", readme, re.S)
-    assert block, "README has a Quickstart with a sh block"
+    block = re.search(r"## Set up: two commands.*?```sh\n(.*?)```", readme, re.S)
+    assert block, "README has a set-up section with a sh block"
     return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
 
 
@@ -47,7 +47,7 @@ def test_test_command_runs_lint_types_and_tests() -> None:
 
 def test_serve_command_answers_the_curl_example() -> None:
     readme = (ROOT / "README.md").read_text()
-    curl = re.search(r"Once `GET /ready` answers 200.*?```sh\n(.*?)```", readme, re.S)
+    curl = re.search(r"With `make serve` running.*?```sh\n(.*?)```", readme, re.S)
     example = re.search(r"```json\n(.*?)```", readme[curl.end() :] if curl else "", re.S)
     assert curl and example, "the quickstart shows a curl command and its answer"
     port = free_port()
@@ -78,13 +78,12 @@ def test_run_command_judges_the_example() -> None:
 
 
 def test_the_layout_names_every_module() -> None:
-    """The Layout section names each module of the three packages by its path from the repo
+    """The layout page names each module of the three packages by its path from the repo
     root, in backticks (``judge/scores.py`` and ``calibration/scores.py`` both exist), and
     every ``.py`` path it names exists: a new module without a row fails, and so does a stale
     row."""
-    readme = (ROOT / "README.md").read_text()
-    section = re.search(r"^## Layout\n(.*?)^## ", readme, re.S | re.M)
-    assert section, "README has a Layout section before another section"
+    section = re.search(r"^# Layout\n(.*)", (ROOT / "docs" / "layout.md").read_text(), re.S | re.M)
+    assert section, "docs/layout.md is the Layout page"
     modules = {
         path.relative_to(ROOT).as_posix()
         for package in ("judge", "calibration", "service")

@@ -591,12 +591,12 @@ def test_an_error_carries_our_detail(server: Server) -> None:
 
 @pytest.mark.slow
 def test_the_readme_example_runs(server: Server) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("### System One wire format") :]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "http.md").read_text()
+    section = page[page.index("## System One wire format") :]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"), {})
+        exec(compile(code.replace("http://127.0.0.1:8000", server.url), "docs/http.md", "exec"), {})
     lines = out.getvalue().splitlines()
     assert re.fullmatch(r"[01]\.\d{3} (billing|technical) [0-2]\.\d\d", lines[0]), lines
     assert lines[1:] in (["accept"], ["escalate"])
