@@ -30,7 +30,7 @@ generator of steps that does no I/O: it yields ``_Send`` (one HTTP exchange) and
 (a wait), and the gate also ``_Take`` (the next chunk of input), ``_Spawn``, ``_Join`` and
 ``_Emit``. ``JudgeClient`` runs the steps on ``httpx.Client``, threads and ``time.sleep``;
 ``AsyncJudgeClient`` on ``httpx.AsyncClient``, tasks and ``asyncio.sleep``. Methods and paths
-come from the service's table of operations (``service.web.operations``).
+come from the service's table of operations (``service.operations``).
 
 Installed alone (``pip install judge``, without the ``server`` extra), the client needs only
 msgspec, httpx and numpy: this module imports neither the engine nor the server.
@@ -68,6 +68,7 @@ from calibration.profile import CalibrationProfile
 from service.log.decision_log import LoggedDecision
 from service.log.health import ProfileHealth
 from service.log.health_history import HealthHistory
+from service.operations import BY_NAME, Operation
 from service.schemas import (
     MAX_BATCH_ITEMS,
     BatchItem,
@@ -94,7 +95,6 @@ from service.schemas import (
     SharedQuestion,
 )
 from service.systemone import SystemOneQuestion, SystemOneRequest, SystemOneResponse
-from service.web.operations import BY_NAME, Operation
 
 # The schema's Structs too, so that one import serves a program that uses the client.
 __all__ = [

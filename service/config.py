@@ -1,7 +1,7 @@
 """The server's settings, checked once when the server is built.
 
 Each setting that ``judge serve`` takes carries its flag in its annotation
-(``Annotated[int, Flag("--max-queue", "count", "...")] = 64``); ``service.cli.serve`` makes
+(``Annotated[int, Flag("--max-queue", "count", "...")] = 64``); ``service.web.command`` makes
 the flags from them, with the settings' defaults, so a setting and its flag are one edit.
 """
 

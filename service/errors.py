@@ -53,11 +53,10 @@ from judge import (
     TooManyPathsError,
     ValuesError,  # the engine's: calibration re-exports it
 )
+from service.bodies import BodyError
 from service.log.decision_log import LabelNotAChoiceError, RelabelError, UnknownJudgmentError
 from service.profiles import PreconditionFailedError
 from service.schemas import ErrorBody
-from service.web.batcher import DeadlineError, QueueFullError
-from service.web.bodies import BodyError
 
 if TYPE_CHECKING:  # Litestar loads with the handlers: `judge ask` imports error_of without it
     from litestar import Request, Response
@@ -66,9 +65,11 @@ if TYPE_CHECKING:  # Litestar loads with the handlers: `judge ask` imports error
 __all__ = [
     "STATUS",
     "BadFieldError",
+    "DeadlineError",
     "LogUnavailableError",
     "NoLogError",
     "NotReadyError",
+    "QueueFullError",
     "TooLargeError",
     "UnprocessableError",
     "error_of",
@@ -76,6 +77,14 @@ __all__ = [
 ]
 
 log = logging.getLogger("judge.service")
+
+
+class QueueFullError(Exception):
+    """The job queue is at capacity; the caller should retry later."""
+
+
+class DeadlineError(TimeoutError):
+    """The request's deadline passed before its model work was done."""
 
 
 class BadFieldError(Exception):

@@ -120,7 +120,7 @@ class PairRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """``POST /judge`` for a pair: which of two named candidates is the better, by the
     instructions and criteria, about ``state`` (``judge.answers``, "Pairs"; the System One
     ``pair`` question with its state). Told apart from a JudgeRequest by its keys
-    (``service.web.bodies``). Judged in both orders by default; the response's ``choice`` is the
+    (``service.bodies``). Judged in both orders by default; the response's ``choice`` is the
     winner's name, and the gate bounds how far the two orders disagreed
     (``max_order_spread``, reason code ``position_inconsistent``)."""
 
@@ -161,7 +161,7 @@ class ItemRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         )
 
 
-# POST /judge: one of the three, by the keys it has (service.web.bodies)
+# POST /judge: one of the three, by the keys it has (service.bodies)
 JudgeBody = JudgeRequest | PairRequest | ItemRequest
 
 
@@ -283,14 +283,14 @@ class JudgeResponse(
         )
 
 
-# A batch is one of two shapes, told apart by the key it has (``service.web.bodies``): ``items``,
+# A batch is one of two shapes, told apart by the key it has (``service.bodies``): ``items``,
 # or ``context`` with ``questions``. The other shape's keys may be sent as null (older clients
 # sent every key), and nothing else: so each type carries them, typed None, and the schema
 # says so; a body with both or neither shape's keys is a 400 that names ``items``.
 
 
 # One of a batch's items: a whole request, or an item alone for a profile fitted on a task;
-# told apart by the keys it has, as POST /judge's bodies are (``service.web.bodies.decode_each``).
+# told apart by the keys it has, as POST /judge's bodies are (``service.bodies.decode_each``).
 BatchItem = JudgeRequest | ItemRequest
 
 
@@ -301,7 +301,7 @@ class ItemsBatch(
 
     msgspec tells the members of a union of Structs apart by a tag only, and a batch item has
     none: so ``items`` are read raw here and each is decoded as a ``BatchItem`` by its keys
-    (``service.web.bodies.decode_each``), before any work; the schema says what each may be
+    (``service.bodies.decode_each``), before any work; the schema says what each may be
     (``service.web.openapi``)."""
 
     items: Annotated[list[msgspec.Raw], Meta(max_length=MAX_BATCH_ITEMS)]

@@ -56,8 +56,8 @@ from judge.questions import (
     PairQuestion,
     ScoreQuestion,
 )
+from service.bodies import BodyError, decode_body, integral, located
 from service.schemas import Candidates, Criterion, ProfileName
-from service.web.bodies import BodyError, _integral, _located, decode_body
 
 if TYPE_CHECKING:
     from calibration.policy import Verdict
@@ -255,7 +255,7 @@ _KEY_AT = re.compile(r" - at `key` in `\$\.?([^`]*)`$")
 def decode_request(body: bytes, content_type: str | None) -> SystemOneRequest:
     """The request, or a BodyError whose field names the question by its id.
 
-    ``service.web.bodies.decode_body`` decodes it; msgspec names a question only as
+    ``service.bodies.decode_body`` decodes it; msgspec names a question only as
     ``questions[...]``, so a refusal there is found again question by question, to name it
     ``questions.<id>.<field>``.
     """
@@ -283,14 +283,14 @@ def _question_error(body: bytes) -> BodyError | None:
         return None
     for qid, question in questions.items():
         try:
-            msgspec.convert(_integral(question), SystemOneQuestion, strict=True)
+            msgspec.convert(integral(question), SystemOneQuestion, strict=True)
         except msgspec.ValidationError as exc:
             message = str(exc)
             key = _KEY_AT.search(message)
             if key:  # a bad key inside the question: an option's name
                 field, text = key.group(1), f"an option's name: {message[: key.start()]}"
             else:
-                field, text = _located(message)
+                field, text = located(message)
                 text = text.split(": ", 1)[1]
             field = f"questions.{qid}" + (f".{field}" if field and field != "body" else "")
             return BodyError(field, f"{field}: {text}")

@@ -18,9 +18,9 @@ from typing import get_args
 
 import pytest
 
-from service.cli import serve
 from service.cli.main import parser
 from service.config import FlagKind, ServiceConfig, flags
+from service.web import command as serve
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = [

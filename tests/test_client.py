@@ -689,8 +689,8 @@ def test_retry_policy_refuses_nonsense() -> None:
 
 
 def test_each_method_sends_its_operation_s_method_and_path() -> None:
-    """The paths are the service's table's (service.web.operations), sync and async alike."""
-    from service.web.operations import BY_NAME
+    """The paths are the service's table's (service.operations), sync and async alike."""
+    from service.operations import BY_NAME
 
     sent: list[tuple[str, str]] = []
 

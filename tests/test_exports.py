@@ -11,6 +11,9 @@ judge (torch) and calibration's core (numpy) know nothing of each other or of an
 them, except the engine's torch-free leaves: calibration applies the values rules of
 judge.scores and stores judge.fingerprint's value. calibration.tasks joins them (it judges
 labeled sets and fits profiles on the results).
+
+Inside ``service``, rings (below): the core that decides, and three fronts (HTTP, MCP, the
+command line) that import neither each other nor let the core import them.
 """
 
 from __future__ import annotations
@@ -155,3 +158,61 @@ def test_calibration_imports_no_torch() -> None:
         "assert 'torch' not in sys.modules and 'judge.engine' not in sys.modules, sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# service/'s rings. The core decides (the top-level modules, and the cascade and the decision
+# log, which every front shares); the three fronts only translate requests in and answers out:
+# HTTP (service.web), MCP (service.mcp) and the command line (service.cli). Fronts never import
+# each other, and nothing of the core imports a front. Two modules stand above the rings: the
+# package's facade (``service``, whose ``create_app`` is the HTTP front's) and the ``judge``
+# program (``service.cli.main``), which names every front's commands.
+SERVICE_FRONTS = ("service.web", "service.mcp", "service.cli")
+SERVICE_CORE_FOLDERS = ("service.cascade", "service.log")
+SERVICE_ENTRY = {"service", "service.cli.main", "service.cli.__main__"}
+
+
+def _front(module: str) -> str | None:
+    return next((f for f in SERVICE_FRONTS if module == f or module.startswith(f + ".")), None)
+
+
+def test_every_folder_of_service_is_a_front_or_the_core() -> None:
+    folders = {
+        _module_name(path.parent / "__init__.py")
+        for path in (ROOT / "service").rglob("__init__.py")
+        if path.parent != ROOT / "service"
+    }
+    assert folders == set(SERVICE_FRONTS) | set(SERVICE_CORE_FOLDERS)
+
+
+@pytest.mark.parametrize("front", SERVICE_FRONTS)
+def test_a_front_imports_no_other_front(front: str) -> None:
+    wrong = {
+        module: sorted(
+            name for name in _project_imports(module) if _front(name) not in (None, front)
+        )
+        for module in MODULES
+        if _front(module) == front and module not in SERVICE_ENTRY
+    }
+    assert {module: names for module, names in wrong.items() if names} == {}
+
+
+def test_the_core_imports_no_front() -> None:
+    core = [
+        module
+        for module in MODULES
+        if module.split(".")[0] == "service" and _front(module) is None
+    ]
+    assert "service.gate_context" in core and "service.log.decision_log" in core
+    wrong = {
+        module: sorted(name for name in _project_imports(module) if _front(name) is not None)
+        for module in core
+        if module not in SERVICE_ENTRY
+    }
+    assert {module: names for module, names in wrong.items() if names} == {}
+
+
+def test_the_judge_program_lists_only_the_fronts_commands() -> None:
+    from service.cli.main import COMMAND_MODULES
+
+    assert COMMAND_MODULES and all(_front(module) for module in COMMAND_MODULES)
+    assert {_front(module) for module in COMMAND_MODULES} == set(SERVICE_FRONTS)

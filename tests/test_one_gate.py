@@ -183,7 +183,7 @@ def test_every_route_gives_the_same_verdict(
             assert health.json()["n_decisions"] == 4
 
     # The MCP server too: `make install` brings its SDK, so this runs under `make test`.
-    from service.mcp_server import create_server
+    from service.mcp.server import create_server
 
     mcp_log = tmp_path / "mcp-decisions.db"
     opened = open_log(str(mcp_log))

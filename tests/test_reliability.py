@@ -30,7 +30,8 @@ from server import free_port, wait_url_ready
 
 from judge import Judgment, Prepared, Query
 from service import ServiceConfig, create_app
-from service.web.batcher import Batcher, DeadlineError
+from service.errors import DeadlineError
+from service.web.batcher import Batcher
 from service.web.serving import Service
 
 BODY = {"prompt": "Is this spam?", "choices": ["spam", "ham"]}

@@ -33,7 +33,7 @@ from judge import (
     Query,
 )
 from service import ServiceConfig, create_app
-from service.web.operations import PARAMETER_PATTERN
+from service.operations import PARAMETER_PATTERN
 
 SPAM = "Is this SMS spam? WINNER!! You have won a free cruise, text CLAIM to 80082 now."
 EXAMPLES = [
@@ -1126,11 +1126,11 @@ def test_a_probe_fitted_over_http_decides_as_the_profile_does(judge: Judge, tmp_
     print(f"probe over HTTP: fitted in {fitted:.1f} s, {time.perf_counter() - began:.1f} s in all")
 
 
-# --- the table of operations (service.web.operations) is the one description of the API -------
+# --- the table of operations (service.operations) is the one description of the API -------
 
 
 def test_the_app_s_routes_are_the_operation_table(tmp_path: Path) -> None:
-    from service.web.operations import OPERATIONS, allowed
+    from service.operations import OPERATIONS, allowed
 
     app = create_app(FakeEngine(), config=ServiceConfig(profiles_dir=tmp_path))
     served_ops = {
@@ -1149,8 +1149,8 @@ def test_the_app_s_routes_are_the_operation_table(tmp_path: Path) -> None:
 
 
 def test_the_openapi_paths_are_the_operation_table() -> None:
+    from service.operations import OPERATIONS
     from service.web.openapi import openapi_document
-    from service.web.operations import OPERATIONS
 
     for secured in (False, True):
         document = openapi_document(secured=secured)
@@ -1235,8 +1235,8 @@ def test_metric_labels_are_the_operations_paths(tmp_path: Path) -> None:
     ],
 )
 def test_a_batch_body_is_one_of_two_shapes(body: Any, shape: str | None, field: str) -> None:
+    from service.bodies import BodyError, decode_body
     from service.schemas import BatchRequest
-    from service.web.bodies import BodyError, decode_body
 
     raw = msgspec.json.encode(body)
     if shape is not None:

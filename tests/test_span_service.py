@@ -175,7 +175,7 @@ def every_route(
     }
 
     pytest.importorskip("mcp")
-    from service.mcp_server import create_server
+    from service.mcp.server import create_server
 
     server = create_server(judge, ProfileStore(profiles), defaults=DEFAULTS)
     called: Any = asyncio.run(

@@ -214,13 +214,14 @@ with TestClient(app=create_app(FakeEngine(), config=config)) as client:
     assert r.status_code == 200, r.text
 sys.setprofile(None)
 threading.setprofile(None)
-modules = ["service.cascade.serving_cascade", "service.cascade.remote_stage", "service.cascade.cascade_questions"]
+modules = ["service.web.serving_cascade", "service.cascade.cascade_judgments", "service.cascade.remote_stage", "service.cascade.cascade_questions"]
 print(json.dumps({"imported": [m for m in modules if m in sys.modules],
                   "called": sorted(called)}))
 """
 
 CASCADE_FILES = (
-    "service/cascade/serving_cascade.py",
+    "service/web/serving_cascade.py",
+    "service/cascade/cascade_judgments.py",
     "service/cascade/remote_stage.py",
     "calibration/cascade.py",
 )
@@ -249,7 +250,8 @@ def test_a_request_without_a_cascade_neither_imports_nor_calls_it(cascade: bool)
     imported, called = _traced({"big": "http://127.0.0.1:9"} if cascade else {})
     if cascade:
         assert imported == [
-            "service.cascade.serving_cascade",
+            "service.web.serving_cascade",
+            "service.cascade.cascade_judgments",
             "service.cascade.remote_stage",
             "service.cascade.cascade_questions",
         ]

@@ -1,5 +1,5 @@
 """A cascade's later stages for typed questions: ``POST /v1/systemone`` and a pair on
-``POST /judge`` escalate as a judgment does (``service.cascade.serving_cascade``).
+``POST /judge`` escalate as a judgment does (``service.cascade.cascade_judgments``).
 
 A question the first stage escalates is asked of each later stage in turn, as the same question
 about the same state, under that stage's profile ("P-NAME", as ``calibration.tasks.fit_cascade``

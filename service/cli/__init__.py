@@ -3,12 +3,12 @@
     service.cli.main        the parser (each command module adds its own) and ``main(argv)``
     service.cli.ask         ``judge ask``: one prompt, or a JSONL file of them (batch gating)
     service.cli.calibrate   ``judge calibrate`` and ``judge evaluate`` on labeled tasks
-    service.cli.serve       ``judge serve``: the HTTP service (its settings' flags come from
-                            ``service.config.ServiceConfig``)
     service.cli.decide      ``judge decide``: typed questions about a state
     service.cli.log         ``judge label``, ``check``, ``replay``, ``calibrate --from-log``
-    service.cli.serve_mcp   ``judge mcp``: the MCP server (service.mcp_server) over stdio
-    service.cli.common      what the commands share
+
+``judge serve`` and ``judge mcp`` start the other two fronts: their commands live with them
+(``service.web.command``, ``service.mcp.command``), and ``service.command_line`` has what every
+command shares. ``service.cli.main`` is the ``judge`` program: it lists every front's commands.
 
 Each command module has ``add_arguments(commands)``, which adds its commands and the
 function that runs each; none imports torch, transformers or Litestar at the top, so

@@ -47,7 +47,7 @@ from judge.atomicio import replacing
 from judge.judgments import check_item_span, item_span_of, validate_choices
 from service.cli import ask_cascade
 from service.cli.ask_cascade import LaterStages
-from service.cli.common import (
+from service.command_line import (
     UsageError,
     load_engine,
     load_profile,

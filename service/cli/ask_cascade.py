@@ -2,7 +2,7 @@
 
 The command's own model is the first stage (``--stage-name``, default "local"), batched and
 decided as without a cascade. Each item it escalates goes to the later stages in turn, as
-``judge serve --cascade`` sends it (``service.cascade.serving_cascade.cascaded``): a model loaded
+``judge serve --cascade`` sends it (``service.cascade.cascade_judgments.cascaded``): a model loaded
 here (a .gguf, directory or hub id, or a packaged name such as gemma3-270m), decided by its
 own gate, or another judge server (``service.cascade.remote_stage``). A later stage judges the prompt
 with its own chat template (not ``--system``) and the command's ``--threshold`` and
@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from calibration import CalibrationProfile, Gate, Overrides, PolicyDefaults, Verdict
-from service.cli import common
+from service import command_line as common
 from service.schemas import JudgeResponse
 
 if TYPE_CHECKING:
     from judge import Judgment, Query
+    from service.cascade.cascade_judgments import ServedStage
     from service.cascade.cascade_questions import LocalModel
-    from service.cascade.serving_cascade import ServedStage
 
-# The stages' machinery (service.cascade.serving_cascade) is the server's: imported where a cascade
+# The stages' machinery (service.cascade.cascade_judgments) is the server's: imported where a cascade
 # is asked for, so that `judge ask --help` needs none of the server's packages.
 
 __all__ = ["LaterStages", "add_arguments", "plan"]
@@ -74,8 +74,8 @@ class LaterStages:
 
     def views(self) -> list[ServedStage]:
         """One item's view of each later stage (each keeps what it answered)."""
+        from service.cascade.cascade_judgments import ServedLocal, ServedRemote
         from service.cascade.remote_stage import RemoteStage, is_remote
-        from service.cascade.serving_cascade import ServedLocal, ServedRemote
 
         views: list[ServedStage] = []
         for stage in self.stages:
@@ -94,7 +94,7 @@ class LaterStages:
         """The cascade's response to an item the first stage judged: its own where it
         accepted, else the later stages' (``cascaded``)."""
         from calibration.cascade import StageItem
-        from service.cascade.serving_cascade import cascaded
+        from service.cascade.cascade_judgments import cascaded
 
         item = StageItem(query.prompt, list(query.choices), query.item_span)
         response = JudgeResponse.of(judgment, verdict, choices=item.choices)

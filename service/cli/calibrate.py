@@ -45,7 +45,7 @@ from calibration.tasks import (
 )
 from judge import Engine
 from judge.atomicio import write_text
-from service.cli.common import (
+from service.command_line import (
     UsageError,
     fit_settings,
     load_engine,

@@ -26,7 +26,7 @@ from typing import Any
 
 from calibration import CalibrationProfile, Gate, PolicyDefaults, ProfileError
 from judge.answers import MAX_ORDERINGS, plan_decisions
-from service.cli.common import (
+from service.command_line import (
     UsageError,
     load_engine,
     model_arguments,

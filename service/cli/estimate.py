@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from service.cli.common import UsageError, open_probability, to_json
+from service.command_line import UsageError, open_probability, to_json
 
 __all__ = ["add_arguments", "run_estimate"]
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TextIO, TypeVar
 from calibration import CalibrationProfile
 from calibration.recertify import LabelsNeeded
 from calibration.tasks.item_queue import ItemQueue, PoolItem
-from service.cli.common import UsageError
+from service.command_line import UsageError
 from service.log.decision_log import DecisionLog
 from service.log.health import ProfileHealth
 from service.log.labelling_queue import STREAMS, LabellingQueue, QueueItem, Stream

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from service.cli.common import (
+from service.command_line import (
     UsageError,
     fit_settings,
     model_arguments,
@@ -139,8 +139,8 @@ def _label_items(args: argparse.Namespace) -> int:
     written into the task's directory for ``judge calibrate``."""
     from calibration.probe import candidate_layers
     from calibration.tasks import ItemQueue, TaskError, judge_task_pool, load_pool, load_task
-    from service.cli.common import load_engine
     from service.cli.label_queue import run_item_queue
+    from service.command_line import load_engine
 
     if args.task is None:
         raise UsageError("--items needs --task: the task directory whose choices to label with")
@@ -196,7 +196,7 @@ def run_check(args: argparse.Namespace) -> int:
     profile, etag, _ = stored_profile(args.profile, args.profiles_dir)
     current = None
     if args.model is not None or args.check_model:
-        from service.cli.common import load_engine
+        from service.command_line import load_engine
 
         current = load_engine(args, profile).model_sha256
     since = None if args.since_days is None else time.time() - args.since_days * 86400
@@ -233,7 +233,7 @@ def run_replay(args: argparse.Namespace) -> int:
     answer's question is asked again about its state, under all its listings.
     """
     from calibration import Gate
-    from service.cli.common import load_engine
+    from service.command_line import load_engine
 
     with open_decision_log(args.log) as log:
         record = log.get(args.judgment_id)

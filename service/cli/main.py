@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from calibration import CalibrationError
 from calibration.tasks import TaskError
 from judge import JudgeError
-from service.cli.common import UsageError
+from service.command_line import UsageError
 from service.log.decision_log import DecisionLogError
 
 __all__ = ["COMMAND_MODULES", "SERVER_MODULES", "main", "parser"]
@@ -49,8 +49,8 @@ COMMAND_MODULES = (
     "service.cli.calibrate",  # calibrate (and calibrate --from-log), evaluate
     "service.cli.estimate",  # estimate
     "service.cli.qualify",  # qualify
-    "service.cli.serve",  # serve
-    "service.cli.serve_mcp",  # mcp
+    "service.web.command",  # serve: the HTTP front
+    "service.mcp.command",  # mcp: the MCP front
 )
 
 

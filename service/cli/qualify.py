@@ -16,7 +16,7 @@ from pathlib import Path
 from calibration.qualify import Criteria, Qualification, TaskQualification
 from calibration.tasks import Task, load_split, load_task
 from judge.atomicio import write_text
-from service.cli.common import (
+from service.command_line import (
     DTYPES,
     UsageError,
     load_engine,

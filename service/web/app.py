@@ -7,9 +7,9 @@ may hand in a loaded engine or a fake. This module only wires the pieces togethe
     service.config    ServiceConfig, the server's settings, checked once
     service.web.frontdoor before routing: API key, a malformed path parameter or header,
                       admission, read timeout, clients that leave
-    service.web.operations the table of operations: routes, OpenAPI, metric labels, client paths
+    service.operations the table of operations: routes, OpenAPI, metric labels, client paths
     service.web.routes    the endpoints, thin, registered from the table
-    service.web.bodies    strict decoding of request bodies
+    service.bodies    strict decoding of request bodies
     service.schemas   request and response bodies (msgspec Structs)
     service.web.openapi   the OpenAPI document, derived from the table, every status of each
     service.web.serving   the Service the endpoints call: the shared core (ServiceCore: engine,

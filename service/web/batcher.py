@@ -41,18 +41,11 @@ from typing import Any, Generic, TypeVar
 
 from judge.engine import Judgment, Prepared
 from judge.packing import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS, pass_fits
+from service.errors import DeadlineError, QueueFullError
 
-__all__ = ["Batcher", "DeadlineError", "QueueFullError"]
+__all__ = ["Batcher"]
 
 T = TypeVar("T")
-
-
-class QueueFullError(Exception):
-    """The job queue is at capacity; the caller should retry later."""
-
-
-class DeadlineError(TimeoutError):
-    """The request's deadline passed before its model work was done."""
 
 
 @dataclass(eq=False)

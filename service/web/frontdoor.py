@@ -44,7 +44,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from service.metrics import ServiceMetrics
 
 if TYPE_CHECKING:
-    from service.web.operations import Operation
+    from service.operations import Operation
 
 __all__ = [
     "MODEL",
@@ -59,7 +59,7 @@ __all__ = [
 
 PUBLIC = "public"  # route opt: no API key needed
 MODEL = "model"  # route opt: needs the model, so it is admitted through the slots
-OPERATION = "operation"  # route opt: the service.web.operations.Operation the route serves
+OPERATION = "operation"  # route opt: the service.operations.Operation the route serves
 CLIENT_CLOSED = 499  # the status recorded for a client that left before its response
 REPLICA_HEADER = "X-Judge-Replica"
 

@@ -1,10 +1,10 @@
 """The OpenAPI document: the service's contract, derived from the table of operations.
 
-The operations (method, path, summary, bodies, statuses) are ``service.web.operations``'s; what
+The operations (method, path, summary, bodies, statuses) are ``service.operations``'s; what
 only a document says (error descriptions, headers, examples, links) is written here. Every
 operation lists every status it can answer, each with its body's schema. The body
 schemas come from msgspec (``msgspec.json.schema_components``), from the very types
-``service.web.bodies`` decodes with, so every constraint the server enforces on a body (lengths,
+``service.bodies`` decodes with, so every constraint the server enforces on a body (lengths,
 ranges, patterns, unique choices, no unknown fields) is in the document by construction. A
 test runs schemathesis against a live server with this document and fails on any finding.
 """
@@ -20,9 +20,9 @@ from typing import Any
 import msgspec
 
 import judge
+from service.operations import BY_NAME, OPERATIONS, PARAMETER_PATTERN, TIMEOUT_HEADER
 from service.schemas import ErrorResponse, ReadyResponse
 from service.web.frontdoor import REPLICA_HEADER
-from service.web.operations import BY_NAME, OPERATIONS, PARAMETER_PATTERN, TIMEOUT_HEADER
 
 __all__ = ["TIMEOUT_HEADER", "openapi_document"]
 
@@ -148,7 +148,7 @@ def openapi_document(*, secured: bool) -> dict[str, Any]:
     named = list(dict.fromkeys([*_members(bodies), ErrorResponse, ReadyResponse]))
     schemas, components = msgspec.json.schema_components(named, ref_template=_REF)
     refs: dict[Any, Any] = dict(zip(named, schemas, strict=True))
-    for body in bodies:  # a union: its members' shapes exclude each other (service.web.bodies)
+    for body in bodies:  # a union: its members' shapes exclude each other (service.bodies)
         if isinstance(body, types.UnionType):
             refs[body] = {"oneOf": [refs[member] for member in typing.get_args(body)]}
     _batch_items(components)

@@ -1,11 +1,11 @@
 """The endpoints: each one decodes its body strictly and hands it to ``Service``.
 
-Each handler serves the operation of its name in ``service.web.operations``, which says its
+Each handler serves the operation of its name in ``service.operations``, which says its
 method, path, success status and options; ``ROUTES`` registers them from that table, and an
 OPTIONS for each of its paths whose Allow lists the path's methods.
 
 The ``service`` argument is the app's one ``Service``, injected by the app (see
-``service.web.app``). Bodies are decoded by ``service.web.bodies`` (msgspec, strict), so a malformed
+``service.web.app``). Bodies are decoded by ``service.bodies`` (msgspec, strict), so a malformed
 one is refused with a 4xx that names the field before any work; errors raised here become
 responses in ``service.errors``. Route options tell the front door (``service.web.frontdoor``)
 what a route needs: ``PUBLIC`` routes need no API key, ``MODEL`` routes take an admission
@@ -30,16 +30,12 @@ from litestar.types import ControllerRouterHandler
 import service.schemas as schemas
 from calibration import CalibrationProfile
 from calibration.profile import current_format
+from service.bodies import decode_body, decode_each
 from service.errors import BadFieldError, TooLargeError
 from service.log.decision_log import LoggedDecision
 from service.log.health import ProfileHealth
 from service.log.health_history import HealthHistory
-from service.profiles import Preconditions
-from service.systemone import SystemOneResponse, decode_request
-from service.web.bodies import decode_body, decode_each
-from service.web.frontdoor import MODEL, OPERATION, PUBLIC
-from service.web.openapi import openapi_document
-from service.web.operations import (
+from service.operations import (
     OPERATIONS,
     TIMEOUT_HEADER,
     Operation,
@@ -47,6 +43,10 @@ from service.web.operations import (
     paths,
     request_timeout,
 )
+from service.profiles import Preconditions
+from service.systemone import SystemOneResponse, decode_request
+from service.web.frontdoor import MODEL, OPERATION, PUBLIC
+from service.web.openapi import openapi_document
 from service.web.playground import PLAYGROUND_ROUTES
 from service.web.serving import Service, Ticket
 
@@ -64,7 +64,7 @@ async def _body(request: AnyRequest, type_: type[T]) -> T:
 
 async def _batch_body(request: AnyRequest) -> list[schemas.BatchItem] | schemas.SharedBatch:
     """The batch's body: one of its shapes, chosen by the keys it has, and its items each
-    decoded as a whole request or an item alone, by theirs (``service.web.bodies``)."""
+    decoded as a whole request or an item alone, by theirs (``service.bodies``)."""
     batch: schemas.BatchRequest = decode_body(
         await request.body(), request.headers.get("content-type"), schemas.BatchRequest
     )
@@ -335,7 +335,7 @@ def _options(path: str, operations: list[Operation]) -> HTTPRouteHandler:
 
 
 if set(HANDLERS) != {op.name for op in OPERATIONS}:
-    raise RuntimeError("service.web.routes.HANDLERS and service.web.operations.OPERATIONS differ")
+    raise RuntimeError("service.web.routes.HANDLERS and service.operations.OPERATIONS differ")
 
 ROUTES: list[ControllerRouterHandler] = [
     # First: a path's first handler decides its OPTIONS (see _options).

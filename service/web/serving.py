@@ -5,7 +5,7 @@
                         queries prepared within the budget, shared rows, the log)
     JudgeServing        POST /judge, POST /judge/batch          (service.web.serving_judge)
     CascadeServing      the later stages of every route that decides, with --cascade
-                                                                (service.cascade.serving_cascade)
+                                                                (service.web.serving_cascade)
     SystemOneServing    POST /v1/systemone                      (service.web.serving_systemone)
     ProfileServing      /profiles: list, store, fit             (service.web.serving_profiles)
     FeedbackServing     /judgments, /labels, profile health     (service.web.serving_feedback)
@@ -29,7 +29,7 @@ from service.web.serving_profiles import ProfileServing
 from service.web.serving_systemone import SystemOneServing
 
 if TYPE_CHECKING:
-    from service.cascade.serving_cascade import CascadeServing
+    from service.web.serving_cascade import CascadeServing
 
 __all__ = ["Service", "Ticket"]
 
@@ -43,7 +43,7 @@ class Service(ServiceCore):
         # a request without a cascade neither imports nor calls it (tests/test_structure.py).
         self.cascade: CascadeServing | None = None
         if config.cascade:
-            from service.cascade.serving_cascade import CascadeServing
+            from service.web.serving_cascade import CascadeServing
 
             self.cascade = CascadeServing(self)
         self.judging = JudgeServing(self, self.cascade)

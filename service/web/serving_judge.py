@@ -20,7 +20,13 @@ from calibration.gate import fitted_template
 from judge import Engine, JudgeError, Judgment, Prepared, Query
 from judge.engine import shared_query
 from judge.scores import check_values
-from service.errors import TooLargeError, UnprocessableError, error_of
+from service.errors import (
+    DeadlineError,
+    QueueFullError,
+    TooLargeError,
+    UnprocessableError,
+    error_of,
+)
 from service.log.decision_log import LoggedDecision, replayable_query
 from service.schemas import (
     BatchItem,
@@ -32,12 +38,12 @@ from service.schemas import (
     SharedBatch,
     SharedQuestion,
 )
-from service.web.batcher import DeadlineError, QueueFullError
 from service.web.serving_core import ServiceCore, Ticket
 
 if TYPE_CHECKING:
     # A cascade's machinery is imported only by a server that has one (service.web.serving).
-    from service.cascade.serving_cascade import CascadeServing, ServedStage
+    from service.cascade.cascade_judgments import ServedStage
+    from service.web.serving_cascade import CascadeServing
 
 __all__ = ["JudgeServing"]
 
@@ -80,7 +86,7 @@ class JudgeServing:
     async def judge_batch(
         self, request: Sequence[BatchItem] | SharedBatch, ticket: Ticket
     ) -> BatchResponse:
-        """A batch: its items (each decoded already, ``service.web.bodies.decode_each``), or
+        """A batch: its items (each decoded already, ``service.bodies.decode_each``), or
         questions about one shared context."""
         engine = self.service.engine()
         records: list[LoggedDecision] = []

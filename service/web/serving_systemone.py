@@ -37,7 +37,7 @@ from service.web.serving_core import ServiceCore, Ticket
 
 if TYPE_CHECKING:
     # A cascade's machinery is imported only by a server that has one (service.web.serving).
-    from service.cascade.serving_cascade import CascadeServing
+    from service.web.serving_cascade import CascadeServing
 
 __all__ = ["SystemOneServing"]
 

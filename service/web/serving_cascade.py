@@ -1,20 +1,8 @@
-"""A cascade behind every route that decides (``judge serve --cascade NAME=TARGET ...``):
-``POST /judge`` and its batches, questions about a shared context, ``POST /v1/systemone`` and
-pairs (typed questions: ``service.cascade.cascade_questions``).
-
-This server's engine is the first stage (``--stage-name``), decided as every judgment is. An
-item it escalates goes to each later stage in turn (``calibration.cascade.Cascade``): a
-model loaded in this process, which judges on its own lock off the event loop, or another
-judge server (``service.cascade.remote_stage``). A request's profile P is the first stage's; stage
-NAME decides with "P-NAME" (``calibration.tasks.fit_cascade`` names them so), whose gate is
-opened, and checked against its engine, before any model work. What a stage decides comes
-back as that stage's own response, with ``decided_by`` and every stage's part
-(``JudgeResponse.cascade``); each local stage's decision is logged, each row carrying the
-cascade's outcome; ``/metrics`` counts who decided and which stages failed.
-
-A later stage's time comes out of the request's deadline: none starts after it, and a remote
-one gets what is left as its timeout. A local stage holds its own lock, so it judges one item
-at a time (a cascade's later stages see only what the first escalates).
+"""The server's side of a cascade (``judge serve --cascade NAME=TARGET ...``): its later
+stages loaded once at start-up, planned per request (each local stage's gate opened and checked
+before any model work) and run off the event loop, their records logged and counted in
+``/metrics``. What a cascade decides is ``service.cascade``'s (``cascaded``, ``escalated``),
+which ``judge ask --cascade`` runs too.
 """
 
 from __future__ import annotations
@@ -23,16 +11,20 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio.to_thread
-import msgspec
 
-from calibration import Cascade, Gate, Overrides, Verdict
-from calibration.cascade import LocalStage, StageAnswer, StageItem, StageResult
+from calibration import Gate, Overrides, Verdict
+from calibration.cascade import StageItem, StageResult
 from judge import Judgment
 from judge.answers import Answer
+from service.cascade.cascade_judgments import (
+    ServedLocal,
+    ServedRemote,
+    ServedStage,
+    cascaded,
+)
 from service.cascade.cascade_questions import (
     LocalModel,
     LocalQuestionStage,
@@ -41,7 +33,7 @@ from service.cascade.cascade_questions import (
     RemoteQuestionStage,
     escalated,
 )
-from service.cascade.remote_stage import RemoteStage, answer_of, is_remote
+from service.cascade.remote_stage import RemoteStage, is_remote
 from service.decisions import QuestionDecision
 from service.gate_context import GateContext
 from service.log.decision_log import LoggedDecision, with_cascade
@@ -49,64 +41,12 @@ from service.schemas import JudgeRequest, JudgeResponse, SharedQuestion
 from service.systemone import SystemOneQuestion
 from service.web.serving_core import WARM_UP, ServiceCore
 
-__all__ = [
-    "CascadeServing",
-    "ServedLocal",
-    "ServedRemote",
-    "ServedStage",
-    "cascaded",
-]
+__all__ = ["CascadeServing"]
 
 log = logging.getLogger("judge.service")
 
 # What a cascade's run ends in: a judgment's response, or a typed question's decision.
 _Outcome = TypeVar("_Outcome", JudgeResponse, QuestionDecision)
-
-
-@dataclass
-class ServedLocal:
-    """One request's view of a local later stage: its gate, and what it answered."""
-
-    name: str
-    model: LocalModel
-    gate: Gate
-    context: GateContext | None = None  # the server's (None: no log, as in judge ask)
-    response: JudgeResponse | None = None
-    record: LoggedDecision | None = None
-
-    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
-        with self.model.lock:
-            judgment, verdict = LocalStage(self.name, self.model.engine, self.gate).judged(item)
-        assert isinstance(judgment, Judgment)  # an engine's, not a bare ScoredJudgment
-        self.response = JudgeResponse.of(judgment, verdict, choices=item.choices)
-        # What the log keeps of a first stage's decision it keeps of this one's (with
-        # --log-features, the hidden states a refit of this stage's probe reads), but not its
-        # request: the first stage's record replays the request.
-        if self.context is not None:
-            self.record = self.context.settle(
-                verdict, self.gate, model=self.model.engine.model_id, features=judgment.features
-            )
-        return StageAnswer.of(verdict, judgment, item.choices)
-
-
-@dataclass
-class ServedRemote:
-    """One request's view of a remote later stage, and what it answered."""
-
-    stage: RemoteStage
-    response: JudgeResponse | None = None
-
-    @property
-    def name(self) -> str:
-        return self.stage.name
-
-    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
-        self.response = self.stage.call(item, timeout_s=timeout_s)
-        return answer_of(self.response, item.choices)
-
-
-# One request's view of a later stage (``CascadeServing.plan``).
-ServedStage = ServedLocal | ServedRemote
 
 
 class CascadeServing:
@@ -245,37 +185,3 @@ class CascadeServing:
             if p.failure is not None:
                 metrics.cascade_failures.labels(p.stage, p.failure).inc()
         records[:] = with_cascade(records, decided_by, parts)
-
-
-def cascaded(
-    first_name: str,
-    first: tuple[Judgment, Verdict, JudgeResponse],
-    stages: Sequence[ServedStage],
-    item: StageItem,
-    *,
-    deadline_s: float | None = None,
-) -> JudgeResponse:
-    """A cascade's response to an item, given its first stage's judgment, verdict and
-    response: where the first stage escalated, the later ``stages`` tried in turn (blocking)
-    until one accepts.
-
-    The deciding stage's response, else the last that answered (the strongest judge's view of
-    an item a person now takes), with ``decided_by`` and every stage's part (``cascade``).
-    What ``judge serve --cascade`` and ``judge ask --cascade`` answer.
-    """
-    judgment, verdict, response = first
-    part = StageResult(
-        stage=first_name,
-        answer=StageAnswer.of(verdict, judgment, item.choices),
-        latency_ms=judgment.latency_ms,
-    )
-    parts, answered = [part], [response]
-    decided_by = first_name if response.decision == "accept" else None
-    if decided_by is None:
-        outcome = Cascade(stages).judge(
-            item.prompt, item.choices, item_span=item.item_span, deadline_s=deadline_s
-        )
-        decided_by = outcome.decided_by
-        parts += outcome.stages
-        answered += [s.response for s in stages if s.response is not None]
-    return msgspec.structs.replace(answered[-1], decided_by=decided_by, cascade=parts)

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from judge import DEFAULT_PREFIX_CACHE_MB
-from service.cli.common import (
+from service.command_line import (
     DTYPES,
     UsageError,
     audit_rate,
+    audit_rates,
     choice_paths_argument,
     megabytes,
     positive_int,
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 __all__ = [
     "add_arguments",
     "api_key",
-    "audit_rates",
     "run",
     "run_ray",
     "scaling",
@@ -209,18 +209,6 @@ def api_key(path: Path | None) -> str | None:
     if not key:
         raise UsageError(f"--api-key-file: {path} is empty; its first line is the key")
     return key
-
-
-def audit_rates(given: list[tuple[str | None, float]]) -> dict[str, Any]:
-    """``--audit-rate`` as ServiceConfig's ``audit_rate`` and ``audit_rates``."""
-    rates: dict[str, float] = {}
-    server = 0.0
-    for name, rate in given:
-        if name is None:
-            server = rate
-        else:
-            rates[name] = rate
-    return {"audit_rate": server, "audit_rates": rates}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``judge mcp``: the MCP server (``service.mcp_server``) on stdin/stdout.
+"""``judge mcp``: the MCP server (``service.mcp.server``) on stdin/stdout.
 
 Register it with an MCP client as a stdio server whose command is ``judge mcp`` (with the
 model and profile options it needs). The model loads once, before the first message is read;
@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING
 
 from calibration import PolicyDefaults
 from judge import DEFAULT_PREFIX_CACHE_MB
-from service.cli.common import (
+from service.command_line import (
     DTYPES,
     UsageError,
     audit_rate,
+    audit_rates,
     choice_paths_argument,
     megabytes,
     probability,
     stage,
 )
-from service.cli.serve import audit_rates
 
 if TYPE_CHECKING:
     from service.cascade.cascade_questions import LocalModel
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("mcp") is None:
         raise UsageError(f"`judge mcp` needs the MCP SDK (mcp is not installed): {INSTALL}")
     from judge.engines import open_engine
-    from service.mcp_server import create_server
+    from service.mcp.server import create_server
     from service.profiles import ProfileStore
 
     given: list[tuple[str, str]] = args.cascade or []

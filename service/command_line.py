@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast, get_args
+from typing import TYPE_CHECKING, Any, cast, get_args
 
 import msgspec
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPES",
     "UsageError",
+    "audit_rates",
     "choice_paths_argument",
     "fit_settings",
     "load_engine",
@@ -237,6 +238,18 @@ def load_engine(
         response_suffix=response_suffix,
         choice_paths=choice_paths,
     )
+
+
+def audit_rates(given: list[tuple[str | None, float]]) -> dict[str, Any]:
+    """``--audit-rate`` as ServiceConfig's ``audit_rate`` and ``audit_rates``."""
+    rates: dict[str, float] = {}
+    server = 0.0
+    for name, rate in given:
+        if name is None:
+            server = rate
+        else:
+            rates[name] = rate
+    return {"audit_rate": server, "audit_rates": rates}
 
 
 def to_json(value: object, *, indent: int = 0) -> str:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar, overload
 
 import msgspec
 
-__all__ = ["BodyError", "decode_body", "decode_each"]
+__all__ = ["BodyError", "decode_body", "decode_each", "integral", "located"]
 
 T = TypeVar("T")
 
@@ -76,11 +76,11 @@ def decode_body(body: bytes, content_type: str | None, type_: Any) -> Any:
             # JSON Schema's integer is any number without a fraction, 2433.0 included; strict
             # msgspec wants 2433. Decode again with such numbers as ints (a float field
             # takes an int as well), so that only a real fraction is refused.
-            return msgspec.convert(_integral(msgspec.json.decode(body)), type_, strict=True)
+            return msgspec.convert(integral(msgspec.json.decode(body)), type_, strict=True)
     except RecursionError:
         raise BodyError("body", "the JSON body is nested too deeply") from None
     except msgspec.ValidationError as exc:
-        raise BodyError(*_located(str(exc))) from None
+        raise BodyError(*located(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise BodyError("body", f"the body is not valid JSON: {exc}") from None
 
@@ -122,18 +122,18 @@ def _member(body: bytes, members: tuple[type[msgspec.Struct], ...]) -> type[msgs
     raise BodyError(required[0][0], f"{required[0][0]}: give either {shapes}; {problem}")
 
 
-def _integral(value: Any) -> Any:
+def integral(value: Any) -> Any:
     """``value`` with every float that has no fraction (and fits a float exactly) as an int."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, list):
-        return [_integral(v) for v in value]
+        return [integral(v) for v in value]
     if isinstance(value, dict):
-        return {k: _integral(v) for k, v in value.items()}
+        return {k: integral(v) for k, v in value.items()}
     return value
 
 
-def _located(message: str) -> tuple[str, str]:
+def located(message: str) -> tuple[str, str]:
     """The field a msgspec validation message is about, and the message with that field."""
     path = _PATH.search(message)
     # msgspec names a map's value "field[...]": the field is the map's (a list keeps its index)
