@@ -198,9 +198,7 @@ def test_a_front_imports_no_other_front(front: str) -> None:
 
 def test_the_core_imports_no_front() -> None:
     core = [
-        module
-        for module in MODULES
-        if module.split(".")[0] == "service" and _front(module) is None
+        module for module in MODULES if module.split(".")[0] == "service" and _front(module) is None
     ]
     assert "service.gate_context" in core and "service.log.decision_log" in core
     wrong = {
