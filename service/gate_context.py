@@ -1,5 +1,5 @@
-"""A server's side of a gate: the one place the HTTP service and the MCP server open one, and
-settle what it decides.
+"""The decision core: the one place every front (HTTP, MCP, the command line) opens a gate and
+settles what it decides.
 
 A route's gate (``calibration.gate.Gate``) is a stored profile's version (by name, with its
 ETag), the request's ``Overrides`` over the server's ``PolicyDefaults``, the server's audit rate
@@ -12,10 +12,17 @@ decision-log record, with the request that replays it and the hidden states it k
 every route (``POST /judge`` and its batches, shared questions, System One and pairs, a
 cascade's local stage, MCP's ``judge`` and ``decide``): tests/test_structure.py checks that no
 other module builds one.
+
+A front settles through ``respond`` (a judgment: its log record and its response together, the
+probabilities in the request's order) or ``answered`` (a typed question's answer: its record and
+its decision); ``judge ask``, ``judge decide`` and ``judge replay`` open their gates here too, on a
+profile read from a file (``open_profile``), with no store and no log. tests/test_one_core.py
+checks that no front builds a ``Gate``, a ``JudgeResponse`` or a record itself.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -26,14 +33,19 @@ import msgspec
 
 from calibration.gate import Gate, Overrides
 from calibration.policy import Hold, PolicyDefaults, Verdict
-from service.log.decision_log import LoggedDecision
+from service.decisions import QuestionDecision
+from service.log.decision_log import LoggedDecision, replayable_query
 from service.log.logged_features import LoggedFeatures, log_layers
+from service.schemas import JudgeResponse
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
+    from judge import Judgment
+    from judge.answers import Answer
+    from judge.protocol import Query
     from service.profiles import ProfileStore
 
-__all__ = ["GateContext"]
+__all__ = ["NO_LOG", "GateContext"]
 
 # Gates kept open, most recently used last: a profile's version under one set of overrides
 # is one gate, opened once (its policy resolved, its checks against the engine made once).
@@ -43,9 +55,10 @@ OPEN_GATES = 256
 
 @dataclass(frozen=True)
 class GateContext:
-    """What a server brings to each gate it opens."""
+    """What a front brings to each gate it opens: a server its store, defaults, audit rates and
+    log settings; the command line nothing (``GateContext()``: the built-in defaults, no log)."""
 
-    store: ProfileStore
+    store: ProfileStore | None = None
     defaults: PolicyDefaults = field(default_factory=PolicyDefaults)
     audit_rate: float = 0.0  # every profile's, and no profile's
     audit_rates: Mapping[str, float] = field(default_factory=dict)  # by profile name
@@ -85,7 +98,12 @@ class GateContext:
         server's), so the gate of a version under the same overrides is opened once and kept
         (``OPEN_GATES`` of them): every request under it shares its resolved policy and the
         checks it has passed. A new version (another ETag) is another gate."""
-        profile, etag = self.store.get_tagged(name) if name is not None else (None, None)
+        if name is None:
+            profile, etag = None, None
+        elif self.store is None:  # the command line's context: it opens profiles it read
+            raise LookupError(f"no profile store to read profile {name!r} from")
+        else:
+            profile, etag = self.store.get_tagged(name)
         hold = None if self.holds is None else self.holds(name, etag)
         key = (name, etag, msgspec.json.encode([overrides or Overrides(), hold]))
         with self._lock:
@@ -108,6 +126,67 @@ class GateContext:
                 self._open.popitem(last=False)
         return gate
 
+    def open_profile(
+        self,
+        profile: CalibrationProfile | None,
+        overrides: Overrides | None = None,
+        *,
+        etag: str | None = None,
+    ) -> Gate:
+        """The gate of ``profile`` itself (a file the command line read, a logged decision's
+        version), under ``overrides`` and this context's defaults and audit rate: not kept
+        (nothing names it). Raises as ``Gate`` does: ``NoCertificateError`` for a threshold
+        with no certified one to override, ``ValueError`` for a bad setting."""
+        name = None if profile is None else profile.name
+        return Gate(
+            profile,
+            etag=etag,
+            overrides=overrides,
+            defaults=self.defaults,
+            audit_rate=self.audit_rate_for(name),
+            log_layers=self.log_layers(profile),
+        )
+
+    def respond(
+        self,
+        judgment: Judgment,
+        verdict: Verdict,
+        gate: Gate,
+        *,
+        model: str,
+        query: Query | None = None,
+        choices: Sequence[str] | None = None,
+        return_prompt: bool = False,
+    ) -> tuple[JudgeResponse, LoggedDecision | None]:
+        """A judgment's response and its decision-log record (None: no log), together.
+
+        ``choices`` orders the response's probabilities (the request's order; None: the
+        verdict's, the profile's). ``query`` is what replays the decision, kept where requests
+        are logged (None: a cascade's later stage, whose first stage's record replays it)."""
+        request = None if query is None else functools.partial(replayable_query, query, gate)
+        record = self.settle(
+            verdict, gate, model=model, features=judgment.features, request=request
+        )
+        response = JudgeResponse.of(judgment, verdict, choices=choices, return_prompt=return_prompt)
+        return response, record
+
+    def answered(
+        self,
+        answer: Answer,
+        verdict: Verdict,
+        gate: Gate,
+        *,
+        model: str,
+        request: Callable[[], dict[str, Any]] | None = None,
+    ) -> tuple[QuestionDecision, LoggedDecision | None]:
+        """A typed question's decision and its decision-log record (None: no log), together;
+        ``request`` gives what replays it (``replayable_question``), asked for only where
+        requests are logged."""
+        record = self.settle(
+            verdict, gate, model=model, features=answer.judgment.features, request=request
+        )
+        return QuestionDecision(answer, verdict), record
+
     def settle(
         self,
         verdict: Verdict,
@@ -128,3 +207,8 @@ class GateContext:
         kept = request() if self.log_requests and request is not None else None
         logged = LoggedFeatures.of(features, gate.log_layers)
         return LoggedDecision.of(verdict, model=model, request=kept, features=logged)
+
+
+# The command line's context (judge ask, decide, replay and their cascades' stages): no store
+# (it opens the profiles it read from files), the built-in defaults, no audit, no log.
+NO_LOG = GateContext()

@@ -176,7 +176,45 @@ def test_one_module_builds_a_response() -> None:
     """A response is shaped from the judgment and the verdict alone, in ``JudgeResponse.of``
     (``judge ask`` once printed fewer fields than ``POST /judge`` for the same profile)."""
     assert _callers("JudgeResponse") == set()  # only its classmethod builds one
-    assert "service.web.serving_judge" in _callers("JudgeResponse.of")  # the walk sees the routes
+    assert "service.gate_context" in _callers("JudgeResponse.of")  # the walk sees the core
+
+
+# The three fronts of service/ (tests/test_exports.py holds their rings).
+FRONTS = ("service.web", "service.mcp", "service.cli")
+
+
+def _settles(tree: ast.Module) -> bool:
+    """Whether ``tree`` calls a ``settle`` method, whatever owns it."""
+    return any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "settle"
+        for node in ast.walk(tree)
+    )
+
+
+def test_the_fronts_only_translate() -> None:
+    """HTTP, MCP and the command line open every gate and settle every decision through the
+    decision core (``service.gate_context``: ``open``, ``open_profile``, ``respond``,
+    ``answered``): none builds a ``Gate``, a response or a log record, nor settles itself. They
+    had seven ways to open a gate and four sets of keywords for a response."""
+    fronts = {
+        name: ast.parse(path.read_text(encoding="utf-8"))
+        for name, path in _modules().items()
+        if name.startswith(tuple(f + "." for f in FRONTS))
+    }
+    assert "service.cli.ask" in fronts and "service.mcp.server" in fronts
+    built = {
+        name: [
+            target
+            for target in ("Gate", "JudgeResponse.of", "Answer.of", "LoggedDecision.of")
+            if _calls(tree, target)
+        ]
+        + (["settle"] if _settles(tree) else [])
+        for name, tree in fronts.items()
+    }
+    assert {name: found for name, found in built.items() if found} == {}
+    assert _settles(ast.parse("context.settle(v, g)")) and not _settles(ast.parse("settle"))
 
 
 def test_the_caller_walk_finds_calls() -> None:

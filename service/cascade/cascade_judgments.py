@@ -21,7 +21,7 @@ at a time (a cascade's later stages see only what the first escalates).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -51,7 +51,8 @@ class ServedLocal:
     name: str
     model: LocalModel
     gate: Gate
-    context: GateContext | None = None  # the server's (None: no log, as in judge ask)
+    # The server's; judge ask's has no log, so its stages leave no record.
+    context: GateContext = field(default_factory=GateContext)
     response: JudgeResponse | None = None
     record: LoggedDecision | None = None
 
@@ -59,14 +60,12 @@ class ServedLocal:
         with self.model.lock:
             judgment, verdict = LocalStage(self.name, self.model.engine, self.gate).judged(item)
         assert isinstance(judgment, Judgment)  # an engine's, not a bare ScoredJudgment
-        self.response = JudgeResponse.of(judgment, verdict, choices=item.choices)
         # What the log keeps of a first stage's decision it keeps of this one's (with
         # --log-features, the hidden states a refit of this stage's probe reads), but not its
-        # request: the first stage's record replays the request.
-        if self.context is not None:
-            self.record = self.context.settle(
-                verdict, self.gate, model=self.model.engine.model_id, features=judgment.features
-            )
+        # request (no query): the first stage's record replays the request.
+        self.response, self.record = self.context.respond(
+            judgment, verdict, self.gate, model=self.model.engine.model_id, choices=item.choices
+        )
         return StageAnswer.of(verdict, judgment, item.choices)
 
 

@@ -23,6 +23,7 @@ from calibration.carry import carry
 from calibration.cascade import StageAnswer, StageResult, run_stages
 from service.cascade.remote_stage import RemoteStage
 from service.decisions import QuestionDecision, judge_questions
+from service.gate_context import GateContext
 from service.schemas import JudgeResponse
 from service.systemone import SystemOneAnswer, SystemOneQuestion, wire_answer
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from calibration import Gate, Overrides, Verdict
     from judge import Engine
     from judge.answers import Answer, Question
-    from service.gate_context import GateContext
     from service.log.decision_log import LoggedDecision
 
 __all__ = [
@@ -70,7 +70,7 @@ class LocalQuestionStage:
     name: str
     model: LocalModel
     gate: Gate
-    context: GateContext | None = None  # the server's (None: no log)
+    context: GateContext = field(default_factory=GateContext)  # the server's; else no log
     decided: tuple[Answer, Verdict] | None = None
     wire: SystemOneAnswer | None = None
     record: LoggedDecision | None = None
@@ -87,13 +87,9 @@ class LocalQuestionStage:
         self.decided, self.wire = (answer, verdict), wire_answer(answer, verdict)
         # Logged as a later stage of a judgment is: its hidden states, not its request (the
         # first stage's record replays the question).
-        if self.context is not None:
-            self.record = self.context.settle(
-                verdict,
-                self.gate,
-                model=self.model.engine.model_id,
-                features=answer.judgment.features,
-            )
+        _, self.record = self.context.answered(
+            answer, verdict, self.gate, model=self.model.engine.model_id
+        )
         return StageAnswer.of(verdict, answer.judgment, list(answer.probabilities))
 
     def response(self, *, return_prompt: bool = False) -> JudgeResponse:
@@ -206,7 +202,7 @@ def stages_for(
             continue
         gate = open_gate(mine)
         gate.check_engine(target.engine, choices=choices, field=field)
-        stages.append(LocalQuestionStage(name, target, gate, context))
+        stages.append(LocalQuestionStage(name, target, gate, context or GateContext()))
     return stages
 
 

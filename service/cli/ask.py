@@ -30,7 +30,6 @@ from calibration import (
     Gate,
     NoCertificateError,
     Overrides,
-    PolicyDefaults,
     ProfileMismatchError,
     Verdict,
 )
@@ -57,6 +56,7 @@ from service.command_line import (
     to_json,
 )
 from service.errors import BadFieldError, error_of
+from service.gate_context import NO_LOG
 from service.schemas import JudgeResponse
 
 __all__ = ["Answer", "Failure", "InputLineError", "LineError", "add_arguments", "run"]
@@ -121,15 +121,20 @@ def _asked(
 def _answer(
     judgment: Judgment,
     verdict: Verdict,
+    gate: Gate,
     item_id: Scalar | msgspec.UnsetType,
     query: Query,
     later: LaterStages | None,
 ) -> Answer:
-    """The verdict's wire form (the probabilities in the profile's order), with the line's id;
-    with a cascade, the cascade's response (``ask_cascade``)."""
+    """The response ``POST /judge`` gives (the decision core's: the probabilities in the
+    query's order, the request's), with the line's id; with a cascade, the cascade's
+    (``ask_cascade``)."""
     if later is None:
-        return msgspec.structs.replace(Answer.of(judgment, verdict), id=item_id)
-    response = later.decide(query, judgment, verdict)
+        response, _ = NO_LOG.respond(
+            judgment, verdict, gate, model=judgment.model, choices=query.choices
+        )
+    else:
+        response = later.decide(query, judgment, verdict, gate)
     return Answer(**{f: getattr(response, f) for f in JudgeResponse.__struct_fields__}, id=item_id)
 
 
@@ -137,14 +142,13 @@ def run(args: argparse.Namespace) -> int:
     """Open the gate and load the engine once, check them against each other, then judge."""
     profile = load_profile(args.profile) if args.profile else None
     try:
-        gate = Gate(
+        gate = NO_LOG.open_profile(
             profile,
-            overrides=Overrides(
+            Overrides(
                 threshold=args.threshold,
                 uncertified_threshold=args.uncertified_threshold,
                 min_choice_mass=args.min_choice_mass,
             ),
-            defaults=PolicyDefaults(),
         )
     except NoCertificateError:
         raise UsageError(
@@ -185,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         query = Query(prompt=prompt, choices=choices, system=args.system, item_span=span)
         judgment = engine.judge_batch([gate.asks(query)])[0]
         verdict = gate.decide(judgment, outside_template=outside)
-        answer = _answer(judgment, verdict, msgspec.UNSET, query, later)
+        answer = _answer(judgment, verdict, gate, msgspec.UNSET, query, later)
         sys.stdout.write(to_json(answer, indent=2) + "\n")
         return 0
     return _run_batch(args, engine, gate, profile, choices, later)
@@ -256,7 +260,7 @@ def _answer_batch(
             continue
         result = results[p.line]
         if isinstance(result, Judgment):
-            rows.append(_answer(result, next(decisions), p.id, p.query, later))
+            rows.append(_answer(result, next(decisions), gate, p.id, p.query, later))
         else:
             rows.append(_failure(p.id, p.line, result))
     return rows

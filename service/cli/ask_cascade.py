@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from calibration import CalibrationProfile, Gate, Overrides, PolicyDefaults, Verdict
+from calibration import CalibrationProfile, Gate, Overrides, Verdict
 from service import command_line as common
+from service.gate_context import NO_LOG
 from service.schemas import JudgeResponse
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class LaterStages:
                 if is_server_model(stage.target)
                 else common.profile_dtype(dtype, stage.profile),
             )
-            gate = Gate(stage.profile, overrides=self.overrides, defaults=PolicyDefaults())
+            gate = NO_LOG.open_profile(stage.profile, self.overrides)
             gate.check_engine(engine, choices=choices, field=f"--stage-profile {stage.name}")
             self.models[stage.name] = (LocalModel(engine), gate)
 
@@ -90,14 +91,18 @@ class LaterStages:
                 views.append(ServedLocal(stage.name, model, gate))
         return views
 
-    def decide(self, query: Query, judgment: Judgment, verdict: Verdict) -> JudgeResponse:
+    def decide(
+        self, query: Query, judgment: Judgment, verdict: Verdict, gate: Gate
+    ) -> JudgeResponse:
         """The cascade's response to an item the first stage judged: its own where it
         accepted, else the later stages' (``cascaded``)."""
         from calibration.cascade import StageItem
         from service.cascade.cascade_judgments import cascaded
 
         item = StageItem(query.prompt, list(query.choices), query.item_span)
-        response = JudgeResponse.of(judgment, verdict, choices=item.choices)
+        response, _ = NO_LOG.respond(
+            judgment, verdict, gate, model=judgment.model, choices=item.choices
+        )
         return cascaded(self.first, (judgment, verdict, response), self.views(), item)
 
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from calibration import CalibrationProfile, Gate, PolicyDefaults, ProfileError
+from calibration import CalibrationProfile, PolicyDefaults, ProfileError
 from judge.answers import MAX_ORDERINGS, plan_decisions
 from service.command_line import (
     UsageError,
@@ -34,6 +34,7 @@ from service.command_line import (
     to_json,
 )
 from service.decisions import judge_questions, question_overrides, with_order
+from service.gate_context import NO_LOG
 from service.profiles import ProfileStore
 from service.systemone import wire_answer
 
@@ -61,12 +62,7 @@ def run(args: argparse.Namespace) -> int:
     first = next((profile for profile, _ in profiles.values()), None)
     engine = load_engine(args, first, dtype=args.dtype)
     gates = {
-        qid: Gate(
-            profile,
-            etag=etag,
-            overrides=question_overrides(qid, questions[qid]),
-            defaults=PolicyDefaults(),
-        )
+        qid: NO_LOG.open_profile(profile, question_overrides(qid, questions[qid]), etag=etag)
         for qid, (profile, etag) in profiles.items()
     }
     judged = judge_questions(

@@ -232,8 +232,8 @@ def run_replay(args: argparse.Namespace) -> int:
     A judgment (``POST /judge``, a batch item, a shared question) is judged again; a System One
     answer's question is asked again about its state, under all its listings.
     """
-    from calibration import Gate
     from service.command_line import load_engine
+    from service.gate_context import GateContext
 
     with open_decision_log(args.log) as log:
         record = log.get(args.judgment_id)
@@ -249,7 +249,9 @@ def run_replay(args: argparse.Namespace) -> int:
     profile = etag = None
     if request.get("profile") is not None:
         profile, etag, _ = stored_profile(request["profile"], args.profiles_dir)
-    gate = Gate(profile, etag=etag, overrides=overrides, defaults=defaults)
+    # Reopened through the decision core, under the defaults the server had then.
+    context = GateContext(defaults=defaults or PolicyDefaults())
+    gate = context.open_profile(profile, overrides, etag=etag)
     engine = load_engine(args, profile)
     if "question" in request:
         judgment, verdict = _replay_question(engine, gate, request)

@@ -54,19 +54,17 @@ from service.cascade.cascade_questions import (
     records_of,
     stages_for,
 )
-from service.decisions import QuestionDecision, judge_questions, question_overrides, with_order
+from service.decisions import judge_questions, question_overrides, with_order
 from service.gate_context import GateContext
 from service.log.decision_log import (
     DecisionLog,
     DecisionLogError,
     LoggedDecision,
-    replayable_query,
     replayable_question,
     with_cascade,
 )
 from service.log.shift_watch import ShiftWatch
 from service.profiles import ProfileStore
-from service.schemas import JudgeResponse
 
 __all__ = ["create_server"]
 
@@ -227,22 +225,10 @@ def create_server(
                 # The gate asks for what its profile reads: the probe's layers, its adapter.
                 judgment = engine.judge_batch([gate.asks(query)])[0]
             verdict = gate.decide(judgment, outside_template=outside)
-            keep(
-                [
-                    context.settle(
-                        verdict,
-                        gate,
-                        model=engine.model_id,
-                        features=judgment.features,
-                        request=functools.partial(replayable_query, query, gate),
-                    )
-                ]
+            response, record = context.respond(
+                judgment, verdict, gate, model=engine.model_id, query=query, choices=choices
             )
-            response = JudgeResponse.of(
-                judgment,
-                verdict,
-                choices=choices,
-            )
+            keep([record])
         return _plain(response)
 
     decide_about = (
@@ -323,14 +309,13 @@ def create_server(
             )
         decided, records = {}, []
         for qid, (answer, verdict) in judged.items():
-            mine = context.settle(
+            decided[qid], mine = context.answered(
+                answer,
                 verdict,
                 gates[qid],
                 model=engine.model_id,
-                features=answer.judgment.features,
                 request=functools.partial(replayable_question, state, qid, asked[qid], gates[qid]),
             )
-            decided[qid] = QuestionDecision(answer, verdict)
             if qid in later:
                 item, stages = later[qid]
                 decided[qid] = escalated(stage_name, (answer, verdict), stages, item)

@@ -27,7 +27,7 @@ from service.errors import (
     UnprocessableError,
     error_of,
 )
-from service.log.decision_log import LoggedDecision, replayable_query
+from service.log.decision_log import LoggedDecision
 from service.schemas import (
     BatchItem,
     BatchResponse,
@@ -177,21 +177,17 @@ class JudgeServing:
         joins ``records``."""
         verdict = plan.gate.decide(result, outside_template=plan.outside_template)
         self.service.metrics.decisions.labels(verdict.decision).inc()
-        record = self.service.gates.settle(
+        response, record = self.service.gates.respond(
+            result,
             verdict,
             plan.gate,
             model=engine.model_id,
-            features=result.features,
-            request=lambda: replayable_query(plan.query, plan.gate),
-        )
-        if record is not None:
-            records.append(record)
-        response = JudgeResponse.of(
-            result,
-            verdict,
+            query=plan.query,
             choices=request.choices,  # the verdict keeps the profile's order; this, the request's
             return_prompt=request.return_prompt,
         )
+        if record is not None:
+            records.append(record)
         return response, verdict
 
     async def _items(

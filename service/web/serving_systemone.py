@@ -167,15 +167,14 @@ class SystemOneServing:
             gate = gates[qid]
             verdict = gate.decide_answer(answer)
             self.service.metrics.decisions.labels(verdict.decision).inc()
-            record = self.service.gates.settle(
+            decided[qid], record = self.service.gates.answered(
+                answer,
                 verdict,
                 gate,
                 model=engine.model_id,
-                features=answer.judgment.features,
                 request=functools.partial(replayable_question, state, qid, asked[qid], gate),
             )
             mine = [] if record is None else [record]
-            decided[qid] = QuestionDecision(answer, verdict)
             if cascade is not None:
                 from service.cascade.cascade_questions import QuestionItem
 
