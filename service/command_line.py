@@ -32,10 +32,12 @@ __all__ = [
     "UsageError",
     "audit_rates",
     "choice_paths_argument",
+    "choice_value",
     "fit_settings",
     "load_engine",
     "load_profile",
     "model_arguments",
+    "non_negative",
     "open_probability",
     "positive_int",
     "probability",
@@ -86,6 +88,25 @@ def positive_number(text: str) -> float:
     if not (value > 0 and value != float("inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def non_negative(text: str) -> float:
+    """An argparse type for a finite number >= 0 (a score's bound on its spread)."""
+    value = _number(text, "a number >= 0")
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def choice_value(text: str) -> tuple[str, float]:
+    """An argparse type for ``CHOICE=NUMBER``: a score's number for one choice."""
+    name, sep, number = text.rpartition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"give CHOICE=NUMBER, got {text!r}")
+    value = _number(number, "a number")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {number}")
+    return name, value
 
 
 def audit_rate(text: str) -> tuple[str | None, float]:

@@ -33,6 +33,7 @@ import msgspec
 
 from calibration.gate import Gate, Overrides
 from calibration.policy import Hold, PolicyDefaults, Verdict
+from judge.scores import check_values
 from service.decisions import QuestionDecision
 from service.log.decision_log import LoggedDecision, replayable_query
 from service.log.logged_features import LoggedFeatures, log_layers
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from judge.protocol import Query
     from service.profiles import ProfileStore
 
-__all__ = ["NO_LOG", "GateContext"]
+__all__ = ["NO_LOG", "GateContext", "scored"]
 
 # Gates kept open, most recently used last: a profile's version under one set of overrides
 # is one gate, opened once (its policy resolved, its checks against the engine made once).
@@ -90,16 +91,26 @@ class GateContext:
             profile.feature_layers, profile.fingerprint.num_layers, enabled=self.log_features
         )
 
-    def open(self, name: str | None, overrides: Overrides | None = None) -> Gate:
+    def open(
+        self,
+        name: str | None,
+        overrides: Overrides | None = None,
+        *,
+        version: tuple[CalibrationProfile, str] | None = None,
+    ) -> Gate:
         """The gate of a request naming profile ``name`` (None: the defaults alone): the
         stored version and its ETag. Raises the store's ProfileError; no model work.
 
         A gate depends on nothing else (the defaults, audit rates and logged layers are the
         server's), so the gate of a version under the same overrides is opened once and kept
         (``OPEN_GATES`` of them): every request under it shares its resolved policy and the
-        checks it has passed. A new version (another ETag) is another gate."""
+        checks it has passed. A new version (another ETag) is another gate. ``version``: the
+        profile and ETag the request read already (an item alone, rendered in that version's
+        template), so that one version serves it end to end."""
         if name is None:
             profile, etag = None, None
+        elif version is not None:  # read already: the item's template came from this version
+            profile, etag = version
         elif self.store is None:  # the command line's context: it opens profiles it read
             raise LookupError(f"no profile store to read profile {name!r} from")
         else:
@@ -212,3 +223,14 @@ class GateContext:
 # The command line's context (judge ask, decide, replay and their cascades' stages): no store
 # (it opens the profiles it read from files), the built-in defaults, no audit, no log.
 NO_LOG = GateContext()
+
+
+def scored(overrides: Overrides, choices: Sequence[str], *, profile: str | None) -> Overrides:
+    """``overrides`` with a score's ``values`` checked against ``choices`` (in their order),
+    and the numerals' values where ``max_std`` is asked without a profile (whose own values
+    would serve); every front's, before any model work. Raises ``ValuesError`` naming
+    ``values``."""
+    if overrides.values is None and (overrides.max_std is None or profile is not None):
+        return overrides
+    values = check_values(overrides.values, choices)
+    return msgspec.structs.replace(overrides, values=values)

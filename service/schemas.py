@@ -149,6 +149,10 @@ class ItemRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
     min_choice_mass: Probability | None = None
     return_prompt: bool = False
+    # A score's, as a whole request's (JudgeRequest): a number per choice, and the bound on
+    # the standard deviation.
+    values: dict[str, float] | None = None
+    max_std: Annotated[float, Meta(ge=0.0)] | None = None
 
     def judge_request(
         self, prompt: str, item_span: tuple[int, int] | None, choices: list[str], system: str | None

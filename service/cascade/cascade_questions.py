@@ -41,6 +41,7 @@ __all__ = [
     "RemoteQuestionStage",
     "asked_as",
     "escalated",
+    "opened_stages",
     "records_of",
     "stages_for",
 ]
@@ -177,6 +178,34 @@ def escalated(
     )
 
 
+def opened_stages(
+    cascade: Mapping[str, LocalModel | str],
+    profile: str | None,
+    overrides: Overrides,
+    open_gate: Callable[[str | None], Gate],
+    *,
+    choices: Sequence[str],
+    field: str,
+    api_key: str | None = None,
+) -> list[tuple[str, RemoteStage | tuple[LocalModel, Gate]]]:
+    """Each later stage of ``cascade`` (by name: a loaded model, or another judge server's
+    URL) under a request's ``profile`` P (stage NAME's is "P-NAME") and ``overrides``, before
+    any model work: a remote one as that server is asked (``api_key``: a fleet's servers share
+    theirs), a local one's model and its gate, opened by ``open_gate`` and checked against its
+    model and ``choices`` (a mismatch names ``field``). Every front's cascade, for judgments
+    (``cascade_judgments.judgment_stages``) and typed questions (``stages_for``) alike."""
+    opened: list[tuple[str, RemoteStage | tuple[LocalModel, Gate]]] = []
+    for name, target in cascade.items():
+        mine = None if profile is None else f"{profile}-{name}"
+        if isinstance(target, str):
+            opened.append((name, RemoteStage.under(name, target, mine, overrides, api_key)))
+            continue
+        gate = open_gate(mine)
+        gate.check_engine(target.engine, choices=choices, field=field)
+        opened.append((name, (target, gate)))
+    return opened
+
+
 def stages_for(
     cascade: Mapping[str, LocalModel | str],
     profile: str | None,
@@ -188,22 +217,17 @@ def stages_for(
     context: GateContext | None = None,
     api_key: str | None = None,
 ) -> list[QuestionStage]:
-    """Each later stage of ``cascade`` (by name: a loaded model, or another judge server's
-    URL) for a question under ``profile`` P (stage NAME's is "P-NAME") and ``overrides``: a
-    local one's gate opened by ``open_gate`` and checked against its model and ``choices``
-    (a mismatch names ``field``), before any model work. ``judge mcp --cascade``'s."""
-    stages: list[QuestionStage] = []
-    for name, target in cascade.items():
-        mine = None if profile is None else f"{profile}-{name}"
-        if isinstance(target, str):
-            stages.append(
-                RemoteQuestionStage(RemoteStage.under(name, target, mine, overrides, api_key))
-            )
-            continue
-        gate = open_gate(mine)
-        gate.check_engine(target.engine, choices=choices, field=field)
-        stages.append(LocalQuestionStage(name, target, gate, context or GateContext()))
-    return stages
+    """A question's later stages (``opened_stages``), each local one's decisions settled
+    through ``context`` (a server's: its log; None: no log)."""
+    opened = opened_stages(
+        cascade, profile, overrides, open_gate, choices=choices, field=field, api_key=api_key
+    )
+    return [
+        RemoteQuestionStage(seen)
+        if isinstance(seen, RemoteStage)
+        else LocalQuestionStage(name, *seen, context or GateContext())
+        for name, seen in opened
+    ]
 
 
 def asked_as(question: Question, overrides: Overrides) -> SystemOneQuestion:
@@ -214,5 +238,6 @@ def asked_as(question: Question, overrides: Overrides) -> SystemOneQuestion:
 
 
 def records_of(stages: Sequence[object]) -> list[LoggedDecision]:
-    """The log records the local stages among ``stages`` made (with a log)."""
-    return [s.record for s in stages if isinstance(s, LocalQuestionStage) and s.record]
+    """The log records the local stages among ``stages`` made (with a log), a judgment's
+    (``ServedLocal``) or a question's (``LocalQuestionStage``); a remote stage keeps none."""
+    return [record for s in stages if (record := getattr(s, "record", None)) is not None]

@@ -48,15 +48,17 @@ from service.cli import ask_cascade
 from service.cli.ask_cascade import LaterStages
 from service.command_line import (
     UsageError,
+    choice_value,
     load_engine,
     load_profile,
     model_arguments,
+    non_negative,
     positive_int,
     probability,
     to_json,
 )
 from service.errors import BadFieldError, error_of
-from service.gate_context import NO_LOG
+from service.gate_context import NO_LOG, scored
 from service.schemas import JudgeResponse
 
 __all__ = ["Answer", "Failure", "InputLineError", "LineError", "add_arguments", "run"]
@@ -141,15 +143,20 @@ def _answer(
 def run(args: argparse.Namespace) -> int:
     """Open the gate and load the engine once, check them against each other, then judge."""
     profile = load_profile(args.profile) if args.profile else None
+    overrides = Overrides(
+        threshold=args.threshold,
+        uncertified_threshold=args.uncertified_threshold,
+        min_choice_mass=args.min_choice_mass,
+        max_std=args.max_std,
+        values=dict(args.value) if args.value else None,
+    )
+    if overrides.values is not None or overrides.max_std is not None:
+        scale = args.choice or (profile.choices if profile else None)
+        if scale is None:
+            raise UsageError("--value and --max-std score the choices: give them (--choice)")
+        overrides = scored(overrides, scale, profile=None if profile is None else profile.name)
     try:
-        gate = NO_LOG.open_profile(
-            profile,
-            Overrides(
-                threshold=args.threshold,
-                uncertified_threshold=args.uncertified_threshold,
-                min_choice_mass=args.min_choice_mass,
-            ),
-        )
+        gate = NO_LOG.open_profile(profile, overrides)
     except NoCertificateError:
         raise UsageError(
             f"--threshold {args.threshold:g} overrides a profile's certified threshold, and "
@@ -447,6 +454,19 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         type=probability,
         help="escalate when the choices' share of the next-token distribution is below this "
         "(default: the profile's; 0 without a profile)",
+    )
+    ask.add_argument(
+        "--value",
+        type=choice_value,
+        action="append",
+        metavar="CHOICE=NUMBER",
+        help="a score: each choice's number (repeat for each; default for numeral choices: the "
+        "numerals), so that the answer carries the expected value and its standard deviation",
+    )
+    ask.add_argument(
+        "--max-std",
+        type=non_negative,
+        help="a score: escalate when the standard deviation is above this (default: the profile's)",
     )
     ask.add_argument(
         "--item",

@@ -98,9 +98,10 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         action="append",
         default=None,
         metavar="NAME=MODEL|URL",
-        help="a later stage of decide's cascade, in order: a question the stages before it "
-        "escalate goes to it, under the profile P-NAME (a model loaded here, or another "
-        "judge server's URL), as judge serve --cascade sends it",
+        help="a later stage of the cascade, in order: a judgment (the judge tool) or a "
+        "question (decide) the stages before it escalate goes to it, under the profile P-NAME "
+        "(a model loaded here, or another judge server's URL), as judge serve --cascade "
+        "sends it",
     )
     mcp.add_argument(
         "--stage-name", default="local", help="this server's model's name as the first stage"

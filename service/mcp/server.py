@@ -43,9 +43,11 @@ from calibration import (
     PolicyDefaults,
     ProfileError,
 )
+from calibration.cascade import StageItem
 from judge import Engine, JudgeError, Query
 from judge.answers import MAX_ORDERINGS, Question, plan_decisions
 from judge.judgments import item_span_of
+from service.cascade.cascade_judgments import cascaded, judgment_stages
 from service.cascade.cascade_questions import (
     LocalModel,
     QuestionItem,
@@ -55,7 +57,7 @@ from service.cascade.cascade_questions import (
     stages_for,
 )
 from service.decisions import judge_questions, question_overrides, with_order
-from service.gate_context import GateContext
+from service.gate_context import GateContext, scored
 from service.log.decision_log import (
     DecisionLog,
     DecisionLogError,
@@ -101,9 +103,10 @@ def create_server(
     ``audit_rates``) marks that share of decisions for people to label.
 
     With ``cascade`` (later stages by name, in order: a loaded model, or another judge
-    server's URL), a question ``decide`` escalates goes to each later stage in turn as the
-    same question (``service.cascade.cascade_questions``), under the profile "P-NAME" where the
-    question's is P, as ``judge serve --cascade`` sends it; ``engine`` is the first stage,
+    server's URL), a judgment the ``judge`` tool escalates goes to each later stage in turn
+    (``service.cascade.cascade_judgments``), and a question ``decide`` escalates as the same
+    question (``service.cascade.cascade_questions``), under the profile "P-NAME" where the
+    request's is P, as ``judge serve --cascade`` sends them; ``engine`` is the first stage,
     ``stage_name``.
     """
     defaults = defaults or PolicyDefaults()
@@ -137,10 +140,26 @@ def create_server(
         if watch is not None:
             watch.logged(rows)
 
-    def gate_of(name: str | None, field: str, overrides: Overrides | None = None) -> Gate:
-        """A call's gate (``GateContext.open``), a missing profile a ToolError naming ``field``."""
+    def gate_of(
+        name: str | None,
+        field: str,
+        overrides: Overrides | None = None,
+        version: tuple[CalibrationProfile, str] | None = None,
+    ) -> Gate:
+        """A call's gate (``GateContext.open``; on ``version`` where the call read it
+        already), a missing profile a ToolError naming ``field``."""
         try:
-            return context.open(name, overrides)
+            return context.open(name, overrides, version=version)
+        except ProfileError as exc:
+            names = ", ".join(store.names()) or "none"
+            raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
+
+    def version_of(name: str | None, field: str) -> tuple[CalibrationProfile, str] | None:
+        """The stored version a call's profile names (None: no profile), read once."""
+        if name is None:
+            return None
+        try:
+            return store.get_tagged(name)
         except ProfileError as exc:
             names = ", ".join(store.names()) or "none"
             raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
@@ -195,6 +214,30 @@ def create_server(
                 "escalating",
             ),
         ] = None,
+        min_choice_mass: Annotated[
+            float | None,
+            Field(
+                ge=0.0,
+                le=1.0,
+                description="escalate when the choices' share of the next-token distribution "
+                "is below this (default: the profile's, else the server's)",
+            ),
+        ] = None,
+        values: Annotated[
+            dict[str, float] | None,
+            Field(
+                description="a score: each choice's number (default for numeral choices: the "
+                "numerals), so that the answer carries the expected value and its spread"
+            ),
+        ] = None,
+        max_std: Annotated[
+            float | None,
+            Field(
+                ge=0.0,
+                description="a score: escalate when the standard deviation is above this "
+                "(default: the profile's)",
+            ),
+        ] = None,
         item: Annotated[
             str | None,
             Field(
@@ -206,9 +249,9 @@ def create_server(
         ] = None,
     ) -> dict[str, Any]:
         with _tool_errors():
-            overrides = Overrides(threshold=threshold, uncertified_threshold=uncertified_threshold)
-            gate = gate_of(profile, "profile", overrides)
-            fitted = gate.profile
+            # The profile read once: the item's template and the certificate are one version's.
+            version = version_of(profile, "profile")
+            fitted = None if version is None else version[0]
             if prompt is None:
                 # The item alone: rendered in its profile's prompt, its span marked by
                 # construction, between the profile's choices (as POST /judge's ItemRequest).
@@ -216,6 +259,25 @@ def create_server(
             else:
                 choices = choices if choices is not None else _choices_of(fitted)
                 span = None if item is None else item_span_of(prompt, item)
+            overrides = Overrides(
+                threshold=threshold,
+                uncertified_threshold=uncertified_threshold,
+                min_choice_mass=min_choice_mass,
+                max_std=max_std,
+                values=values,
+            )
+            overrides = scored(overrides, choices, profile=profile)
+            gate = gate_of(profile, "profile", overrides, version)
+            # Each later stage's gate opened and checked before any model work.
+            later = judgment_stages(
+                cascade or {},
+                profile,
+                overrides,
+                functools.partial(gate_of, field="profile", overrides=overrides),
+                choices=choices,
+                field="profile",
+                context=context,
+            )
             with model_lock:
                 gate.check_engine(engine, system=system, choices=choices)
                 # A profile fitted on a task: the prompt must mark its item, and is flagged
@@ -228,7 +290,14 @@ def create_server(
             response, record = context.respond(
                 judgment, verdict, gate, model=engine.model_id, query=query, choices=choices
             )
-            keep([record])
+            records = [] if record is None else [record]
+            if later:  # what this engine escalated goes to the later stages, in turn
+                asked = StageItem(query.prompt, list(choices), query.item_span)
+                response = cascaded(stage_name, (judgment, verdict, response), later, asked)
+                records = with_cascade(
+                    records + records_of(later), response.decided_by, response.cascade or []
+                )
+            keep(records)
         return _plain(response)
 
     decide_about = (

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import anyio.to_thread
 
-from calibration import Gate, Overrides, Verdict
+from calibration import Gate, Overrides, ProfileError, Verdict
 from calibration.cascade import StageItem, StageResult
 from judge import Judgment
 from judge.answers import Answer
@@ -32,6 +32,7 @@ from service.cascade.cascade_questions import (
     QuestionStage,
     RemoteQuestionStage,
     escalated,
+    opened_stages,
 )
 from service.cascade.remote_stage import RemoteStage, is_remote
 from service.decisions import QuestionDecision
@@ -97,25 +98,32 @@ class CascadeServing:
     def _opened(
         self, profile: str | None, overrides: Overrides, choices: Sequence[str], field: str
     ) -> list[tuple[str, RemoteStage | tuple[LocalModel, Gate, GateContext]]]:
-        """Each later stage under a request's ``profile`` (P: stage NAME's is "P-NAME") and
-        ``overrides``: a remote one as that server is asked, a local one's model, its gate
-        (opened and checked against its engine here) and the server's gate context."""
+        """Each later stage under a request's ``profile`` and ``overrides``
+        (``opened_stages``: a fleet's servers share this one's key), a local one with the
+        server's gate context."""
         config = self.service.config
-        opened: list[tuple[str, RemoteStage | tuple[LocalModel, Gate, GateContext]]] = []
-        for name, target in config.cascade.items():
-            mine = None if profile is None else f"{profile}-{name}"
-            if is_remote(target):
-                # A fleet's servers share their key.
-                opened.append(
-                    (name, RemoteStage.under(name, target, mine, overrides, config.api_key))
-                )
-                continue
-            model = self.local[name]
-            gate = self.service.open_gate(
-                model.engine, mine, overrides, choices=choices, field=field
-            )
-            opened.append((name, (model, gate, self.service.gates)))
-        return opened
+        targets = {name: self.local.get(name, target) for name, target in config.cascade.items()}
+
+        def open_gate(mine: str | None) -> Gate:
+            try:
+                return self.service.gates.open(mine, overrides)
+            except ProfileError as exc:  # no such profile: error_of reads the field
+                exc.field = field  # type: ignore[attr-defined]
+                raise
+
+        opened = opened_stages(
+            targets,
+            profile,
+            overrides,
+            open_gate,
+            choices=choices,
+            field=field,
+            api_key=config.api_key,
+        )
+        return [
+            (name, seen if isinstance(seen, RemoteStage) else (*seen, self.service.gates))
+            for name, seen in opened
+        ]
 
     async def escalate(
         self,

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import anyio.to_thread
 
 from calibration import (
+    CalibrationProfile,
     Gate,
     Overrides,
     ProfileError,
@@ -339,13 +340,15 @@ class ServiceCore:
         template: Query | None = None,
         choices: Sequence[str] | None = None,
         field: str | None = None,
+        version: tuple[CalibrationProfile, str] | None = None,
     ) -> Gate:
-        """The gate of a request: its profile (the stored version, by name), its overrides
+        """The gate of a request: its profile (the stored version, by name, or ``version``
+        where the request read it already), its overrides
         and this server's defaults and audit rate; the profile checked against the engine
         (for ``template``'s system and response prefix and suffix) and ``choices``. A
         refusal names ``field`` where given. No model work, no tokenizing."""
         try:
-            gate = self.gates.open(name, overrides)
+            gate = self.gates.open(name, overrides, version=version)
             gate.check_engine(
                 engine,
                 system=template.system if template else None,

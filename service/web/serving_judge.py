@@ -12,14 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from calibration import Gate, Overrides, Verdict
+from calibration import CalibrationProfile, Gate, Overrides, Verdict
 from calibration.cascade import StageItem
 from calibration.gate import fitted_template
 from judge import Engine, JudgeError, Judgment, Prepared, Query
 from judge.engine import shared_query
-from judge.scores import check_values
 from service.errors import (
     DeadlineError,
     QueueFullError,
@@ -27,6 +24,7 @@ from service.errors import (
     UnprocessableError,
     error_of,
 )
+from service.gate_context import scored
 from service.log.decision_log import LoggedDecision
 from service.schemas import (
     BatchItem,
@@ -69,9 +67,9 @@ class JudgeServing:
 
     async def judge(self, body: JudgeRequest | ItemRequest, ticket: Ticket) -> JudgeResponse:
         engine = self.service.engine()
-        request = self._whole(body)
+        request, version = self._whole(body)
         query = request.query()
-        plan = self._plan(engine, request, query)
+        plan = self._plan(engine, request, query, version)
         (prepared,) = await self.service.prepare(engine, [plan.query])
         if not isinstance(prepared, Prepared):
             raise prepared
@@ -98,39 +96,46 @@ class JudgeServing:
         await self.service.append_to_log(records)
         return BatchResponse(results=list(results))
 
-    def _whole(self, request: JudgeRequest | ItemRequest) -> JudgeRequest:
+    def _whole(
+        self, request: JudgeRequest | ItemRequest
+    ) -> tuple[JudgeRequest, tuple[CalibrationProfile, str] | None]:
         """The whole request an item alone stands for: its profile's template around it (the
-        prompt the profile was fitted on), the item's span marked, the profile's choices. No
-        model work."""
+        prompt the profile was fitted on), the item's span marked, the profile's choices; and
+        the profile's version it read, which its gate opens on (the store is read once: a
+        profile stored in between cannot render the item in one version's template and
+        decide it under another's certificate). No model work."""
         if isinstance(request, JudgeRequest):
-            return request
+            return request, None
         if request.profile is None:
             raise UnprocessableError(
                 "profile",
                 "an item alone is judged in the prompt its profile was fitted on: name the "
                 "profile (one fitted on a task, as judge calibrate --task fits it)",
             )
-        profile, _ = self.service.store.get_tagged(request.profile)
+        profile, etag = self.service.store.get_tagged(request.profile)
         template = fitted_template(profile)
         prompt, span = template.render(request.item)
-        return request.judge_request(prompt, span, list(profile.choices), template.system)
+        whole = request.judge_request(prompt, span, list(profile.choices), template.system)
+        return whole, (profile, etag)
 
     def _plan(
         self,
         engine: Engine,
         request: JudgeRequest | SharedQuestion,
         query: Query,
+        version: tuple[CalibrationProfile, str] | None = None,
     ) -> _Plan:
-        """Open the request's gate and ask for a probe's layers: no model work, no tokenizing."""
-        overrides = Overrides.of(request)
-        if overrides.values is not None or (
-            overrides.max_std is not None and request.profile is None
-        ):
-            # numerals by default; refused here, naming the field, before any model work
-            values = check_values(overrides.values, request.choices)
-            overrides = msgspec.structs.replace(overrides, values=values)
+        """Open the request's gate (on ``version`` where the request read it already) and ask
+        for a probe's layers: no model work, no tokenizing."""
+        # A score's values: numerals by default; refused here, naming the field.
+        overrides = scored(Overrides.of(request), request.choices, profile=request.profile)
         gate = self.service.open_gate(
-            engine, request.profile, overrides, template=query, choices=request.choices
+            engine,
+            request.profile,
+            overrides,
+            template=query,
+            choices=request.choices,
+            version=version,
         )
         later = None if self.cascade is None else self.cascade.plan(request)
         # A whole prompt to a profile fitted on a task must mark its item, and is flagged when
@@ -203,8 +208,8 @@ class JudgeServing:
         plans: list[tuple[JudgeRequest, _Plan] | Exception] = []
         for item in items:
             try:
-                whole = self._whole(item)
-                plans.append((whole, self._plan(engine, whole, whole.query())))
+                whole, version = self._whole(item)
+                plans.append((whole, self._plan(engine, whole, whole.query(), version)))
             except Exception as exc:  # _item decides: a 4xx in its place, else it fails all
                 plans.append(exc)
         planned = [p for p in plans if not isinstance(p, Exception)]

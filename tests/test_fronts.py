@@ -1,0 +1,196 @@
+"""Three fronts, one answer: the same request through ``POST /judge``, a batch item, ``judge
+ask`` and the MCP ``judge`` tool gives the same response, field for field, under each override
+every front takes and with a cascade.
+
+Every front translates its request into the decision core's (``service.gate_context``) and its
+response out of it, so nothing may differ but what names the one judgment (its id, its
+latency). The server runs on the built-in defaults, which are ``judge ask``'s too. On the real
+default model: one prompt is one pass's bits on every route (the batch-invariant arithmetic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from litestar.testing import TestClient
+from server import wait_app_ready as wait_ready
+
+from calibration import CalibrationProfile, FitSettings, PolicyDefaults, fit_profile, save_profile
+from judge import Judge
+from service import ServiceConfig, create_app
+from service.cli.main import main
+from service.profiles import ProfileStore
+
+PROMPT = "Is this SMS spam? WINNER!! Claim your free prize now, text WIN to 80082."
+CHOICES = ["spam", "ham"]
+GRADES = ["1", "2", "3"]
+GRADED = "On a scale of 1 to 3, how urgent is this ticket? My card was charged twice today."
+# What names the one judgment, and nothing else: every other field must agree.
+OWN = {"judgment_id", "latency_ms"}
+# A remote later stage nobody listens on: an escalated item reaches it and fails there, the
+# same way on every front (a stage that fails is an escalation with a reason code).
+DEAD = "http://127.0.0.1:9"
+
+# Each case: the request's fields (profile included or not), and judge ask's flags for them.
+CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "profile": ({"profile": "sms"}, []),
+    "threshold": ({"profile": "sms", "threshold": 0.6}, ["--threshold", "0.6"]),
+    "min_choice_mass": (
+        {"profile": "sms", "min_choice_mass": 0.5},
+        ["--min-choice-mass", "0.5"],
+    ),
+    "uncertified_threshold": (
+        {"uncertified_threshold": 0.55},
+        ["--uncertified-threshold", "0.55"],
+    ),
+    "values and max_std": (
+        {"prompt": GRADED, "choices": GRADES, "values": {"1": 1, "2": 2, "3": 5}, "max_std": 0.8},
+        ["--value", "1=1", "--value", "2=2", "--value", "3=5", "--max-std", "0.8"],
+    ),
+    "the request's order": ({"profile": "sms", "choices": ["ham", "spam"]}, []),
+}
+
+
+@pytest.fixture(scope="module")
+def profiles(judge: Judge, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A temperature profile for the real engine, fitted on synthetic scores with a clear
+    signal (so it certifies a threshold)."""
+    rng = np.random.default_rng(3)
+    y = rng.integers(0, 2, 600)
+    margin = rng.normal(np.where(y == 0, 2.5, -2.5), 1.5)
+    z = np.stack([margin / 2, -margin / 2], axis=1)
+    z = z - np.logaddexp(z[:, :1], z[:, 1:])
+    profile: CalibrationProfile = fit_profile(
+        "sms",
+        z,
+        y,
+        CHOICES,
+        fingerprint=judge.fingerprint(),
+        dataset="synthetic",
+        dataset_sha256="0" * 64,
+        settings=FitSettings(methods=["temperature"]),
+    )
+    assert profile.threshold.threshold is not None
+    folder = tmp_path_factory.mktemp("profiles")
+    save_profile(profile, folder / "sms.json")
+    return folder
+
+
+def _request(fields: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt": PROMPT, "choices": CHOICES, **fields}
+
+
+def _same(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer without what names its one judgment (a cascade's parts too)."""
+    kept = {key: value for key, value in answer.items() if key not in OWN}
+    if kept.get("cascade") is not None:
+        kept["cascade"] = [_part(part) for part in kept["cascade"]]
+    return kept
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    """A cascade's part without its judgment's own: a stage's answer also counts the tokens
+    its pass computed, fewer where the prefix cache held the prompt (a route asked after
+    another)."""
+    kept = {key: value for key, value in part.items() if key not in OWN}
+    if kept.get("answer") is not None:
+        own = OWN | {"computed_tokens"}
+        kept["answer"] = {k: v for k, v in kept["answer"].items() if k not in own}
+    return kept
+
+
+def _ask_argv(request: dict[str, Any], flags: list[str], profiles: Path) -> list[str]:
+    argv = ["ask", request["prompt"]]
+    for choice in request["choices"]:
+        argv += ["--choice", choice]
+    if "profile" in request:
+        argv += ["--profile", str(profiles / f"{request['profile']}.json")]
+    return argv + flags
+
+
+def _through_every_front(
+    judge: Judge,
+    profiles: Path,
+    request: dict[str, Any],
+    flags: list[str],
+    capsys: pytest.CaptureFixture[str],
+    cascade: dict[str, str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    answers: dict[str, dict[str, Any]] = {}
+    config = ServiceConfig(profiles_dir=profiles, cascade=cascade or {})
+    with TestClient(app=create_app(judge, config=config)) as client:
+        wait_ready(client)
+        judged = client.post("/judge", json=request)
+        assert judged.status_code == 200, judged.text
+        answers["POST /judge"] = judged.json()
+        other = {"prompt": "Is 7 a prime number?", "choices": ["yes", "no"]}
+        batch = client.post("/judge/batch", json={"items": [other, request]})
+        assert batch.status_code == 200, batch.text
+        answers["batch item"] = batch.json()["results"][1]
+
+    stages = [f"--cascade=big={target}" for target in (cascade or {}).values()]
+    capsys.readouterr()
+    assert main(_ask_argv(request, flags, profiles) + stages) == 0
+    answers["judge ask"] = json.loads(capsys.readouterr().out)
+
+    from service.mcp.server import create_server
+
+    server = create_server(
+        judge, ProfileStore(profiles), defaults=PolicyDefaults(), cascade=cascade or {}
+    )
+    result: Any = asyncio.run(server.call_tool("judge", request))
+    assert not result.is_error, result.content
+    answers["MCP judge"] = result.structured_content
+    return answers
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_front_gives_the_same_answer(
+    judge: Judge,
+    profiles: Path,
+    capsys: pytest.CaptureFixture[str],
+    loaded_once: list[dict[str, object]],
+    case: str,
+) -> None:
+    fields, flags = CASES[case]
+    request = _request(fields)
+    answers = _through_every_front(judge, profiles, request, flags, capsys)
+    expected = _same(answers["POST /judge"])
+    # The request's order of choices, on every front.
+    assert list(expected["probabilities"]) == request["choices"]
+    for front, answer in answers.items():
+        assert _same(answer) == expected, front
+    if "max_std" in request:
+        assert expected["expected_value"] is not None and expected["std"] is not None
+    # Each override is in force, not only passed along.
+    if "threshold" in request:
+        assert expected["threshold"] == 0.6 and expected["certified"] is False
+    if "min_choice_mass" in request:
+        assert "low_choice_mass" in expected["reason_codes"]
+    if "uncertified_threshold" in request:
+        assert expected["threshold"] == 0.55 and expected["certified"] is False
+
+
+def test_every_front_cascades_the_same_way(
+    judge: Judge,
+    profiles: Path,
+    capsys: pytest.CaptureFixture[str],
+    loaded_once: list[dict[str, object]],
+) -> None:
+    """With a cascade whose later stage is down: the first stage escalates (the choices'
+    share of the next token is far below 0.9), the stage fails, and every front says so in
+    the same words."""
+    request = _request({"profile": "sms", "min_choice_mass": 0.9})
+    answers = _through_every_front(
+        judge, profiles, request, ["--min-choice-mass", "0.9"], capsys, cascade={"big": DEAD}
+    )
+    expected = _same(answers["POST /judge"])
+    assert expected["decision"] == "escalate" and expected.get("decided_by") is None
+    assert [part["stage"] for part in expected["cascade"]] == ["local", "big"]
+    for front, answer in answers.items():
+        assert _same(answer) == expected, front
