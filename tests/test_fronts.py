@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from litestar.testing import TestClient
@@ -194,3 +195,47 @@ def test_every_front_cascades_the_same_way(
     assert [part["stage"] for part in expected["cascade"]] == ["local", "big"]
     for front, answer in answers.items():
         assert _same(answer) == expected, front
+
+
+def test_an_item_alone_reads_its_profile_once(
+    judge: Judge,
+    profiles: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An item sent alone is rendered in its profile's template and decided under its
+    certificate: one read of the store, so a version stored in between cannot split the two
+    (the template of one version, the certificate of another). The same on every front that
+    takes an item alone, and the answers agree."""
+    from calibration import load_profile
+    from calibration.template import PromptTemplate
+
+    template = PromptTemplate(before="Is this SMS spam? ", after="\nAnswer spam or ham.")
+    task = msgspec.structs.replace(load_profile(profiles / "sms.json"), template=template)
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    save_profile(task, folder / "sms.json")
+    reads: list[str] = []
+    original = ProfileStore.get_tagged
+
+    def counted(self: ProfileStore, name: str) -> tuple[CalibrationProfile, str]:
+        reads.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(ProfileStore, "get_tagged", counted)
+    request = {"profile": "sms", "item": "WINNER!! Claim your free prize now."}
+    with TestClient(app=create_app(judge, config=ServiceConfig(profiles_dir=folder))) as client:
+        wait_ready(client)
+        reads.clear()
+        judged = client.post("/judge", json=request)
+        assert judged.status_code == 200, judged.text
+        assert reads == ["sms"]
+    from service.mcp.server import create_server
+
+    server = create_server(judge, ProfileStore(folder), defaults=PolicyDefaults())
+    reads.clear()
+    result: Any = asyncio.run(server.call_tool("judge", request))
+    assert not result.is_error, result.content
+    assert reads == ["sms"]
+    assert _same(result.structured_content) == _same(judged.json())
+    assert judged.json()["certified"] is True and "outside_template" not in judged.json()
