@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast, get_args
 
@@ -23,13 +24,17 @@ from judge.fingerprint import CHOICE_PATHS
 from judge.limits import DType
 from judge.protocol import Engine
 from judge.server_engine import is_server_model
+from service.config import FlagKind, ServiceConfig, flags
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
 
 __all__ = [
     "DTYPES",
+    "SETTING_TYPES",
     "UsageError",
+    "add_settings",
+    "api_key",
     "audit_rates",
     "choice_paths_argument",
     "choice_value",
@@ -43,6 +48,7 @@ __all__ = [
     "probability",
     "profile_dtype",
     "seconds",
+    "settings_of",
     "task_arguments",
     "to_json",
 ]
@@ -271,6 +277,96 @@ def audit_rates(given: list[tuple[str | None, float]]) -> dict[str, Any]:
         else:
             rates[name] = rate
     return {"audit_rate": server, "audit_rates": rates}
+
+
+# How each kind of setting (service.config.FlagKind) is read from the command line; a
+# switch takes no value.
+SETTING_TYPES: dict[FlagKind, Callable[[str], Any]] = {
+    "count": positive_int,
+    "duration": seconds,
+    "probability": probability,
+    "positive": positive_number,
+    "path": Path,
+    "text": str,
+    "key_file": Path,
+    "rates": audit_rate,
+    "stages": stage,
+}
+
+
+def add_settings(
+    groups: Mapping[str | None, argparse._ActionsContainer], names: Sequence[str] | None = None
+) -> None:
+    """Flags for the server's settings (``service.config.ServiceConfig``, each with its
+    ``Flag``): every one, or those ``names`` (``judge mcp`` takes the decision log's), each in
+    its flag's group, with its own default. ``settings_of`` reads them back."""
+    defaults = {f.name: f.default for f in fields(ServiceConfig)}
+    added: set[str] = set()
+    for name, flag in flags().items():
+        if flag.name in added or (names is not None and name not in names):
+            continue  # a flag that sets two settings (--audit-rate) is added once
+        added.add(flag.name)
+        default = defaults[name]
+        if flag.kind == "switch":
+            groups[flag.group].add_argument(flag.name, action="store_true", help=flag.help)
+            continue
+        shown = _shown(default)
+        groups[flag.group].add_argument(
+            flag.name,
+            type=SETTING_TYPES[flag.kind],
+            # Parsed as given, else None: --api-key-file falls back to $JUDGE_API_KEY, and
+            # --audit-rate is repeated; settings_of makes the settings of both.
+            default=None if flag.kind in ("key_file", "rates", "stages") else default,
+            action="append" if flag.kind in ("rates", "stages") else "store",
+            metavar=flag.metavar,
+            help=flag.help if shown is None else f"{flag.help} (default: {shown})",
+        )
+
+
+def _shown(default: object) -> str | None:
+    """A setting's default as its help states it; None where the help says it in words."""
+    if default is None or default is MISSING or isinstance(default, bool):
+        return None
+    if isinstance(default, int):
+        return f"{default:,}"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
+
+
+def settings_of(args: argparse.Namespace, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """The settings the flags of ``add_settings`` give (each setting's own default where not
+    given): every one, or those ``names``."""
+    settings: dict[str, Any] = {}
+    for name, flag in flags().items():
+        if names is not None and name not in names:
+            continue
+        given = getattr(args, flag.dest)
+        if flag.kind == "key_file":
+            settings[name] = api_key(given)
+        elif flag.kind == "rates":
+            settings[name] = audit_rates(given or [])[name]
+        elif flag.kind == "stages":
+            settings[name] = dict(given or [])
+            if len(settings[name]) < len(given or []):
+                raise UsageError("--cascade: each stage needs a name of its own")
+        else:
+            settings[name] = given
+    return settings
+
+
+def api_key(path: Path | None) -> str | None:
+    """The API key: the first line of ``path``, else $JUDGE_API_KEY, else None (no auth)."""
+    if path is None:
+        return os.environ.get("JUDGE_API_KEY") or None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise UsageError(f"--api-key-file: {path} is empty; its first line is the key")
+    return key
 
 
 def to_json(value: object, *, indent: int = 0) -> str:

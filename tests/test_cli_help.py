@@ -19,6 +19,7 @@ from typing import get_args
 import pytest
 
 from service.cli.main import parser
+from service.command_line import SETTING_TYPES
 from service.config import FlagKind, ServiceConfig, flags
 from service.web import command as serve
 
@@ -155,10 +156,28 @@ def test_a_command_without_the_server_s_packages_fails_after_parsing() -> None:
     ) in done.stderr
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def _serve_parser(command: str = "serve") -> argparse.ArgumentParser:
     [commands] = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    serve_parser: argparse.ArgumentParser = commands.choices["serve"]
+    serve_parser: argparse.ArgumentParser = commands.choices[command]
     return serve_parser
+
+
+def test_judge_mcp_takes_judge_serve_s_log_settings_as_they_are() -> None:
+    """The decision log's settings (retention included), the audit rate, the opt-in and the
+    choice mass: the same flags on both servers, with the same defaults, readings and help."""
+    from service.mcp.command import SETTINGS
+
+    def actions(command: str) -> dict[str, tuple[object, ...]]:
+        return {
+            a.option_strings[0]: (a.default, a.type, a.help, a.nargs)
+            for a in _serve_parser(command)._actions
+            if a.option_strings
+        }
+
+    served, mcp = actions("serve"), actions("mcp")
+    shared = {flags()[name].name for name in SETTINGS}
+    assert {"--log-max-age-days", "--log-max-rows", "--decision-log"} <= shared
+    assert {flag: mcp[flag] for flag in shared} == {flag: served[flag] for flag in shared}
 
 
 def test_every_setting_has_a_serve_flag_and_every_flag_sets_one() -> None:
@@ -169,7 +188,7 @@ def test_every_setting_has_a_serve_flag_and_every_flag_sets_one() -> None:
     assert given - NOT_SETTINGS == declared
     assert not declared & NOT_SETTINGS
     # Every kind of value has its reading on the command line (a switch takes none).
-    assert set(serve._TYPES) == set(get_args(FlagKind)) - {"switch"}
+    assert set(SETTING_TYPES) == set(get_args(FlagKind)) - {"switch"}
 
 
 def test_serve_s_flags_default_to_the_settings_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

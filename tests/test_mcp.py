@@ -356,10 +356,10 @@ def test_mcp_decisions_enter_the_audit_sample(
     per profile as `judge serve` does: here every decision under `sms`, none of the rest."""
     import asyncio
 
+    from service.command_line import audit_rates
     from service.log.decision_log import open_log
     from service.mcp.server import create_server
     from service.profiles import ProfileStore
-    from service.web.command import audit_rates
 
     args = parser().parse_args(["mcp", "--audit-rate", "0", "--audit-rate", "sms=1"])
     assert audit_rates(args.audit_rate) == {"audit_rate": 0.0, "audit_rates": {"sms": 1.0}}

@@ -16,24 +16,35 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from calibration import PolicyDefaults
 from judge import DEFAULT_PREFIX_CACHE_MB
 from service.command_line import (
     DTYPES,
     UsageError,
-    audit_rate,
-    audit_rates,
+    add_settings,
     choice_paths_argument,
     megabytes,
-    probability,
+    settings_of,
     stage,
 )
+from service.config import ServiceConfig
 
 if TYPE_CHECKING:
     from service.cascade.cascade_questions import LocalModel
 
 __all__ = ["add_arguments", "run"]
 
+# The server's settings judge mcp takes (service.config.ServiceConfig), with judge serve's flags.
+SETTINGS = (
+    "decision_log",
+    "log_requests",
+    "log_features",
+    "log_max_age_days",
+    "log_max_rows",
+    "audit_rate",
+    "audit_rates",
+    "uncertified_threshold",
+    "min_choice_mass",
+)
 INSTALL = "pip install 'judge[mcp]'"
 
 
@@ -57,40 +68,17 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         default=DEFAULT_PREFIX_CACHE_MB,
         help="memory for cached prompt prefixes, reused across calls (0: off)",
     )
-    mcp.add_argument(
-        "--decision-log",
-        default=None,
-        metavar="FILE|postgresql://...",
-        help="append every decision to this log before the tool answers (a SQLite file, or a "
-        "PostgreSQL URL), as judge serve --decision-log does: labels, health and replay",
-    )
-    mcp.add_argument(
-        "--log-requests",
-        action="store_true",
-        help="keep each call's prompt or state in the log, so that judge replay can re-run it",
-    )
-    mcp.add_argument(
-        "--log-features",
-        action="store_true",
-        help="keep each decision's hidden states in the log (float16; a probe profile's "
-        "layers, else the probe's candidate layers), so that judge calibrate --from-log can "
-        "fit a probe",
-    )
-    mcp.add_argument(
-        "--audit-rate",
-        type=audit_rate,
-        action="append",
-        default=None,
-        metavar="[PROFILE=]RATE",
-        help="mark this share of decisions (of PROFILE's, or of all) audit: true, a uniform "
-        "sample for people to label, as judge serve --audit-rate does; repeat for each profile",
-    )
-    mcp.add_argument(
-        "--uncertified-threshold",
-        type=probability,
-        default=None,
-        help="OPT-IN, NO GUARANTEE: where no certified threshold exists (no profile, or one "
-        "that certified none), accept at this confidence instead of escalating",
+    # The settings it shares with judge serve, with judge serve's flags, defaults and checks:
+    # the decision log (retention included), the audit rate, the opt-in and the choice mass.
+    add_settings(
+        {
+            None: mcp,
+            "log": mcp.add_argument_group(
+                "the decision log (feedback, audit, health)",
+                "Every decision appended before the tool answers, as judge serve appends its own.",
+            ),
+        },
+        SETTINGS,
     )
     mcp.add_argument(
         "--cascade",
@@ -128,13 +116,19 @@ def run(args: argparse.Namespace) -> int:
 
     given: list[tuple[str, str]] = args.cascade or []
     _stage_names(args.stage_name, given)
+    settings = settings_of(args, SETTINGS)
+    try:  # checked as judge serve checks them
+        config = ServiceConfig(**settings)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     # Opened first: a log that cannot be written stops the server before the model loads.
     decision_log = None
-    if args.decision_log is not None:
-        from service.log.decision_log import DecisionLogError, open_log
+    if config.decision_log is not None:
+        from service.log.decision_log import DecisionLogError, Retention, open_log
 
+        retention = Retention(max_age_days=config.log_max_age_days, max_rows=config.log_max_rows)
         try:
-            decision_log = open_log(args.decision_log)
+            decision_log = open_log(config.decision_log, retention=retention)
         except DecisionLogError as exc:
             raise UsageError(f"--decision-log: {exc}") from None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -150,11 +144,12 @@ def run(args: argparse.Namespace) -> int:
     server = create_server(
         engine,
         ProfileStore(args.profiles_dir),
-        defaults=PolicyDefaults(uncertified_threshold=args.uncertified_threshold),
+        defaults=config.policy_defaults,
         decision_log=decision_log,
-        log_requests=args.log_requests,
-        log_features=args.log_features,
-        **audit_rates(args.audit_rate or []),
+        log_requests=config.log_requests,
+        log_features=config.log_features,
+        audit_rate=config.audit_rate,
+        audit_rates=config.audit_rates,
         cascade=cascade,
         stage_name=args.stage_name,
     )

@@ -18,29 +18,23 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import re
 import signal
 from collections.abc import Callable
-from dataclasses import MISSING, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from judge import DEFAULT_PREFIX_CACHE_MB
 from service.command_line import (
     DTYPES,
     UsageError,
-    audit_rate,
-    audit_rates,
+    add_settings,
     choice_paths_argument,
     megabytes,
     positive_int,
-    positive_number,
-    probability,
     seconds,
-    stage,
+    settings_of,
 )
-from service.config import FlagKind, ServiceConfig, flags
+from service.config import ServiceConfig
 
 if TYPE_CHECKING:
     from judge import Engine
@@ -48,7 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "add_arguments",
-    "api_key",
     "run",
     "run_ray",
     "scaling",
@@ -56,20 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("judge.service")
-
-# How each kind of setting (service.config.FlagKind) is read from the command line; a
-# switch takes no value.
-_TYPES: dict[FlagKind, Callable[[str], Any]] = {
-    "count": positive_int,
-    "duration": seconds,
-    "probability": probability,
-    "positive": positive_number,
-    "path": Path,
-    "text": str,
-    "key_file": Path,
-    "rates": audit_rate,
-    "stages": stage,
-}
 
 
 def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -119,27 +98,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
             "GET /profiles/{name}/health and /metrics.",
         ),
     }
-    defaults = {f.name: f.default for f in fields(ServiceConfig)}
-    added: set[str] = set()
-    for name, flag in flags().items():
-        if flag.name in added:
-            continue  # a flag that sets two settings (--audit-rate) is added once
-        added.add(flag.name)
-        default = defaults[name]
-        if flag.kind == "switch":
-            groups[flag.group].add_argument(flag.name, action="store_true", help=flag.help)
-            continue
-        shown = _shown(default)
-        groups[flag.group].add_argument(
-            flag.name,
-            type=_TYPES[flag.kind],
-            # Parsed as given, else None: --api-key-file falls back to $JUDGE_API_KEY, and
-            # --audit-rate is repeated; service_config makes the settings of both.
-            default=None if flag.kind in ("key_file", "rates", "stages") else default,
-            action="append" if flag.kind in ("rates", "stages") else "store",
-            metavar=flag.metavar,
-            help=flag.help if shown is None else f"{flag.help} (default: {shown})",
-        )
+    add_settings(groups)
     scale = serve.add_argument_group(
         "scaling out on Ray Serve (pip install -e '.[ray]')",
         "Replicas of the service behind one endpoint, each with its own model; profiles are "
@@ -168,47 +127,9 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     serve.set_defaults(run=run)
 
 
-def _shown(default: object) -> str | None:
-    """A setting's default as its help states it; None where the help says it in words."""
-    if default is None or default is MISSING or isinstance(default, bool):
-        return None
-    if isinstance(default, int):
-        return f"{default:,}"
-    if isinstance(default, float):
-        return f"{default:g}"
-    return str(default)
-
-
 def service_config(args: argparse.Namespace) -> ServiceConfig:
     """The settings ``judge serve``'s flags give (each setting's own default where not given)."""
-    settings: dict[str, Any] = {}
-    for name, flag in flags().items():
-        given = getattr(args, flag.dest)
-        if flag.kind == "key_file":
-            settings[name] = api_key(given)
-        elif flag.kind == "rates":
-            settings[name] = audit_rates(given or [])[name]
-        elif flag.kind == "stages":
-            settings[name] = dict(given or [])
-            if len(settings[name]) < len(given or []):
-                raise UsageError("--cascade: each stage needs a name of its own")
-        else:
-            settings[name] = given
-    return ServiceConfig(**settings)
-
-
-def api_key(path: Path | None) -> str | None:
-    """The API key: the first line of ``path``, else $JUDGE_API_KEY, else None (no auth)."""
-    if path is None:
-        return os.environ.get("JUDGE_API_KEY") or None
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
-    key = lines[0].strip() if lines else ""
-    if not key:
-        raise UsageError(f"--api-key-file: {path} is empty; its first line is the key")
-    return key
+    return ServiceConfig(**settings_of(args))
 
 
 def run(args: argparse.Namespace) -> int:
