@@ -122,15 +122,7 @@ class GateContext:
             if gate is not None:
                 self._open.move_to_end(key)
                 return gate
-        gate = Gate(
-            profile,
-            etag=etag,
-            overrides=overrides,
-            defaults=self.defaults,
-            audit_rate=self.audit_rate_for(name),
-            log_layers=self.log_layers(profile),
-            hold=hold,
-        )
+        gate = self._gate(profile, name, overrides, etag=etag, hold=hold)
         with self._lock:
             self._open[key] = gate
             while len(self._open) > OPEN_GATES:
@@ -145,10 +137,21 @@ class GateContext:
         etag: str | None = None,
     ) -> Gate:
         """The gate of ``profile`` itself (a file the command line read, a logged decision's
-        version), under ``overrides`` and this context's defaults and audit rate: not kept
-        (nothing names it). Raises as ``Gate`` does: ``NoCertificateError`` for a threshold
-        with no certified one to override, ``ValueError`` for a bad setting."""
-        name = None if profile is None else profile.name
+        version), under ``overrides`` and this context's defaults, audit rate and logged
+        layers: not kept (nothing names it). Raises as ``Gate`` does: ``NoCertificateError``
+        for a threshold with no certified one to override, ``ValueError`` for a bad setting."""
+        return self._gate(profile, None if profile is None else profile.name, overrides, etag=etag)
+
+    def _gate(
+        self,
+        profile: CalibrationProfile | None,
+        name: str | None,
+        overrides: Overrides | None,
+        *,
+        etag: str | None,
+        hold: Hold | None = None,
+    ) -> Gate:
+        """A gate under this context's defaults, ``name``'s audit rate and logged layers."""
         return Gate(
             profile,
             etag=etag,
@@ -156,6 +159,7 @@ class GateContext:
             defaults=self.defaults,
             audit_rate=self.audit_rate_for(name),
             log_layers=self.log_layers(profile),
+            hold=hold,
         )
 
     def respond(

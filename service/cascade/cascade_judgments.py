@@ -20,15 +20,15 @@ at a time (a cascade's later stages see only what the first escalates).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
-from calibration import Cascade, Gate, Overrides, Verdict
+from calibration import Cascade, Gate, Verdict
 from calibration.cascade import LocalStage, StageAnswer, StageItem, StageResult
 from judge import Judgment
-from service.cascade.cascade_questions import LocalModel, opened_stages
+from service.cascade.cascade_questions import LocalModel
 from service.cascade.remote_stage import RemoteStage, answer_of
 from service.gate_context import GateContext
 from service.log.decision_log import LoggedDecision
@@ -39,7 +39,6 @@ __all__ = [
     "ServedRemote",
     "ServedStage",
     "cascaded",
-    "judgment_stages",
 ]
 
 
@@ -86,30 +85,6 @@ class ServedRemote:
 
 # One request's view of a later stage (``CascadeServing.plan``).
 ServedStage = ServedLocal | ServedRemote
-
-
-def judgment_stages(
-    cascade: Mapping[str, LocalModel | str],
-    profile: str | None,
-    overrides: Overrides,
-    open_gate: Callable[[str | None], Gate],
-    *,
-    choices: Sequence[str],
-    field: str,
-    context: GateContext | None = None,
-    api_key: str | None = None,
-) -> list[ServedStage]:
-    """A judgment's later stages (``opened_stages``, as a question's), each local one's
-    decisions settled through ``context`` (a server's: its log; None: no log)."""
-    opened = opened_stages(
-        cascade, profile, overrides, open_gate, choices=choices, field=field, api_key=api_key
-    )
-    return [
-        ServedRemote(seen)
-        if isinstance(seen, RemoteStage)
-        else ServedLocal(name, *seen, context or GateContext())
-        for name, seen in opened
-    ]
 
 
 def cascaded(

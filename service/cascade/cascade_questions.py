@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import msgspec
 
@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from judge.answers import Answer, Question
     from service.log.decision_log import LoggedDecision
 
+# A request's view of a later stage: a judgment's or a question's.
+_S = TypeVar("_S")
+
 __all__ = [
     "LocalModel",
     "LocalQuestionStage",
@@ -43,7 +46,6 @@ __all__ = [
     "escalated",
     "opened_stages",
     "records_of",
-    "stages_for",
 ]
 
 
@@ -184,50 +186,31 @@ def opened_stages(
     overrides: Overrides,
     open_gate: Callable[[str | None], Gate],
     *,
-    choices: Sequence[str],
-    field: str,
-    api_key: str | None = None,
-) -> list[tuple[str, RemoteStage | tuple[LocalModel, Gate]]]:
-    """Each later stage of ``cascade`` (by name: a loaded model, or another judge server's
-    URL) under a request's ``profile`` P (stage NAME's is "P-NAME") and ``overrides``, before
-    any model work: a remote one as that server is asked (``api_key``: a fleet's servers share
-    theirs), a local one's model and its gate, opened by ``open_gate`` and checked against its
-    model and ``choices`` (a mismatch names ``field``). Every front's cascade, for judgments
-    (``cascade_judgments.judgment_stages``) and typed questions (``stages_for``) alike."""
-    opened: list[tuple[str, RemoteStage | tuple[LocalModel, Gate]]] = []
-    for name, target in cascade.items():
-        mine = None if profile is None else f"{profile}-{name}"
-        if isinstance(target, str):
-            opened.append((name, RemoteStage.under(name, target, mine, overrides, api_key)))
-            continue
-        gate = open_gate(mine)
-        gate.check_engine(target.engine, choices=choices, field=field)
-        opened.append((name, (target, gate)))
-    return opened
-
-
-def stages_for(
-    cascade: Mapping[str, LocalModel | str],
-    profile: str | None,
-    overrides: Overrides,
-    open_gate: Callable[[str | None], Gate],
-    *,
+    local: Callable[[str, LocalModel, Gate, GateContext], _S],
+    remote: Callable[[RemoteStage], _S],
     choices: Sequence[str],
     field: str,
     context: GateContext | None = None,
     api_key: str | None = None,
-) -> list[QuestionStage]:
-    """A question's later stages (``opened_stages``), each local one's decisions settled
-    through ``context`` (a server's: its log; None: no log)."""
-    opened = opened_stages(
-        cascade, profile, overrides, open_gate, choices=choices, field=field, api_key=api_key
-    )
-    return [
-        RemoteQuestionStage(seen)
-        if isinstance(seen, RemoteStage)
-        else LocalQuestionStage(name, *seen, context or GateContext())
-        for name, seen in opened
-    ]
+) -> list[_S]:
+    """One request's view of each later stage of ``cascade`` (by name: a loaded model, or
+    another judge server's URL) under its ``profile`` P (stage NAME's is "P-NAME") and
+    ``overrides``, made before any model work: a remote one as that server is asked
+    (``api_key``: a fleet's servers share theirs); a local one with its gate, opened by
+    ``open_gate`` and checked against its model and ``choices`` (a mismatch names ``field``),
+    its decisions settled through ``context`` (a server's: its log; None: no log). Every
+    front's cascade, for a judgment (``local=ServedLocal, remote=ServedRemote``) and a typed
+    question (``LocalQuestionStage``, ``RemoteQuestionStage``) alike."""
+    stages: list[_S] = []
+    for name, target in cascade.items():
+        mine = None if profile is None else f"{profile}-{name}"
+        if isinstance(target, str):
+            stages.append(remote(RemoteStage.under(name, target, mine, overrides, api_key)))
+            continue
+        gate = open_gate(mine)
+        gate.check_engine(target.engine, choices=choices, field=field)
+        stages.append(local(name, target, gate, context or GateContext()))
+    return stages
 
 
 def asked_as(question: Question, overrides: Overrides) -> SystemOneQuestion:

@@ -47,14 +47,17 @@ from calibration.cascade import StageItem
 from judge import Engine, JudgeError, Query
 from judge.answers import MAX_ORDERINGS, Question, plan_decisions
 from judge.judgments import item_span_of
-from service.cascade.cascade_judgments import cascaded, judgment_stages
+from service.cascade.cascade_judgments import ServedLocal, ServedRemote, ServedStage, cascaded
 from service.cascade.cascade_questions import (
     LocalModel,
+    LocalQuestionStage,
     QuestionItem,
+    QuestionStage,
+    RemoteQuestionStage,
     asked_as,
     escalated,
+    opened_stages,
     records_of,
-    stages_for,
 )
 from service.decisions import judge_questions, question_overrides, with_order
 from service.gate_context import GateContext, scored
@@ -269,11 +272,13 @@ def create_server(
             overrides = scored(overrides, choices, profile=profile)
             gate = gate_of(profile, "profile", overrides, version)
             # Each later stage's gate opened and checked before any model work.
-            later = judgment_stages(
+            later: list[ServedStage] = opened_stages(
                 cascade or {},
                 profile,
                 overrides,
                 functools.partial(gate_of, field="profile", overrides=overrides),
+                local=ServedLocal,
+                remote=ServedRemote,
                 choices=choices,
                 field="profile",
                 context=context,
@@ -355,13 +360,15 @@ def create_server(
                 plan = plan_decisions(state, asked, max_orderings=max_orderings)
                 for a in plan.asked:
                     item = QuestionItem(state, a.id, asked_as(a.question, settings[a.id]))
-                    stages = stages_for(
+                    stages: list[QuestionStage] = opened_stages(
                         cascade,
                         names.get(a.id),
                         settings[a.id],
                         functools.partial(
                             gate_of, field=f"profiles.{a.id}", overrides=settings[a.id]
                         ),
+                        local=LocalQuestionStage,
+                        remote=RemoteQuestionStage,
                         choices=a.choices,
                         field=f"profiles.{a.id}",
                         context=context,

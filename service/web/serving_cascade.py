@@ -48,6 +48,8 @@ log = logging.getLogger("judge.service")
 
 # What a cascade's run ends in: a judgment's response, or a typed question's decision.
 _Outcome = TypeVar("_Outcome", JudgeResponse, QuestionDecision)
+# A request's view of a later stage: a judgment's or a question's.
+_View = TypeVar("_View")
 
 
 class CascadeServing:
@@ -74,33 +76,42 @@ class CascadeServing:
         context): a local one's gate opened on its profile (``P-NAME``) and checked against
         its engine; no model work. A missing or mismatched profile is refused here, naming
         ``profile``."""
-        return [
-            ServedRemote(seen) if isinstance(seen, RemoteStage) else ServedLocal(name, *seen)
-            for name, seen in self._opened(
-                request.profile, Overrides.of(request), request.choices, "profile"
-            )
-        ]
+        return self._opened(
+            request.profile,
+            Overrides.of(request),
+            request.choices,
+            "profile",
+            local=ServedLocal,
+            remote=ServedRemote,
+        )
 
     def plan_question(
         self, qid: str, question: SystemOneQuestion, choices: Sequence[str]
     ) -> list[QuestionStage]:
         """``plan`` for a typed question (its answer's ``choices``), a refusal naming
         ``questions.<qid>.profile``."""
-        field = f"questions.{qid}.profile"
-        opened = self._opened(question.profile, Overrides.of(question), choices, field)
-        return [
-            RemoteQuestionStage(seen)
-            if isinstance(seen, RemoteStage)
-            else LocalQuestionStage(name, *seen)
-            for name, seen in opened
-        ]
+        return self._opened(
+            question.profile,
+            Overrides.of(question),
+            choices,
+            f"questions.{qid}.profile",
+            local=LocalQuestionStage,
+            remote=RemoteQuestionStage,
+        )
 
     def _opened(
-        self, profile: str | None, overrides: Overrides, choices: Sequence[str], field: str
-    ) -> list[tuple[str, RemoteStage | tuple[LocalModel, Gate, GateContext]]]:
+        self,
+        profile: str | None,
+        overrides: Overrides,
+        choices: Sequence[str],
+        field: str,
+        *,
+        local: Callable[[str, LocalModel, Gate, GateContext], _View],
+        remote: Callable[[RemoteStage], _View],
+    ) -> list[_View]:
         """Each later stage under a request's ``profile`` and ``overrides``
-        (``opened_stages``: a fleet's servers share this one's key), a local one with the
-        server's gate context."""
+        (``opened_stages``: a fleet's servers share this one's key), a local one settling
+        through the server's gate context."""
         config = self.service.config
         targets = {name: self.local.get(name, target) for name, target in config.cascade.items()}
 
@@ -111,19 +122,18 @@ class CascadeServing:
                 exc.field = field  # type: ignore[attr-defined]
                 raise
 
-        opened = opened_stages(
+        return opened_stages(
             targets,
             profile,
             overrides,
             open_gate,
+            local=local,
+            remote=remote,
             choices=choices,
             field=field,
+            context=self.service.gates,
             api_key=config.api_key,
         )
-        return [
-            (name, seen if isinstance(seen, RemoteStage) else (*seen, self.service.gates))
-            for name, seen in opened
-        ]
 
     async def escalate(
         self,
