@@ -34,9 +34,9 @@ import numpy as np
 from benchlib import cpu_flags, cpu_model
 
 from calibration import CalibrationProfile, evaluate_policy
-from calibration.certify import select_threshold, sequence_start
+from calibration.certificates.certify import select_threshold, sequence_start
 from calibration.fitting import held_out_examples
-from calibration.probe import map_features
+from calibration.maps.probe import map_features
 from calibration.tasks import (
     AdapterProfile,
     LabeledScores,

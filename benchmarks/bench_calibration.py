@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from calibration import CalibrationProfile, FitSettings, PolicyEvaluation
-from calibration.maps import Probe, ProbeSpan
-from calibration.probe import candidate_layers
+from calibration.maps.map_types import Probe, ProbeSpan
+from calibration.maps.probe import candidate_layers
 from calibration.tasks import (
     LabeledScores,
     Task,
@@ -217,10 +217,10 @@ def report_variant(
     import msgspec
 
     from calibration import save_profile
-    from calibration.probe import map_features
+    from calibration.maps.probe import map_features
+    from calibration.maps.scaling import softmax
     from calibration.reliability import reliability_diagram
     from calibration.report import profile_markdown
-    from calibration.scaling import softmax
 
     start = time.perf_counter()
     profile, evaluation = fit_and_evaluate(judge, task, args, fitted_on, digest, test, methods)

@@ -45,7 +45,7 @@ from bench_calibration import cached_scores, evaluate_on
 from benchlib import cpu_flags, cpu_model
 
 from calibration import FitError, FitSettings, candidate_layers
-from calibration.maps import ProbeSpan
+from calibration.maps.map_types import ProbeSpan
 from calibration.tasks import (
     CascadeStageData,
     LabeledScores,

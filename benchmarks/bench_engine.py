@@ -12,7 +12,7 @@ Measures, side by side in one run on the default model:
 * the throughput of ``judge_batch`` against the same items judged one call at a time;
 * the cost of hidden-state features (issue 17): the same ``judge_batch`` judged without
   features, with one layer (20) and with the five layers a probe is chosen among
-  (``calibration.probe.candidate_layers``); the target is at most 1.05x "without".
+  (``calibration.maps.probe.candidate_layers``); the target is at most 1.05x "without".
 
 Each row alternates the contenders rep by rep and reports the median of the rep-by-rep
 ratios, so that a slow phase of the machine hits both sides of each ratio alike. Prints
@@ -38,7 +38,7 @@ import msgspec
 import torch
 from benchlib import judge_machine
 
-from calibration.probe import candidate_layers
+from calibration.maps.probe import candidate_layers
 from judge import Judge, Query
 from judge.atomicio import write_text
 from judge.engine import json_escape

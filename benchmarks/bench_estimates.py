@@ -4,7 +4,7 @@ share and of the judge's accuracy, and the intervals' width against the labels a
 Each draw is a dataset of 10,250 items: labels from a skewed prior over k choices, and a
 judge's probabilities (``judged``: its confidence in its answer Beta-distributed about its
 accuracy, and right that often, so calibrated unless a setting says otherwise). 250 items
-are labelled, drawn uniformly; the other 10,000 are not. ``calibration.estimates`` estimates
+are labelled, drawn uniformly; the other 10,000 are not. ``calibration.monitoring.estimates`` estimates
 the first choice's share and the judge's accuracy over the whole dataset at alpha 0.1; the
 truth is the dataset's own. Settings: the issue's judge (accuracy 0.85, two choices), a
 sharper one with four, a weak one, an overconfident one, and one that knows nothing.
@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calibration.estimates import dataset_estimate
+from calibration.monitoring.estimates import dataset_estimate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_estimates.json"
 LABELS, UNLABELLED, ALPHA = 250, 10_000, 0.1

@@ -94,9 +94,9 @@ def run_task(judge: object, task: object, cache: Path) -> dict[str, object]:
         fit_profile,
         prior_correction,
     )
+    from calibration.certificates.signal import label_prior
+    from calibration.maps.scaling import softmax
     from calibration.metrics import accuracy, ece, nll
-    from calibration.scaling import softmax
-    from calibration.signal import label_prior
     from calibration.tasks import Task, content_free_prompts, judge_unlabeled
     from judge import Judge
 

@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calibration import FitSettings
 from calibration.gate import Gate
-from calibration.label_shift import correct, mix_shift, prior_estimate, source_prior
+from calibration.maps.probe import candidate_layers, map_features
 from calibration.metrics import ece
+from calibration.monitoring.label_shift import correct, mix_shift, prior_estimate, source_prior
 from calibration.policy import Hold
-from calibration.probe import candidate_layers, map_features
 from calibration.tasks import LabeledScores, fit_labeled, judge_task_items, load_split, load_task
 from judge import Judge
 

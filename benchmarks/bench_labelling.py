@@ -8,7 +8,7 @@ candidate layers, at the decision point and averaged over the item); then, for e
 each budget of labels (100, 150, ..., 600), two ways of spending it, with the same counts in
 each role:
 
-* **uniform**: every label from the audit stream (``calibration.labelling.audit_order``, a
+* **uniform**: every label from the audit stream (``calibration.monitoring.labelling.audit_order``, a
   uniform sample); the labels split 5:1:4 as a probe profile's are (``split_examples``): the
   map is fitted on half, the sequence's start chosen on a tenth, the threshold certified on
   the rest;
@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 from benchlib import cpu_flags, cpu_model
 
-from calibration.certify import select_threshold, sequence_start
+from calibration.certificates.certify import select_threshold, sequence_start
 from calibration.fitting import split_examples
-from calibration.labelling import audit_order, teach_order
-from calibration.probe import candidate_layers, map_features
-from calibration.scaling import fit_calibrator
+from calibration.maps.probe import candidate_layers, map_features
+from calibration.maps.scaling import fit_calibrator
+from calibration.monitoring.labelling import audit_order, teach_order
 from calibration.tasks import LabeledScores, judge_task_items, load_split, load_task
 from judge import Judge
 from judge.atomicio import write_text

@@ -5,7 +5,7 @@ and served in process (``create_app``) with ``--decision-log``, ``--log-features
 rate 1; the calibration split is judged through ``POST /judge/batch`` and every decision
 labeled. Then ``judge calibrate --from-log`` refits the profile at each look, on the first N
 labeled decisions of the log (a log that grows), each look one step of the lineage that spends
-one delta (``calibration.recertify``). Each look's profile is measured on the test split
+one delta (``calibration.certificates.recertify``). Each look's profile is measured on the test split
 (``calibration.evaluate_policy``), beside the profile ``judge calibrate --task`` fits on the
 whole calibration split at the full delta: the price of certifying again and again.
 
@@ -39,7 +39,7 @@ from calibration import (
     load_profile,
     save_profile,
 )
-from calibration.probe import candidate_layers
+from calibration.maps.probe import candidate_layers
 from calibration.tasks import LabeledScores, Task, load_split, load_task, task_prompt
 from judge import Judge
 from judge.atomicio import write_text

@@ -48,7 +48,7 @@ import numpy as np
 import scipy
 from benchlib import cpu_model
 
-from calibration.monitoring import audited_precision, drift_test, reference_of
+from calibration.monitoring.health import audited_precision, drift_test, reference_of
 from judge.atomicio import write_text
 
 ROOT = Path(__file__).resolve().parent.parent

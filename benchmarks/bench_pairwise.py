@@ -187,9 +187,9 @@ def _report(
     runs: dict[str, dict[Order, dict[str, Any]]],
     bounds: list[float],
 ) -> dict[str, Any]:
+    from calibration.maps.scaling import TemperatureScaler
     from calibration.metrics import accuracy, ece
     from calibration.policy import make_policy
-    from calibration.scaling import TemperatureScaler
 
     y = np.array([item["label"] for item in splits["test"]])
     y_cal = np.array([item["label"] for item in splits["calibration"]])

@@ -6,7 +6,7 @@ For each task under ../shared/data (or --data), on the default model, the same t
   ``tasks.judge_task_items`` on the calibration and test splits, read on each choice's canonical
   token path (``choice_paths="canonical"``) and on every token path a grammar engine's mask
   allows (``"grammar"``, what masked decoding emits). A calibration map
-  (``calibration.scaling.fit_calibrator``) is fitted on the calibration split only and applied
+  (``calibration.maps.scaling.fit_calibrator``) is fitted on the calibration split only and applied
   to the test split. Reported raw (softmax of the log-probabilities) and calibrated: accuracy
   with its 95% Clopper-Pearson interval, NLL and ECE (15 equal-width bins).
 * ``careful``: a prompt-forced pipeline as a careful user builds one. The task's prompt with its
@@ -86,7 +86,7 @@ from typing import Any, cast
 import numpy as np
 from benchlib import cache_keyword, judge_machine, new_cache
 
-from calibration.certify import clopper_pearson_interval
+from calibration.certificates.certify import clopper_pearson_interval
 from calibration.tasks import (
     LabeledItem,
     Task,
@@ -454,8 +454,8 @@ def binned_ece(confidence: np.ndarray, hits: np.ndarray, n_bins: int = 15) -> fl
 def bench_task(
     judges: dict[str, Judge], task: Task, args: argparse.Namespace
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    from calibration.maps.scaling import fit_calibrator, softmax
     from calibration.metrics import accuracy, ece, nll
-    from calibration.scaling import fit_calibrator, softmax
 
     splits: dict[str, Any] = {}
     items: dict[str, list[LabeledItem]] = {}

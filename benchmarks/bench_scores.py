@@ -86,8 +86,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from calibration import FitSettings, estimate_prior, fit_profile, prior_correction
-    from calibration.probe import candidate_layers, map_features
-    from calibration.scaling import softmax
+    from calibration.maps.probe import candidate_layers, map_features
+    from calibration.maps.scaling import softmax
     from calibration.tasks import load_split, load_task
     from judge import Judge
 

@@ -30,7 +30,7 @@ from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calibration.sequential import betting_capital
+from calibration.monitoring.sequential import betting_capital
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_sequential.json"
 TARGET, ALPHA, FIRST_CP = 0.9, 0.05, 20

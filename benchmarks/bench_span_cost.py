@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from benchlib import cpu_flags, cpu_model
 
-from calibration.probe import candidate_layers
+from calibration.maps.probe import candidate_layers
 from calibration.tasks import load_split, load_task, task_item_span, task_prompt
 from judge import Judge, Query
 from judge.atomicio import write_text

@@ -7,7 +7,7 @@ it) or over the whole prompt (no span marked). This script measures what each ar
 shared tasks, with the engine's own pass (``bench_calibration.cached_scores``, span "item" and
 "prompt"):
 
-* each arm is fitted with the probe's own fitter (``calibration.probe.fit_probe``: a slot and
+* each arm is fitted with the probe's own fitter (``calibration.maps.probe.fit_probe``: a slot and
   C chosen by 5-fold cross-validated NLL on the calibration split, refitted on all of it) and
   measured on the test split: accuracy and NLL;
 * "auto" is what the fitter picks when it is given the means too (the point, the mean or both,
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 from benchlib import cpu_flags, cpu_model
 
-from calibration.maps import ProbeSpan
-from calibration.probe import candidate_layers, fit_probe, probe_input
+from calibration.maps.map_types import ProbeSpan
+from calibration.maps.probe import candidate_layers, fit_probe, probe_input
 from calibration.tasks import LabeledScores, Task, load_task
 from judge import Judge
 from judge.atomicio import write_text

@@ -24,9 +24,13 @@ if TYPE_CHECKING:
         LocalStage,
         StageResult,
     )
-    from calibration.certify import (
+    from calibration.certificates.certify import (
         ThresholdResult,
         select_threshold,
+    )
+    from calibration.certificates.signal import (
+        SignalReport,
+        signal_report,
     )
     from calibration.errors import (
         CalibrationError,
@@ -52,14 +56,30 @@ if TYPE_CHECKING:
         Gate,
         Overrides,
     )
-    from calibration.label_free import (
+    from calibration.limits import (
+        MIN_EXAMPLES,
+    )
+    from calibration.maps.label_free import (
         CONTENT_FREE_INPUTS,
         LabelFree,
         estimate_prior,
         prior_correction,
     )
-    from calibration.limits import (
-        MIN_EXAMPLES,
+    from calibration.maps.probe import (
+        MIN_PROBE_EXAMPLES,
+        candidate_layers,
+    )
+    from calibration.maps.scaling import (
+        BatchTemperatureScaler,
+        BiasTemperature,
+        BiasTemperatureScaler,
+        CalibrationFit,
+        CalibrationMap,
+        Identity,
+        Probe,
+        Temperature,
+        TemperatureScaler,
+        fit_calibrator,
     )
     from calibration.metrics import (
         Interval,
@@ -75,10 +95,6 @@ if TYPE_CHECKING:
         Verdict,
         make_policy,
     )
-    from calibration.probe import (
-        MIN_PROBE_EXAMPLES,
-        candidate_layers,
-    )
     from calibration.profile import (
         Baseline,
         CalibrationProfile,
@@ -87,37 +103,21 @@ if TYPE_CHECKING:
         load_profile,
         save_profile,
     )
-    from calibration.scaling import (
-        BatchTemperatureScaler,
-        BiasTemperature,
-        BiasTemperatureScaler,
-        CalibrationFit,
-        CalibrationMap,
-        Identity,
-        Probe,
-        Temperature,
-        TemperatureScaler,
-        fit_calibrator,
-    )
     from calibration.scores import (
         numeral_values,
         value_moments,
-    )
-    from calibration.signal import (
-        SignalReport,
-        signal_report,
     )
 
 # name -> the module that defines it
 _EXPORTS = {
     "Baseline": "calibration.profile",
-    "BatchTemperatureScaler": "calibration.scaling",
-    "BiasTemperature": "calibration.scaling",
-    "BiasTemperatureScaler": "calibration.scaling",
-    "CONTENT_FREE_INPUTS": "calibration.label_free",
+    "BatchTemperatureScaler": "calibration.maps.scaling",
+    "BiasTemperature": "calibration.maps.scaling",
+    "BiasTemperatureScaler": "calibration.maps.scaling",
+    "CONTENT_FREE_INPUTS": "calibration.maps.label_free",
     "CalibrationError": "calibration.errors",
-    "CalibrationFit": "calibration.scaling",
-    "CalibrationMap": "calibration.scaling",
+    "CalibrationFit": "calibration.maps.scaling",
+    "CalibrationMap": "calibration.maps.scaling",
     "CalibrationProfile": "calibration.profile",
     "Cascade": "calibration.cascade",
     "CascadeVerdict": "calibration.cascade",
@@ -125,18 +125,18 @@ _EXPORTS = {
     "FitError": "calibration.errors",
     "FitSettings": "calibration.fit_settings",
     "Gate": "calibration.gate",
-    "Identity": "calibration.scaling",
+    "Identity": "calibration.maps.scaling",
     "Interval": "calibration.metrics",
-    "LabelFree": "calibration.label_free",
+    "LabelFree": "calibration.maps.label_free",
     "LocalStage": "calibration.cascade",
     "MIN_EXAMPLES": "calibration.limits",
-    "MIN_PROBE_EXAMPLES": "calibration.probe",
+    "MIN_PROBE_EXAMPLES": "calibration.maps.probe",
     "MetricReport": "calibration.metrics",
     "Overrides": "calibration.gate",
     "Policy": "calibration.policy",
     "PolicyDefaults": "calibration.policy",
     "PolicyEvaluation": "calibration.fitting",
-    "Probe": "calibration.scaling",
+    "Probe": "calibration.maps.scaling",
     "ProfileError": "calibration.errors",
     "ProfileMismatchError": "calibration.errors",
     "NoCertificateError": "calibration.errors",
@@ -146,28 +146,28 @@ _EXPORTS = {
     "RuleError": "calibration.errors",
     "ScoredJudgment": "calibration.policy",
     "Verdict": "calibration.policy",
-    "SignalReport": "calibration.signal",
+    "SignalReport": "calibration.certificates.signal",
     "StageResult": "calibration.cascade",
-    "Temperature": "calibration.scaling",
-    "TemperatureScaler": "calibration.scaling",
-    "ThresholdResult": "calibration.certify",
+    "Temperature": "calibration.maps.scaling",
+    "TemperatureScaler": "calibration.maps.scaling",
+    "ThresholdResult": "calibration.certificates.certify",
     "ValuesError": "calibration.errors",
-    "candidate_layers": "calibration.probe",
+    "candidate_layers": "calibration.maps.probe",
     "decode_profile": "calibration.profile",
-    "estimate_prior": "calibration.label_free",
+    "estimate_prior": "calibration.maps.label_free",
     "evaluate": "calibration.metrics",
     "evaluate_policy": "calibration.fitting",
-    "fit_calibrator": "calibration.scaling",
+    "fit_calibrator": "calibration.maps.scaling",
     "fit_label_free_profile": "calibration.fitting",
     "fit_profile": "calibration.fitting",
     "fit_rule": "calibration.fitting",
     "load_profile": "calibration.profile",
     "make_policy": "calibration.policy",
     "numeral_values": "calibration.scores",
-    "prior_correction": "calibration.label_free",
+    "prior_correction": "calibration.maps.label_free",
     "save_profile": "calibration.profile",
-    "select_threshold": "calibration.certify",
-    "signal_report": "calibration.signal",
+    "select_threshold": "calibration.certificates.certify",
+    "signal_report": "calibration.certificates.signal",
     "value_moments": "calibration.scores",
 }
 

@@ -10,7 +10,7 @@ own gate; what the last escalates goes to a person.
 
 The profiles come from ``calibration.tasks.fit_cascade``, which certifies the stages'
 thresholds together as one rule, so that everything the cascade accepts meets the target
-precision with probability 1 - delta (the argument is in ``calibration.cascade_certify``).
+precision with probability 1 - delta (the argument is in ``calibration.certificates.cascade_certify``).
 
 A stage that fails (raises, or is down) or cannot start before the deadline is an escalation
 with a reason code (``stage_failed``, ``stage_timeout``) in its ``StageResult``, never an

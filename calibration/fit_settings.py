@@ -36,7 +36,7 @@ class FitSettings(msgspec.Struct, frozen=True, kw_only=True):
         The served rule escalates a judgment whose choices hold less of the model's
         probability than this; the certificate covers the rule with that gate. "auto" (the
         default): chosen from the labels where a gate raises the coverage certified on the
-        items the certificate does not rest on (``calibration.mass_gate``), else 0.
+        items the certificate does not rest on (``calibration.certificates.mass_gate``), else 0.
     values, max_std
         A score task's number per choice and the bound on a score's std (the ``high_std``
         gate); None for a plain choice task.
@@ -45,7 +45,7 @@ class FitSettings(msgspec.Struct, frozen=True, kw_only=True):
         the probe where hidden-state features are given and there are enough examples (else
         the scalar maps, and the profile's note says why the probe was not tried).
     per_class
-        Also certify a threshold for each predicted class (``calibration.class_certify``):
+        Also certify a threshold for each predicted class (``calibration.certificates.class_certify``):
         the accepted decisions of each class are at least ``target_precision`` precise, all
         classes at once with probability at least 1 - ``delta``. The profile then serves that
         rule instead of the pooled one.

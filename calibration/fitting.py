@@ -23,7 +23,7 @@ with, and its guarantee would be approximate (cross-conformal: 1 - 2 alpha, Barb
 parameters and needs few items; the certificate's bound tightens with the square root of its
 items, so it gets the largest share. The map is served as fitted on split 1, not refitted.
 
-A learned head (``calibration.probe``: hundreds of weights on the pass's hidden state) changes
+A learned head (``calibration.maps.probe``: hundreds of weights on the pass's hidden state) changes
 the trade. Its accuracy grows with its fitting items well past 150 (on ag_news with the
 default model, test accuracy over four seeds: 0.74 on average fitted on 150 items, 0.77 on
 250), and the certificate
@@ -39,7 +39,7 @@ is judged on its out-of-fold probabilities there (from the cross-validation that
 on the conformal split; and below ``MIN_PROBE_EXAMPLES`` it is not tried at all.
 
 Every labeled profile also says whether the calibrated judge beats the label prior (the class
-frequencies of split 1) on splits 2 and 3 (``calibration.signal``), and ``evaluate_policy``
+frequencies of split 1) on splits 2 and 3 (``calibration.certificates.signal``), and ``evaluate_policy``
 says the same on held-out data. A label-free profile (``fit_label_free_profile``) has no
 labels: it certifies nothing and reports no metrics, and says so.
 """
@@ -55,33 +55,38 @@ import msgspec
 import numpy as np
 from numpy.typing import ArrayLike
 
-from calibration.certify import (
+from calibration.certificates.certify import (
     ThresholdResult,
     clopper_pearson_interval,
     select_threshold,
     sequence_start,
     untested,
 )
-from calibration.class_certify import certify_per_class
-from calibration.conformal import conformal_quantile
+from calibration.certificates.class_certify import certify_per_class
+from calibration.certificates.conformal import conformal_quantile
+from calibration.certificates.mass_gate import choose_min_choice_mass
+from calibration.certificates.per_class import ClassReport, class_evidence
+from calibration.certificates.recertify import (
+    LabelsNeeded,
+    Recertification,
+    labels_to_certify,
+    next_look_delta,
+)
+from calibration.certificates.signal import SignalReport, label_prior, signal_report
 from calibration.errors import FitError
 from calibration.fit_settings import AUTO_METHODS, DEFAULT_METHODS, DEFAULT_SETTINGS, FitSettings
 from calibration.gate import Gate, Overrides
-from calibration.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.limits import MIN_EXAMPLES, PROBE_SPLIT, SPLIT, certify_share
-from calibration.maps import MAX_PROBE_WEIGHTS, ProbeSpan
-from calibration.mass_gate import choose_min_choice_mass
+from calibration.maps.label_free import LabelFree, estimate_prior, prior_correction
+from calibration.maps.map_types import MAX_PROBE_WEIGHTS, ProbeSpan
+from calibration.maps.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
+from calibration.maps.scaling import CalibrationFit, Identity, Probe, fit_calibrator, softmax
 from calibration.metrics import MetricReport, evaluate
-from calibration.monitoring import reference_of
-from calibration.per_class import ClassReport, class_evidence
+from calibration.monitoring.health import reference_of
 from calibration.policy import Gates, Policy
-from calibration.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
-from calibration.recertify import LabelsNeeded, Recertification, labels_to_certify, next_look_delta
-from calibration.scaling import CalibrationFit, Identity, Probe, fit_calibrator, softmax
 from calibration.scored import check_max_std
 from calibration.scores import check_values
-from calibration.signal import SignalReport, label_prior, signal_report
 from calibration.validation import (
     check_choice_mass,
     check_labels,
@@ -218,7 +223,9 @@ class FittedRule:
     threshold: ThresholdResult
     # Per class, in the choices' order, with ``settings.per_class``; else None.
     class_thresholds: list[ThresholdResult] | None
-    min_choice_mass: float  # the settings', or the one chosen (``calibration.mass_gate``)
+    min_choice_mass: (
+        float  # the settings', or the one chosen (``calibration.certificates.mass_gate``)
+    )
     mass_note: str  # for the profile's note: which minimum was chosen and why; "" if given
     split: DataSplit
     probabilities: np.ndarray  # (n, k) calibrated probabilities of every example
@@ -449,7 +456,7 @@ def fit_profile(
     profile's ``baseline``. ``probe_split`` (``split_examples``; None: the probe's split exactly
     when a probe is a candidate) lets scores from another classifier, trained on the probe
     split's fit items only, be certified on the items it never saw. ``recertification``: a
-    refit from a decision log, the look it is (``calibration.recertify``); the settings' delta
+    refit from a decision log, the look it is (``calibration.certificates.recertify``); the settings' delta
     must be its share, ``recertification.spent``. ``out_of_sample``, a list, gets the (n, k)
     calibrated probabilities of every example as the map would judge a new one (a probe's fit
     split from the folds that did not see them): a cascade orders its rules on those.
@@ -576,7 +583,7 @@ def labels_for_next_look(
     fit_only: ArrayLike | None = None,
 ) -> LabelsNeeded:
     """About how many labels the next look of ``profile``'s lineage would need to certify its
-    target (``calibration.recertify.labels_to_certify``), judged by the profile's own map on
+    target (``calibration.certificates.recertify.labels_to_certify``), judged by the profile's own map on
     the examples it was fitted from but not fitted on (its conformal and certify splits, every
     gate but the threshold applied), at the next look's delta. The arguments are the ones
     ``fit_profile`` was given."""
@@ -801,7 +808,7 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
     # For a probe profile: its temperature-scaling baseline evaluated on the same items.
     baseline: PolicyEvaluation | None = None
     # Per choice: precision, recall and coverage of the accepted items, with intervals, and
-    # the confusion matrices (``calibration.per_class``).
+    # the confusion matrices (``calibration.certificates.per_class``).
     classes: ClassReport | None = None
     # A threshold per class, where the served rule has one (the profile's choices' order).
     class_thresholds: list[float | None] | None = None

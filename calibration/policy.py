@@ -66,10 +66,10 @@ import numpy as np
 import numpy.typing as npt
 
 from calibration.carry import carry
-from calibration.conformal import set_membership
+from calibration.certificates.conformal import set_membership
 from calibration.errors import NoCertificateError, ProfileMismatchError, ValuesError
-from calibration.label_shift import reweighted
-from calibration.maps import CalibrationMap, Identity, Probe
+from calibration.maps.map_types import CalibrationMap, Identity, Probe
+from calibration.monitoring.label_shift import reweighted
 from calibration.scored import ScoredJudgment, check_max_std, probe_row
 from calibration.scores import check_values, numeral_values, value_moments
 from calibration.validation import check_choice_mass, check_probability
@@ -235,7 +235,7 @@ class Gates:
     @property
     def eligible(self) -> npt.NDArray[np.bool_]:
         """(n,) every gate passed but the threshold: what another threshold would accept
-        at or above it (a cascade's thresholds are chosen together, ``calibration.cascade_certify``)."""
+        at or above it (a cascade's thresholds are chosen together, ``calibration.certificates.cascade_certify``)."""
         return _other_gates_pass(
             self.low_choice_mass, self.membership, self.high_std, self.order_sensitive
         )
@@ -248,7 +248,7 @@ def _held(hold: Hold | None) -> tuple[list[ReasonCode], list[str]]:
 
 def _at_live_prior(probs: npt.NDArray[np.float64], hold: Hold | None) -> npt.NDArray[np.float64]:
     """Calibrated probabilities moved to the live class prior where a hold carries one: Bayes'
-    rule under label shift (``calibration.label_shift.correct``)."""
+    rule under label shift (``calibration.monitoring.label_shift.correct``)."""
     if hold is None or hold.prior_weights is None:
         return probs
     return reweighted(probs, hold.prior_weights)
@@ -293,7 +293,7 @@ class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
 
 class Hold(msgspec.Struct, frozen=True, kw_only=True):
     """What a server's monitor found that the certificate does not cover
-    (``calibration.label_shift``): every decision escalates with reason code ``prior_shift``
+    (``calibration.monitoring.label_shift``): every decision escalates with reason code ``prior_shift``
     and ``reason``, until the profile is re-certified (a new version is a new policy); with
     ``prior_weights`` (the estimated live prior over the source's, per choice) the served
     probabilities are moved to the live prior (the server's opt-in)."""
@@ -324,7 +324,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     # Escalate a judgment whose order_spread (given to decide) is above this; None: no bound.
     max_order_spread: float | None = None
     # A threshold per class (the profile's choices' order), certified per predicted class
-    # (``calibration.class_certify``): a decision of class c is held to class_thresholds[c]
+    # (``calibration.certificates.class_certify``): a decision of class c is held to class_thresholds[c]
     # (None: that class certified none, and its decisions escalate, each with its class's
     # ``class_reasons`` entry). None: the one ``threshold`` for every class.
     class_thresholds: list[float | None] | None = None

@@ -29,22 +29,22 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from calibration.certify import ThresholdResult
+from calibration.certificates.certify import ThresholdResult
+from calibration.certificates.per_class import ClassReport
+from calibration.certificates.recertify import Recertification
+from calibration.certificates.signal import SignalReport
 from calibration.errors import (
     ProfileError,
     ProfileMismatchError,
     ProfileNotFoundError,
     RuleError,
 )
-from calibration.label_free import LabelFree
-from calibration.maps import BiasTemperature, CalibrationMap, Identity, Probe, Temperature
+from calibration.maps.label_free import LabelFree
+from calibration.maps.map_types import BiasTemperature, CalibrationMap, Identity, Probe, Temperature
 from calibration.metrics import MetricReport
-from calibration.monitoring import Reference
-from calibration.per_class import ClassReport
-from calibration.recertify import Recertification
+from calibration.monitoring.health import Reference
 from calibration.scored import ScoredJudgment, check_max_std, probe_row
 from calibration.scores import check_values, numeral_values
-from calibration.signal import SignalReport
 from calibration.template import PromptTemplate
 from judge import atomicio
 from judge.adapters import Adapter
@@ -160,19 +160,19 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     signal: SignalReport | None = None
     # For a probe: the scalar maps fitted on the same split, for comparison; None otherwise.
     baseline: Baseline | None = None
-    # What live traffic is compared with to detect drift (``calibration.monitoring``): the
+    # What live traffic is compared with to detect drift (``calibration.monitoring.health``): the
     # calibrated confidence and top choice of items the map was not fitted on. None for
     # profiles written before it existed.
     reference: Reference | None = None
     # A profile refitted from its decision log: its look in its lineage's sequence of
-    # certifications (``calibration.recertify``), whose threshold.delta is the look's share.
+    # certifications (``calibration.certificates.recertify``), whose threshold.delta is the look's share.
     recertification: Recertification | None = None
     # The prompt it was fitted on, with the item left out (``calibration.template``): a profile
     # fitted on a task carries it, so that a request sends only the item. None: fitted on
     # whole prompts (POST /profiles/{name}/fit, ``fit_profile``), which a caller sends as they
     # were.
     template: PromptTemplate | None = None
-    # A threshold certified per predicted class (``calibration.class_certify``), in the
+    # A threshold certified per predicted class (``calibration.certificates.class_certify``), in the
     # choices' order, each at threshold.delta / k so that every class holds at once with
     # probability 1 - threshold.delta. Where present the profile serves it: a decision of
     # class c is accepted at class_thresholds[c].threshold (None: never), instead of the pooled
@@ -180,7 +180,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     class_thresholds: list[ThresholdResult] | None = None
     # Per class, on the examples the map was not fitted on, under the rule as served: precision,
     # recall and coverage of the accepted ones and the confusion matrices
-    # (``calibration.per_class``). None for a label-free profile and older files.
+    # (``calibration.certificates.per_class``). None for a label-free profile and older files.
     class_evidence: ClassReport | None = None
     # Low-rank adapters the probe's layer is read under (``judge.adapters``; trained on the fit
     # split's items only, ``judge.adapter_fit``): a request under this profile is judged with

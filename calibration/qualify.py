@@ -19,7 +19,7 @@ task's items, judged four ways by the caller (``calibration.tasks.qualify_runs``
   something else at the decision point (a template or response prefix that does not fit it),
   and its probabilities among the choices are renormalised from a minority of its belief;
 * **signal**: the temperature-scaled judge beats the label prior on the task's items
-  (``calibration.signal``; the temperature and the prior are fitted on the task's other split).
+  (``calibration.certificates.signal``; the temperature and the prior are fitted on the task's other split).
 
 Accuracy and ECE read the model's own probabilities, or with ``calibrated`` the temperature
 -scaled ones: a model whose raw confidence is off can still serve behind a profile, and the
@@ -37,8 +37,8 @@ import numpy as np
 import numpy.typing as npt
 from msgspec import Meta
 
+from calibration.certificates.signal import label_prior, signal_report
 from calibration.metrics import ece
-from calibration.signal import label_prior, signal_report
 from calibration.validation import check_logits, check_probability, check_probs_labels
 from judge.fingerprint import Fingerprint
 
@@ -79,7 +79,7 @@ class TaskQualification(msgspec.Struct, frozen=True, kw_only=True):
     order_shift: float  # mean over items of the largest change of a probability
     choice_mass: float  # mean
     beats_prior: bool
-    signal: str  # calibration.signal's verdict in words
+    signal: str  # calibration.certificates.signal's verdict in words
     temperature: float  # fitted on the task's other split, for the signal (and ``calibrated``)
     misses: list[str]
 
@@ -137,7 +137,7 @@ def qualify_task(
         Other items of the task, for the temperature and the label prior.
     """
     # Here: fitting needs scipy, and the command line's parser imports this module without it.
-    from calibration.scaling import TemperatureScaler
+    from calibration.maps.scaling import TemperatureScaler
 
     rule = Criteria() if criteria is None else criteria
     z = check_logits(log_probs)

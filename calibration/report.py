@@ -1,17 +1,17 @@
 """Markdown reports of a profile and of its evaluation on held-out data.
 
-Each report opens with whether the judge beats the label prior (``calibration.signal``), in
+Each report opens with whether the judge beats the label prior (``calibration.certificates.signal``), in
 words, before any metric: a well-calibrated prior predictor must not pass for a judge.
 """
 
 from __future__ import annotations
 
+from calibration.certificates.per_class import ClassReport
+from calibration.certificates.signal import SignalReport
 from calibration.fitting import PolicyEvaluation
-from calibration.maps import Probe
+from calibration.maps.map_types import Probe
 from calibration.metrics import Interval, MetricReport
-from calibration.per_class import ClassReport
 from calibration.profile import CalibrationProfile
-from calibration.signal import SignalReport
 
 __all__ = [
     "comparison_markdown",
@@ -84,7 +84,7 @@ def _threshold_line(profile: CalibrationProfile) -> str:
 
 
 def class_certificate_lines(profile: CalibrationProfile) -> list[str]:
-    """The per-class certificate, a line per class (``calibration.class_certify``); none for a
+    """The per-class certificate, a line per class (``calibration.certificates.class_certify``); none for a
     pooled profile."""
     if profile.class_thresholds is None:
         return []
@@ -222,7 +222,7 @@ def profile_markdown(
             f"- recertified from the decision log `{r.log}`: look {r.look} of its lineage, "
             f"certified at delta {r.spent:.4g}, its share of {r.delta:g}, so that every look's "
             f"certificate holds at once with probability >= {1 - r.delta:g} "
-            "(calibration.recertify)"
+            "(calibration.certificates.recertify)"
         )
     if profile.metrics_before is not None and profile.metrics_after is not None:
         parts += [

@@ -48,7 +48,7 @@ _READS = {
 def probe_row(
     judgment: object, reads: str, layers: Sequence[int], span: str | None, profile: str
 ) -> npt.NDArray[np.float64]:
-    """The row a probe that ``reads`` ``layers`` (``calibration.maps.Probe``) takes from one
+    """The row a probe that ``reads`` ``layers`` (``calibration.maps.map_types.Probe``) takes from one
     judgment: the hidden states at the decision point (``features``), then the means over the
     item (``span_features``), as far as it reads each. A judgment that lacks them, or whose
     means were taken over other tokens than the probe's ``span`` ("item": a marked

@@ -1,7 +1,7 @@
 """Train low-rank adapters under a probe's head on labeled queries (``judge calibrate
 --method adapter``).
 
-A probe (``calibration.probe``) is a linear head on a frozen layer's states; on the default
+A probe (``calibration.maps.probe``) is a linear head on a frozen layer's states; on the default
 model it stops near 0.85 on sst2 and ag_news whatever layer it reads. Here the blocks below
 the layer it reads learn too: LoRA (the ``peft`` library) on the ``blocks`` just under that
 layer, trained with the head, warm-started from the fitted probe, on the labels' cross-entropy.

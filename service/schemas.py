@@ -16,14 +16,14 @@ from msgspec import Meta
 
 from calibration.carry import carry
 from calibration.cascade import StageResult
-from calibration.certify import ThresholdResult
-from calibration.label_free import LabelFree
+from calibration.certificates.certify import ThresholdResult
+from calibration.certificates.recertify import LabelsNeeded
+from calibration.certificates.signal import SignalReport
 from calibration.limits import MIN_EXAMPLES
+from calibration.maps.label_free import LabelFree
 from calibration.metrics import MetricReport
 from calibration.policy import ReasonCode
 from calibration.profile import NAME_PATTERN
-from calibration.recertify import LabelsNeeded
-from calibration.signal import SignalReport
 from judge.limits import MAX_CHOICES
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ class JudgeResponse(
     expected_value: float | None = None
     std: float | None = None
     max_std: float | None = None  # the bound in force
-    # The profile's calibration map (calibration.maps): "temperature", "bias_temperature",
+    # The profile's calibration map (calibration.maps.map_types): "temperature", "bias_temperature",
     # "probe", ...; None without a profile. A probe also names the hidden-state layers it read
     # (the features themselves never leave the server).
     calibration_method: str | None = None
@@ -415,7 +415,7 @@ class FitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     ``method``: "temperature" fits a temperature; "bias_temperature" lets a per-choice bias
     compete with it (cross-validated NLL decides); "probe" fits a learned head on the model's
-    hidden state, and needs at least 100 examples (``calibration.probe.MIN_PROBE_EXAMPLES``)
+    hidden state, and needs at least 100 examples (``calibration.maps.probe.MIN_PROBE_EXAMPLES``)
     and an engine that exposes hidden states; "auto" lets all three compete, the probe only
     where it can be tried (the profile's note says when it was not).
     """
@@ -429,7 +429,7 @@ class FitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     delta: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.1
     alpha: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.1
     method: FitMethod = "auto"
-    # Certify a threshold per predicted class too, and serve that rule (calibration.class_certify)
+    # Certify a threshold per predicted class too, and serve that rule (calibration.certificates.class_certify)
     per_class: bool = False
 
 

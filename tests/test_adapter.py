@@ -24,7 +24,7 @@ from test_span_service import every_route
 
 from calibration import CalibrationProfile, Gate, ProfileMismatchError, load_profile, save_profile
 from calibration.fitting import split_examples
-from calibration.maps import Probe
+from calibration.maps.map_types import Probe
 from calibration.tasks import (
     AdapterProfile,
     fit_adapter_profile,

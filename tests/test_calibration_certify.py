@@ -1,4 +1,4 @@
-"""Certified thresholds (calibration.certify), Clopper-Pearson bounds and risk-coverage curves."""
+"""Certified thresholds (calibration.certificates.certify), Clopper-Pearson bounds and risk-coverage curves."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from calibration.certify import (
+from calibration.certificates.certify import (
     DEFAULT_GRID,
     PROCEDURES,
     RiskCoverage,

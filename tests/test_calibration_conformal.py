@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 from sklearn.exceptions import NotFittedError
 
-from calibration.conformal import ConformalClassifier, conformal_quantile, prediction_set
+from calibration.certificates.conformal import (
+    ConformalClassifier,
+    conformal_quantile,
+    prediction_set,
+)
 
 
 def calibrated(rng: np.random.Generator, n: int, k: int = 5) -> tuple[np.ndarray, np.ndarray]:

@@ -19,10 +19,10 @@ from calibration import (
     fit_profile,
     make_policy,
 )
-from calibration.certify import ThresholdResult
+from calibration.certificates.certify import ThresholdResult
 from calibration.gate import Gate, Overrides
+from calibration.maps.scaling import Temperature
 from calibration.profile import CalibrationProfile
-from calibration.scaling import Temperature
 from judge import Judgment
 
 CHOICES = ["ham", "spam"]

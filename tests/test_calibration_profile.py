@@ -19,6 +19,7 @@ from calibration.errors import (
     RuleError,
 )
 from calibration.fitting import evaluate_policy, fit_profile, held_out_examples, split_examples
+from calibration.maps.scaling import BiasTemperature, Temperature
 from calibration.metrics import Interval
 from calibration.profile import (
     CalibrationProfile,
@@ -27,7 +28,6 @@ from calibration.profile import (
     load_profile,
     save_profile,
 )
-from calibration.scaling import BiasTemperature, Temperature
 from judge.fingerprint import Fingerprint, sha256_text
 
 CHOICES = ["ham", "spam", "unsure"]

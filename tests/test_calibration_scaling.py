@@ -11,8 +11,7 @@ from hypothesis.extra import numpy as hnp
 from sklearn.exceptions import NotFittedError
 
 from calibration.errors import RuleError
-from calibration.metrics import nll
-from calibration.scaling import (
+from calibration.maps.scaling import (
     BiasTemperature,
     BiasTemperatureScaler,
     CalibrationFit,
@@ -22,6 +21,7 @@ from calibration.scaling import (
     fit_calibrator,
     softmax,
 )
+from calibration.metrics import nll
 
 
 def sample_labels(rng: np.random.Generator, probs: np.ndarray) -> np.ndarray:
@@ -231,7 +231,7 @@ def test_validation_errors() -> None:
 
 
 def test_maps_decode_by_their_method_tag() -> None:
-    from calibration.scaling import CalibrationMap
+    from calibration.maps.scaling import CalibrationMap
 
     def decode(text: str) -> object:
         return msgspec.json.decode(text, type=CalibrationMap)

@@ -199,7 +199,7 @@ def test_the_rules_are_ordered_on_each_probe_s_out_of_fold_probabilities(
     import msgspec
 
     import calibration.tasks.cascade as fitting_cascade
-    from calibration.cascade_certify import StageView
+    from calibration.certificates.cascade_certify import StageView
     from calibration.fitting import profile_split
 
     n = 600

@@ -1,4 +1,4 @@
-"""One certificate for a cascade's rule (``calibration.cascade_certify``), in simulation.
+"""One certificate for a cascade's rule (``calibration.certificates.cascade_certify``), in simulation.
 
 Populations of items are drawn with each stage's confidence and whether its answer is right, so
 a rule's true precision is known (measured on the whole population); the certificate is
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from calibration.cascade_certify import (
+from calibration.certificates.cascade_certify import (
     COARSE_GRID,
     CascadeCertificate,
     StageView,

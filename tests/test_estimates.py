@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibration.estimates import classical_mean, dataset_estimate, ppi_mean
+from calibration.monitoring.estimates import classical_mean, dataset_estimate, ppi_mean
 
 ppi_py = pytest.importorskip("ppi_py")  # a dev dependency: make install brings it
 

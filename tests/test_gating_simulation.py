@@ -54,9 +54,9 @@ from fakes import FINGERPRINT
 from scipy import stats
 
 from calibration import FitSettings, fit_profile
+from calibration.certificates.recertify import Recertification
 from calibration.gate import Gate
 from calibration.policy import Gates
-from calibration.recertify import Recertification
 
 K = 3
 TARGET, DELTA = 0.9, 0.1
@@ -282,7 +282,7 @@ def test_with_a_probe_the_policy_is_not_vacuous(probe_outcomes: ProbeOutcomes) -
 # items, refitted (``fit_profile``, temperature) at 200, 400, 600, 800 and 1,000, the looks of
 # one lineage (``Recertification.after``); a run fails when any look certifies. At the full
 # delta every look, 20 of 100 runs failed, twice delta: each look is a new chance for noise to
-# clear the bound. Spending delta over the looks (``calibration.recertify``) kept it to 12 of
+# clear the bound. Spending delta over the looks (``calibration.certificates.recertify``) kept it to 12 of
 # 300 (4.0%, upper bound 6.4%). About 10 ms a fit: 400 runs of up to 5 looks in about 20 s.
 
 LOOKS = (200, 400, 600, 800, 1000)
@@ -351,7 +351,7 @@ def test_looks_that_spend_one_delta_fail_in_at_most_delta_of_runs() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# A guarantee per class (calibration.class_certify).
+# A guarantee per class (calibration.certificates.class_certify).
 #
 # Two classes, the second rarer (31%); the model sees each item's truth through noise and is
 # overconfident (accuracy 0.88). Each resample fits a profile certified per class

@@ -38,7 +38,7 @@ from calibration import (
     save_profile,
 )
 from calibration.gate import Gate
-from calibration.maps import Temperature
+from calibration.maps.map_types import Temperature
 from calibration.profile import etag_of
 from judge import Judge, Query
 from judge.engine import parameters_sha256

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from calibration import load_profile
-from calibration.labelling import margins
+from calibration.monitoring.labelling import margins
 from calibration.tasks import (
     ItemQueue,
     Task,

@@ -25,8 +25,8 @@ from calibration import (
     prior_correction,
 )
 from calibration.gate import Gate
+from calibration.maps.scaling import softmax
 from calibration.report import profile_markdown
-from calibration.scaling import softmax
 from calibration.tasks import content_free_prompts, load_task
 from judge import Judge
 from service.cli.main import main

@@ -16,9 +16,15 @@ from test_monitoring import draw
 
 from calibration import CalibrationProfile
 from calibration.gate import Gate
-from calibration.label_shift import correct, em_prior, mix_shift, prior_estimate, source_prior
 from calibration.metrics import ece
-from calibration.monitoring import reference_of
+from calibration.monitoring.health import reference_of
+from calibration.monitoring.label_shift import (
+    correct,
+    em_prior,
+    mix_shift,
+    prior_estimate,
+    source_prior,
+)
 from calibration.policy import Hold
 
 PRIOR = [0.5, 0.3, 0.2]

@@ -1,4 +1,4 @@
-"""What to label next (calibration.labelling): the teach stream's uncertain, spread-out picks
+"""What to label next (calibration.monitoring.labelling): the teach stream's uncertain, spread-out picks
 and the audit stream's uniform order."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calibration.labelling import audit_order, margins, teach_order
+from calibration.monitoring.labelling import audit_order, margins, teach_order
 
 
 def test_a_margin_is_the_top_probability_minus_the_second() -> None:

@@ -1,6 +1,6 @@
 """Labels that keep coming: hidden states kept in the decision log (``--log-features``), a probe
 refitted from them (``judge calibrate --from-log``), each refit one look of a lineage that
-spends one delta (``calibration.recertify``), and the labels ``judge check`` says the gate needs.
+spends one delta (``calibration.certificates.recertify``), and the labels ``judge check`` says the gate needs.
 
 The end-to-end test runs on the real default model (the session's): served with
 ``--log-features`` under a temperature profile, 160 SMS messages judged and labelled, then a
@@ -23,10 +23,10 @@ from litestar.testing import TestClient
 from server import wait_app_ready
 
 from calibration import FitSettings, Gate, fit_profile
+from calibration.certificates.recertify import Recertification, labels_to_certify, look_delta
 from calibration.errors import RuleError
 from calibration.fitting import labels_for_next_look
-from calibration.probe import candidate_layers
-from calibration.recertify import Recertification, labels_to_certify, look_delta
+from calibration.maps.probe import candidate_layers
 from calibration.tasks.files import load_split, load_task, task_prompt
 from service import ServiceConfig, create_app
 from service.cli.main import main

@@ -1,4 +1,4 @@
-"""The choice-mass gate chosen from the labels (calibration.mass_gate), and the certificate with it."""
+"""The choice-mass gate chosen from the labels (calibration.certificates.mass_gate), and the certificate with it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from fakes import FINGERPRINT
 from scipy import stats
 
 from calibration import FitSettings, fit_profile
+from calibration.certificates.mass_gate import choose_min_choice_mass
 from calibration.gate import Gate
-from calibration.mass_gate import choose_min_choice_mass
 
 CHOICES = ["a", "b"]
 TARGET, DELTA = 0.9, 0.1

@@ -15,7 +15,7 @@ import pytest
 from scipy import stats
 
 from calibration.errors import RuleError
-from calibration.monitoring import (
+from calibration.monitoring.health import (
     MAX_REFERENCE,
     MIN_DRIFT_ITEMS,
     Reference,
@@ -95,7 +95,7 @@ def test_false_alarm_rate_checked_after_every_label_is_at_most_alpha() -> None:
     """1,000 streams of 400 labels at exactly the target precision, checked after every label:
     the bet raises a false alarm in at most alpha of them (Ville); the Clopper-Pearson test
     this replaced, run the same way, in far more."""
-    from calibration.sequential import betting_capital
+    from calibration.monitoring.sequential import betting_capital
 
     rng = np.random.default_rng(30)
     alpha, target, streams, n = 0.05, 0.9, 1000, 400
@@ -115,7 +115,7 @@ def test_false_alarm_rate_checked_after_every_label_is_at_most_alpha() -> None:
 def test_a_five_point_drop_is_caught() -> None:
     """Precision 0.85 under a 0.9 certificate: caught in 95% of 200 streams within 2,000
     audited accepted labels (benchmarks/bench_monitoring.py states the delay)."""
-    from calibration.sequential import betting_capital
+    from calibration.monitoring.sequential import betting_capital
 
     rng = np.random.default_rng(31)
     caught = [
@@ -384,7 +384,7 @@ def test_prediction_powered_intervals_cover_the_true_shares(
 
 
 def test_prediction_powered_intervals_beat_the_audits_alone() -> None:
-    from calibration.sequential import asymptotic_half_width
+    from calibration.monitoring.sequential import asymptotic_half_width
 
     rng = np.random.default_rng(21)
     p, y = draw(rng, 4000, [0.6, 0.4], 3.0)
@@ -401,8 +401,8 @@ def test_prediction_powered_intervals_beat_the_audits_alone() -> None:
 
 
 def test_prediction_powered_estimate_is_ppi_plus_plus() -> None:
-    from calibration.estimates import ppi_mean
-    from calibration.sequential import asymptotic_half_width
+    from calibration.monitoring.estimates import ppi_mean
+    from calibration.monitoring.sequential import asymptotic_half_width
 
     rng = np.random.default_rng(22)
     pu, _, pl, yl = _audit(rng, 2000, [0.5, 0.3, 0.2])

@@ -10,9 +10,9 @@ from fakes import FINGERPRINT
 from sklearn.metrics import roc_auc_score
 
 from calibration import FitSettings, evaluate_policy, fit_profile, signal_report
+from calibration.certificates.signal import auroc, label_prior
+from calibration.maps.scaling import T_MAX
 from calibration.report import evaluation_markdown, profile_markdown
-from calibration.scaling import T_MAX
-from calibration.signal import auroc, label_prior
 
 CHOICES = ["entailment", "not_entailment"]
 

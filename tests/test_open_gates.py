@@ -194,9 +194,9 @@ def test_a_warm_request_under_a_profile_opens_and_checks_nothing_again(warm: War
 # were kept open, 29 after).
 PATH_FILES = {
     "calibration/carry.py",
-    "calibration/conformal.py",
+    "calibration/certificates/conformal.py",
     "calibration/gate.py",
-    "calibration/maps.py",
+    "calibration/maps/map_types.py",
     "calibration/policy.py",
     "calibration/validation.py",
     "judge/identity.py",

@@ -1,4 +1,4 @@
-"""Per-class evidence (calibration.per_class): each choice's precision, recall and coverage of
+"""Per-class evidence (calibration.certificates.per_class): each choice's precision, recall and coverage of
 the accepted items, with intervals, and the confusion matrices."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from calibration.per_class import class_evidence
+from calibration.certificates.per_class import class_evidence
 from calibration.report import class_markdown
 
 

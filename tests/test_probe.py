@@ -26,8 +26,8 @@ from threadpoolctl import threadpool_limits
 from calibration import FitSettings, decode_profile, evaluate_policy, fit_calibrator, fit_profile
 from calibration.errors import FitError, ProfileError, ProfileMismatchError, RuleError
 from calibration.gate import Gate
-from calibration.maps import MAX_PROBE_WEIGHTS, Probe, Temperature, softmax
-from calibration.probe import MIN_PROBE_EXAMPLES, fit_probe, fit_probe_weights, map_features
+from calibration.maps.map_types import MAX_PROBE_WEIGHTS, Probe, Temperature, softmax
+from calibration.maps.probe import MIN_PROBE_EXAMPLES, fit_probe, fit_probe_weights, map_features
 from calibration.profile import CalibrationProfile
 from judge import Fingerprint, Judgment
 

@@ -8,9 +8,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from calibration.maps.scaling import TemperatureScaler
 from calibration.metrics import ece
 from calibration.qualify import Criteria, Qualification, TaskQualification, qualify_task
-from calibration.scaling import TemperatureScaler
 from calibration.tasks import load_task, qualify_on_task
 from judge import Judge
 from service.cli.main import main

@@ -21,8 +21,8 @@ from server import wait_app_ready as wait_ready
 
 from calibration import CalibrationProfile, FitSettings, decode_profile, fit_profile
 from calibration.gate import Gate, Overrides
-from calibration.maps import MAX_PROBE_WEIGHTS, Probe
-from calibration.probe import candidate_layers
+from calibration.maps.map_types import MAX_PROBE_WEIGHTS, Probe
+from calibration.maps.probe import candidate_layers
 from calibration.tasks import load_split, load_task, task_prompt
 from judge import (
     Engine,

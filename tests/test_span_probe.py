@@ -19,8 +19,8 @@ from threadpoolctl import threadpool_limits
 from calibration import FitSettings, evaluate_policy, fit_profile
 from calibration.errors import ProfileMismatchError, RuleError
 from calibration.gate import Gate
-from calibration.maps import Probe, softmax
-from calibration.probe import fit_probe, map_features
+from calibration.maps.map_types import Probe, softmax
+from calibration.maps.probe import fit_probe, map_features
 from calibration.profile import CalibrationProfile
 from calibration.tasks import LabeledScores, Task, task_item_span, task_prompt
 from judge import Judgment, Query

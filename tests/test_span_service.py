@@ -24,7 +24,7 @@ from test_one_gate import CHOICES, DEFAULTS, QUESTION, SAME, STATE, _prompt, _vi
 
 from calibration import CalibrationProfile, FitSettings, fit_profile, save_profile
 from calibration.gate import Gate
-from calibration.maps import Probe
+from calibration.maps.map_types import Probe
 from judge import Judge
 from service import ServiceConfig, create_app
 from service.cli.main import main

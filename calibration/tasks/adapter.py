@@ -34,8 +34,8 @@ import msgspec
 import numpy as np
 
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
-from calibration.maps import Probe
-from calibration.probe import candidate_layers, fit_probe_weights, probe_input
+from calibration.maps.map_types import Probe
+from calibration.maps.probe import candidate_layers, fit_probe_weights, probe_input
 from calibration.tasks.files import (
     LabeledItem,
     Task,
@@ -94,7 +94,7 @@ def fit_adapter_profile(
     methods, the probe."""
     from calibration import fit_profile
     from calibration.fitting import split_with_taught
-    from calibration.scaling import CalibrationFit
+    from calibration.maps.scaling import CalibrationFit
     from judge.adapter_fit import fit_adapter
 
     def judged(judge: Judge, stage: str, layers: Sequence[int]) -> LabeledScores:

@@ -11,7 +11,7 @@ least 1 - delta:
   seed, so stages that fit the same kind of map hold out the same certify split.
 * **One certificate for the thresholds together.** The items every stage's fit held out for
   its certificate certify the tuple of thresholds as one rule, at the full delta
-  (``calibration.cascade_certify``: fixed-sequence testing along the precision-coverage
+  (``calibration.certificates.cascade_certify``: fixed-sequence testing along the precision-coverage
   frontier of the tuples, ordered on the other labeled items, each stage's probabilities there
   as its map judges new items: a probe's from the folds that did not fit them). "Stage s alone" is one of the
   tuples, so the cascade is never held below a single stage by the method; a stage the chosen
@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from calibration.cascade_certify import (
+from calibration.certificates.cascade_certify import (
     CascadeCertificate,
     CascadeRule,
     StageView,
     certify_rules,
     measure_rule,
 )
-from calibration.certify import ThresholdResult
+from calibration.certificates.certify import ThresholdResult
 from calibration.errors import FitError
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.limits import MIN_EXAMPLES

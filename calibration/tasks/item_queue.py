@@ -3,7 +3,7 @@ profile serves it and so before a decision log holds anything to label.
 
 The pool (``load_pool``: one ``{"text": ..., "id": ...}`` a line) is judged once by the model
 as loaded, in the task's prompt (``judge_task_pool``), and split at random, by a seed, into
-two streams kept apart (``calibration.labelling``):
+two streams kept apart (``calibration.monitoring.labelling``):
 
 * **audit** (``audit_share`` of the pool, default half): a uniform sample in a seeded order.
   Its labels may certify a profile fitted on the file.
@@ -29,10 +29,10 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from calibration.labelling import audit_order, next_stream, teach_rounds
+from calibration.certificates.recertify import LabelsNeeded, labels_to_certify
 from calibration.limits import MIN_EXAMPLES, certify_share
-from calibration.maps import softmax
-from calibration.recertify import LabelsNeeded, labels_to_certify
+from calibration.maps.map_types import softmax
+from calibration.monitoring.labelling import audit_order, next_stream, teach_rounds
 from calibration.tasks.files import (
     STREAMS,
     LabeledItem,

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
-from calibration.maps import ProbeSpan
+from calibration.maps.map_types import ProbeSpan
 from calibration.tasks.files import (
     LabeledItem,
     Task,
@@ -503,7 +503,7 @@ def content_free_prompts(task: Task, inputs: Sequence[str] | None = None) -> lis
     al. 2021).
     """
     if inputs is None:
-        from calibration.label_free import CONTENT_FREE_INPUTS
+        from calibration.maps.label_free import CONTENT_FREE_INPUTS
 
         inputs = CONTENT_FREE_INPUTS
     return [task_prompt(task, text) for text in inputs]

@@ -8,7 +8,7 @@ with ``calibration.evaluate_policy``. Both say whether the judge beats the label
 
 ``calibrate --unlabeled contextual|batch`` fits a label-free prior correction instead: from
 content-free inputs in the task's prompt (contextual), or from the split's texts with their
-labels ignored, or the prompts of ``--input`` (batch); see ``calibration.label_free``.
+labels ignored, or the prompts of ``--input`` (batch); see ``calibration.maps.label_free``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 import msgspec
 
 from calibration import MIN_EXAMPLES
-from calibration.maps import Probe, ProbeSpan
-from calibration.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
+from calibration.maps.map_types import Probe, ProbeSpan
+from calibration.maps.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
 from calibration.profile import NAME_PATTERN, save_profile
 from calibration.tasks import (
     LabeledItem,
@@ -201,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
 def run_calibrate(args: argparse.Namespace) -> int:
     # Here, as each command's fitting and plotting: `judge --help` runs without scipy.
     from calibration.fitting import held_out_examples
+    from calibration.maps.scaling import softmax
     from calibration.reliability import reliability_diagram
     from calibration.report import (
         class_certificate_lines,
@@ -208,7 +209,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
         profile_markdown,
         signal_markdown,
     )
-    from calibration.scaling import softmax
 
     task = load_task(args.task)
     name = args.name or task.name

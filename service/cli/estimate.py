@@ -1,5 +1,5 @@
 """``judge estimate``: each choice's share of a dataset, and the judge's accuracy on it, from a
-few labels and the judge's probabilities on every item (PPI++, ``calibration.estimates``).
+few labels and the judge's probabilities on every item (PPI++, ``calibration.monitoring.estimates``).
 
 Two sources:
 
@@ -69,7 +69,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def run_estimate(args: argparse.Namespace) -> int:
     """Read the source, estimate, print; exit 0 (2 on bad input)."""
-    from calibration.estimates import dataset_estimate
+    from calibration.monitoring.estimates import dataset_estimate
 
     if args.judged is not None:
         if args.profile is not None:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol, TextIO, TypeVar
 
 from calibration import CalibrationProfile
-from calibration.recertify import LabelsNeeded
+from calibration.certificates.recertify import LabelsNeeded
 from calibration.tasks.item_queue import ItemQueue, PoolItem
 from service.command_line import UsageError
 from service.log.decision_log import DecisionLog

@@ -12,7 +12,7 @@ logged log-probabilities (and, kept with ``--log-features``, hidden states: a pr
 audit sample only: the uniform share of traffic, so its certificate rests on items
 exchangeable with the traffic (labels given to escalated items alone would certify the wrong
 population). Each such refit is one look of the profile's lineage, certified at its share of
-the delta (``calibration.recertify``).
+the delta (``calibration.certificates.recertify``).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def run_label(args: argparse.Namespace) -> int:
 def _label_items(args: argparse.Namespace) -> int:
     """``--queue --items``: a new task's first labels, from a file of its unlabelled items,
     written into the task's directory for ``judge calibrate``."""
-    from calibration.probe import candidate_layers
+    from calibration.maps.probe import candidate_layers
     from calibration.tasks import ItemQueue, TaskError, judge_task_pool, load_pool, load_task
     from service.cli.label_queue import run_item_queue
     from service.command_line import load_engine

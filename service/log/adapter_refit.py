@@ -24,8 +24,8 @@ import msgspec
 import numpy as np
 
 from calibration import CalibrationProfile, FitSettings
-from calibration.probe import MIN_PROBE_EXAMPLES
-from calibration.recertify import Recertification
+from calibration.certificates.recertify import Recertification
+from calibration.maps.probe import MIN_PROBE_EXAMPLES
 from calibration.tasks import LabeledItem, Task, fit_adapter_profile
 from judge.adapter_fit import AdapterSettings
 from judge.engine import Judge

@@ -2,7 +2,7 @@
 
 A profile certifies that the decisions it accepts are right at least ``target_precision`` of
 the time, on traffic like its calibration data. Three things can break that in production, and
-each is one check here (the statistics are ``calibration.monitoring``'s):
+each is one check here (the statistics are ``calibration.monitoring.health``'s):
 
 * **precision**: the audited decisions it accepted under its certified rule (``audit``:
   a uniform random share of all traffic, see ``calibration.Policy.audit_rate``), labeled by
@@ -15,7 +15,7 @@ each is one check here (the statistics are ``calibration.monitoring``'s):
   confidence (Kolmogorov-Smirnov) and top choice (chi-square), no labels needed, a false
   alarm at most ``alpha_drift`` of the time per check when nothing changed;
 * **prior**: the mix of the version's answers, in the order decided, against the reference's
-  (``calibration.label_shift.mix_shift``, a sequential test: a false alarm at most
+  (``calibration.monitoring.label_shift.mix_shift``, a sequential test: a false alarm at most
   ``alpha_prior`` over the whole stream), and the live class prior estimated by EM from the
   calibrated probabilities of the newest ``window`` decisions made before any hold;
 * **model**: the weights that made the logged decisions, and the server's (or ``judge
@@ -35,15 +35,9 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from calibration.label_shift import (
-    MixShift,
-    PriorEstimate,
-    mix_shift,
-    prior_estimate,
-    source_prior,
-)
+from calibration.certificates.recertify import LabelsNeeded, labels_to_certify, next_look_delta
 from calibration.limits import certify_share
-from calibration.monitoring import (
+from calibration.monitoring.health import (
     DriftTest,
     PrecisionCheck,
     ShareEstimate,
@@ -51,8 +45,14 @@ from calibration.monitoring import (
     drift_test,
     prediction_powered_shares,
 )
+from calibration.monitoring.label_shift import (
+    MixShift,
+    PriorEstimate,
+    mix_shift,
+    prior_estimate,
+    source_prior,
+)
 from calibration.profile import CalibrationProfile
-from calibration.recertify import LabelsNeeded, labels_to_certify, next_look_delta
 from service.log.decision_log import DecisionLog, LoggedDecision
 
 __all__ = [
@@ -304,7 +304,7 @@ def _labels_needed(
     profile: CalibrationProfile, labeled: Sequence[LoggedDecision]
 ) -> LabelsNeeded | None:
     """``labels_to_certify`` on the labeled audit decisions, for the next refit from the log:
-    its look's delta (``calibration.recertify``) and its split's certify share."""
+    its look's delta (``calibration.certificates.recertify``) and its split's certify share."""
     if not labeled:
         return None
     confidence = np.array(

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from calibration.label_shift import em_prior, source_prior
-from calibration.monitoring import ShareEstimate
+from calibration.monitoring.health import ShareEstimate
+from calibration.monitoring.label_shift import em_prior, source_prior
 from calibration.profile import CalibrationProfile
 from service.log.decision_log import LoggedDecision
 from service.log.health import (

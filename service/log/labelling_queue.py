@@ -1,5 +1,5 @@
 """A labelling queue over the decision log: the next decision a person should label, from two
-streams kept apart (``calibration.labelling``).
+streams kept apart (``calibration.monitoring.labelling``).
 
 * **audit**: the decisions the service marked for audit when it made them (a uniform random
   share of the traffic), unlabelled, oldest first. Only these certify: a refit certifies on
@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from calibration import CalibrationProfile
-from calibration.labelling import next_stream, teach_rounds
+from calibration.monitoring.labelling import next_stream, teach_rounds
 from service.log.decision_log import DecisionLog, LabelOutcome, LoggedDecision
 from service.log.health import ProfileHealth, profile_health
 

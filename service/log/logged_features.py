@@ -3,7 +3,7 @@
 With ``judge serve --log-features`` each logged decision made under a profile keeps the hidden
 states, at the decision point, of the layers ``log_layers`` names: a probe profile's own layers
 (its refit chooses the regularisation again, on the same layer), else the layers a probe is
-chosen among (``calibration.probe.candidate_layers``), so that a log gathered under a
+chosen among (``calibration.maps.probe.candidate_layers``), so that a log gathered under a
 temperature profile can grow the first probe. ``judge calibrate --from-log`` reads them back.
 
 Compactly: float16, one row of the model's width per layer, as raw bytes (base64 in the log's
@@ -82,6 +82,6 @@ def log_layers(
         return tuple(probe_layers)
     if not num_layers:
         return ()
-    from calibration.probe import candidate_layers  # numpy only: no fitter is loaded
+    from calibration.maps.probe import candidate_layers  # numpy only: no fitter is loaded
 
     return candidate_layers(num_layers)

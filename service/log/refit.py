@@ -7,7 +7,7 @@ split as a fit's labels are and alone set the quantile and certify; the others (
 stream's picks, or any a person chose) join the fit split only (``fit_profile(fit_only=)``).
 Where the log kept hidden states (``--log-features``) a probe may read them. The refit is
 the next look of the profile's lineage and certifies at its share of the lineage's delta
-(``calibration.recertify``), so that refitting again and again as labels arrive keeps every
+(``calibration.certificates.recertify``), so that refitting again and again as labels arrive keeps every
 look's certificate at once. The refit keeps the profile's prompt template and adapter: the
 logged decisions were judged under them.
 """
@@ -22,8 +22,8 @@ import msgspec
 import numpy as np
 
 from calibration import MIN_EXAMPLES, CalibrationProfile, FitSettings, fit_profile
-from calibration.probe import MIN_PROBE_EXAMPLES
-from calibration.recertify import Recertification
+from calibration.certificates.recertify import Recertification
+from calibration.maps.probe import MIN_PROBE_EXAMPLES
 from service.log.decision_log import DecisionLog, LoggedDecision
 
 __all__ = ["LogRefit", "RefitError", "labelled_decisions", "refit_from_log", "refit_settings"]

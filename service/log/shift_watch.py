@@ -4,7 +4,7 @@ the profile is re-certified.
 
 After each request's decisions are logged, ``ShiftWatch.logged`` counts them per profile
 version; every ``every`` of them one worker thread reads the version's decisions logged since
-its last check and runs ``calibration.label_shift.mix_shift`` on all its answers read so far
+its last check and runs ``calibration.monitoring.label_shift.mix_shift`` on all its answers read so far
 (against the profile's reference, a sequential test: over the whole stream a false hold at
 most ``alpha``, however often it runs). A version found shifted stays held (``hold``): the gates the server opens for it carry a
 ``calibration.policy.Hold`` and escalate everything, saying why; with ``correct`` (``judge
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from calibration import ProfileError
-from calibration.label_shift import mix_shift, prior_weights
+from calibration.monitoring.label_shift import mix_shift, prior_weights
 from calibration.policy import Hold
 from service.log.decision_log import DecisionLog, DecisionLogError, LoggedDecision
 from service.log.health import DEFAULT_WINDOW, live_prior

@@ -3,7 +3,7 @@
 A fit judges its examples through the same queue as every request and fits on a worker thread
 (``calibration.tasks.fit_labeled``); if its client leaves, the request is cancelled and nothing
 is written. A fit whose method may be a probe ("auto", "probe") judges its examples with the
-hidden states of ``calibration.probe.candidate_layers``; a probe that cannot be fitted is
+hidden states of ``calibration.maps.probe.candidate_layers``; a probe that cannot be fitted is
 refused (``method``) before any model work.
 """
 
@@ -31,8 +31,8 @@ from calibration import (
 from calibration.carry import carry
 from calibration.fit_settings import FitSettings
 from calibration.fitting import resolve_methods
-from calibration.maps import CalibrationMap, Probe
-from calibration.probe import candidate_layers, probe_weights
+from calibration.maps.map_types import CalibrationMap, Probe
+from calibration.maps.probe import candidate_layers, probe_weights
 from calibration.profile import NAME_PATTERN
 from calibration.tasks import fit_labeled, labeled_queries, scores_from_judgments
 from judge import Fingerprint, Judgment, Prepared

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from calibration.certify import DEFAULT_GRID, clopper_pearson_lower, minimum_accepted
+from calibration.certificates.certify import DEFAULT_GRID, clopper_pearson_lower, minimum_accepted
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike

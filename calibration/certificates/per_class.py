@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from calibration.certify import clopper_pearson_interval
+from calibration.certificates.certify import clopper_pearson_interval
 
 __all__ = ["ClassEvidence", "ClassReport", "class_evidence"]
 

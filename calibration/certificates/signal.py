@@ -28,7 +28,7 @@ import numpy.typing as npt
 from msgspec import Meta
 
 from calibration.errors import RuleError
-from calibration.maps import T_MAX, T_MIN
+from calibration.maps.map_types import T_MAX, T_MIN
 from calibration.metrics import Interval
 from calibration.validation import check_int, check_probs_labels
 

@@ -44,7 +44,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from calibration.certify import DEFAULT_GRID, _check_grid, _lower_bounds
+from calibration.certificates.certify import DEFAULT_GRID, _check_grid, _lower_bounds
 from calibration.validation import check_confidences, check_correct, check_int, check_unit_open
 
 if TYPE_CHECKING:

@@ -15,12 +15,12 @@ most of this without touching the model:
   Zhou et al. 2023), and only T is fitted on labels. Opt-in: pass it in ``methods``. It is
   stored as a ``BiasTemperature``, since it is one.
 
-* a probe (``calibration.probe``): a learned head on the pass's own hidden state, for when
+* a probe (``calibration.maps.probe``): a learned head on the pass's own hidden state, for when
   the choice logits carry too little signal for any rescaling to help.
 
 ``fit_calibrator`` chooses between them, and no scaling at all, by cross-validated NLL on the
 same folds, so a calibration set too small or too clean to support a method leaves the
-probabilities alone. The fitted map is one typed value (``calibration.maps.CalibrationMap``:
+probabilities alone. The fitted map is one typed value (``calibration.maps.map_types.CalibrationMap``:
 ``Identity``, ``Temperature``, ``BiasTemperature`` or ``Probe``) whose ``apply`` is a pure
 function for serving time.
 """
@@ -38,7 +38,7 @@ from scipy import optimize
 from sklearn import exceptions, model_selection
 from threadpoolctl import ThreadpoolController
 
-from calibration.maps import (
+from calibration.maps.map_types import (
     MAX_ABS_BIAS,
     T_MAX,
     T_MIN,
@@ -52,7 +52,7 @@ from calibration.maps import (
     _softmax,
     softmax,
 )
-from calibration.probe import check_features, fit_probe
+from calibration.maps.probe import check_features, fit_probe
 from calibration.validation import _FloatArray, _IntArray, check_int, check_labels, check_logits
 
 if TYPE_CHECKING:
@@ -365,7 +365,7 @@ def fit_calibrator(
         Required improvement, in standard errors, for a more flexible method to be chosen.
     features : array of shape (n, m, H), optional
         The hidden states at the decision point for ``feature_layers``; needed by "probe",
-        whose layer and regularisation are chosen in the same folds (``calibration.probe``).
+        whose layer and regularisation are chosen in the same folds (``calibration.maps.probe``).
     feature_layers : sequence of int, length m
     num_layers : int, optional
         The model's depth, recorded in a probe.

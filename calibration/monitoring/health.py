@@ -6,7 +6,7 @@ uniform random share of them is audited (labeled by people). Three questions can
 of the log, each with a stated false-alarm rate:
 
 * ``audited_precision``: do the audited accepted items contradict the target? A bet against
-  it, one label at a time (``calibration.sequential``), whose capital reaching 1/alpha
+  it, one label at a time (``calibration.monitoring.sequential``), whose capital reaching 1/alpha
   rejects: valid however often it is checked.
 * ``drift_test``: has live traffic moved away from the calibration data? Live items are
   compared with a ``Reference`` (calibration items the map was not fitted on, kept in the
@@ -317,7 +317,7 @@ def audited_precision(correct: ArrayLike, *, target: float, alpha: float = 0.05)
     however often it is run.
 
     ``correct`` are the audited accepted items' outcomes in the order their labels arrived.
-    A gambler bets against "precision >= target" one label at a time (``calibration.sequential
+    A gambler bets against "precision >= target" one label at a time (``calibration.monitoring.sequential
     .betting_capital``); the labels contradict the certificate once the capital has reached
     1 / alpha at any label. While the true precision of accepted live items is at least the
     target, that happens with probability at most alpha over the whole stream (Ville's
@@ -337,7 +337,7 @@ def audited_precision(correct: ArrayLike, *, target: float, alpha: float = 0.05)
     target : float in (0, 1], the profile's target precision
     alpha : float in (0, 1)
     """
-    from calibration.sequential import betting_bounds, betting_capital
+    from calibration.monitoring.sequential import betting_bounds, betting_capital
 
     arr = np.asarray(correct)
     hits = check_correct(arr, len(arr) if arr.ndim == 1 else 0, "correct")
@@ -417,9 +417,9 @@ def prediction_powered_shares(
     unbiased for any lam however miscalibrated p is, as long as the labelled items are a
     uniform sample of the same traffic (the audit sample) and p was not fitted on them
     (Angelopoulos, Bates, Fannjiang, Jordan & Zrnic 2023); lam is PPI++'s variance-minimising
-    one (Angelopoulos, Duchi & Zrnic 2023; ``calibration.estimates``), so the interval is never
+    one (Angelopoulos, Duchi & Zrnic 2023; ``calibration.monitoring.estimates``), so the interval is never
     much wider than the labels' own and narrower the better p predicts. Each of the two means
-    gets an asymptotic confidence sequence (``calibration.sequential.asymptotic_half_width``)
+    gets an asymptotic confidence sequence (``calibration.monitoring.sequential.asymptotic_half_width``)
     rather than a fixed-n CLT interval: the interval holds at every recomputation at once, as
     the samples grow, so a dashboard refreshed after every label does not pay alpha each time.
 
@@ -438,8 +438,8 @@ def prediction_powered_shares(
     Raises ValueError when there are fewer than 2 items on either side: no variance, so no
     interval (an interval of [0, 1] would only hide that).
     """
-    from calibration.estimates import ppi_terms
-    from calibration.sequential import asymptotic_half_width
+    from calibration.monitoring.estimates import ppi_terms
+    from calibration.monitoring.sequential import asymptotic_half_width
 
     alpha = check_unit_open(alpha, "alpha")
     names = list(choices)

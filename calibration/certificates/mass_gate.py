@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from calibration.certify import select_threshold
+from calibration.certificates.certify import select_threshold
 
 __all__ = ["MARGIN", "QUANTILES", "choose_min_choice_mass"]
 

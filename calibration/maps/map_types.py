@@ -4,7 +4,7 @@ Each map is a frozen msgspec Struct tagged by ``method`` in JSON, so a profile s
 one of them and cannot hold, say, a bias without its method. ``apply`` is a pure function for
 serving time. The scalar maps read only the per-choice log-probabilities; ``Probe`` reads the
 hidden state of the same forward pass as well (``features``), and refuses to apply without it.
-The estimators that fit them live in ``calibration.scaling`` and ``calibration.probe``.
+The estimators that fit them live in ``calibration.maps.scaling`` and ``calibration.maps.probe``.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class Probe(_Map, frozen=True, tag="probe", omit_defaults=True):
     many decoder blocks ("point"), its mean over the item's tokens ("mean", over the ``span``
     it was fitted on), or both (the points of every layer, then the means); ``z`` the choices'
     log-probabilities, normalised over the choices; ``weights`` is (k, width), ``intercept``
-    (k,). Fitted by ``calibration.probe`` (standardisation folded into the weights). It applies
+    (k,). Fitted by ``calibration.maps.probe`` (standardisation folded into the weights). It applies
     only to a model with ``num_layers`` blocks of width ``feature_dim``. The defaults are left
     out of its JSON, so a probe from before means were read keeps its encoding (and sha256).
     """

@@ -27,7 +27,7 @@ import numpy.typing as npt
 from msgspec import Meta
 
 from calibration.errors import FitError, RuleError
-from calibration.maps import MAX_ABS_BIAS, BiasTemperature, softmax
+from calibration.maps.map_types import MAX_ABS_BIAS, BiasTemperature, softmax
 from calibration.validation import check_logits
 
 __all__ = [

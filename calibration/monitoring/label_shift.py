@@ -31,7 +31,7 @@ import msgspec
 import numpy as np
 from numpy.typing import ArrayLike
 
-from calibration.monitoring import Reference
+from calibration.monitoring.health import Reference
 from calibration.validation import check_probs, check_unit_open
 
 __all__ = [
@@ -193,7 +193,7 @@ def mix_shift(
     ``choices``: their names, for the reason (else their indices)."""
     from scipy import stats
 
-    from calibration.sequential import betting_capital
+    from calibration.monitoring.sequential import betting_capital
 
     alpha = check_unit_open(alpha, "alpha")
     top = np.asarray(answers)

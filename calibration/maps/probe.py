@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from calibration.errors import FitError
-from calibration.maps import (
+from calibration.maps.map_types import (
     MAX_PROBE_WEIGHTS,
     CalibrationMap,
     Probe,
@@ -225,7 +225,7 @@ def fit_probe(
     y : array of shape (n,)
         Correct choice indices.
     folds : sequence of (train, test) index arrays
-        The cross-validation folds (``calibration.scaling`` makes them, shared by every
+        The cross-validation folds (``calibration.maps.scaling`` makes them, shared by every
         candidate method so their held-out NLLs compare item by item).
     cs : sequence of float
         Candidate inverse regularisation strengths.

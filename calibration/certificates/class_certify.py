@@ -1,6 +1,6 @@
 """A guarantee for each class: a threshold certified per predicted class, all at once.
 
-The pooled certificate (``calibration.certify``) bounds the precision of every accepted item
+The pooled certificate (``calibration.certificates.certify``) bounds the precision of every accepted item
 together. A rare class can hide in it: on sms_spam a rule that accepts every item is 97%
 precise overall and says nothing of its ``spam`` decisions, which are what a spam filter's
 user acts on. ``certify_per_class`` certifies one threshold t_c for each class c, on the
@@ -32,8 +32,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from calibration.certify import ThresholdResult, select_threshold, sequence_start, untested
-from calibration.recertify import labels_to_certify
+from calibration.certificates.certify import (
+    ThresholdResult,
+    select_threshold,
+    sequence_start,
+    untested,
+)
+from calibration.certificates.recertify import labels_to_certify
 
 __all__ = ["certify_per_class"]
 
