@@ -16,7 +16,7 @@ other module builds one.
 A front settles through ``respond`` (a judgment: its log record and its response together, the
 probabilities in the request's order) or ``answered`` (a typed question's answer: its record and
 its decision); ``judge ask``, ``judge decide`` and ``judge replay`` open their gates here too, on a
-profile read from a file (``open_profile``), with no store and no log. tests/test_one_core.py
+profile read from a file (``open_profile``), with no store and no log. tests/test_structure.py
 checks that no front builds a ``Gate``, a ``JudgeResponse`` or a record itself.
 """
 

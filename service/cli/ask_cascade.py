@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from service.cascade.cascade_judgments import ServedStage
     from service.cascade.cascade_questions import LocalModel
 
-# The stages' machinery (service.cascade.cascade_judgments) is the server's: imported where a cascade
+# The cascade's machinery (service.cascade, shared with the servers) is imported where a cascade
 # is asked for, so that `judge ask --help` needs none of the server's packages.
 
 __all__ = ["LaterStages", "add_arguments", "plan"]

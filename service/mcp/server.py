@@ -2,10 +2,11 @@
 
 Three tools, each with a JSON input schema:
 
-    judge           prompt, choices (2 or more), optional profile, system, threshold,
-                    uncertified_threshold:
-                    the judgment and the policy's decision on it (``JudgeResponse``, as
-                    ``POST /judge`` answers), calibrated and certified with a profile
+    judge           prompt, choices (2 or more), optional profile, system and the overrides
+                    POST /judge takes (threshold, uncertified_threshold, min_choice_mass,
+                    values, max_std), or an item alone with its profile: the judgment and
+                    the decision on it, field for field as ``POST /judge`` answers
+                    (``service.gate_context.respond``), cascaded where the server has one
     decide          state, questions (id -> {"type": "noul" | "choice" | "score" | "pair", ...}),
                     optional profiles (id -> name), order, max_orderings: one typed answer
                     per question (``service.decisions``), all in one run of the model
