@@ -36,6 +36,7 @@ __all__ = [
     "add_settings",
     "api_key",
     "audit_rates",
+    "check_stage_names",
     "choice_paths_argument",
     "choice_value",
     "fit_settings",
@@ -113,6 +114,17 @@ def choice_value(text: str) -> tuple[str, float]:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {number}")
     return name, value
+
+
+def check_stage_names(first: str, given: Sequence[tuple[str, str]]) -> None:
+    """A cascade's stages (``--stage-name`` and each ``--cascade NAME=...``), each with a name
+    of its own: refused before any model loads."""
+    names = [first, *(name for name, _ in given)]
+    if len(set(names)) != len(names):
+        raise UsageError(
+            f"each stage needs a name of its own (--stage-name and --cascade), got {names}",
+            field="--cascade",
+        )
 
 
 def audit_rate(text: str) -> tuple[str | None, float]:

@@ -239,3 +239,46 @@ def test_an_item_alone_reads_its_profile_once(
     assert reads == ["sms"]
     assert _same(result.structured_content) == _same(judged.json())
     assert judged.json()["certified"] is True and "outside_template" not in judged.json()
+
+
+def test_a_typed_question_cascades_the_same_way_on_every_front(
+    judge: Judge,
+    profiles: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    loaded_once: list[dict[str, object]],
+) -> None:
+    """``POST /v1/systemone``, the MCP ``decide`` tool and ``judge decide``, each with a cascade
+    whose later stage is down: the question escalates (no profile, no certificate), the stage
+    fails, and the three answers agree field for field."""
+    state = "Ticket 4411: I was charged twice for my subscription this month."
+    question = {"type": "noul", "instructions": "Is this ticket about billing?"}
+    answers: dict[str, dict[str, Any]] = {}
+    config = ServiceConfig(profiles_dir=profiles, cascade={"big": DEAD})
+    with TestClient(app=create_app(judge, config=config)) as client:
+        wait_ready(client)
+        asked = client.post("/v1/systemone", json={"state": state, "questions": {"q": question}})
+        assert asked.status_code == 200, asked.text
+        answers["POST /v1/systemone"] = asked.json()["answers"]["q"]
+    from service.mcp.server import create_server
+
+    server = create_server(
+        judge, ProfileStore(profiles), defaults=PolicyDefaults(), cascade={"big": DEAD}
+    )
+    result: Any = asyncio.run(
+        server.call_tool("decide", {"state": state, "questions": {"q": question}})
+    )
+    assert not result.is_error, result.content
+    answers["MCP decide"] = result.structured_content["q"]
+    (tmp_path / "state.txt").write_text(state)
+    argv = ["decide", "--state", str(tmp_path / "state.txt"), "--question"]
+    argv += [f"q={json.dumps(question)}", "--cascade", f"big={DEAD}"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    answers["judge decide"] = json.loads(capsys.readouterr().out)["q"]
+    expected = _same(answers["POST /v1/systemone"])
+    assert expected["decision"] == "escalate" and expected.get("decided_by") is None
+    assert [part["stage"] for part in expected["cascade"]] == ["local", "big"]
+    assert expected["cascade"][1]["failure"] == "stage_failed"
+    for front, answer in answers.items():
+        assert _same(answer) == expected, front

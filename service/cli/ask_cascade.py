@@ -115,12 +115,7 @@ def plan(args: argparse.Namespace, overrides: Overrides) -> LaterStages | None:
         if args.stage_profile:
             raise common.UsageError("--stage-profile needs --cascade", field="--stage-profile")
         return None
-    names = [args.stage_name, *(name for name, _ in given)]
-    if len(set(names)) != len(names):
-        raise common.UsageError(
-            f"each stage needs a name of its own (--stage-name and --cascade), got {names}",
-            field="--cascade",
-        )
+    common.check_stage_names(args.stage_name, given)
     profiles = dict(args.stage_profile or [])
     unknown = sorted(set(profiles) - {name for name, _ in given})
     if unknown:

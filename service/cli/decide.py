@@ -20,23 +20,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from calibration import CalibrationProfile, PolicyDefaults, ProfileError
-from judge.answers import MAX_ORDERINGS, plan_decisions
+from calibration import CalibrationProfile, Gate, Overrides, PolicyDefaults, ProfileError
+from judge.answers import MAX_ORDERINGS, DecisionPlan, plan_decisions
 from service.command_line import (
     UsageError,
+    check_stage_names,
     load_engine,
     model_arguments,
     positive_int,
+    stage,
     to_json,
 )
-from service.decisions import judge_questions, question_overrides, with_order
-from service.gate_context import NO_LOG
+from service.decisions import QuestionDecision, judge_questions, question_overrides, with_order
+from service.gate_context import NO_LOG, GateContext
 from service.profiles import ProfileStore
-from service.systemone import wire_answer
+
+if TYPE_CHECKING:
+    from service.cascade.cascade_questions import QuestionItem, QuestionStage
 
 __all__ = ["add_arguments", "read_state", "run"]
 
@@ -59,12 +64,15 @@ def run(args: argparse.Namespace) -> int:
                 "(in any order)",
                 field=f"profiles.{asked.id}",
             )
+    given: list[tuple[str, str]] = args.cascade or []
+    check_stage_names(args.stage_name, given)
     first = next((profile for profile, _ in profiles.values()), None)
     engine = load_engine(args, first, dtype=args.dtype)
     gates = {
         qid: NO_LOG.open_profile(profile, question_overrides(qid, questions[qid]), etag=etag)
         for qid, (profile, etag) in profiles.items()
     }
+    later = _later_stages(args, given, engine.dtype, state, plan, profiles, questions)
     judged = judge_questions(
         engine,
         state,
@@ -73,9 +81,78 @@ def run(args: argparse.Namespace) -> int:
         defaults=PolicyDefaults(),
         max_orderings=args.max_orderings,
     )
-    answers = {qid: wire_answer(answer, verdict) for qid, (answer, verdict) in judged.items()}
+    answers = {}
+    for qid, (answer, verdict) in judged.items():
+        decided = QuestionDecision(answer, verdict)
+        if qid in later:  # what this model escalated goes to the later stages, in turn
+            from service.cascade.cascade_questions import escalated
+
+            item, stages = later[qid]
+            decided = escalated(args.stage_name, (answer, verdict), stages, item)
+        answers[qid] = decided.wire()
     sys.stdout.write(to_json(answers, indent=2) + "\n")
     return 0
+
+
+def _later_stages(
+    args: argparse.Namespace,
+    given: list[tuple[str, str]],
+    dtype: str,
+    state: object,
+    plan: DecisionPlan,
+    profiles: dict[str, tuple[CalibrationProfile, str]],
+    questions: dict[str, Any],
+) -> dict[str, tuple[QuestionItem, list[QuestionStage]]]:
+    """Each question's later stages (``--cascade``), as ``judge serve`` and ``judge mcp``
+    open them: stage NAME under the profile "P-NAME" from ``--profiles-dir`` where the
+    question's is P, a local model loaded here (in the first's dtype), a URL asked over
+    ``POST /v1/systemone``; every gate opened and checked before any item is judged."""
+    if not given:
+        return {}
+    from judge.engines import open_engine
+    from service.cascade.cascade_questions import (
+        LocalModel,
+        LocalQuestionStage,
+        QuestionItem,
+        RemoteQuestionStage,
+        asked_as,
+        opened_stages,
+    )
+    from service.cascade.remote_stage import is_remote
+
+    cascade: dict[str, LocalModel | str] = {
+        name: target if is_remote(target) else LocalModel(open_engine(target, dtype=dtype))  # type: ignore[arg-type]
+        for name, target in given
+    }
+    store = GateContext(store=ProfileStore(args.profiles_dir))
+    later: dict[str, tuple[QuestionItem, list[QuestionStage]]] = {}
+    for asked in plan.asked:
+        overrides = question_overrides(asked.id, questions[asked.id])
+        profile, _ = profiles.get(asked.id, (None, None))
+        field = f"profiles.{asked.id}"
+
+        def open_gate(
+            mine: str | None, overrides: Overrides = overrides, field: str = field
+        ) -> Gate:
+            try:
+                return store.open(mine, overrides)
+            except ProfileError as exc:
+                raise UsageError(f"{field}: {exc} (in {args.profiles_dir})", field=field) from None
+
+        stages: list[QuestionStage] = opened_stages(
+            cascade,
+            None if profile is None else profile.name,
+            overrides,
+            open_gate,
+            local=LocalQuestionStage,
+            remote=RemoteQuestionStage,
+            choices=asked.choices,
+            field=field,
+            api_key=os.environ.get("JUDGE_API_KEY") or None,
+        )
+        item = QuestionItem(state, asked.id, asked_as(asked.question, overrides))
+        later[asked.id] = (item, stages)
+    return later
 
 
 def read_state(source: str) -> object:
@@ -212,5 +289,17 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         help="gate question ID with the profile NAME from --profiles-dir; repeat for each",
     )
     decide.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    decide.add_argument(
+        "--cascade",
+        type=stage,
+        action="append",
+        metavar="NAME=MODEL|URL",
+        help="a later stage, in order: a question the stages before it escalate goes to it, "
+        "under the profile P-NAME from --profiles-dir where the question's is P (a model "
+        "loaded here, or another judge server's URL), as judge serve --cascade sends it",
+    )
+    decide.add_argument(
+        "--stage-name", default="local", help="this command's model's name as the first stage"
+    )
     model_arguments(decide, dtype_help="(default: the first profile's, else auto)")
     decide.set_defaults(run=run)

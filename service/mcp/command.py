@@ -21,6 +21,7 @@ from service.command_line import (
     DTYPES,
     UsageError,
     add_settings,
+    check_stage_names,
     choice_paths_argument,
     megabytes,
     settings_of,
@@ -97,16 +98,6 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     mcp.set_defaults(run=run)
 
 
-def _stage_names(first: str, given: list[tuple[str, str]]) -> None:
-    """Each stage's name its own, refused before any model loads."""
-    names = [first, *(name for name, _ in given)]
-    if len(set(names)) != len(names):
-        raise UsageError(
-            f"each stage needs a name of its own (--stage-name and --cascade), got {names}",
-            field="--cascade",
-        )
-
-
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("mcp") is None:
         raise UsageError(f"`judge mcp` needs the MCP SDK (mcp is not installed): {INSTALL}")
@@ -115,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from service.profiles import ProfileStore
 
     given: list[tuple[str, str]] = args.cascade or []
-    _stage_names(args.stage_name, given)
+    check_stage_names(args.stage_name, given)
     settings = settings_of(args, SETTINGS)
     try:  # checked as judge serve checks them
         config = ServiceConfig(**settings)
