@@ -27,11 +27,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from calibration.gate import Gate, Overrides
+from calibration.gate import Gate, Overrides, fitted_template
 from calibration.policy import Hold, PolicyDefaults, Verdict
 from judge.scores import check_values
 from service.decisions import QuestionDecision
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from judge.protocol import Query
     from service.profiles import ProfileStore
 
-__all__ = ["NO_LOG", "GateContext", "scored"]
+__all__ = ["NO_LOG", "GateContext", "ItemPrompt", "item_prompt", "scored"]
 
 # Gates kept open, most recently used last: a profile's version under one set of overrides
 # is one gate, opened once (its policy resolved, its checks against the engine made once).
@@ -238,3 +238,23 @@ def scored(overrides: Overrides, choices: Sequence[str], *, profile: str | None)
         return overrides
     values = check_values(overrides.values, choices)
     return msgspec.structs.replace(overrides, values=values)
+
+
+class ItemPrompt(NamedTuple):
+    """What an item sent alone stands for under its profile: the prompt the profile was fitted
+    on around it, the item's characters in it, the profile's choices and system prompt."""
+
+    prompt: str
+    item_span: tuple[int, int] | None
+    choices: list[str]
+    system: str | None
+
+
+def item_prompt(profile: CalibrationProfile | None, item: str) -> ItemPrompt:
+    """``item`` put in the prompt ``profile`` was fitted on (its template), every front's way:
+    ``POST /judge``'s item alone, MCP's, ``judge ask``'s. A profile without a template, or
+    none, is a ``ProfileMismatchError`` naming ``item``."""
+    template = fitted_template(profile)
+    assert profile is not None  # fitted_template refuses None
+    prompt, span = template.render(item)
+    return ItemPrompt(prompt, span, list(profile.choices), template.system)

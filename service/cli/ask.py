@@ -58,7 +58,7 @@ from service.command_line import (
     to_json,
 )
 from service.errors import BadFieldError, error_of
-from service.gate_context import NO_LOG, scored
+from service.gate_context import NO_LOG, item_prompt, scored
 from service.schemas import JudgeResponse
 
 __all__ = ["Answer", "Failure", "InputLineError", "LineError", "add_arguments", "run"]
@@ -113,10 +113,11 @@ def _asked(
 ) -> tuple[str, tuple[int, int] | None, bool]:
     """The prompt to judge, its item's span and whether it lies outside the profile's
     template: with ``item_alone``, ``prompt`` is the item, put in the template the profile was
-    fitted on (``Gate.render``); else it is the whole prompt (``Gate.outside_template``)."""
+    fitted on (``item_prompt``, every front's); else it is the whole prompt
+    (``Gate.outside_template``)."""
     if item_alone:
-        rendered, span = gate.render(prompt)
-        return rendered, span, False
+        asked = item_prompt(gate.profile, prompt)
+        return asked.prompt, asked.item_span, False
     return prompt, item_span, gate.outside_template(prompt, item_span)
 
 

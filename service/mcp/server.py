@@ -61,7 +61,7 @@ from service.cascade.cascade_questions import (
     records_of,
 )
 from service.decisions import judge_questions, question_overrides, with_order
-from service.gate_context import GateContext, scored
+from service.gate_context import GateContext, item_prompt, scored
 from service.log.decision_log import (
     DecisionLog,
     DecisionLogError,
@@ -466,8 +466,8 @@ def _item_alone(
         raise ToolError(f"choices: an item alone is judged between its profile's {fitted.choices}")
     if system is not None:
         raise ToolError("system: an item alone is judged in its profile's prompt, system included")
-    prompt, span = fitted.template.render(item)
-    return prompt, span, list(fitted.choices), fitted.template.system
+    asked = item_prompt(fitted, item)
+    return asked.prompt, asked.item_span, asked.choices, asked.system
 
 
 def _choices_of(fitted: CalibrationProfile | None) -> list[str]:

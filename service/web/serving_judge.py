@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from calibration import CalibrationProfile, Gate, Overrides, Verdict
 from calibration.cascade import StageItem
-from calibration.gate import fitted_template
 from judge import Engine, JudgeError, Judgment, Prepared, Query
 from judge.engine import shared_query
 from service.errors import (
@@ -24,7 +23,7 @@ from service.errors import (
     UnprocessableError,
     error_of,
 )
-from service.gate_context import scored
+from service.gate_context import item_prompt, scored
 from service.log.decision_log import LoggedDecision
 from service.schemas import (
     BatchItem,
@@ -113,9 +112,8 @@ class JudgeServing:
                 "profile (one fitted on a task, as judge calibrate --task fits it)",
             )
         profile, etag = self.service.store.get_tagged(request.profile)
-        template = fitted_template(profile)
-        prompt, span = template.render(request.item)
-        whole = request.judge_request(prompt, span, list(profile.choices), template.system)
+        asked = item_prompt(profile, request.item)
+        whole = request.judge_request(asked.prompt, asked.item_span, asked.choices, asked.system)
         return whole, (profile, etag)
 
     def _plan(
