@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
 import msgspec
+import numpy as np
 
+from calibration import CalibrationProfile, FitSettings, fit_profile
 from judge import (
     DEFAULT_RESPONSE_PREFIX,
     DEFAULT_RESPONSE_SUFFIX,
@@ -199,3 +201,26 @@ class Scored:
         self.choices = list(log_probabilities)
         self.log_probs = list(log_probabilities.values())
         self.choice_mass = choice_mass
+
+
+def clear_profile(
+    name: str, choices: Sequence[str], fingerprint: Fingerprint, *, seed: int = 5
+) -> CalibrationProfile:
+    """A temperature profile for ``fingerprint``'s model, fitted on 600 synthetic scores with
+    a clear signal (the first choice's label pulls its score up), so that it certifies a
+    threshold: for tests of routing and gating, not of fitting."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, 600)
+    margin = rng.normal(np.where(y == 0, 2.5, -2.5), 1.5)
+    z = np.stack([margin / 2, -margin / 2], axis=1)
+    z = z - np.logaddexp(z[:, :1], z[:, 1:])
+    return fit_profile(
+        name,
+        z,
+        y,
+        list(choices),
+        fingerprint=fingerprint,
+        dataset="synthetic",
+        dataset_sha256="0" * 64,
+        settings=FitSettings(methods=["temperature"]),
+    )

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import pytest
+from fakes import clear_profile
 from litestar.testing import TestClient
 from server import wait_app_ready as wait_ready
 
-from calibration import CalibrationProfile, FitSettings, PolicyDefaults, fit_profile, save_profile
+from calibration import CalibrationProfile, PolicyDefaults, save_profile
 from judge import Judge
 from service import ServiceConfig, create_app
 from service.cli.main import main
@@ -59,23 +59,8 @@ CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
 
 @pytest.fixture(scope="module")
 def profiles(judge: Judge, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A temperature profile for the real engine, fitted on synthetic scores with a clear
-    signal (so it certifies a threshold)."""
-    rng = np.random.default_rng(3)
-    y = rng.integers(0, 2, 600)
-    margin = rng.normal(np.where(y == 0, 2.5, -2.5), 1.5)
-    z = np.stack([margin / 2, -margin / 2], axis=1)
-    z = z - np.logaddexp(z[:, :1], z[:, 1:])
-    profile: CalibrationProfile = fit_profile(
-        "sms",
-        z,
-        y,
-        CHOICES,
-        fingerprint=judge.fingerprint(),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        settings=FitSettings(methods=["temperature"]),
-    )
+    """A profile for the real engine that certifies a threshold (``fakes.clear_profile``)."""
+    profile = clear_profile("sms", CHOICES, judge.fingerprint(), seed=3)
     assert profile.threshold.threshold is not None
     folder = tmp_path_factory.mktemp("profiles")
     save_profile(profile, folder / "sms.json")

@@ -18,11 +18,12 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from fakes import clear_profile
 from litestar.testing import TestClient
 from server import wait_app_ready as wait_ready
 from test_one_gate import CHOICES, DEFAULTS, QUESTION, SAME, STATE, _prompt, _view
 
-from calibration import CalibrationProfile, FitSettings, fit_profile, save_profile
+from calibration import CalibrationProfile, save_profile
 from calibration.gate import Gate
 from calibration.maps.map_types import Probe
 from judge import Judge
@@ -38,21 +39,8 @@ LAYER = 15
 def profile(judge: Judge) -> CalibrationProfile:
     """A temperature profile for the real engine, its map swapped for a probe that reads the
     mean over the item at one layer (small random weights: what is tested is the routing)."""
+    fitted = clear_profile("billing", CHOICES, judge.fingerprint())
     rng = np.random.default_rng(5)
-    y = rng.integers(0, 2, 600)
-    margin = rng.normal(np.where(y == 0, 2.5, -2.5), 1.5)
-    z = np.stack([margin / 2, -margin / 2], axis=1)
-    z = z - np.logaddexp(z[:, :1], z[:, 1:])
-    fitted = fit_profile(
-        "billing",
-        z,
-        y,
-        CHOICES,
-        fingerprint=judge.fingerprint(),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        settings=FitSettings(methods=["temperature"]),
-    )
     width = (judge.hidden_size or 0) + len(CHOICES)
     probe = Probe(
         layers=[LAYER],
