@@ -28,6 +28,7 @@ from service.config import FlagKind, ServiceConfig, flags
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
+    from service.cascade.cascade_questions import LocalModel
 
 __all__ = [
     "DTYPES",
@@ -42,6 +43,7 @@ __all__ = [
     "fit_settings",
     "load_engine",
     "load_profile",
+    "load_stages",
     "model_arguments",
     "non_negative",
     "open_probability",
@@ -125,6 +127,18 @@ def check_stage_names(first: str, given: Sequence[tuple[str, str]]) -> None:
             f"each stage needs a name of its own (--stage-name and --cascade), got {names}",
             field="--cascade",
         )
+
+
+def load_stages(given: Sequence[tuple[str, str]], dtype: str) -> dict[str, LocalModel | str]:
+    """A cascade's later stages (``--cascade NAME=MODEL|URL``), in order: a URL as it is, a
+    model loaded here (in the first stage's dtype)."""
+    from service.cascade.cascade_questions import LocalModel
+    from service.cascade.remote_stage import is_remote
+
+    return {
+        name: target if is_remote(target) else LocalModel(open_engine(target, dtype=dtype))  # type: ignore[arg-type]
+        for name, target in given
+    }
 
 
 def audit_rate(text: str) -> tuple[str | None, float]:

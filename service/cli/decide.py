@@ -31,6 +31,7 @@ from service.command_line import (
     UsageError,
     check_stage_names,
     load_engine,
+    load_stages,
     model_arguments,
     positive_int,
     stage,
@@ -109,21 +110,15 @@ def _later_stages(
     ``POST /v1/systemone``; every gate opened and checked before any item is judged."""
     if not given:
         return {}
-    from judge.engines import open_engine
     from service.cascade.cascade_questions import (
-        LocalModel,
         LocalQuestionStage,
         QuestionItem,
         RemoteQuestionStage,
         asked_as,
         opened_stages,
     )
-    from service.cascade.remote_stage import is_remote
 
-    cascade: dict[str, LocalModel | str] = {
-        name: target if is_remote(target) else LocalModel(open_engine(target, dtype=dtype))  # type: ignore[arg-type]
-        for name, target in given
-    }
+    cascade = load_stages(given, dtype)
     store = GateContext(store=ProfileStore(args.profiles_dir))
     later: dict[str, tuple[QuestionItem, list[QuestionStage]]] = {}
     for asked in plan.asked:

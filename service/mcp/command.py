@@ -23,6 +23,7 @@ from service.command_line import (
     add_settings,
     check_stage_names,
     choice_paths_argument,
+    load_stages,
     megabytes,
     settings_of,
     stage,
@@ -30,7 +31,7 @@ from service.command_line import (
 from service.config import ServiceConfig
 
 if TYPE_CHECKING:
-    from service.cascade.cascade_questions import LocalModel
+    pass
 
 __all__ = ["add_arguments", "run"]
 
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_cache_mb=args.prefix_cache_mb,
             choice_paths=args.choice_paths,
         )
-        cascade = _load_stages(given, engine.dtype)
+        cascade = load_stages(given, engine.dtype)
     server = create_server(
         engine,
         ProfileStore(args.profiles_dir),
@@ -150,15 +151,3 @@ def run(args: argparse.Namespace) -> int:
         if decision_log is not None:
             decision_log.close()
     return 0
-
-
-def _load_stages(given: list[tuple[str, str]], dtype: str) -> dict[str, LocalModel | str]:
-    """The later stages, in order: a URL as it is, a model loaded (in the first's dtype)."""
-    from judge.engines import open_engine
-    from service.cascade.cascade_questions import LocalModel
-    from service.cascade.remote_stage import is_remote
-
-    return {
-        name: target if is_remote(target) else LocalModel(open_engine(target, dtype=dtype))  # type: ignore[arg-type]
-        for name, target in given
-    }

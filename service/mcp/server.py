@@ -144,22 +144,9 @@ def create_server(
         if watch is not None:
             watch.logged(rows)
 
-    def gate_of(
-        name: str | None,
-        field: str,
-        overrides: Overrides | None = None,
-        version: tuple[CalibrationProfile, str] | None = None,
-    ) -> Gate:
-        """A call's gate (``GateContext.open``; on ``version`` where the call read it
-        already), a missing profile a ToolError naming ``field``."""
-        try:
-            return context.open(name, overrides, version=version)
-        except ProfileError as exc:
-            names = ", ".join(store.names()) or "none"
-            raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
-
     def version_of(name: str | None, field: str) -> tuple[CalibrationProfile, str] | None:
-        """The stored version a call's profile names (None: no profile), read once."""
+        """The stored version a call's profile names (None: no profile), read once; a missing
+        one a ToolError naming ``field``."""
         if name is None:
             return None
         try:
@@ -167,6 +154,16 @@ def create_server(
         except ProfileError as exc:
             names = ", ".join(store.names()) or "none"
             raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
+
+    def gate_of(
+        name: str | None,
+        field: str,
+        overrides: Overrides | None = None,
+        version: tuple[CalibrationProfile, str] | None = None,
+    ) -> Gate:
+        """A call's gate (``GateContext.open``), on ``version`` where the call read it
+        already, else on the version ``version_of`` reads."""
+        return context.open(name, overrides, version=version or version_of(name, field))
 
     judge_about = (
         "Judge a prompt: the probability of each choice, the most probable one, "
