@@ -443,3 +443,39 @@ def test_decide_escalates_through_a_cascade(judge: Judge, tmp_path: Path) -> Non
 def test_judge_mcp_s_stages_need_names_of_their_own(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["mcp", "--stage-name", "a", "--cascade", "a=x.gguf"]) == 2
     assert "each stage needs a name of its own" in capsys.readouterr().err
+
+
+def test_judge_mcp_keeps_its_log_as_judge_serve_keeps_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, judge: Judge
+) -> None:
+    """`judge mcp`'s log settings reach the server it starts: the log opened with the
+    retention its flags give, the audit rates, the opt-in and the choice mass as defaults."""
+    from service.log import decision_log
+    from service.mcp import server as mcp_server
+
+    opened: dict[str, Any] = {}
+    real_open = decision_log.open_log
+
+    def open_log(target: str, **options: Any) -> decision_log.DecisionLog:
+        opened["retention"] = options.get("retention")
+        return real_open(target, **options)
+
+    class Started:
+        def run(self, transport: str) -> None:
+            opened["transport"] = transport
+
+    def create_server(engine: object, store: object, **options: Any) -> Started:
+        opened["options"] = options
+        return Started()
+
+    monkeypatch.setattr(decision_log, "open_log", open_log)
+    monkeypatch.setattr(mcp_server, "create_server", create_server)
+    monkeypatch.setattr("judge.engines.open_engine", lambda *_, **__: judge)
+    argv = ["mcp", "--decision-log", str(tmp_path / "log.db"), "--log-max-rows", "5"]
+    argv += ["--log-max-age-days", "2", "--audit-rate", "sms=1", "--min-choice-mass", "0.2"]
+    assert main(argv) == 0
+    assert opened["retention"] == decision_log.Retention(max_age_days=2.0, max_rows=5)
+    options = opened["options"]
+    assert options["audit_rates"] == {"sms": 1.0} and options["audit_rate"] == 0.0
+    assert options["defaults"].min_choice_mass == 0.2
+    assert opened["transport"] == "stdio"
