@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from calibration.cascade import (
         Cascade,
         CascadeVerdict,
-        LocalStage,
         StageResult,
     )
     from calibration.certificates.certify import (
@@ -128,7 +127,6 @@ _EXPORTS = {
     "Identity": "calibration.maps.scaling",
     "Interval": "calibration.metrics",
     "LabelFree": "calibration.maps.label_free",
-    "LocalStage": "calibration.cascade",
     "MIN_EXAMPLES": "calibration.limits",
     "MIN_PROBE_EXAMPLES": "calibration.maps.probe",
     "MetricReport": "calibration.metrics",
@@ -193,7 +191,6 @@ __all__ = [
     "Identity",
     "Interval",
     "LabelFree",
-    "LocalStage",
     "MetricReport",
     "NoCertificateError",
     "Overrides",

@@ -2,8 +2,8 @@
 own gate; what the last escalates goes to a person.
 
     cascade = Cascade([
-        LocalStage("smollm2", small, Gate(profiles[0])),
-        LocalStage("gemma3", large, Gate(profiles[1])),
+        LocalStage("smollm2", small, Gate(profiles[0])),   # service.cascade.stages
+        RemoteStage("gemma3", "http://10.0.0.2:8000", profile="sms_spam-gemma3"),
     ])
     verdict = cascade.judge("Is this spam? ...", ["spam", "ham"])
     verdict.decided_by      # "smollm2", "gemma3", or None: a person decides
@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
-from calibration.gate import Gate, JudgingEngine
-from calibration.policy import ScoredJudgment, Verdict
+from calibration.policy import Verdict
 
 __all__ = [
     "Cascade",
     "CascadeVerdict",
-    "LocalStage",
     "Stage",
     "StageAnswer",
     "StageFailure",
@@ -109,13 +106,15 @@ class StageItem(NamedTuple):
 
 
 # What a cascade's stages are asked: a prompt and its choices (``StageItem``), or a typed
-# question about a state (``service.cascade.cascade_questions``): the stepping is the same.
+# question about a state (``service.cascade.stages.QuestionItem``): the stepping is the same.
 Item = TypeVar("Item", contravariant=True)
 Asked = TypeVar("Asked")
 
 
 class Stage(Protocol[Item]):
-    """A judge the cascade can hand an item to: a local engine and gate, or a remote server."""
+    """A judge the cascade can hand an item to: a model in this process behind its gate, or
+    another server (``service.cascade.stages``: ``LocalStage``, ``RemoteStage``;
+    ``service.cascade.system_one_stage``: any System One server)."""
 
     @property
     def name(self) -> str: ...
@@ -123,24 +122,6 @@ class Stage(Protocol[Item]):
     def answer(self, item: Item, *, timeout_s: float | None) -> StageAnswer:
         """Judge and decide; raise when the stage cannot (the cascade escalates)."""
         ...
-
-
-@dataclass(frozen=True)
-class LocalStage:
-    """An engine in this process (``judge.Judge``) behind its gate. A local pass cannot be
-    cut short, so ``timeout_s`` only says whether to start it (the cascade checks)."""
-
-    name: str
-    engine: JudgingEngine
-    gate: Gate
-
-    def judged(self, item: StageItem) -> tuple[ScoredJudgment, Verdict]:
-        """The stage's judgment of ``item`` and its gate's verdict."""
-        return self.gate.judged(self.engine, item.prompt, item.choices, item_span=item.item_span)
-
-    def answer(self, item: StageItem, *, timeout_s: float | None) -> StageAnswer:
-        judgment, verdict = self.judged(item)
-        return StageAnswer.of(verdict, judgment, item.choices)
 
 
 class Cascade:

@@ -28,7 +28,7 @@ from service.config import FlagKind, ServiceConfig, flags
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
-    from service.cascade.cascade_questions import LocalModel
+    from service.cascade.stages import LocalModel
 
 __all__ = [
     "DTYPES",
@@ -132,8 +132,7 @@ def check_stage_names(first: str, given: Sequence[tuple[str, str]]) -> None:
 def load_stages(given: Sequence[tuple[str, str]], dtype: str) -> dict[str, LocalModel | str]:
     """A cascade's later stages (``--cascade NAME=MODEL|URL``), in order: a URL as it is, a
     model loaded here (in the first stage's dtype)."""
-    from service.cascade.cascade_questions import LocalModel
-    from service.cascade.remote_stage import is_remote
+    from service.cascade.stages import LocalModel, is_remote
 
     return {
         name: target if is_remote(target) else LocalModel(open_engine(target, dtype=dtype))  # type: ignore[arg-type]

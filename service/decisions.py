@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from calibration import Gate, NoCertificateError, Overrides, PolicyDefaults, Verdict
-from calibration.cascade import StageResult
 from judge import Engine, InvalidQueryError
 from judge.answers import (
     MAX_ORDERINGS,
@@ -35,58 +34,41 @@ from judge.answers import (
 from service.schemas import JudgeResponse
 from service.systemone import SystemOneAnswer, wire_answer
 
+if TYPE_CHECKING:
+    from service.cascade.escalation import Escalation
+
 __all__ = ["QuestionDecision", "judge_questions", "question_overrides", "with_order"]
-
-_S = TypeVar("_S", JudgeResponse, SystemOneAnswer)
-
-
-class AnsweringStage(Protocol):
-    """A cascade's later stage once it answered a question (``service.cascade.cascade_questions``)."""
-
-    @property
-    def wire(self) -> SystemOneAnswer | None: ...
-
-    def response(self, *, return_prompt: bool = False) -> JudgeResponse: ...
 
 
 @dataclass(frozen=True)
 class QuestionDecision:
-    """A question's decision: this engine's answer and verdict and, with a cascade, who
-    decided (None: a person), each stage's part, and the later stage whose answer stands
-    (the deciding one, else the last that answered; None: this engine's)."""
+    """A question's decision: this engine's answer and verdict and, with a cascade, its
+    outcome (``service.cascade.escalation``: who decided, each stage's part, the later
+    stage's answer that stands)."""
 
     answer: Answer
     verdict: Verdict
-    decided_by: str | None = None
-    cascade: list[StageResult] | None = None
-    later: AnsweringStage | None = None
+    escalation: Escalation | None = None
 
     def wire(self) -> SystemOneAnswer:
         """The answer's wire form (``POST /v1/systemone``)."""
-        if self.later is None or self.later.wire is None:
-            own = wire_answer(self.answer, self.verdict)
-        else:
-            own = self.later.wire
-        return self._staged(own)
+        own = wire_answer(self.answer, self.verdict)
+        return own if self.escalation is None else self.escalation.staged(own)
 
     def response(self, *, return_prompt: bool) -> JudgeResponse:
         """The answer in a judgment's shape (a pair on ``POST /judge``)."""
-        if self.later is None:
-            own = JudgeResponse.of(
-                self.answer.judgment,
-                self.verdict,
-                choices=list(self.answer.probabilities),  # the request's order of candidates
-                return_prompt=return_prompt,
-                orderings=self.answer.orderings,
-            )
-        else:
-            own = self.later.response(return_prompt=return_prompt)
-        return self._staged(own)
-
-    def _staged(self, own: _S) -> _S:
-        if self.cascade is None:
+        own = JudgeResponse.of(
+            self.answer.judgment,
+            self.verdict,
+            choices=list(self.answer.probabilities),  # the request's order of candidates
+            return_prompt=return_prompt,
+            orderings=self.answer.orderings,
+        )
+        if self.escalation is None:
             return own
-        return msgspec.structs.replace(own, decided_by=self.decided_by, cascade=self.cascade)
+        staged = self.escalation.staged(own)
+        # A local later stage keeps its prompt; it is sent only where asked for.
+        return staged if return_prompt else msgspec.structs.replace(staged, prompt=None)
 
 
 Order = Literal["given", "invariant"]

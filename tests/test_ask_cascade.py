@@ -1,6 +1,6 @@
 """``judge ask --cascade``: what the command's model escalates goes to the later stages, each
 deciding through its own gate, as ``judge serve --cascade`` decides (one function,
-``service.cascade.cascade_judgments.cascaded``); the flags are checked before any model loads."""
+``service.cascade.escalation.escalated``); the flags are checked before any model loads."""
 
 from __future__ import annotations
 

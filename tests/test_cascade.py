@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from calibration import Cascade, FitError, FitSettings, Gate, LocalStage, Overrides
+from calibration import Cascade, FitError, FitSettings, Gate, Overrides
 from calibration.cascade import StageAnswer, StageItem
 from calibration.tasks import (
     CascadeStageData,
@@ -18,6 +18,7 @@ from calibration.tasks import (
     fit_cascade,
 )
 from judge import Fingerprint, Judge
+from service.cascade.stages import LocalStage
 
 CHOICES = ["A", "B", "C"]
 SETTINGS = FitSettings(target_precision=0.9, delta=0.1, methods=["temperature"], n_bootstrap=20)
@@ -253,7 +254,7 @@ def test_the_rules_are_ordered_on_each_probe_s_out_of_fold_probabilities(
 def test_a_remote_stage_sends_its_profile_and_the_overrides_that_bear_on_its_gate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import service.cascade.remote_stage as remote_stage
+    import service.cascade.stages as remote_stage
 
     sent: list[dict[str, Any]] = []
 
@@ -273,11 +274,11 @@ def test_a_remote_stage_sends_its_profile_and_the_overrides_that_bear_on_its_gat
 
     monkeypatch.setattr(remote_stage, "JudgeClient", Client)
     asked = Overrides(threshold=0.7, min_choice_mass=0.1, max_std=2.0, max_order_spread=0.3)
-    stage = remote_stage.RemoteStage.under("big", "http://10.0.0.2:8000", "p", asked, None)
+    stage = remote_stage.RemoteStage("big", "http://10.0.0.2:8000", "p", asked)
     settings = {"profile": "p", "threshold": 0.7, "uncertified_threshold": None}
     assert stage.settings == settings | {"min_choice_mass": 0.1}  # max_std etc. stay here
     with pytest.raises(TimeoutError):
-        stage.call(StageItem(prompt="Spam? hi", choices=["spam", "ham"]), timeout_s=None)
+        stage.answer(StageItem(prompt="Spam? hi", choices=["spam", "ham"]), timeout_s=None)
     assert sent == [
         {"prompt": "Spam? hi", "choices": ["spam", "ham"], "item_span": None}
         | settings

@@ -733,15 +733,15 @@ def test_each_method_sends_its_operation_s_method_and_path() -> None:
         assert sent == [want], name
 
 
-# --- a remote cascade stage (service.cascade.remote_stage) -----------------------------------------
+# --- a remote cascade stage (service.cascade.stages) ------------------------------------------------
 
 
 def test_a_remote_stage_decides_what_the_local_one_escalates(
     server: Server, client: JudgeClient
 ) -> None:
-    from calibration import Cascade, Gate, LocalStage, Overrides
+    from calibration import Cascade, Gate, Overrides
     from judge import Judge
-    from service.cascade.remote_stage import RemoteStage
+    from service.cascade.stages import LocalStage, RemoteStage
 
     judge = Judge.load(dtype="float32")
     never = LocalStage("local", judge, Gate(overrides=Overrides(uncertified_threshold=1.0)))
@@ -785,7 +785,7 @@ def _dying_server(hold_s: float) -> Iterator[str]:
 
 def test_a_remote_stage_killed_mid_request_or_too_slow_is_an_escalation() -> None:
     from calibration import Cascade
-    from service.cascade.remote_stage import RemoteStage
+    from service.cascade.stages import RemoteStage
 
     with _dying_server(hold_s=0.2) as url:
         verdict = Cascade([RemoteStage("remote", url)]).judge(PROMPTS[0], CHOICES)
@@ -850,12 +850,12 @@ def test_typed_questions_escalate_to_a_remote_stage(server: Server, judge: Any) 
     assert body["judgment_id"] == body["cascade"][1]["answer"]["judgment_id"]
 
 
-# --- a System One server as a stage (service.cascade.remote_stage.SystemOneStage) --------------------
+# --- a System One server as a stage (service.cascade.system_one_stage) -----------------------------
 
 
 def test_a_system_one_stage_is_decided_by_its_own_gate(server: Server) -> None:
     from calibration import Cascade, Gate, Overrides
-    from service.cascade.remote_stage import SystemOneStage
+    from service.cascade.system_one_stage import SystemOneStage
 
     stage = SystemOneStage("s1", server.url, instructions="Spam or ham?")
     verdict = Cascade([stage]).judge(PROMPTS[0], CHOICES)
@@ -883,7 +883,7 @@ def test_a_system_one_stage_is_decided_by_its_own_gate(server: Server) -> None:
 
 def test_a_system_one_stage_reads_a_bare_answer_and_fails_as_an_escalation() -> None:
     from calibration import Cascade, Gate, Overrides
-    from service.cascade.remote_stage import SystemOneStage
+    from service.cascade.system_one_stage import SystemOneStage
 
     sent: list[dict[str, Any]] = []
 

@@ -393,7 +393,7 @@ def test_decide_escalates_through_a_cascade(judge: Judge, tmp_path: Path) -> Non
 
     from test_cascade_service import coin_profile
 
-    from service.cascade.cascade_questions import LocalModel
+    from service.cascade.stages import LocalModel
     from service.log.decision_log import open_log
     from service.mcp.server import create_server
     from service.profiles import ProfileStore

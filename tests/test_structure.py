@@ -217,6 +217,54 @@ def test_the_fronts_only_translate() -> None:
     assert _settles(ast.parse("context.settle(v, g)")) and not _settles(ast.parse("settle"))
 
 
+def _stage_types(tree: ast.Module) -> set[str]:
+    """The classes of ``tree`` a cascade can hand an item to (an ``answer`` method that takes
+    ``timeout_s``), and its type aliases whose name says stage (``X = A | B``)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for method in node.body:
+                if (
+                    isinstance(method, ast.FunctionDef)
+                    and method.name == "answer"
+                    and "timeout_s" in {a.arg for a in method.args.kwonlyargs}
+                ):
+                    found.add(node.name)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.BinOp):
+            found |= {t.id for t in node.targets if isinstance(t, ast.Name) and "Stage" in t.id}
+    return found
+
+
+# A cascade's stages: the protocol, a model in this process, another judge server, any System
+# One server. Each takes a judgment and (judge's own two) a typed question.
+STAGE_TYPES = {"Stage", "LocalStage", "RemoteStage", "SystemOneStage"}
+
+
+def test_a_cascade_has_four_stage_types_and_one_escalation() -> None:
+    """Judgments and typed questions escalate through one function
+    (``service.cascade.escalation.escalated``) over the same stages: there were twelve names
+    for a stage (a view per request and per item kind, aliases for their unions) and two
+    outcome builders that each stepped the cascade."""
+    stages = {
+        name: found
+        for name, path in _modules().items()
+        if (found := _stage_types(ast.parse(path.read_text(encoding="utf-8"))))
+    }
+    assert set().union(*stages.values()) == STAGE_TYPES, stages
+    # The stepping: the library's Cascade.judge, and the one escalation every front runs.
+    assert _callers("run_stages") == {"calibration.cascade", "service.cascade.escalation"}
+    assert _callers("Cascade") == set()  # the service never builds a library cascade
+    assert {"service.mcp.server", "service.cli.decide", "service.cli.ask_cascade"} <= (
+        _callers("escalated")
+    )
+    # The walk sees a view class and an alias of stages.
+    view = "class ServedLocal:\n    def answer(self, item, *, timeout_s): ...\n"
+    assert _stage_types(ast.parse(view + "ServedStage = ServedLocal | RemoteStage\n")) == {
+        "ServedLocal",
+        "ServedStage",
+    }
+
+
 def test_the_caller_walk_finds_calls() -> None:
     """The walk itself: a constructor by name or through its module, a classmethod, ``carry``
     into the type; a type passed to anything else is not a call of it."""
@@ -252,15 +300,15 @@ with TestClient(app=create_app(FakeEngine(), config=config)) as client:
     assert r.status_code == 200, r.text
 sys.setprofile(None)
 threading.setprofile(None)
-modules = ["service.web.serving_cascade", "service.cascade.cascade_judgments", "service.cascade.remote_stage", "service.cascade.cascade_questions"]
+modules = ["service.web.serving_cascade", "service.cascade.escalation", "service.cascade.stages", "service.cascade.system_one_stage"]
 print(json.dumps({"imported": [m for m in modules if m in sys.modules],
                   "called": sorted(called)}))
 """
 
 CASCADE_FILES = (
     "service/web/serving_cascade.py",
-    "service/cascade/cascade_judgments.py",
-    "service/cascade/remote_stage.py",
+    "service/cascade/escalation.py",
+    "service/cascade/stages.py",
     "calibration/cascade.py",
 )
 
@@ -289,9 +337,8 @@ def test_a_request_without_a_cascade_neither_imports_nor_calls_it(cascade: bool)
     if cascade:
         assert imported == [
             "service.web.serving_cascade",
-            "service.cascade.cascade_judgments",
-            "service.cascade.remote_stage",
-            "service.cascade.cascade_questions",
+            "service.cascade.escalation",
+            "service.cascade.stages",
         ]
         assert called == set(CASCADE_FILES)
     else:

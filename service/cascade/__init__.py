@@ -1,9 +1,10 @@
 """A cascade's later stages, behind every route that decides (``judge serve --cascade``).
 
-    cascade_judgments   a judgment's cascade: what its first stage escalates goes on to each
-                        later stage, local or remote (the server's and ``judge ask``'s)
-    cascade_questions   typed questions and pairs: the same question, local or remote
-    remote_stage        stages on other servers (a judge server, a System One server)
+    stages             the stages judge speaks: a model in this process (``LocalStage``), another
+                       judge server (``RemoteStage``); each asked a judgment or a typed question
+    escalation         the one escalation: what the first stage escalated, to each later stage in
+                       turn, for judgments and typed questions alike (``escalated``)
+    system_one_stage   any System One server as a stage (``SystemOneStage``)
 
 Imported only where a cascade is configured: a server without one never loads this package.
 The server's side (stages loaded at start-up, run off its event loop, counted in its metrics)

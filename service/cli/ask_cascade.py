@@ -2,9 +2,9 @@
 
 The command's own model is the first stage (``--stage-name``, default "local"), batched and
 decided as without a cascade. Each item it escalates goes to the later stages in turn, as
-``judge serve --cascade`` sends it (``service.cascade.cascade_judgments.cascaded``): a model loaded
+``judge serve --cascade`` sends it (``service.cascade.escalation.escalated``): a model loaded
 here (a .gguf, directory or hub id, or a packaged name such as gemma3-270m), decided by its
-own gate, or another judge server (``service.cascade.remote_stage``). A later stage judges the prompt
+own gate, or another judge server (``service.cascade.stages``). A later stage judges the prompt
 with its own chat template (not ``--system``) and the command's ``--threshold`` and
 ``--min-choice-mass``; ``--stage-profile NAME=FILE`` gives a local stage its profile (for a
 remote one, ``NAME=PROFILE``: the profile's name in that server's store). A stage that fails
@@ -26,8 +26,7 @@ from service.schemas import JudgeResponse
 
 if TYPE_CHECKING:
     from judge import Judgment, Query
-    from service.cascade.cascade_judgments import ServedStage
-    from service.cascade.cascade_questions import LocalModel
+    from service.cascade.stages import LocalModel, LocalStage, RemoteStage
 
 # The cascade's machinery (service.cascade, shared with the servers) is imported where a cascade
 # is asked for, so that `judge ask --help` needs none of the server's packages.
@@ -36,7 +35,9 @@ __all__ = ["LaterStages", "add_arguments", "plan"]
 
 
 @dataclass(frozen=True)
-class _Stage:
+class _Given:
+    """A later stage as the flags name it (``--cascade``, ``--stage-profile``)."""
+
     name: str
     target: str
     profile: CalibrationProfile | None  # a local stage's
@@ -48,7 +49,7 @@ class LaterStages:
     """The later stages, checked before any model loads; ``load`` loads the local ones."""
 
     first: str
-    stages: list[_Stage]
+    stages: list[_Given]
     overrides: Overrides
     models: dict[str, tuple[LocalModel, Gate]]
 
@@ -57,8 +58,7 @@ class LaterStages:
         ``choices`` (None: the profile's, else any), before any item is judged."""
         from judge.engines import open_engine
         from judge.server_engine import is_server_model
-        from service.cascade.cascade_questions import LocalModel
-        from service.cascade.remote_stage import is_remote
+        from service.cascade.stages import LocalModel, is_remote
 
         for stage in self.stages:
             if is_remote(stage.target):
@@ -73,37 +73,36 @@ class LaterStages:
             gate.check_engine(engine, choices=choices, field=f"--stage-profile {stage.name}")
             self.models[stage.name] = (LocalModel(engine), gate)
 
-    def views(self) -> list[ServedStage]:
-        """One item's view of each later stage (each keeps what it answered)."""
-        from service.cascade.cascade_judgments import ServedLocal, ServedRemote
-        from service.cascade.remote_stage import RemoteStage, is_remote
+    def opened(self) -> list[LocalStage | RemoteStage]:
+        """One item's later stages (each keeps what it answered)."""
+        from service.cascade.stages import LocalStage, RemoteStage, is_remote
 
-        views: list[ServedStage] = []
-        for stage in self.stages:
-            if is_remote(stage.target):
+        stages: list[LocalStage | RemoteStage] = []
+        for given in self.stages:
+            if is_remote(given.target):
                 key = os.environ.get("JUDGE_API_KEY") or None
-                remote = RemoteStage.under(
-                    stage.name, stage.target, stage.remote_profile, self.overrides, key
+                stages.append(
+                    RemoteStage(given.name, given.target, given.remote_profile, self.overrides, key)
                 )
-                views.append(ServedRemote(remote))
             else:
-                model, gate = self.models[stage.name]
-                views.append(ServedLocal(stage.name, model, gate))
-        return views
+                model, gate = self.models[given.name]
+                stages.append(LocalStage(given.name, model.engine, gate, model.lock))
+        return stages
 
     def decide(
         self, query: Query, judgment: Judgment, verdict: Verdict, gate: Gate
     ) -> JudgeResponse:
         """The cascade's response to an item the first stage judged: its own where it
-        accepted, else the later stages' (``cascaded``)."""
+        accepted, else the later stages' (``escalated``)."""
         from calibration.cascade import StageItem
-        from service.cascade.cascade_judgments import cascaded
+        from service.cascade.escalation import escalated
 
         item = StageItem(query.prompt, list(query.choices), query.item_span)
         response, _ = NO_LOG.respond(
             judgment, verdict, gate, model=judgment.model, choices=item.choices
         )
-        return cascaded(self.first, (judgment, verdict, response), self.views(), item)
+        escalation = escalated(self.first, verdict, judgment, item.choices, self.opened(), item)
+        return escalation.staged(response)
 
 
 def plan(args: argparse.Namespace, overrides: Overrides) -> LaterStages | None:
@@ -123,14 +122,14 @@ def plan(args: argparse.Namespace, overrides: Overrides) -> LaterStages | None:
             f"--stage-profile names {unknown[0]!r}, which is not a --cascade stage",
             field="--stage-profile",
         )
-    from service.cascade.remote_stage import is_remote
+    from service.cascade.stages import is_remote
 
     stages = []
     for name, target in given:
         value = profiles.get(name)
         remote = is_remote(target)
         stages.append(
-            _Stage(
+            _Given(
                 name=name,
                 target=target,
                 profile=None if remote or value is None else common.load_profile(value),

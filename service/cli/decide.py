@@ -42,7 +42,7 @@ from service.gate_context import NO_LOG, GateContext
 from service.profiles import ProfileStore
 
 if TYPE_CHECKING:
-    from service.cascade.cascade_questions import QuestionItem, QuestionStage
+    from service.cascade.stages import LocalStage, QuestionItem, RemoteStage
 
 __all__ = ["add_arguments", "read_state", "run"]
 
@@ -84,13 +84,14 @@ def run(args: argparse.Namespace) -> int:
     )
     answers = {}
     for qid, (answer, verdict) in judged.items():
-        decided = QuestionDecision(answer, verdict)
+        escalation = None
         if qid in later:  # what this model escalated goes to the later stages, in turn
-            from service.cascade.cascade_questions import escalated
+            from service.cascade.escalation import escalated
 
             item, stages = later[qid]
-            decided = escalated(args.stage_name, (answer, verdict), stages, item)
-        answers[qid] = decided.wire()
+            choices = list(answer.probabilities)
+            escalation = escalated(args.stage_name, verdict, answer.judgment, choices, stages, item)
+        answers[qid] = QuestionDecision(answer, verdict, escalation).wire()
     sys.stdout.write(to_json(answers, indent=2) + "\n")
     return 0
 
@@ -103,24 +104,18 @@ def _later_stages(
     plan: DecisionPlan,
     profiles: dict[str, tuple[CalibrationProfile, str]],
     questions: dict[str, Any],
-) -> dict[str, tuple[QuestionItem, list[QuestionStage]]]:
+) -> dict[str, tuple[QuestionItem, list[LocalStage | RemoteStage]]]:
     """Each question's later stages (``--cascade``), as ``judge serve`` and ``judge mcp``
     open them: stage NAME under the profile "P-NAME" from ``--profiles-dir`` where the
     question's is P, a local model loaded here (in the first's dtype), a URL asked over
     ``POST /v1/systemone``; every gate opened and checked before any item is judged."""
     if not given:
         return {}
-    from service.cascade.cascade_questions import (
-        LocalQuestionStage,
-        QuestionItem,
-        RemoteQuestionStage,
-        asked_as,
-        opened_stages,
-    )
+    from service.cascade.stages import QuestionItem, asked_as, opened_stages
 
     cascade = load_stages(given, dtype)
     store = GateContext(store=ProfileStore(args.profiles_dir))
-    later: dict[str, tuple[QuestionItem, list[QuestionStage]]] = {}
+    later: dict[str, tuple[QuestionItem, list[LocalStage | RemoteStage]]] = {}
     for asked in plan.asked:
         overrides = question_overrides(asked.id, questions[asked.id])
         profile, _ = profiles.get(asked.id, (None, None))
@@ -134,13 +129,11 @@ def _later_stages(
             except ProfileError as exc:
                 raise UsageError(f"{field}: {exc} (in {args.profiles_dir})", field=field) from None
 
-        stages: list[QuestionStage] = opened_stages(
+        stages = opened_stages(
             cascade,
             None if profile is None else profile.name,
             overrides,
             open_gate,
-            local=LocalQuestionStage,
-            remote=RemoteQuestionStage,
             choices=asked.choices,
             field=field,
             api_key=os.environ.get("JUDGE_API_KEY") or None,

@@ -48,26 +48,25 @@ from calibration.cascade import StageItem
 from judge import Engine, JudgeError, Query
 from judge.answers import MAX_ORDERINGS, Question, plan_decisions
 from judge.judgments import item_span_of
-from service.cascade.cascade_judgments import ServedLocal, ServedRemote, ServedStage, cascaded
-from service.cascade.cascade_questions import (
+from service.cascade.escalation import escalated
+from service.cascade.stages import (
     LocalModel,
-    LocalQuestionStage,
     QuestionItem,
-    QuestionStage,
-    RemoteQuestionStage,
     asked_as,
-    escalated,
     opened_stages,
-    records_of,
 )
-from service.decisions import judge_questions, question_overrides, with_order
+from service.decisions import (
+    QuestionDecision,
+    judge_questions,
+    question_overrides,
+    with_order,
+)
 from service.gate_context import GateContext, item_prompt, scored
 from service.log.decision_log import (
     DecisionLog,
     DecisionLogError,
     LoggedDecision,
     replayable_question,
-    with_cascade,
 )
 from service.log.shift_watch import ShiftWatch
 from service.profiles import ProfileStore
@@ -108,8 +107,8 @@ def create_server(
 
     With ``cascade`` (later stages by name, in order: a loaded model, or another judge
     server's URL), a judgment the ``judge`` tool escalates goes to each later stage in turn
-    (``service.cascade.cascade_judgments``), and a question ``decide`` escalates as the same
-    question (``service.cascade.cascade_questions``), under the profile "P-NAME" where the
+    (``service.cascade.escalation``), and a question ``decide`` escalates as the same
+    question, under the profile "P-NAME" where the
     request's is P, as ``judge serve --cascade`` sends them; ``engine`` is the first stage,
     ``stage_name``.
     """
@@ -270,13 +269,11 @@ def create_server(
             overrides = scored(overrides, choices, profile=profile)
             gate = gate_of(profile, "profile", overrides, version)
             # Each later stage's gate opened and checked before any model work.
-            later: list[ServedStage] = opened_stages(
+            later = opened_stages(
                 cascade or {},
                 profile,
                 overrides,
                 functools.partial(gate_of, field="profile", overrides=overrides),
-                local=ServedLocal,
-                remote=ServedRemote,
                 choices=choices,
                 field="profile",
                 context=context,
@@ -296,10 +293,8 @@ def create_server(
             records = [] if record is None else [record]
             if later:  # what this engine escalated goes to the later stages, in turn
                 asked = StageItem(query.prompt, list(choices), query.item_span)
-                response = cascaded(stage_name, (judgment, verdict, response), later, asked)
-                records = with_cascade(
-                    records + records_of(later), response.decided_by, response.cascade or []
-                )
+                escalation = escalated(stage_name, verdict, judgment, choices, later, asked)
+                response, records = escalation.staged(response), escalation.logged(records)
             keep(records)
         return _plain(response)
 
@@ -358,15 +353,13 @@ def create_server(
                 plan = plan_decisions(state, asked, max_orderings=max_orderings)
                 for a in plan.asked:
                     item = QuestionItem(state, a.id, asked_as(a.question, settings[a.id]))
-                    stages: list[QuestionStage] = opened_stages(
+                    stages = opened_stages(
                         cascade,
                         names.get(a.id),
                         settings[a.id],
                         functools.partial(
                             gate_of, field=f"profiles.{a.id}", overrides=settings[a.id]
                         ),
-                        local=LocalQuestionStage,
-                        remote=RemoteQuestionStage,
                         choices=a.choices,
                         field=f"profiles.{a.id}",
                         context=context,
@@ -392,11 +385,10 @@ def create_server(
             )
             if qid in later:
                 item, stages = later[qid]
-                decided[qid] = escalated(stage_name, (answer, verdict), stages, item)
-                kept = [mine] if mine is not None else []
-                records += with_cascade(
-                    kept + records_of(stages), decided[qid].decided_by, decided[qid].cascade or []
-                )
+                choices = list(answer.probabilities)
+                escalation = escalated(stage_name, verdict, answer.judgment, choices, stages, item)
+                decided[qid] = QuestionDecision(answer, verdict, escalation)
+                records += escalation.logged([] if mine is None else [mine])
             elif mine is not None:
                 records.append(mine)
         keep(records)

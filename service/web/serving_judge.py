@@ -39,7 +39,7 @@ from service.web.serving_core import ServiceCore, Ticket
 
 if TYPE_CHECKING:
     # A cascade's machinery is imported only by a server that has one (service.web.serving).
-    from service.cascade.cascade_judgments import ServedStage
+    from service.cascade.stages import LocalStage, RemoteStage
     from service.web.serving_cascade import CascadeServing
 
 __all__ = ["JudgeServing"]
@@ -52,7 +52,7 @@ class _Plan:
 
     query: Query
     gate: Gate
-    later: list[ServedStage] | None = None
+    later: list[LocalStage | RemoteStage] | None = None
     # The prompt is not the profile's template around its item (Gate.outside_template).
     outside_template: bool = False
 
@@ -135,7 +135,9 @@ class JudgeServing:
             choices=request.choices,
             version=version,
         )
-        later = None if self.cascade is None else self.cascade.plan(request)
+        later = None
+        if self.cascade is not None:  # a later stage decides under the same overrides
+            later = self.cascade.plan(request.profile, overrides, request.choices, "profile")
         # A whole prompt to a profile fitted on a task must mark its item, and is flagged when
         # it is not that task's prompt; a shared question has no item span, so is flagged.
         if isinstance(request, JudgeRequest):
@@ -162,11 +164,11 @@ class JudgeServing:
         mine: list[LoggedDecision] = []
         response, verdict = self._respond(engine, result, request, plan, mine)
         item = StageItem(plan.query.prompt, request.choices, plan.query.item_span)
-        final = await self.cascade.escalate(
-            item, plan.later, (result, verdict, response), mine, ticket.deadline
+        outcome = await self.cascade.escalate(
+            item, plan.later, (verdict, result, request.choices), mine, ticket.deadline
         )
         records += mine
-        return final
+        return outcome.staged(response)
 
     def _respond(
         self,

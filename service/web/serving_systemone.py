@@ -131,7 +131,12 @@ class SystemOneServing:
         }
         cascade = self.cascade
         later = {
-            a.id: cascade.plan_question(a.id, asked[a.id], a.choices)
+            a.id: cascade.plan(
+                asked[a.id].profile,
+                Overrides.of(asked[a.id]),
+                a.choices,
+                f"questions.{a.id}.profile",
+            )
             for a in plan.asked
             if cascade is not None
         }
@@ -176,13 +181,14 @@ class SystemOneServing:
             )
             mine = [] if record is None else [record]
             if cascade is not None:
-                from service.cascade.cascade_questions import QuestionItem
+                from service.cascade.stages import QuestionItem
 
                 item = QuestionItem(state, qid, asked[qid])
-                outcome = await cascade.escalate_question(
-                    item, later[qid], (answer, verdict), mine, ticket.deadline
+                choices = list(answer.probabilities)
+                escalation = await cascade.escalate(
+                    item, later[qid], (verdict, answer.judgment, choices), mine, ticket.deadline
                 )
-                decided[qid] = outcome
+                decided[qid] = QuestionDecision(answer, verdict, escalation)
             records += mine
         await self.service.append_to_log(records)
         return decided, judgments
