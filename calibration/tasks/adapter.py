@@ -92,7 +92,6 @@ def fit_adapter_profile(
     even where the rival wins on the validation fold. ``settings.methods`` "auto" (the
     default) makes the rival auto's choice between the scalar maps and the probe; any other
     methods, the probe."""
-    from calibration import fit_profile
     from calibration.fitting import split_with_taught
     from calibration.maps.scaling import CalibrationFit
     from judge.adapter_fit import fit_adapter
@@ -207,22 +206,17 @@ def fit_adapter_profile(
         reads=reads,
         span=probe.span,
     )
-    profile = fit_profile(
+    profile = fit_labeled(
         name,
-        adapted.log_probabilities,
-        adapted.labels,
-        list(task.choices),
-        fingerprint=fingerprint,
+        adapted,
+        task.choices,
+        fingerprint,
         dataset=dataset,
         dataset_sha256=dataset_sha256,
         settings=probe_settings,  # the head served is a probe's, given
-        choice_mass=adapted.choice_mass,
-        features=adapted.features,
-        feature_layers=adapted.feature_layers,
-        span_features=adapted.span_features,
-        span=adapted.span,
-        probe_split=True,
+        template=template,
         fit_only=taught,
+        probe_split=True,
         fitted=CalibrationFit(
             map=head,
             cv_nll={"adapter, validation fold": fit.validation_nll},
@@ -231,7 +225,6 @@ def fit_adapter_profile(
         ),
         adapter=fit.adapter,
     )
-    profile = msgspec.structs.replace(profile, template=template)
     return AdapterProfile(profile, probe_profile, rival_profile, fit, adapted, winner, nll)
 
 

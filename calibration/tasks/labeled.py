@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Unpack
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 import msgspec
 import numpy as np
@@ -44,6 +44,19 @@ from judge.judgments import QueryTemplate
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
+    from calibration.certificates.recertify import Recertification
+    from calibration.maps.scaling import CalibrationFit
+    from judge.adapters import Adapter
+
+
+class _Given(TypedDict, total=False):
+    """What ``fit_labeled`` passes on to ``fit_profile`` as given."""
+
+    probe_split: bool | None
+    recertification: Recertification | None
+    fitted: CalibrationFit | None
+    adapter: Adapter | None
+
 
 __all__ = [
     "LabeledScores",
@@ -438,6 +451,7 @@ def fit_labeled(
     template: PromptTemplate | None = None,
     out_of_sample: list[np.ndarray] | None = None,
     fit_only: np.ndarray | None = None,
+    **given: Unpack[_Given],
 ) -> CalibrationProfile:
     """Fit a calibration profile on ``scores``, for the engine that ``fingerprint`` describes.
 
@@ -467,6 +481,9 @@ def fit_labeled(
         (``fit_profile``).
     fit_only : array of bool, optional
         The items chosen to teach (``taught_items``): they fit the map, never certify it.
+    **given
+        What ``fit_profile`` takes beside the scores: ``probe_split``, ``recertification`` (a
+        refit's look), ``fitted`` and ``adapter`` (a head trained with adapters).
     """
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
@@ -492,6 +509,7 @@ def fit_labeled(
         span=scores.span,
         out_of_sample=out_of_sample,
         fit_only=fit_only,
+        **given,
     )
     return profile if template is None else msgspec.structs.replace(profile, template=template)
 

@@ -382,14 +382,15 @@ def run_from_log(args: argparse.Namespace) -> int:
         print(f"threshold: {t.threshold:.3f}, coverage {t.coverage:.3f} (on the certify split)")
     else:
         print(f"no certified threshold: {t.reason}")
+        scores = fitted.scores
         needed = labels_for_next_look(
             refit,
-            fitted.log_probabilities,
-            fitted.labels,
-            fitted.choice_mass,
-            fitted.features,
-            fitted.feature_layers,
-            span_features=fitted.span_features,
+            scores.log_probabilities,
+            scores.labels,
+            scores.choice_mass,
+            scores.features,
+            scores.feature_layers,
+            span_features=scores.span_features,
             fit_only=fitted.fit_only,
         )
         print(f"the next look: {needed.reason}")

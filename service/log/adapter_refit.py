@@ -123,19 +123,7 @@ def retrain_from_log(
             f"{left_out} labelled decisions left out: no request kept, no item marked, or "
             "another prompt than the profile's"
         )
-    scores = fitted.scores
     only = np.array([item.taught for item in items], dtype=bool)
     return LogRefit(
-        profile=refit,
-        recertification=recertification,
-        audited=audited,
-        taught=taught,
-        notes=notes,
-        log_probabilities=scores.log_probabilities,
-        labels=scores.labels,
-        choice_mass=scores.choice_mass,
-        features=scores.features,
-        feature_layers=scores.feature_layers,
-        fit_only=only if taught else None,
-        span_features=scores.span_features,
+        refit, recertification, audited, taught, notes, fitted.scores, only if taught else None
     )

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from calibration import MIN_EXAMPLES, CalibrationProfile, FitSettings, fit_profile
+from calibration import MIN_EXAMPLES, CalibrationProfile, FitSettings
 from calibration.certificates.recertify import Recertification
 from calibration.maps.probe import MIN_PROBE_EXAMPLES
+from calibration.tasks import LabeledScores, fit_labeled
 from service.log.decision_log import DecisionLog, LoggedDecision
 
 __all__ = ["LogRefit", "RefitError", "labelled_decisions", "refit_from_log", "refit_settings"]
@@ -42,16 +43,11 @@ class LogRefit:
     audited: int  # labelled audit decisions: split, and certify
     taught: int  # other labelled decisions: fit only
     notes: list[str]  # what was read or left out, for a person
-    # What ``fit_profile`` was given, for ``labels_for_next_look``.
-    log_probabilities: np.ndarray
-    labels: np.ndarray
-    choice_mass: np.ndarray
-    features: np.ndarray | None
-    feature_layers: tuple[int, ...]
+    # What the profile was fitted on (its map may read the hidden states, and a retrained
+    # adapter's means over each item), for ``labels_for_next_look``; ``fit_only``: the
+    # labelled decisions outside the audit sample (None: none).
+    scores: LabeledScores
     fit_only: np.ndarray | None
-    # Their means over each item (a retrained adapter's scores, which the head may read);
-    # None: the log kept none.
-    span_features: np.ndarray | None = None
 
 
 def refit_settings(profile: CalibrationProfile) -> FitSettings:
@@ -113,21 +109,20 @@ def refit_from_log(
     mass = np.array([r.choice_mass for r in records])
     recertification = Recertification.after(profile.recertification, settings.delta, log_name)
     only = fit_only if taught else None
-    refit = fit_profile(
+    scores = LabeledScores(
+        log_probabilities=z, choice_mass=mass, labels=y, features=features, feature_layers=layers
+    )
+    refit = fit_labeled(
         name,
-        z,
-        y,
+        scores,
         profile.choices,
-        fingerprint=profile.fingerprint,
-        choice_mass=mass,
+        profile.fingerprint,
         dataset=f"decision log {recertification.log}: {audited} audited decisions of "
         f"{profile.name}"
         + (f" and {taught} others labeled (fit only)" if taught else "")
         + (f", with the hidden states of layers {list(layers)}" if layers else ""),
         dataset_sha256=digest,
         settings=msgspec.structs.replace(settings, delta=recertification.spent),
-        features=features,
-        feature_layers=layers,
         recertification=recertification,
         fit_only=only,
     )
@@ -135,19 +130,7 @@ def refit_from_log(
     # prompt (an item sent alone is placed in it) and its adapter (the logged scores and
     # states are the adapted model's), so the refit carries both.
     refit = msgspec.structs.replace(refit, template=profile.template, adapter=profile.adapter)
-    return LogRefit(
-        profile=refit,
-        recertification=recertification,
-        audited=audited,
-        taught=taught,
-        notes=notes,
-        log_probabilities=z,
-        labels=y,
-        choice_mass=mass,
-        features=features,
-        feature_layers=layers,
-        fit_only=only,
-    )
+    return LogRefit(refit, recertification, audited, taught, notes, scores, only)
 
 
 def labelled_decisions(log: DecisionLog, profile: CalibrationProfile) -> list[LoggedDecision]:
