@@ -126,35 +126,71 @@ def create_server(
         log_requests=log_requests,
         holds=None if watch is None else watch.hold,
     )
-    model_lock = threading.Lock()
+    calls = _Tools(engine, store, context, defaults, decision_log, watch, cascade or {}, stage_name)
+    judge = Tool.from_function(
+        calls.judge, name="judge", description=calls.judge_about, structured_output=True
+    )
+    decide = Tool.from_function(
+        calls.decide, name="decide", description=calls.decide_about, structured_output=True
+    )
+    _describe_questions(decide.parameters)
+    listed = Tool.from_function(
+        calls.list_profiles,
+        name="list_profiles",
+        description=calls.list_about,
+        structured_output=True,
+    )
+    return MCPServer(name="judge", instructions=INSTRUCTIONS, tools=[judge, decide, listed])
 
-    def keep(records: Sequence[LoggedDecision | None]) -> None:
+
+class _Tools:
+    """The MCP tools of one server (``create_server``): each translates its arguments into a
+    call of the decision core and its answer back, under the server's one model lock."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: ProfileStore,
+        context: GateContext,
+        defaults: PolicyDefaults,
+        decision_log: DecisionLog | None,
+        watch: ShiftWatch | None,
+        cascade: Mapping[str, LocalModel | str],
+        stage_name: str,
+    ) -> None:
+        self.engine, self.store, self.context, self.defaults = engine, store, context, defaults
+        self.decision_log, self.watch = decision_log, watch
+        self.cascade, self.stage_name = cascade, stage_name
+        self.model_lock = threading.Lock()
+
+    def keep(self, records: Sequence[LoggedDecision | None]) -> None:
         """Append the call's decisions before it answers; a failed write fails the call."""
         rows = [r for r in records if r is not None]
-        if decision_log is None or not rows:
+        if self.decision_log is None or not rows:
             return
         try:
-            decision_log.append(rows)
+            self.decision_log.append(rows)
         except DecisionLogError as exc:
             raise ToolError(
                 f"the decision could not be written to the decision log ({exc}), so it is "
                 "not served: retry later"
             ) from None
-        if watch is not None:
-            watch.logged(rows)
+        if self.watch is not None:
+            self.watch.logged(rows)
 
-    def version_of(name: str | None, field: str) -> tuple[CalibrationProfile, str] | None:
+    def version_of(self, name: str | None, field: str) -> tuple[CalibrationProfile, str] | None:
         """The stored version a call's profile names (None: no profile), read once; a missing
         one a ToolError naming ``field``."""
         if name is None:
             return None
         try:
-            return store.get_tagged(name)
+            return self.store.get_tagged(name)
         except ProfileError as exc:
-            names = ", ".join(store.names()) or "none"
+            names = ", ".join(self.store.names()) or "none"
             raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
 
     def gate_of(
+        self,
         name: str | None,
         field: str,
         overrides: Overrides | None = None,
@@ -162,7 +198,7 @@ def create_server(
     ) -> Gate:
         """A call's gate (``GateContext.open``), on ``version`` where the call read it
         already, else on the version ``version_of`` reads."""
-        return context.open(name, overrides, version=version or version_of(name, field))
+        return self.context.open(name, overrides, version=version or self.version_of(name, field))
 
     judge_about = (
         "Judge a prompt: the probability of each choice, the most probable one, "
@@ -171,7 +207,8 @@ def create_server(
         "escalates unless uncertified_threshold opts in to accepting with no guarantee)."
     )
 
-    def judge_tool(
+    def judge(
+        self,
         prompt: Annotated[
             str | None,
             Field(
@@ -250,7 +287,7 @@ def create_server(
     ) -> dict[str, Any]:
         with _tool_errors():
             # The profile read once: the item's template and the certificate are one version's.
-            version = version_of(profile, "profile")
+            version = self.version_of(profile, "profile")
             fitted = None if version is None else version[0]
             if prompt is None:
                 # The item alone: rendered in its profile's prompt, its span marked by
@@ -267,35 +304,35 @@ def create_server(
                 values=values,
             )
             overrides = scored(overrides, choices, profile=profile)
-            gate = gate_of(profile, "profile", overrides, version)
+            gate = self.gate_of(profile, "profile", overrides, version)
             # Each later stage's gate opened and checked before any model work.
             later = opened_stages(
-                cascade or {},
+                self.cascade or {},
                 profile,
                 overrides,
-                functools.partial(gate_of, field="profile", overrides=overrides),
+                functools.partial(self.gate_of, field="profile", overrides=overrides),
                 choices=choices,
                 field="profile",
-                context=context,
+                context=self.context,
             )
-            with model_lock:
-                gate.check_engine(engine, system=system, choices=choices)
+            with self.model_lock:
+                gate.check_engine(self.engine, system=system, choices=choices)
                 # A profile fitted on a task: the prompt must mark its item, and is flagged
                 # when it is not the task's prompt (as POST /judge does).
                 outside = gate.outside_template(prompt, span)
                 query = Query(prompt=prompt, choices=list(choices), system=system, item_span=span)
                 # The gate asks for what its profile reads: the probe's layers, its adapter.
-                judgment = engine.judge_batch([gate.asks(query)])[0]
+                judgment = self.engine.judge_batch([gate.asks(query)])[0]
             verdict = gate.decide(judgment, outside_template=outside)
-            response, record = context.respond(
-                judgment, verdict, gate, model=engine.model_id, query=query, choices=choices
+            response, record = self.context.respond(
+                judgment, verdict, gate, model=self.engine.model_id, query=query, choices=choices
             )
             records = [] if record is None else [record]
             if later:  # what this engine escalated goes to the later stages, in turn
                 asked = StageItem(query.prompt, list(choices), query.item_span)
-                escalation = escalated(stage_name, verdict, judgment, choices, later, asked)
+                escalation = escalated(self.stage_name, verdict, judgment, choices, later, asked)
                 response, records = escalation.staged(response), escalation.logged(records)
-            keep(records)
+            self.keep(records)
         return _plain(response)
 
     decide_about = (
@@ -310,7 +347,8 @@ def create_server(
         "the probabilities, and with a profile the decision to accept or escalate."
     )
 
-    def decide_tool(
+    def decide(
+        self,
         state: Annotated[
             Any,
             Field(description="what the questions are about: text, or any JSON value"),
@@ -342,56 +380,59 @@ def create_server(
             for qid in names.keys() - questions.keys():
                 raise ToolError(f"profiles.{qid}: there is no question {qid!r} to gate")
             gates = {
-                qid: gate_of(names.get(qid), f"profiles.{qid}", settings[qid]) for qid in questions
+                qid: self.gate_of(names.get(qid), f"profiles.{qid}", settings[qid])
+                for qid in questions
             }
         asked: dict[str, Any] = dict(questions)
         if order is not None:
             asked = with_order(asked, order)
         later = {}
-        if cascade:  # each later stage's gate opened and checked before any model work
+        if self.cascade:  # each later stage's gate opened and checked before any model work
             with _tool_errors():
                 plan = plan_decisions(state, asked, max_orderings=max_orderings)
                 for a in plan.asked:
                     item = QuestionItem(state, a.id, asked_as(a.question, settings[a.id]))
                     stages = opened_stages(
-                        cascade,
+                        self.cascade,
                         names.get(a.id),
                         settings[a.id],
                         functools.partial(
-                            gate_of, field=f"profiles.{a.id}", overrides=settings[a.id]
+                            self.gate_of, field=f"profiles.{a.id}", overrides=settings[a.id]
                         ),
                         choices=a.choices,
                         field=f"profiles.{a.id}",
-                        context=context,
+                        context=self.context,
                     )
                     later[a.id] = (item, stages)
-        with _tool_errors(), model_lock:
+        with _tool_errors(), self.model_lock:
             judged = judge_questions(
-                engine,
+                self.engine,
                 state,
                 asked,
                 gates=gates,
-                defaults=defaults,
+                defaults=self.defaults,
                 max_orderings=max_orderings,
             )
         decided, records = {}, []
         for qid, (answer, verdict) in judged.items():
-            decided[qid], mine = context.answered(
+            decided[qid], mine = self.context.answered(
                 answer,
                 verdict,
                 gates[qid],
-                model=engine.model_id,
+                model=self.engine.model_id,
                 request=functools.partial(replayable_question, state, qid, asked[qid], gates[qid]),
             )
             if qid in later:
                 item, stages = later[qid]
                 choices = list(answer.probabilities)
-                escalation = escalated(stage_name, verdict, answer.judgment, choices, stages, item)
+                escalation = escalated(
+                    self.stage_name, verdict, answer.judgment, choices, stages, item
+                )
                 decided[qid] = QuestionDecision(answer, verdict, escalation)
                 records += escalation.logged([] if mine is None else [mine])
             elif mine is not None:
                 records.append(mine)
-        keep(records)
+        self.keep(records)
         return _plain({qid: d.wire() for qid, d in decided.items()})
 
     list_about = (
@@ -399,11 +440,11 @@ def create_server(
         "choices, calibration method and certified threshold (null: none certified)."
     )
 
-    def list_profiles() -> dict[str, Any]:
+    def list_profiles(self) -> dict[str, Any]:
         rows: list[dict[str, Any]] = []
-        for name in store.names():
+        for name in self.store.names():
             try:
-                p = store.get(name)
+                p = self.store.get(name)
             except ProfileError as exc:
                 rows.append({"name": name, "error": str(exc)})
                 continue
@@ -419,21 +460,6 @@ def create_server(
                 }
             )
         return {"profiles": rows}
-
-    decide = Tool.from_function(
-        decide_tool, name="decide", description=decide_about, structured_output=True
-    )
-    _describe_questions(decide.parameters)
-    tools = [
-        Tool.from_function(
-            judge_tool, name="judge", description=judge_about, structured_output=True
-        ),
-        decide,
-        Tool.from_function(
-            list_profiles, name="list_profiles", description=list_about, structured_output=True
-        ),
-    ]
-    return MCPServer(name="judge", instructions=INSTRUCTIONS, tools=tools)
 
 
 def _item_alone(
