@@ -38,7 +38,7 @@ from service.client import JudgeClient, RetryPolicy
 from service.decisions import judge_questions
 from service.gate_context import GateContext
 from service.schemas import JudgeResponse
-from service.systemone import SystemOneAnswer, SystemOneQuestion, wire_answer
+from service.systemone import SystemOneAnswer, SystemOneQuestion
 
 if TYPE_CHECKING:
     from judge import Engine
@@ -106,17 +106,11 @@ class LocalStage:
             answer, verdict = decided[item.qid]
             # Logged as a later stage of a judgment is: its hidden states, not its request
             # (the first stage's record replays the question).
-            _, record = self.context.answered(answer, verdict, self.gate, model=model)
-            choices = list(answer.probabilities)
-            response = JudgeResponse.of(
-                answer.judgment,
-                verdict,
-                choices=choices,
-                return_prompt=True,
-                orderings=answer.orderings,
-            )
-            self.kept = Kept(response, wire_answer(answer, verdict), record)
-            return StageAnswer.of(verdict, answer.judgment, choices)
+            decision, record = self.context.answered(answer, verdict, self.gate, model=model)
+            # Its prompt kept: the front sends it where the request asks for it.
+            response = decision.response(return_prompt=True)
+            self.kept = Kept(response, decision.wire(), record)
+            return StageAnswer.of(verdict, answer.judgment, list(answer.probabilities))
         with self.lock:
             judgment, verdict = self.gate.judged(
                 self.engine, item.prompt, item.choices, item_span=item.item_span
