@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     )
     from calibration.fitting import (
         PolicyEvaluation,
+        TrainedHead,
         evaluate_policy,
         fit_label_free_profile,
         fit_profile,
@@ -149,6 +150,7 @@ _EXPORTS = {
     "Temperature": "calibration.maps.scaling",
     "TemperatureScaler": "calibration.maps.scaling",
     "ThresholdResult": "calibration.certificates.certify",
+    "TrainedHead": "calibration.fitting",
     "ValuesError": "calibration.errors",
     "candidate_layers": "calibration.maps.probe",
     "decode_profile": "calibration.profile",
@@ -209,6 +211,7 @@ __all__ = [
     "Temperature",
     "TemperatureScaler",
     "ThresholdResult",
+    "TrainedHead",
     "ValuesError",
     "Verdict",
     "candidate_layers",

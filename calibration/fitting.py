@@ -419,6 +419,16 @@ def fit_rule(
     )
 
 
+@dataclass(frozen=True)
+class TrainedHead:
+    """A probe head trained together with low-rank adapters (``judge.adapter_fit``): the map
+    ``fit_profile`` is given, and the adapters the scores were judged under (the profile
+    carries them). One value, since neither means anything without the other."""
+
+    fit: CalibrationFit
+    adapter: Adapter
+
+
 def fit_profile(
     name: str,
     log_probabilities: ArrayLike,
@@ -437,8 +447,7 @@ def fit_profile(
     span_features: ArrayLike | None = None,
     span: ProbeSpan | None = None,
     out_of_sample: list[np.ndarray] | None = None,
-    fitted: CalibrationFit | None = None,
-    adapter: Adapter | None = None,
+    trained: TrainedHead | None = None,
     fit_only: ArrayLike | None = None,
 ) -> CalibrationProfile:
     """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
@@ -460,17 +469,17 @@ def fit_profile(
     must be its share, ``recertification.spent``. ``out_of_sample``, a list, gets the (n, k)
     calibrated probabilities of every example as the map would judge a new one (a probe's fit
     split from the folds that did not see them): a cascade orders its rules on those.
-    ``fitted`` and ``adapter``: a probe head trained with low-rank adapters on the probe
-    split's fit items alone (``judge.adapter_fit``), and those adapters; the scores are the
-    adapted engine's, and the profile carries the adapter. Nothing chooses the map here, so
+    ``trained``: a probe head trained with low-rank adapters on the probe split's fit items
+    alone (``judge.adapter_fit``), and those adapters; the scores are the adapted engine's,
+    the split is the probe's, and the profile carries the adapter. Nothing chooses the map here, so
     the conformal and certify splits, which neither saw, certify it exactly. ``fit_only``
     (n,) booleans: items that may only fit the map (a teach stream's labels): the split is
     drawn from the others (``split.taught`` counts them).
     """
-    if (fitted is None) != (adapter is None):
-        raise ValueError("fitted and adapter go together: the head trained with the adapter")
-    if fitted is not None and probe_split is not True:
-        raise ValueError("an adapter's head is trained on the probe split: pass probe_split=True")
+    if trained is not None:
+        if probe_split is False:
+            raise ValueError("an adapter's head is trained on the probe split: probe_split=False")
+        probe_split = True
     _check_fingerprint(fingerprint)
     z = _shaped(log_probabilities, choices)
     _check_classes(check_labels(y, z.shape[0], z.shape[1]), choices)
@@ -487,7 +496,7 @@ def fit_profile(
         probe_split=probe_split,
         span_features=span_features,
         span=span,
-        fitted=fitted,
+        fitted=None if trained is None else trained.fit,
         fit_only=fit_only,
     )
     held = rule.held_out
@@ -560,7 +569,7 @@ def fit_profile(
             seed=settings.seed,
         ),
         recertification=recertification,
-        adapter=adapter,
+        adapter=None if trained is None else trained.adapter,
     )
     # Per class, on the items the map was not fitted on, under the rule as served (its own
     # gates on the calibrated probabilities): the evidence the report shows beside the metrics.

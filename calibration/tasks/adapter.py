@@ -18,7 +18,7 @@ The steps, each on the items the step may see (the probe split of ``calibration.
    scalar map's are its fit's: one or a few parameters), by NLL. Where the rival wins, its
    profile is the result and says why;
 4. else judge every item again with the adapters merged, and certify the trained head as
-   given (``fit_profile(fitted=..., adapter=...)``) on the conformal and certify splits,
+   given (``fit_profile(trained=TrainedHead(...))``) on the conformal and certify splits,
    which neither the adapters nor the head saw: the guarantee is the probe's, exact.
 
 ``torch`` is imported only by the engine's side (``judge.adapter_fit``), when this runs.
@@ -92,7 +92,7 @@ def fit_adapter_profile(
     even where the rival wins on the validation fold. ``settings.methods`` "auto" (the
     default) makes the rival auto's choice between the scalar maps and the probe; any other
     methods, the probe."""
-    from calibration.fitting import split_with_taught
+    from calibration.fitting import TrainedHead, split_with_taught
     from calibration.maps.scaling import CalibrationFit
     from judge.adapter_fit import fit_adapter
 
@@ -216,14 +216,15 @@ def fit_adapter_profile(
         settings=probe_settings,  # the head served is a probe's, given
         template=template,
         fit_only=taught,
-        probe_split=True,
-        fitted=CalibrationFit(
-            map=head,
-            cv_nll={"adapter, validation fold": fit.validation_nll},
-            note=fit.note + ". ",
-            method="probe",
+        trained=TrainedHead(
+            CalibrationFit(
+                map=head,
+                cv_nll={"adapter, validation fold": fit.validation_nll},
+                note=fit.note + ". ",
+                method="probe",
+            ),
+            fit.adapter,
         ),
-        adapter=fit.adapter,
     )
     return AdapterProfile(profile, probe_profile, rival_profile, fit, adapted, winner, nll)
 

@@ -45,8 +45,7 @@ from judge.judgments import QueryTemplate
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
     from calibration.certificates.recertify import Recertification
-    from calibration.maps.scaling import CalibrationFit
-    from judge.adapters import Adapter
+    from calibration.fitting import TrainedHead
 
 
 class _Given(TypedDict, total=False):
@@ -54,8 +53,7 @@ class _Given(TypedDict, total=False):
 
     probe_split: bool | None
     recertification: Recertification | None
-    fitted: CalibrationFit | None
-    adapter: Adapter | None
+    trained: TrainedHead | None
 
 
 __all__ = [
@@ -483,7 +481,7 @@ def fit_labeled(
         The items chosen to teach (``taught_items``): they fit the map, never certify it.
     **given
         What ``fit_profile`` takes beside the scores: ``probe_split``, ``recertification`` (a
-        refit's look), ``fitted`` and ``adapter`` (a head trained with adapters).
+        refit's look), ``trained`` (a head trained with adapters).
     """
     # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
