@@ -19,6 +19,7 @@ the first M of its test split (never seen by any fit):
 Run it alone: two CPU-heavy processes on two cores time each other.
 
     python benchmarks/bench_adapter.py [--tasks sst2 ag_news trec] [--limit 500] [--quick]
+        [--model gemma3-270m]
 """
 
 from __future__ import annotations
@@ -229,6 +230,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 100 items, 1 epoch")
     parser.add_argument("--out", type=Path, help="where the JSON goes (default: results/)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--model", help="a model Judge.load takes, e.g. gemma3-270m (default: the default model)"
+    )
     args = parser.parse_args()
     if args.threads:
         import torch
@@ -237,15 +241,16 @@ def main() -> None:
     if args.quick:
         args.limit, args.test_limit, args.epochs = 100, 40, 1
     settings = AdapterSettings(epochs=args.epochs, blocks=2 if args.quick else 10)
-    judge = Judge.load()
+    judge = Judge.load(args.model) if args.model else Judge.load()
     name = "bench_adapter_quick.json" if args.quick else "bench_adapter.json"
     out_path = args.out or RESULTS / name
     rows = []
     for task in args.tasks:  # written after each task: a long run keeps what it measured
         rows.append(run_task(judge, task, args.limit, args.test_limit, settings))
         head = {"cpu": cpu_model(), "flags_avx512f": "avx512f" in cpu_flags()}
-        write_text(out_path, json.dumps({**head, "dtype": judge.dtype, "rows": rows}, indent=2))
-    print(f"\n{cpu_model()}, dtype {judge.dtype}; avx512f: {'avx512f' in cpu_flags()}")
+        head |= {"model": judge.model_id, "dtype": judge.dtype}
+        write_text(out_path, json.dumps({**head, "rows": rows}, indent=2))
+    print(f"\n{cpu_model()}, {judge.model_id}, {judge.dtype}; avx512f: {'avx512f' in cpu_flags()}")
     print(
         "| task | labels | scalar acc | probe acc / ECE / cert. coverage | adapter acc / ECE / "
         "cert. coverage | validation winner | fit s | ms/item probe, adapter | adapter's "

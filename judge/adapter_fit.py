@@ -23,6 +23,7 @@ seed, and the run is single-process float32 arithmetic.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -176,7 +177,7 @@ def fit_adapter(
 
     items = _entering_states(engine, queries, first, reads, progress)
     train_idx, val_idx = _fold(y, s.validation_share, rng)
-    stack, norm, rotary = _trainable_stack(engine, adapted, s, last=layer == num_layers)
+    stack, norm, attention = _trainable_stack(engine, adapted, s, last=layer == num_layers)
     head_weights, head_intercept = warm_start(train_idx)
     head = torch.nn.Linear(head_weights.shape[1], head_weights.shape[0])
     with torch.no_grad():
@@ -190,7 +191,7 @@ def fit_adapter(
     labels_t = torch.as_tensor(y)
 
     def logits_of(index: np.ndarray) -> torch.Tensor:
-        x = _features([items[i] for i in index], stack, norm, rotary, reads)  # (B, slots*H)
+        x = _features([items[i] for i in index], stack, norm, attention, reads)  # (B, slots*H)
         return head(x)  # (B, k)
 
     def validation() -> tuple[float, float, torch.Tensor]:
@@ -320,11 +321,46 @@ def _with_span(query: Query) -> Query:
     return msgspec.structs.replace(query, span_layers=layers, feature_layers=(), adapter=None)
 
 
+@dataclass(frozen=True)
+class _Attention:
+    """What the adapted blocks' attention needs beside their inputs: the rotary embedding
+    and, per block, its kind of attention (``config.layer_types``: Gemma 3 alternates
+    "sliding_attention" over ``window`` tokens, with its own rotary base, and
+    "full_attention"; None where the model has one kind and its rotary takes no kind)."""
+
+    rotary: torch.nn.Module
+    kinds: list[str | None]
+    window: int | None
+
+    def inputs(
+        self, h: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
+    ) -> dict[str | None, tuple[torch.Tensor, Any]]:
+        """Each kind's additive mask (B, 1, T, T) and position embeddings for states ``h``
+        (B, T, H) whose ``valid`` (B, T) tokens come first: causal, no query reads a padding
+        key (padding queries, never read, see the real ones), and a sliding kind reads only
+        the last ``window`` keys, as the model's own masks do."""
+        T = h.shape[1]
+        q = torch.arange(T)[:, None]
+        k = torch.arange(T)[None, :]
+        out: dict[str | None, tuple[torch.Tensor, Any]] = {}
+        for kind in dict.fromkeys(self.kinds):
+            allowed = k <= q
+            if kind == "sliding_attention" and self.window is not None:
+                allowed = allowed & (k > q - self.window)
+            allowed = allowed[None] & valid[:, None, :]  # (B, T, T)
+            mask = torch.zeros(h.shape[0], 1, T, T).masked_fill(
+                ~allowed[:, None], torch.finfo(torch.float32).min
+            )
+            cos_sin = self.rotary(h, positions) if kind is None else self.rotary(h, positions, kind)
+            out[kind] = (mask, cos_sin)
+        return out
+
+
 def _trainable_stack(
     engine: Judge, adapted: list[int], s: AdapterSettings, *, last: bool
-) -> tuple[torch.nn.ModuleList, torch.nn.Module | None, torch.nn.Module]:
+) -> tuple[torch.nn.ModuleList, torch.nn.Module | None, _Attention]:
     """float32 copies of the adapted blocks with LoRA injected (peft), the final norm where
-    the head reads the last layer, and the rotary embedding."""
+    the head reads the last layer, and what their attention needs."""
     from peft import LoraConfig, inject_adapter_in_model
 
     blocks = decoder_blocks(engine.model)
@@ -343,14 +379,23 @@ def _trainable_stack(
     decoder: Any = engine.model.get_decoder()
     norm = copy.deepcopy(decoder.norm).float() if last else None
     rotary = copy.deepcopy(decoder.rotary_emb).float()
-    return stack, norm, rotary
+    model_config: Any = getattr(decoder, "config", None)
+    types = getattr(model_config, "layer_types", None)
+    takes_kind = "layer_type" in inspect.signature(rotary.forward).parameters
+    kinds: list[str | None] = [types[i] if takes_kind and types else None for i in adapted]
+    if takes_kind and not types:
+        raise ValueError(
+            "the model's rotary embedding needs each layer's type, and its config has none"
+        )
+    window = getattr(model_config, "sliding_window", None)
+    return stack, norm, _Attention(rotary, kinds, window if isinstance(window, int) else None)
 
 
 def _features(
     items: list[_Item],
     stack: torch.nn.ModuleList,
     norm: torch.nn.Module | None,
-    rotary: torch.nn.Module,
+    attention: _Attention,
     reads: str,
 ) -> torch.Tensor:
     """The head's inputs (B, slots * H) for ``items``: their states run through the adapted
@@ -364,14 +409,9 @@ def _features(
         h[b, : lengths[b]] = it.states
         valid[b, : lengths[b]] = True
     positions = torch.arange(T)[None].expand(len(items), T)  # (B, T)
-    # Causal, and no query reads a padding key; padding queries (never read) see the real ones.
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    allowed = causal[None] & valid[:, None, :]  # (B, T, T)
-    mask = torch.zeros(len(items), 1, T, T).masked_fill(
-        ~allowed[:, None], torch.finfo(torch.float32).min
-    )
-    cos_sin = rotary(h, positions)
-    for block in stack:
+    inputs = attention.inputs(h, valid, positions)
+    for block, kind in zip(stack, attention.kinds, strict=True):
+        mask, cos_sin = inputs[kind]
         h = block(h, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
         h = h[0] if isinstance(h, tuple) else h
     if norm is not None:

@@ -183,6 +183,40 @@ def test_judgments_under_an_adapter_are_batch_and_cache_invariant(judge: Judge) 
     assert [j.probs for j in judge.judge_batch(plain)] == [j.probs for j in base]
 
 
+def training_stack_matches_the_model(
+    judge: Judge, prompts: list[str], layer: int, blocks: int
+) -> None:
+    """What training reads (the states entering the adapted blocks, run through their copies
+    with LoRA at its start, zero) is the model's own state at ``layer``, item by item in one
+    padded batch: the blocks' masks, rotary embeddings and (at the last layer) final norm
+    are the model's."""
+    from judge.adapter_fit import _entering_states, _features, _trainable_stack
+
+    queries = [Query(prompt=p, choices=["yes", "no"]) for p in prompts]
+    first = max(0, layer - blocks)
+    items = _entering_states(judge, queries, first, "point", None)
+    stack, norm, attention = _trainable_stack(
+        judge,
+        list(range(first, layer)),
+        AdapterSettings(blocks=blocks),
+        last=layer == judge.num_layers,
+    )
+    with torch.no_grad():
+        got = _features(items, stack, norm, attention, "point")
+    for b, query in enumerate(queries):
+        ids = torch.tensor([judge.prepare(query).trie.context])
+        with torch.inference_mode():
+            out = judge.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        want = out.hidden_states[layer][0, -1].float()
+        assert torch.allclose(got[b], want, rtol=1e-3, atol=1e-3), (b, (got[b] - want).abs().max())
+
+
+@pytest.mark.parametrize("layer", [20, 30], ids=["middle", "last, normed"])
+def test_training_reads_the_model_s_own_states(judge: Judge, layer: int) -> None:
+    prompts = ["Is this SMS spam? WINNER!! Claim your free prize now.", "Spam? hi"]
+    training_stack_matches_the_model(judge, prompts, layer, blocks=10)
+
+
 def test_an_adapter_trained_on_other_weights_is_refused(judge: Judge) -> None:
     other = msgspec.structs.replace(random_adapter(judge, [3]), model_sha256="0" * 64)
     with pytest.raises(InvalidQueryError, match="trained on weights") as caught:

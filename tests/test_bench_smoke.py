@@ -364,7 +364,9 @@ def test_bench_span_features_quick(tmp_path: Path) -> None:
 def test_bench_adapter_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_adapter.json"
     _run("bench_adapter.py", "--tasks", "sst2", "--out", str(out))
-    (row,) = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert "smollm2" in data["model"].lower()  # the default model, named in the JSON
     assert row["task"] == "sst2" and row["labels"] == 100 and row["adapter_bytes"] > 0
     for arm in ("adapter", "probe"):
         assert 0 <= row[arm]["accuracy"] <= 1 and 0 <= row[arm]["certified_coverage"] <= 1

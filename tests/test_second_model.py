@@ -87,6 +87,16 @@ def test_a_prefix_longer_than_its_window_is_cached_exactly(gemma: Judge) -> None
 
 
 @pytest.mark.skipif(not SMS.exists(), reason="the shared datasets are not beside this checkout")
+def test_an_adapter_trains_on_its_own_states(gemma: Judge) -> None:
+    """Adapter training on Gemma 3 (it crashed: its rotary embedding takes each layer's kind,
+    sliding or full attention): the training stack gives the model's own states, over both
+    kinds of block and a prompt longer than the sliding window of 512 tokens."""
+    from test_adapter import training_stack_matches_the_model
+
+    long = "Is this review positive? " + "The film drags on and on. " * 120
+    training_stack_matches_the_model(gemma, [long, "Spam? hi"], gemma.num_layers or 0, blocks=8)
+
+
 def test_qualify_reports_its_choice_mass_and_fails_it(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["qualify", "gemma3-270m", "--task", str(SMS), "--limit", "8", "--fit-limit", "8"]
     assert main([*argv, "--dtype", "float32"]) == 1
