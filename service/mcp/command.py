@@ -14,7 +14,6 @@ import importlib.util
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from judge import DEFAULT_PREFIX_CACHE_MB
 from service.command_line import (
@@ -29,9 +28,6 @@ from service.command_line import (
     stage,
 )
 from service.config import ServiceConfig
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["add_arguments", "run"]
 
