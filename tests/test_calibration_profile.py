@@ -18,7 +18,13 @@ from calibration.errors import (
     ProfileNotFoundError,
     RuleError,
 )
-from calibration.fitting import evaluate_policy, fit_profile, held_out_examples, split_examples
+from calibration.fitting import (
+    TrainedHead,
+    evaluate_policy,
+    fit_profile,
+    held_out_examples,
+    split_examples,
+)
 from calibration.maps.scaling import BiasTemperature, Temperature
 from calibration.metrics import Interval
 from calibration.profile import (
@@ -113,6 +119,11 @@ def test_scores_from_another_classifier_can_take_the_probes_split() -> None:
     assert probe_split.threshold.n == 240 and probe_split.calibration_map.method != "probe"
     fit_idx, _, _ = split_examples(y, split.seed, probe=True)
     assert set(held_out_examples(y, split)) == set(range(600)) - set(fit_idx)
+    # A head trained with adapters is trained on the probe split: another split is refused
+    # before any fitting (what is passed as the head and adapter is never read).
+    head: Any = TrainedHead(fit=None, adapter=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="trained on the probe split"):
+        fit_profile("adapted", z, y, CHOICES, probe_split=False, trained=head, **options)
 
 
 def test_the_held_out_examples_are_recomputed_from_the_labels_and_the_split(
