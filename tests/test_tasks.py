@@ -231,6 +231,60 @@ def test_a_task_file_with_bad_values_is_named(tmp_path: Path, values: str, messa
         load_task(tmp_path)
 
 
+def test_a_task_needs_only_its_choices_and_instruction(tmp_path: Path) -> None:
+    """The README's task.json: the name is the folder's, fields for people are left alone."""
+    folder = tmp_path / "reviews"
+    folder.mkdir()
+    (folder / "task.json").write_text(
+        '{"choices": ["negative", "positive"], "instruction": "Is this review negative or '
+        'positive?", "source": "a person", "license": "CC0"}'
+    )
+    task = load_task(folder)
+    assert (task.name, task.choices, task.kind) == (
+        "reviews",
+        ["negative", "positive"],
+        "classification",
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"choices": ["a", "b"]}', r"is missing 'instruction': the question put to the model"),
+        ('{"instruction": "x"}', r"is missing 'choices': the answers the model chooses between"),
+        ('{"choices": ["a"], "instruction": "x"}', r"choices: expected `array` of length >= 2"),
+        ('{"choices": ["a", "a"], "instruction": "x"}', r"choices must be distinct"),
+        ('{"choices": ["a", "b"], "instruction": 3}', r"instruction: expected `str`, got `int`"),
+        ('{"choices": ["a", "b"], "instruction": "x", "kind": "grade"}', r"kind: invalid enum"),
+        ('{"choices": "a, b", "instruction": "x"}', r"choices: expected `array`, got `str`"),
+        ("[1, 2]", r"must be a JSON object"),
+        ("{choices: 1}", r"is not JSON"),
+    ],
+)
+def test_a_malformed_task_file_names_the_field_and_the_fix(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    (tmp_path / "task.json").write_text(text)
+    with pytest.raises(TaskError, match=message) as raised:
+        load_task(tmp_path)
+    assert "task.json" in str(raised.value)
+
+
+def test_the_example_task_loads_and_names_its_source_and_license() -> None:
+    import json
+
+    folder = Path(__file__).resolve().parent.parent / "examples" / "reviews"
+    task = load_task(folder)
+    assert task.name == "reviews" and task.choices == ["negative", "positive"]
+    spec = json.loads((folder / "task.json").read_text())
+    assert "CC BY 4.0" in spec["license"] and "10.24432/C57604" in spec["source"]
+    for split, n in (("calibration", 495), ("test", 495)):
+        items, _ = load_split(task, split)
+        assert len(items) == n and {i.label for i in items} == set(task.choices)
+    calibration, test = ({i.text for i in load_split(task, s)[0]} for s in ("calibration", "test"))
+    assert not calibration & test  # no sentence in both
+
+
 class RecordingEngine(FakeEngine):
     """Uniform judgments; remembers every query it was given."""
 

@@ -1,12 +1,14 @@
 """Labeled tasks on disk: ``task.json`` plus one ``<split>.jsonl`` per split.
 
-A task directory holds ``task.json`` with ``name``, ``choices`` and ``instruction``, and one
-JSON object per line in ``calibration.jsonl`` / ``test.jsonl`` with ``text`` and ``label``
-(and optionally ``id``, and ``stream``: "teach" marks a label chosen to teach the map, which may
-fit a profile but never certify one; "audit", or none, a label of a uniform sample). A graded task adds ``"kind": "score"`` and ``values`` (the number each
-choice stands for; default: the numerals themselves). The prompt for an item is the instruction, the item's text, and the
-list of allowed answers. Reading a split also returns the file's sha256, which a calibration
-profile records so that it can say exactly which data it was fitted on.
+A task directory holds ``task.json`` with ``choices`` and ``instruction`` (and optionally
+``name``, else the folder's; every field it reads is in ``TASK_FIELDS``), and one JSON object
+per line in ``calibration.jsonl`` / ``test.jsonl`` with ``text`` and ``label`` (and optionally
+``id``, and ``stream``: "teach" marks a label chosen to teach the map, which may fit a profile
+but never certify one; "audit", or none, a label of a uniform sample). A graded task adds
+``"kind": "score"`` and ``values`` (the number each choice stands for; default: the numerals
+themselves). The prompt for an item is the instruction, the item's text, and the list of
+allowed answers. Reading a split also returns the file's sha256, which a calibration profile
+records so that it can say exactly which data it was fitted on.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -73,35 +75,83 @@ class Task(msgspec.Struct, frozen=True):
 
 
 class _TaskFile(msgspec.Struct):
-    name: str
-    choices: list[str]
+    """The fields of ``task.json`` that judge reads (any other, such as ``source`` or
+    ``license``, is for people and left alone)."""
+
+    choices: Annotated[list[str], msgspec.Meta(min_length=2)]
     instruction: str
+    name: str | None = None
     kind: Literal["classification", "score"] = "classification"
     values: dict[str, float] | None = None
 
 
+# What each field of task.json is, for the message that says one is missing or malformed.
+TASK_FIELDS = {
+    "choices": "the answers the model chooses between, at least two distinct strings, e.g. "
+    '["negative", "positive"] (required)',
+    "instruction": "the question put to the model before each item, e.g. "
+    '"Is this product review negative or positive?" (required)',
+    "name": "the task's name, and the default name of a profile fitted on it (default: the "
+    "folder's name)",
+    "kind": '"classification" (the default) or "score" (the choices stand for numbers)',
+    "values": 'a score task\'s number for each choice, e.g. {"low": 1, "high": 5} (default: '
+    "the numerals themselves)",
+}
+
+
 def load_task(path: str | Path) -> Task:
-    """Read ``<path>/task.json``; TaskError says what is missing or malformed."""
+    """Read ``<path>/task.json``: ``choices`` and ``instruction`` are required, ``name``
+    defaults to the folder's name, and ``kind`` and ``values`` describe a score task
+    (``TASK_FIELDS``); other fields are left for people. A TaskError names the field that is
+    missing or malformed and what it should hold."""
     folder = Path(path)
+    file = folder / "task.json"
     try:
-        spec = msgspec.json.decode((folder / "task.json").read_bytes(), type=_TaskFile)
+        data = file.read_bytes()
     except FileNotFoundError:
         raise TaskError(f"{str(folder)!r} has no task.json; pass a task directory") from None
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise TaskError(f"{folder / 'task.json'} is malformed: {exc}") from exc
+    except OSError as exc:
+        raise TaskError(f"cannot read {file}: {exc.strerror}") from None
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise TaskError(f"{file} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise TaskError(
+            f'{file} must be a JSON object, such as {{"choices": [...], "instruction": "..."}}'
+        )
+    for field in ("choices", "instruction"):
+        if field not in raw:
+            raise TaskError(f"{file} is missing {field!r}: {TASK_FIELDS[field]}")
+    try:
+        spec = msgspec.convert(raw, _TaskFile)
+    except msgspec.ValidationError as exc:
+        raise TaskError(f"{file}: {_field_problem(exc)}") from None
+    if len(set(spec.choices)) != len(spec.choices):
+        raise TaskError(f"{file}: choices must be distinct, got {spec.choices}")
     if spec.values is not None:
         try:
             check_values(spec.values, spec.choices)
         except ValuesError as exc:
-            raise TaskError(f"{folder / 'task.json'}: {exc}") from exc
+            raise TaskError(f"{file}: {exc}") from exc
     return Task(
-        name=spec.name,
+        name=folder.resolve().name if spec.name is None else spec.name,
         choices=spec.choices,
         instruction=spec.instruction,
         path=str(folder),
         kind=spec.kind,
         values=spec.values,
     )
+
+
+def _field_problem(exc: msgspec.ValidationError) -> str:
+    """msgspec's message with the field's meaning after it: "Expected `str`, got `int` - at
+    `$.instruction`" becomes "instruction: expected `str`, got `int` (the question ...)"."""
+    message, _, where = str(exc).partition(" - at `$.")
+    field = where.rstrip("`").split(".")[0].split("[")[0]
+    if field not in TASK_FIELDS:
+        return str(exc)
+    return f"{field}: {message[:1].lower()}{message[1:]}; it should be {TASK_FIELDS[field]}"
 
 
 def load_split(task: Task, split: str, limit: int | None = None) -> tuple[list[LabeledItem], str]:
