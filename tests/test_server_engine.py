@@ -281,7 +281,9 @@ def llama() -> Iterator[LlamaServer]:
 
 @pytest.fixture(scope="module")
 def served(llama: LlamaServer) -> Iterator[ServerEngine]:
-    engine = open_engine(llama.spec)
+    # A watchdog, not a speed: on 2 AVX2 cores beside the other worker's passes, a long item's
+    # echoes queued behind each other at the one-slot server took past the default 60 s.
+    engine = open_engine(llama.spec, timeout_s=900)
     assert isinstance(engine, ServerEngine)
     yield engine
     engine.close()
@@ -348,7 +350,9 @@ def test_calibrate_then_serve_the_served_model_and_a_dead_one_is_a_502(
     try:
         judge_server.wait_ready()
         body = {"item": "WINNER!! Claim your prize now", "profile": "sms_spam"}
-        ok = httpx.post(f"{judge_server.url}/judge", json=body)  # in the fitted prompt
+        # In the fitted prompt. The timeout is a watchdog (httpx's default of 5 s was passed
+        # on a busy 2-core AVX2 machine).
+        ok = httpx.post(f"{judge_server.url}/judge", json=body, timeout=600)
         assert ok.status_code == 200, ok.text
         answer = ok.json()
         assert answer["model"] == served_as and answer["model_sha256"] == ""
