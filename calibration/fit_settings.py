@@ -51,11 +51,12 @@ class FitSettings(msgspec.Struct, frozen=True, kw_only=True):
         rule instead of the pooled one.
     procedure
         ``select_threshold``'s multiple-testing procedure.
-    seed
-        The seed of the stratified split (and of the probe's cross-validation).
-    n_bootstrap
-        Resamples behind the metrics' intervals: evidence only, the map, quantile and
-        threshold do not depend on it.
+    allotment
+        Where uniform labels go beside taught ones (``calibration.limits.allot``): "by_role"
+        (the default), the taught labels fill the fit split first and the uniform ones set
+        the conformal quantile and certify; "pattern", every uniform label's part from the
+        split's pattern of ten, the taught ones added to the fit split (how fits split before
+        2026-12-07; kept to compare and to reproduce older profiles).
     """
 
     target_precision: float = 0.9
@@ -67,6 +68,7 @@ class FitSettings(msgspec.Struct, frozen=True, kw_only=True):
     methods: Sequence[str] | str = "auto"
     per_class: bool = False
     procedure: str = "fixed_sequence"
+    allotment: Literal["by_role", "pattern"] = "by_role"
     seed: int = 0
     n_bootstrap: int = 1000
 

@@ -76,7 +76,15 @@ from calibration.certificates.signal import SignalReport, label_prior, signal_re
 from calibration.errors import FitError
 from calibration.fit_settings import AUTO_METHODS, DEFAULT_METHODS, DEFAULT_SETTINGS, FitSettings
 from calibration.gate import Gate, Overrides
-from calibration.limits import MIN_EXAMPLES, PROBE_SPLIT, SPLIT, certify_share
+from calibration.limits import (
+    MIN_EXAMPLES,
+    PROBE_SPLIT,
+    SPLIT,
+    allot,
+    certify_share,
+    labels_wanted,
+    uniform_to_certify,
+)
 from calibration.maps.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.maps.map_types import MAX_PROBE_WEIGHTS, ProbeSpan
 from calibration.maps.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
@@ -108,16 +116,13 @@ __all__ = [
     "gates_on_calibrated",
     "held_out_examples",
     "labels_for_next_look",
+    "labels_needed",
     "profile_split",
     "resolve_methods",
     "served_gates",
     "split_examples",
     "split_with_taught",
 ]
-
-# The split's patterns (calibration.limits): which part each of ten examples goes to.
-_PATTERN = np.array(SPLIT)
-_PROBE_PATTERN = np.array(PROBE_SPLIT)
 
 
 def _shaped(log_probabilities: ArrayLike, choices: Sequence[str]) -> np.ndarray:
@@ -154,19 +159,53 @@ def split_examples(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Indices of the fit, conformal and certify splits (3:2:5, or 5:1:4 when a probe is
     among the candidates), stratified by label."""
-    pattern = _PROBE_PATTERN if probe else _PATTERN
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(labels.shape[0])
-    order = order[np.argsort(labels[order], kind="stable")]  # by label, random within a label
+    pattern = np.array(PROBE_SPLIT if probe else SPLIT)
+    order = _stratified(labels, seed)
     part = pattern[np.arange(order.shape[0]) % pattern.shape[0]]
     return tuple(np.sort(order[part == s]) for s in range(3))  # type: ignore[return-value]
 
 
+def _stratified(labels: np.ndarray, seed: int) -> np.ndarray:
+    """The items in an order that deals each label's items out evenly: by label, and at
+    random (from ``seed``) within a label."""
+    order = np.random.default_rng(seed).permutation(labels.shape[0])
+    return order[np.argsort(labels[order], kind="stable")]
+
+
+def _dealt(counts: Sequence[int]) -> np.ndarray:
+    """A sequence of part indices, part j ``counts[j]`` times, each part spread evenly along
+    it (smooth weighted round robin: at each step the part furthest behind its share)."""
+    total = sum(counts)
+    weights = np.asarray(counts, dtype=np.int64)
+    credit = np.zeros(len(counts), dtype=np.int64)
+    out = np.empty(total, dtype=np.int64)
+    for step in range(total):
+        credit += weights
+        j = int(np.argmax(credit))
+        credit[j] -= total
+        out[step] = j
+    return out
+
+
 def split_with_taught(
-    labels: np.ndarray, seed: int, probe: bool, fit_only: ArrayLike | None
+    labels: np.ndarray,
+    seed: int,
+    probe: bool,
+    fit_only: ArrayLike | None,
+    allotment: str = "by_role",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """``split_examples`` on the items not marked ``fit_only``, those joining the fit split;
-    and how many joined it."""
+    """The fit, conformal and certify splits of labels of which ``fit_only`` (booleans, or
+    None: none) may only fit the map, and how many those are.
+
+    Only the others (a uniform sample) set the quantile and certify. "by_role"
+    (``calibration.limits.allot``): the fit split takes its pattern's share of all the labels,
+    the fit-only ones first, and the uniform labels left set the quantile and certify in the
+    pattern's ratio, each part dealt evenly over the labels (``_stratified``). "pattern" (how
+    profiles were split before): ``split_examples`` on the uniform labels, the fit-only ones
+    added to the fit split. With no fit-only labels both are ``split_examples``.
+    """
+    if allotment not in ("by_role", "pattern"):
+        raise ValueError(f"allotment must be 'by_role' or 'pattern', got {allotment!r}")
     if fit_only is None:
         return (*split_examples(labels, seed, probe), 0)
     only = np.asarray(fit_only)
@@ -174,10 +213,18 @@ def split_with_taught(
         raise ValueError(
             f"fit_only must be {labels.shape[0]} booleans, got {only.shape} {only.dtype}"
         )
-    free = np.flatnonzero(~only)
-    fit_i, conformal_i, certify_i = split_examples(labels[free], seed, probe)
+    free, taught = np.flatnonzero(~only), int(only.sum())
+    if allotment == "pattern" or taught == 0:
+        fit_i, conformal_i, certify_i = split_examples(labels[free], seed, probe)
+    else:
+        fitting, quantile, certify = allot(taught, free.shape[0], probe)
+        order = _stratified(labels[free], seed)
+        held = _dealt([fitting, quantile + certify]) == 1
+        fit_i, rest = np.sort(order[~held]), order[held]
+        part = _dealt([quantile, certify])
+        conformal_i, certify_i = np.sort(rest[part == 0]), np.sort(rest[part == 1])
     fit_idx = np.sort(np.concatenate([free[fit_i], np.flatnonzero(only)]))
-    return fit_idx, free[conformal_i], free[certify_i], int(only.sum())
+    return fit_idx, free[conformal_i], free[certify_i], taught
 
 
 def held_out_examples(
@@ -196,13 +243,13 @@ def profile_split(
     """The indices of a profile's fit, conformal and certify examples, recomputed from the
     labels it was fitted on, its ``split`` and the items that could only fit it
     (``fit_only``, as ``fit_rule`` was given it): the stratified split is a function of the
-    labels, the seed and the pattern, and the pattern (3:2:5, or 5:1:4 with a probe among the
-    candidates) is the one whose counts the profile recorded. A ValueError where neither gives
-    those counts (other labels than the fit's)."""
+    labels, the seed, the pattern and the allotment the profile records, and the pattern
+    (3:2:5, or 5:1:4 with a probe among the candidates) is the one whose counts the profile
+    recorded. A ValueError where neither gives those counts (other labels than the fit's)."""
     y = np.asarray(labels)
     for probe in (False, True):
         fit_idx, conformal_idx, certify_idx, taught = split_with_taught(
-            y, split.seed, probe, fit_only
+            y, split.seed, probe, fit_only, split.allotment
         )
         counts = (fit_idx.shape[0], conformal_idx.shape[0], certify_idx.shape[0], taught)
         if counts == (split.fit, split.conformal, split.certify, split.taught):
@@ -290,8 +337,14 @@ def fit_rule(
     max_std = None if settings.max_std is None else check_max_std(settings.max_std)
     seed = settings.seed
     fit_idx, conformal_idx, certify_idx, taught = split_with_taught(
-        labels, seed, probe if probe_split is None else probe_split, fit_only
+        labels, seed, probe if probe_split is None else probe_split, fit_only, settings.allotment
     )
+    if not (conformal_idx.shape[0] and certify_idx.shape[0]):
+        raise FitError(
+            f"of the {labels.shape[0]} labels, {labels.shape[0] - taught} are a uniform sample "
+            "(the others were taught: chosen, not drawn at random), too few to hold any out to "
+            "set the conformal quantile and certify on: label some of the audit stream"
+        )
 
     fit = fitted or fit_calibrator(
         z[fit_idx],
@@ -410,6 +463,7 @@ def fit_rule(
             certify=int(certify_idx.shape[0]),
             seed=seed,
             taught=taught,
+            allotment=settings.allotment,
         ),
         probabilities=probs,
         out_of_sample=out_of_sample,
@@ -515,7 +569,7 @@ def fit_profile(
             probe_split=True,
             fit_only=fit_only,
         )
-        assert not isinstance(base.fit.map, Probe) and base.conformal_quantile is not None
+        assert not isinstance(base.fit.map, Probe)
         baseline = Baseline(
             calibration_map=base.fit.map,
             note=base.fit.note,
@@ -578,7 +632,23 @@ def fit_profile(
     evidence_by_class = class_evidence(list(choices), labels[held], g.best, g.accepted)
     if out_of_sample is not None:
         out_of_sample.append(rule.out_of_sample)
-    return msgspec.structs.replace(profile, class_evidence=evidence_by_class)
+    # A head trained on its fit items has no out-of-sample probabilities there: its estimate
+    # reads the held-out items alone.
+    usable = None
+    if trained is not None:
+        usable = np.zeros(len(labels), dtype=bool)
+        usable[held] = True
+    needed = labels_needed(
+        profile,
+        rule.out_of_sample,
+        labels,
+        choice_mass,
+        fit_only,
+        features=features is not None,
+        settings=settings,
+        usable=usable,
+    )
+    return msgspec.structs.replace(profile, class_evidence=evidence_by_class, labels_needed=needed)
 
 
 def labels_for_next_look(
@@ -615,7 +685,7 @@ def labels_for_next_look(
         gates.best == labels[held],
         target_precision=profile.threshold.target_precision,
         delta=next_look_delta(profile.recertification, profile.threshold.delta),
-        certify_share=certify_share(isinstance(profile.calibration_map, Probe)),
+        **labels_wanted(profile.split.taught, isinstance(profile.calibration_map, Probe)),
         # Only the uniform labels certify: the taught ones are not counted as given.
         given=int(labels.shape[0]) - profile.split.taught,
     )
@@ -824,14 +894,85 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def gates_on_calibrated(
-    profile: CalibrationProfile, probabilities: ArrayLike, choice_mass: ArrayLike | None = None
+    profile: CalibrationProfile,
+    probabilities: ArrayLike,
+    choice_mass: ArrayLike | None = None,
+    *,
+    opened: bool = False,
 ) -> Gates:
     """``profile``'s served gates on n items' (n, k) probabilities already through its map
     (the threshold as served): what it decides of items whose calibrated probabilities are
-    known, such as a probe's out-of-fold ones."""
+    known, such as a probe's out-of-fold ones. ``opened``: every gate but the threshold, for
+    every class alike (the profile may certify none: the threshold is opened on the resolved
+    policy, since an override needs a certificate)."""
     served = msgspec.structs.replace(Gate(profile).policy, calibration_map=Identity())
+    if opened:
+        served = msgspec.structs.replace(
+            served, threshold=0.0, class_thresholds=None, class_reasons=None
+        )
     z = np.log(np.clip(np.asarray(probabilities, dtype=np.float64), 1e-300, 1.0))
     return served.gates(profile.choices, z, choice_mass)
+
+
+def labels_needed(
+    profile: CalibrationProfile,
+    out_of_sample: ArrayLike,
+    y: ArrayLike,
+    choice_mass: ArrayLike | None = None,
+    fit_only: ArrayLike | None = None,
+    *,
+    features: bool,
+    settings: FitSettings = DEFAULT_SETTINGS,
+    alternating: bool = False,
+    usable: ArrayLike | None = None,
+    delta: float | None = None,
+) -> LabelsNeeded | None:
+    """About how many uniform labels a fit like ``profile``'s would need to certify its target
+    at its delta, read from its map as it judges new items: ``labels_to_certify`` on
+    ``out_of_sample`` (n, k), the calibrated probabilities ``fit_profile`` gave every example
+    (a probe's fit items from the folds that did not see them), of the uniform labels only
+    (not ``fit_only``), every gate but the threshold applied. The labels to come are allotted
+    as ``calibration.limits.allot`` allots them, beside the taught ones there are
+    (``alternating``: a taught label comes with each uniform one, as a queue offering both
+    streams in turn gives them); the split is a probe's where ``settings`` would try one on
+    these scores (``features``: the scores carry hidden states). ``usable`` (n,) booleans:
+    the uniform labels whose ``out_of_sample`` rows are read (default: all). The delta is
+    ``delta``, else the profile's, or for a refit its lineage's next look's. None without a
+    uniform label."""
+    labels = np.asarray(y)
+    only = np.zeros(labels.shape[0], dtype=bool) if fit_only is None else np.asarray(fit_only)
+    taught, uniform = int(only.sum()), int((~only).sum())
+    read = ~only if usable is None else ~only & np.asarray(usable)
+    if not read.any():
+        return None
+    k = len(profile.choices)
+    weights = None
+    if features and profile.fingerprint.hidden_size is not None:
+        weights = probe_weights(k, profile.fingerprint.hidden_size)
+    try:
+        methods, _ = resolve_methods(settings.methods, MIN_PROBE_EXAMPLES, weights)
+    except FitError:  # a probe named without features: its fits fail, not this estimate
+        methods = ()
+    probe = "probe" in methods
+    mass = None if choice_mass is None else np.asarray(choice_mass)[read]
+    gates = gates_on_calibrated(profile, np.asarray(out_of_sample)[read], mass, opened=True)
+    r = profile.recertification
+    if delta is None:
+        delta = profile.threshold.delta if r is None else next_look_delta(r, r.delta)
+    return labels_to_certify(
+        np.where(gates.accepted, gates.confidence, 0.0),
+        gates.best == labels[read],
+        target_precision=profile.threshold.target_precision,
+        delta=delta,
+        certify_share=certify_share(probe),
+        # "pattern" certifies a fixed share of the uniform labels, whatever is taught.
+        labels_for=None
+        if settings.allotment == "pattern"
+        else lambda certify: uniform_to_certify(
+            certify, taught, probe, given=uniform, alternating=alternating
+        ),
+        given=uniform,
+    )
 
 
 def served_gates(

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -31,7 +31,7 @@ from msgspec import Meta
 
 from calibration.certificates.certify import ThresholdResult
 from calibration.certificates.per_class import ClassReport
-from calibration.certificates.recertify import Recertification
+from calibration.certificates.recertify import LabelsNeeded, Recertification
 from calibration.certificates.signal import SignalReport
 from calibration.errors import (
     ProfileError,
@@ -85,6 +85,12 @@ class DataSplit(msgspec.Struct, frozen=True, kw_only=True):
     # Of the fit examples, those labelled because a teach stream chose them (not a uniform
     # sample): they fit the map, and the split of the others sets the quantile and certifies.
     taught: Count = 0
+    # How the uniform labels were allotted beside the taught ones (``calibration.limits.allot``):
+    # "by_role", the taught labels fill the fit split first and the uniform rest set the
+    # quantile and certify; "pattern" (profiles written before it), every uniform label's part
+    # from the split's pattern of ten, the taught ones added to the fit split. The same split
+    # where nothing was taught.
+    allotment: Literal["by_role", "pattern"] = "pattern"
 
     def __post_init__(self) -> None:
         for field in ("fit", "conformal", "certify", "taught"):
@@ -186,6 +192,11 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # split's items only, ``judge.adapter_fit``): a request under this profile is judged with
     # them merged into the model's blocks, in the same one pass. None: the model as loaded.
     adapter: Adapter | None = None
+    # About how many uniform labels a fit like this one would need to certify its target at
+    # its delta (a refit's: its lineage's next look), read from its map as it judges new items
+    # (``calibration.fitting.labels_needed``): what to do when it certifies nothing. None for
+    # a label-free profile and older files.
+    labels_needed: LabelsNeeded | None = None
 
     def __post_init__(self) -> None:
         problems = []

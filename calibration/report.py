@@ -83,6 +83,79 @@ def _threshold_line(profile: CalibrationProfile) -> str:
     return f"**no certified threshold**: {t.reason}; every item escalates unless a caller sets one"
 
 
+# Below this many uniform labels, a map that shows no certifiable threshold says too little
+# about whether more labels would help: the map itself is fitted on few, and their precision
+# is known only to within ten points or more.
+FEW_LABELS = 50
+
+LABEL_MORE = (
+    "label more with judge label --queue --items FILE --task DIR (its audit labels certify, "
+    "its taught ones fit the map), then calibrate again"
+)
+
+
+def next_steps(
+    profile: CalibrationProfile,
+    *,
+    labels: str = "uniform labels",
+    then: str = LABEL_MORE,
+    shortfall: bool = True,
+) -> list[str]:
+    """What to do when ``profile`` certifies nothing, a line each: how close its certificate
+    came, about how many more uniform labels (``labels``: what to call them) would likely
+    certify at the precision its map shows (``CalibrationProfile.labels_needed``) and
+    ``then`` what to do, or why more would not help and what to try instead. Empty when it
+    certifies a threshold (pooled, or for a class). ``shortfall`` False leaves out the first
+    line, how close the certificate came, for a fit whose certificate must stay unread."""
+    t = profile.threshold
+    if t.threshold is not None or any(
+        c.threshold is not None for c in profile.class_thresholds or []
+    ):
+        return []
+    if profile.metrics_after is None:  # label-free: nothing to certify on
+        return ["label a uniform sample of the items to certify a threshold"]
+    at = "" if t.best_threshold is None else f" (at threshold {t.best_threshold:g})"
+    lines = [
+        f"certified nothing: on its {t.n} certify labels the best lower bound on the "
+        f"precision is {t.best_certified_precision:.3f}{at}, short of the "
+        f"{t.target_precision:g} to certify at delta {t.delta:.3g}"
+    ][: 1 if shortfall else 0]
+    signal, needed = profile.signal, profile.labels_needed
+    if needed is not None and needed.more is not None:
+        assert needed.threshold is not None and needed.acceptance is not None
+        lines.append(
+            f"about {needed.more} more {labels} ({needed.labels} in all) would likely certify "
+            f"{t.target_precision:g}, at threshold {needed.threshold:g} accepting about "
+            f"{needed.acceptance:.0%} of items, if the map stays as good as it is: {then}"
+        )
+        return lines
+    given = 0 if needed is None else needed.given
+    if given < FEW_LABELS:
+        lines.append(
+            f"on {given} uniform labels the fitted map shows no threshold that a certificate "
+            f"could confirm at {t.target_precision:g}: too few labels to tell whether more "
+            f"would (from about {FEW_LABELS} it says)"
+        )
+        return lines
+    try_else = (
+        "try a clearer instruction, another model (judge qualify ranks the ones you have), or "
+        + ("a guarantee per class (--per-class)" if len(profile.choices) > 2 else "a lower target")
+    )
+    if signal is not None and not signal.beats_prior:
+        lines.append(
+            "the calibrated judge does not beat the label prior on the labels it was not "
+            f"fitted on ({signal.verdict}): the model shows no signal here, and more labels "
+            f"will not change that; {try_else}"
+        )
+    else:
+        lines.append(
+            "at no threshold does the fitted map, judging the uniform labels as new items, "
+            f"show a precision above {t.target_precision:g} that a certificate could confirm: "
+            f"more labels will not open the gate for this map; {try_else}"
+        )
+    return lines
+
+
 def class_certificate_lines(profile: CalibrationProfile) -> list[str]:
     """The per-class certificate, a line per class (``calibration.certificates.class_certify``); none for a
     pooled profile."""
@@ -213,13 +286,14 @@ def profile_markdown(
     parts += [
         f"- routing: {_threshold_line(profile)}",
         *class_certificate_lines(profile),
+        *(f"- next: {line}" for line in next_steps(profile)),
         f"- conformal (LAC, alpha {profile.conformal_alpha}): {quantile}",
         f"- created {profile.created_at}",
     ]
     r = profile.recertification
     if r is not None:
         parts.append(
-            f"- recertified from the decision log `{r.log}`: look {r.look} of its lineage, "
+            f"- certified from the labels of `{r.log}`: look {r.look} of its lineage, "
             f"certified at delta {r.spent:.4g}, its share of {r.delta:g}, so that every look's "
             f"certificate holds at once with probability >= {1 - r.delta:g} "
             "(calibration.certificates.recertify)"

@@ -5,26 +5,40 @@ fit a profile but never certify it."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
+from fakes import FINGERPRINT, FakeEngine, judgment_of
 
-from calibration import load_profile
+from calibration import FitSettings, load_profile
+from calibration.limits import allot
+from calibration.maps.probe import candidate_layers
 from calibration.monitoring.labelling import margins
+from calibration.report import next_steps
 from calibration.tasks import (
     ItemQueue,
+    LabeledScores,
+    Looks,
     Task,
     TaskError,
+    advise,
+    judge_pool,
     load_pool,
     load_split,
     load_task,
+    read_looks,
     taught_items,
 )
+from judge import Judge, Judgment, Query
+from service.cli.label_queue import run_item_queue
 
 ROOT = Path(__file__).resolve().parent.parent
-SST2 = ROOT.parent / "shared" / "data" / "sst2"
+EXAMPLE = ROOT / "examples" / "reviews"
 
 
 def task_at(tmp_path: Path) -> Task:
@@ -36,13 +50,19 @@ def task_at(tmp_path: Path) -> Task:
 
 def pool_of(
     n: int, seed: int = 0, low: float = 0.01, high: float = 0.99
-) -> tuple[list[tuple[str, str]], np.ndarray]:
+) -> tuple[list[tuple[str, str]], LabeledScores]:
     """``n`` items whose P(yes) is uniform in [low, high] or, half of them, in [1 - high, 1 - low]."""
     rng = np.random.default_rng(seed)
     p_yes = rng.uniform(low, high, n)
     p_yes = np.where(rng.random(n) < 0.5, p_yes, 1 - p_yes)
     pool = [(f"i{i}", f"item {i}") for i in range(n)]
-    return pool, np.log(np.stack([p_yes, 1 - p_yes], axis=1))
+    return pool, scored(np.log(np.stack([p_yes, 1 - p_yes], axis=1)))
+
+
+def scored(z: np.ndarray) -> LabeledScores:
+    """A pool's scores as judge_pool gives them: log-probabilities, labels unset."""
+    n = z.shape[0]
+    return LabeledScores(log_probabilities=z, choice_mass=np.ones(n), labels=np.zeros(n, int))
 
 
 def drain(queue: ItemQueue, stream: str) -> list[str]:
@@ -66,7 +86,7 @@ def test_the_streams_are_drawn_before_any_label(tmp_path: Path) -> None:
     assert 70 < len(audit_ids) < 130
     # The audit stream does not lean to the uncertain items, which teach takes first.
     index = {key: i for i, (key, _) in enumerate(pool)}
-    m = margins(np.exp(z))
+    m = margins(np.exp(z.log_probabilities))
     first_teach = [m[index[k]] for k in teach_ids[:20]]
     assert max(first_teach) < np.median([m[index[k]] for k in teach_ids])
     assert abs(np.mean([m[index[k]] for k in audit_ids[:40]]) - m.mean()) < 0.15
@@ -120,20 +140,150 @@ def label_as_calibrated(queue: ItemQueue, count: int) -> None:
         queue.label(item, item.choice if right else wrong)
 
 
-def test_how_many_more_from_the_audit_labels(tmp_path: Path) -> None:
+def test_how_many_more_from_the_fitted_map(tmp_path: Path) -> None:
     task = task_at(tmp_path)
     pool, z = pool_of(400, seed=2, low=0.9, high=0.999)  # a sharp model
     queue = ItemQueue(task, pool, z, "l", streams=["audit"])
-    assert queue.needed() is None and not queue.ready()
+    assert not queue.ready()
     label_as_calibrated(queue, 60)
-    needed = queue.needed() or pytest.fail()
-    assert needed.given == 60 and queue.ready()
+    assert queue.ready()
+    advice = advise(task, "l", queue.snapshot(), FINGERPRINT, name="toy", looks=Looks(delta=0.1))
+    needed = advice.needed or pytest.fail()
+    assert needed.given == 60 and advice.audit == 60 and advice.labels == 60
     assert needed.labels is not None and needed.precision is not None and needed.precision > 0.9
-    # A model that is never sure: no number of labels would certify 0.9.
+    # The profile is judge calibrate's on the same split: its file, its prompt, its name.
+    assert advice.profile.dataset == "toy/l" and advice.profile.name == "toy"
+    assert advice.profile.template is not None
+    # A model that is never sure, and a map that cannot make it so: no number of labels would
+    # certify 0.9, and the advice says more will not help this map.
     pool, z = pool_of(400, seed=2, low=0.55, high=0.7)
     dull = ItemQueue(task, pool, z, "d", streams=["audit"])
     label_as_calibrated(dull, 60)
-    assert (dull.needed() or pytest.fail()).labels is None
+    advice = advise(task, "d", dull.snapshot(), FINGERPRINT, name="toy", looks=Looks(delta=0.1))
+    assert (advice.needed or pytest.fail()).labels is None and not advice.looked
+    steps = next_steps(advice.profile)
+    assert "more labels will not" in steps[1]
+
+
+class Person:
+    """Keys on stdin from someone who knows each item's true label: reads each item's id off
+    the screen, and waits for a background fit it was told of before the next key (as a
+    person slower than the fit would see it); quits once the gate opens."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str], truth: dict[str, int]) -> None:
+        self.capsys, self.truth, self.screen = capsys, truth, ""
+
+    def isatty(self) -> bool:
+        return False
+
+    def __iter__(self) -> Iterator[str]:
+        shown = 0  # how much of the screen had been read at the last key
+        while True:
+            self.screen += self.capsys.readouterr().out
+            started = re.findall(r"fitting a profile on the (\d+) labels", self.screen)
+            deadline = time.monotonic() + 60
+            while started and f"[fit on {started[-1]} labels" not in self.screen:
+                assert time.monotonic() < deadline, "a background fit never finished"
+                time.sleep(0.02)
+                self.screen += self.capsys.readouterr().out
+            since = self.screen[shown:]
+            cards = re.findall(r"^\[(?:audit|teach): \d+ left\] (\S+)", since, re.M)
+            if "q quit" not in since or not cards:
+                return
+            if "] the gate opens:" in self.screen:
+                yield "q\n"
+                return
+            shown = len(self.screen)
+            yield str(self.truth[cards[-1]] + 1) + "\n"
+
+
+def test_the_queue_says_the_gate_opens_where_the_fitted_map_certifies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The raw model is near chance (it says "no" to most items); a map fitted on the labels
+    (its bias) answers well. The queue's fits say how far the labels are from a certificate,
+    then that the gate opens, and write the profile judge calibrate would write."""
+    task = task_at(tmp_path)
+    rng = np.random.default_rng(11)
+    n = 600
+    truth_yes = rng.random(n) < 0.5
+    margin = np.where(truth_yes, 1.5, -1.5) + rng.normal(0, 1, n) - 2.5  # log P(yes)/P(no)
+    z = np.stack([margin / 2, -margin / 2], axis=1)
+    z -= np.logaddexp(z[:, :1], z[:, 1:])
+    raw_accuracy = ((margin > 0) == truth_yes).mean()
+    assert raw_accuracy < 0.65
+    pool = [(f"i{i}", f"item {i}") for i in range(n)]
+    queue = ItemQueue(task, pool, scored(z), "labelled", seed=2)
+    truth = {key: 0 if yes else 1 for (key, _), yes in zip(pool, truth_yes, strict=True)}
+    person = Person(capsys, truth)
+    monkeypatch.setattr("sys.stdin", person)
+    profiles = tmp_path / "profiles"
+    code = run_item_queue(
+        queue,
+        "judge calibrate --task T --split labelled",
+        fingerprint=FINGERPRINT,
+        settings=FitSettings(n_bootstrap=20),
+        name="toy",
+        profiles_dir=profiles,
+        every=20,
+    )
+    assert code == 0
+    screen = person.screen + capsys.readouterr().out
+    assert "not yet a look" in screen and "would likely certify" in screen
+    assert "the gate opens" in screen
+    assert "will not" not in screen  # the fitted map has signal: more labels help
+    # A fit that is not a look leaves its certificate unread: only looks say how close it came.
+    assert screen.count("best lower bound") == screen.count("certified nothing")
+    written = load_profile(profiles / "toy.json")
+    assert written.threshold.threshold is not None
+    assert (profiles / "toy.report.md").exists()
+    # The look that wrote it is counted in the split's lineage, at its share of the delta.
+    r = written.recertification
+    looks = read_looks(task, "labelled", 0.1) or pytest.fail()
+    assert r is not None and r.look == looks.looks >= 1
+    assert written.threshold.delta == r.spent == pytest.approx(0.1 * 6 / (np.pi * r.look) ** 2)
+    # What judge calibrate fits on the file as it stood when the profile was written.
+    items, _ = load_split(task, "labelled", written.n_examples)
+    assert written.dataset_sha256 != "" and written.split.taught == sum(i.taught for i in items)
+
+
+class Counting(FakeEngine):
+    """A fake engine that counts the items it judges, and answers "yes" more for longer items."""
+
+    def __init__(self) -> None:
+        self.judged = 0
+
+    def judgment(self, query: Query) -> Judgment:
+        self.judged += 1
+        p = min(0.95, 0.05 * len(query.prompt) % 1 + 0.05)
+        return judgment_of({"yes": p, "no": 1 - p}, prompt=query.prompt)
+
+
+def test_a_files_scores_are_kept_beside_the_task_and_reused(tmp_path: Path) -> None:
+    task = task_at(tmp_path)
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"text": f"item {'x' * i}"}) + "\n" for i in range(12)))
+    pool, digest = load_pool(items)
+    texts = [text for _, text in pool]
+    engine = Counting()
+    said: list[str] = []
+    first = judge_pool(engine, task, texts, digest, say=said.append)
+    assert engine.judged == 12 and "judging 12 items once" in said[-1]
+    kept = list((tmp_path / ".scores").glob("*.npz"))
+    assert len(kept) == 1
+    again = judge_pool(engine, task, texts, digest, say=said.append)
+    assert engine.judged == 12 and "kept from an earlier start" in said[-1]
+    assert np.array_equal(again.log_probabilities, first.log_probabilities)
+    assert np.array_equal(again.choice_mass, first.choice_mass)
+    # Another file (or model, prompt, layers) is another key: judged, and kept beside.
+    items.write_text(items.read_text() + json.dumps({"text": "one more"}) + "\n")
+    pool, other = load_pool(items)
+    judge_pool(engine, task, [text for _, text in pool], other)
+    assert engine.judged == 12 + 13 and len(list((tmp_path / ".scores").glob("*.npz"))) == 2
+    # A kept file that cannot be read is judged again, and says so.
+    kept[0].write_bytes(b"not a numpy file")
+    judge_pool(engine, task, texts, digest, say=said.append)
+    assert engine.judged == 12 + 13 + 12 and "cannot be read" in said[-1]
 
 
 def test_bad_files_name_the_line(tmp_path: Path) -> None:
@@ -156,19 +306,23 @@ def test_bad_files_name_the_line(tmp_path: Path) -> None:
         ItemQueue(task, pool, z, "labelled")
 
 
-@pytest.mark.usefixtures("loaded_once")
 def test_judge_label_items_then_calibrate(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    loaded_once: list[dict[str, object]],
+    judge: Judge,
 ) -> None:
-    """The CLI end to end on the default model: label a file's items from the keyboard (a
-    pipe: a key a line), then judge calibrate fits on them, the taught labels in its fit
-    split alone."""
+    """The CLI end to end on the default model and the example task: label a file's items
+    from the keyboard (a pipe: a key a line), then judge calibrate fits on them, the taught
+    labels in its fit split alone; the file's scores are kept, and the queue's fits are
+    judge calibrate's."""
     from service.cli.main import main
 
-    task_dir = tmp_path / "sst2"
+    task_dir = tmp_path / "reviews"
     task_dir.mkdir()
-    (task_dir / "task.json").write_text((SST2 / "task.json").read_text())
-    rows = [json.loads(line) for line in (SST2 / "test.jsonl").read_text().splitlines()[:30]]
+    (task_dir / "task.json").write_text((EXAMPLE / "task.json").read_text())
+    rows = [json.loads(line) for line in (EXAMPLE / "test.jsonl").read_text().splitlines()[:30]]
     truth = {f"t{i}": row["label"] for i, row in enumerate(rows)}
     items = tmp_path / "items.jsonl"
     items.write_text(
@@ -178,31 +332,11 @@ def test_judge_label_items_then_calibrate(
         )
     )
     task = load_task(task_dir)
-
-    # The keys a person who knows the truth would press: read each item's id off the screen.
-    class Person:
-        def isatty(self) -> bool:
-            return False
-
-        def __iter__(self) -> Iterator[str]:
-            while True:
-                shown = capsys.readouterr().out
-                if "q quit" not in shown:
-                    return
-                key = next(line.split()[-1] for line in shown.splitlines() if line.startswith("["))
-                yield str(task.choices.index(truth[key]) + 1) + "\n"
-
-    monkeypatch.setattr("sys.stdin", Person())
-    argv = [
-        "label",
-        "--queue",
-        "--items",
-        str(items),
-        "--task",
-        str(task_dir),
-        "--dtype",
-        "float32",
-    ]
+    assert task.name == "reviews"  # task.json names none: the folder's name
+    index = {key: task.choices.index(label) for key, label in truth.items()}
+    monkeypatch.setattr("sys.stdin", Person(capsys, index))
+    argv = ["label", "--queue", "--items", str(items), "--task", str(task_dir)]
+    argv += ["--dtype", "float32", "--profiles-dir", str(tmp_path / "queue-profiles")]
     assert main(argv) == 0
     labelled, _ = load_split(task, "labelled")
     assert sorted(item.id for item in labelled) == sorted(truth)
@@ -211,8 +345,37 @@ def test_judge_label_items_then_calibrate(
     assert 5 < taught < 25
     profiles = tmp_path / "profiles"
     argv = ["calibrate", "--task", str(task_dir), "--split", "labelled", "--dtype", "float32"]
-    assert main([*argv, "--profiles-dir", str(profiles), "--method", "temperature"]) == 0
-    profile = load_profile(profiles / "sst2.json")
-    assert profile.split.taught == taught
-    assert profile.split.fit + profile.split.conformal + profile.split.certify == 30
-    assert profile.split.fit > taught  # the audit labels are split 3:2:5 as ever
+    assert main([*argv, "--profiles-dir", str(profiles)]) == 0
+    profile = load_profile(profiles / "reviews.json")
+    # The taught labels fill the fit split (3 of 10 of all labels, fewer than they are), so
+    # every audit label sets the conformal quantile or certifies.
+    assert profile.split.taught == taught and profile.split.allotment == "by_role"
+    fit_u, quantile, certify = allot(taught, 30 - taught, probe=False)
+    assert fit_u == 0
+    assert (profile.split.fit, profile.split.conformal, profile.split.certify) == (
+        taught,
+        quantile,
+        certify,
+    )
+    # A second start reads the file's scores where the first kept them: no item is judged.
+    kept = list((task_dir / ".scores").glob("*.npz"))
+    assert len(kept) == 1
+    pool, digest = load_pool(items)
+    judged = []
+    monkeypatch.setattr(judge, "judge_batch", lambda queries: judged.append(queries))
+    layers = candidate_layers(judge.num_layers or 0)
+    scores = judge_pool(judge, task, [text for _, text in pool], digest, layers=layers)
+    assert not judged
+    # judge calibrate was a look of the lineage the queue began on its split (the queue's
+    # own fits on 30 labels were not: too few to be likely), and the queue's fit on those
+    # scores, as that look, is the profile judge calibrate wrote, all but its date.
+    assert profile.recertification is not None and profile.recertification.look == 1
+    assert (read_looks(task, "labelled", 0.1) or pytest.fail()).looks == 1
+    queue = ItemQueue(task, pool, scores, "labelled")
+    looks = Looks(delta=0.1)
+    advice = advise(
+        task, "labelled", queue.snapshot(), judge.fingerprint(), name="reviews", looks=looks
+    )
+    assert msgspec.structs.replace(advice.profile, created_at="") == msgspec.structs.replace(
+        profile, created_at=""
+    )

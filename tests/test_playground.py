@@ -586,6 +586,28 @@ def test_the_playground_decides_an_item_alone_under_a_task_profile(
     assert [b[1] for b in page.bars()] == [f"{p:.4f}" for p in body["probabilities"].values()]
 
 
+def test_a_profile_that_certifies_nothing_says_what_next(
+    browser: Any, labelling_server: tuple[Server, dict[str, str]]
+) -> None:
+    """The profile's view says how close its certificate came and what the labels say."""
+    from selenium.webdriver.support.ui import Select
+
+    server, _ = labelling_server
+    profile = httpx.get(f"{server.url}/profiles/sms_spam", headers=auth()).json()
+    t = profile["threshold"]
+    assert t["threshold"] is None and profile["labels_needed"] is not None
+    page = Page(browser, server.url)
+    page.open_with("sms_spam")
+    page.show("tab-profiles", "profiles-view")
+    page.wait.until(lambda d: page.all("#profile-pick option[value='sms_spam']"))
+    Select(page.find("#profile-pick")).select_by_value("sms_spam")
+    page.wait.until(lambda d: page.find("#profile-detail").get_attribute("data-state") == "done")
+    shown = page.find("#profile-next").text
+    assert f"best lower bound on the precision is {t['best_certified_precision']:.3f}" in shown
+    # 40 labels, 20 of them uniform and held out: too few to tell.
+    assert "Too few uniform labels" in shown or "more uniform labels" in shown
+
+
 def test_labels_given_in_the_playground_refit_the_profile(
     browser: Any, labelling_server: tuple[Server, dict[str, str]]
 ) -> None:

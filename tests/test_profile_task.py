@@ -1,7 +1,9 @@
 """A profile is a task: fitted by `judge calibrate --task`, it carries the prompt it was fitted on.
 
-The path a new user takes, on the real default model and the shared sms_spam set:
-``judge calibrate --task ../shared/data/sms_spam`` (its default fit), then the item alone to
+The path a new user takes, on the real default model and the example task that ships with
+the repository: ``judge calibrate --task examples/reviews`` (its default fit), run as the
+README writes it in a copy of the repository with nothing beside it (no ``../shared``), then
+the item alone to
 ``judge ask --profile``, ``Gate.judge(engine, item=...)``, a JSONL line ``{"item": ...}`` and
 ``POST /judge {"profile", "item"}``. Each puts the item in the very prompt the certificate
 covers, marks its span, and decides under the certified rule. A whole prompt must mark its item,
@@ -13,6 +15,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +33,11 @@ from service import ServiceConfig, create_app
 from service.cli.main import main
 from service.schemas import ErrorBody
 
-SMS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sms_spam"
-WINNER = "WINNER!! Claim your free prize now, text WIN to 80082."
-LATE = "Running late, see you at 7."
-
-needs_data = pytest.mark.skipif(not SMS.exists(), reason="the shared datasets are not here")
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "reviews"
+NEGATIVE = "The battery died after two days and the seller never answered my emails."
+POSITIVE = "Works great, the sound is clear and it fits my ear perfectly."
+OTHER = "Is this review bad?\n\n"  # not the task's prompt
 
 
 def test_a_template_renders_the_item_and_marks_it() -> None:
@@ -45,27 +49,58 @@ def test_a_template_renders_the_item_and_marks_it() -> None:
     assert not template.fits(prompt, None) and not template.fits("Ham?\n\nhi there", (6, 14))
 
 
-@needs_data
 def test_the_task_s_template_is_the_prompt_it_judged() -> None:
-    task = load_task(SMS)
-    for text in (WINNER, LATE, ""):
+    task = load_task(EXAMPLE)
+    for text in (NEGATIVE, POSITIVE, ""):
         assert task_template(task).render(text) == (
             task_prompt(task, text),
             task_item_span(task, text),
         )
 
 
+def readme_calibration() -> list[str]:
+    """The README's certified example's `judge calibrate` command, as words."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("To a certified accept:") :]
+    commands = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert commands, "the README's certified example has a sh block"
+    return shlex.split(commands.group(1).split("\n", 1)[0], comments=True)
+
+
+def clean_copy(into: Path) -> Path:
+    """The repository's files as a clone has them (tracked, and new ones not ignored), in
+    ``into/judge``: a checkout with nothing beside it, no ``../shared`` in particular."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    copy = into / "judge"
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, copy / name)
+    assert not (copy.parent / "shared").exists()
+    return copy
+
+
 @pytest.fixture(scope="module")
 def calibrated(judge: Judge, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``judge calibrate --task ../shared/data/sms_spam``: the default fit, every item."""
-    folder = tmp_path_factory.mktemp("profiles")
+    """The README's `judge calibrate --task examples/reviews`, as written, run in a clean copy
+    of the repository (the session's model in place of a fresh load): the default fit, every
+    item; the folder it wrote the profile to."""
+    words = readme_calibration()
+    assert words[:2] == [".venv/bin/judge", "calibrate"]
+    copy = clean_copy(tmp_path_factory.mktemp("clone"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Judge, "load", staticmethod(lambda model=None, **options: judge))
-        assert main(["calibrate", "--task", str(SMS), "--profiles-dir", str(folder)]) == 0
-    return folder
+        patch.chdir(copy)
+        assert main(words[1:]) == 0
+    return copy / "profiles"
 
 
-@needs_data
 def test_calibrate_then_ask_with_the_item_alone_gives_a_certified_decision(
     calibrated: Path,
     judge: Judge,
@@ -73,22 +108,22 @@ def test_calibrate_then_ask_with_the_item_alone_gives_a_certified_decision(
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
-    path = calibrated / "sms_spam.json"
+    path = calibrated / "reviews.json"
     profile = load_profile(path)
-    assert profile.template == task_template(load_task(SMS))
+    assert profile.template == task_template(load_task(EXAMPLE))
     assert profile.threshold.threshold is not None, profile.threshold.reason
     monkeypatch.setattr(Judge, "load", staticmethod(lambda model=None, **options: judge))
     capsys.readouterr()
-    assert main(["ask", "--profile", str(path), WINNER]) == 0
+    assert main(["ask", "--profile", str(path), NEGATIVE]) == 0
     answer = json.loads(capsys.readouterr().out)
-    assert answer["certified"] is True and answer["profile"] == "sms_spam"
+    assert answer["certified"] is True and answer["profile"] == "reviews"
     assert "outside_template" not in answer  # omitted: it is the task's own prompt
     # The same verdict as the whole prompt, its item marked, decided in Python.
-    task = load_task(SMS)
+    task = load_task(EXAMPLE)
     whole = Gate(profile).judge(
-        judge, task_prompt(task, WINNER), item_span=task_item_span(task, WINNER)
+        judge, task_prompt(task, NEGATIVE), item_span=task_item_span(task, NEGATIVE)
     )
-    alone = Gate(profile).judge(judge, item=WINNER)
+    alone = Gate(profile).judge(judge, item=NEGATIVE)
     assert alone.decision == whole.decision == answer["decision"]
     assert alone.probs == pytest.approx(whole.probs, abs=1e-6)
     assert answer["probabilities"] == pytest.approx(alone.probabilities, abs=1e-6)
@@ -96,11 +131,11 @@ def test_calibrate_then_ask_with_the_item_alone_gives_a_certified_decision(
 
     # A JSONL line may be an item alone; a whole prompt must mark its item.
     lines = tmp_path / "in.jsonl"
-    other = f"Is this spam?\n\n{LATE}"  # marked, but not the task's prompt
+    other = f"{OTHER}{POSITIVE}"  # marked, but not the task's prompt
     rows = [
-        {"id": "a", "item": LATE},
-        {"id": "b", "prompt": task_prompt(task, LATE)},
-        {"id": "c", "prompt": other, "item_span": [15, 15 + len(LATE)]},
+        {"id": "a", "item": POSITIVE},
+        {"id": "b", "prompt": task_prompt(task, POSITIVE)},
+        {"id": "c", "prompt": other, "item_span": [len(OTHER), len(OTHER) + len(POSITIVE)]},
     ]
     lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
@@ -113,47 +148,45 @@ def test_calibrate_then_ask_with_the_item_alone_gives_a_certified_decision(
     assert third["id"] == "c" and third["outside_template"] is True
 
 
-@needs_data
 def test_a_whole_prompt_must_mark_its_item_and_is_flagged_outside_the_template(
     calibrated: Path, judge: Judge
 ) -> None:
-    gate = Gate(load_profile(calibrated / "sms_spam.json"))
+    gate = Gate(load_profile(calibrated / "reviews.json"))
     with pytest.raises(ProfileMismatchError) as refused:
-        gate.judge(judge, f"Is this spam? {WINNER}")
+        gate.judge(judge, f"Is this review bad? {NEGATIVE}")
     assert refused.value.field == "item_span"
-    other = f"Is this spam?\n\n{WINNER}"
-    verdict = gate.judge(judge, other, item_span=(15, 15 + len(WINNER)))
+    other = f"{OTHER}{NEGATIVE}"
+    verdict = gate.judge(judge, other, item_span=(len(OTHER), len(OTHER) + len(NEGATIVE)))
     assert verdict.outside_template
     with pytest.raises(ProfileMismatchError, match="no profile") as no_template:
-        Gate(None).judge(judge, item=WINNER, choices=["ham", "spam"])
+        Gate(None).judge(judge, item=NEGATIVE, choices=["negative", "positive"])
     assert no_template.value.field == "item"
 
 
-@needs_data
 def test_post_judge_takes_the_item_alone(calibrated: Path, judge: Judge) -> None:
-    task = load_task(SMS)
+    task = load_task(EXAMPLE)
     config = ServiceConfig(profiles_dir=calibrated)
     with TestClient(app=create_app(judge, config=config)) as c:
         wait_ready(c)
-        alone = c.post("/judge", json={"profile": "sms_spam", "item": WINNER})
+        alone = c.post("/judge", json={"profile": "reviews", "item": NEGATIVE})
         assert alone.status_code == 200, alone.text
         whole = {
-            "prompt": task_prompt(task, WINNER),
-            "choices": ["spam", "ham"],
-            "profile": "sms_spam",
-            "item_span": list(task_item_span(task, WINNER) or ()),
+            "prompt": task_prompt(task, NEGATIVE),
+            "choices": ["positive", "negative"],
+            "profile": "reviews",
+            "item_span": list(task_item_span(task, NEGATIVE) or ()),
         }
         marked = c.post("/judge", json=whole)
         body: dict[str, Any] = alone.json()
         assert body["certified"] is True and "outside_template" not in body
-        assert list(body["probabilities"]) == ["ham", "spam"]  # the profile's choices
+        assert list(body["probabilities"]) == ["negative", "positive"]  # the profile's choices
         assert body["probabilities"] == pytest.approx(marked.json()["probabilities"], abs=1e-6)
         assert body["decision"] == marked.json()["decision"]
 
         refusals = {
-            "profile": {"item": WINNER},
+            "profile": {"item": NEGATIVE},
             "item_span": {**whole, "item_span": None},
-            "prompt": {**whole, "item": WINNER},  # both shapes' keys
+            "prompt": {**whole, "item": NEGATIVE},  # both shapes' keys
         }
         for field, request in refusals.items():
             r = c.post("/judge", json=request)
@@ -162,31 +195,30 @@ def test_post_judge_takes_the_item_alone(calibrated: Path, judge: Judge) -> None
             "/judge",
             json={
                 **whole,
-                "prompt": f"Is this spam?\n\n{WINNER}",
-                "item_span": [15, 15 + len(WINNER)],
+                "prompt": f"{OTHER}{NEGATIVE}",
+                "item_span": [len(OTHER), len(OTHER) + len(NEGATIVE)],
             },
         ).json()
         assert flagged["outside_template"] is True
 
 
-@needs_data
 def test_a_batch_takes_items_alone(calibrated: Path, judge: Judge) -> None:
-    task = load_task(SMS)
+    task = load_task(EXAMPLE)
     whole = {
-        "prompt": task_prompt(task, WINNER),
-        "choices": ["spam", "ham"],
-        "profile": "sms_spam",
-        "item_span": list(task_item_span(task, WINNER) or ()),
+        "prompt": task_prompt(task, NEGATIVE),
+        "choices": ["positive", "negative"],
+        "profile": "reviews",
+        "item_span": list(task_item_span(task, NEGATIVE) or ()),
     }
     config = ServiceConfig(profiles_dir=calibrated)
     with TestClient(app=create_app(judge, config=config)) as c:
         wait_ready(c)
-        single = c.post("/judge", json={"profile": "sms_spam", "item": LATE}).json()
+        single = c.post("/judge", json={"profile": "reviews", "item": POSITIVE}).json()
         items = [
-            {"profile": "sms_spam", "item": LATE},
+            {"profile": "reviews", "item": POSITIVE},
             whole,
-            {"profile": "no_such_profile", "item": LATE},  # refused in its place
-            {"item": LATE},  # no profile: refused in its place, naming it
+            {"profile": "no_such_profile", "item": POSITIVE},  # refused in its place
+            {"item": POSITIVE},  # no profile: refused in its place, naming it
         ]
         r = c.post("/judge/batch", json={"items": items})
         assert r.status_code == 200, r.text
@@ -194,22 +226,24 @@ def test_a_batch_takes_items_alone(calibrated: Path, judge: Judge) -> None:
         assert alone["probabilities"] == pytest.approx(single["probabilities"], abs=1e-6)
         assert alone["decision"] == single["decision"] and alone["certified"] is True
         assert "outside_template" not in alone and "outside_template" not in marked
-        assert list(marked["probabilities"]) == ["spam", "ham"]  # a whole request's own order
+        assert list(marked["probabilities"]) == [
+            "positive",
+            "negative",
+        ]  # a whole request's own order
         assert missing["type"] == "error" and missing["status_code"] == 404
         assert unnamed["type"] == "error" and unnamed["field"] == "profile"
 
         # An item of neither shape, or of both, refuses the batch before any work, naming it.
         for bad, field in (
-            ({"choices": ["spam", "ham"]}, "items[1].prompt"),
-            ({**whole, "item": LATE}, "items[1].prompt"),
-            ({"item": 7, "profile": "sms_spam"}, "items[1].item"),
+            ({"choices": ["positive", "negative"]}, "items[1].prompt"),
+            ({**whole, "item": POSITIVE}, "items[1].prompt"),
+            ({"item": 7, "profile": "reviews"}, "items[1].item"),
             (42, "items[1]"),
         ):
             r = c.post("/judge/batch", json={"items": [items[0], bad]})
             assert r.status_code == 400 and r.json()["field"] == field, (bad, r.text)
 
 
-@needs_data
 def test_the_client_gates_items_alone(calibrated: Path, judge: Judge) -> None:
     from service.client import ItemRequest, JudgeClient
 
@@ -217,7 +251,8 @@ def test_the_client_gates_items_alone(calibrated: Path, judge: Judge) -> None:
     with TestClient(app=create_app(judge, config=config)) as c:
         wait_ready(c)
         raw = [
-            c.post("/judge", json={"profile": "sms_spam", "item": t}).json() for t in (LATE, WINNER)
+            c.post("/judge", json={"profile": "reviews", "item": t}).json()
+            for t in (POSITIVE, NEGATIVE)
         ]
         sent: list[bytes] = []
 
@@ -227,10 +262,10 @@ def test_the_client_gates_items_alone(calibrated: Path, judge: Judge) -> None:
             return httpx.Response(r.status_code, content=r.content, headers=r.headers)
 
         with JudgeClient("http://judge.test", transport=httpx.MockTransport(forward)) as client:
-            gated = list(client.gate([LATE, WINNER], profile="sms_spam"))
-            batch = client.judge_batch([ItemRequest(item=LATE, profile="sms_spam")])
+            gated = list(client.gate([POSITIVE, NEGATIVE], profile="reviews"))
+            batch = client.judge_batch([ItemRequest(item=POSITIVE, profile="reviews")])
             with pytest.raises(ValueError, match="system"):
-                list(client.gate([LATE], profile="sms_spam", system="You are terse."))
+                list(client.gate([POSITIVE], profile="reviews", system="You are terse."))
     # The strings went out as items alone, and came back as the single requests do.
     assert b'"item":' in sent[-3] and b'"prompt":' not in sent[-3]
     for (item, result), single in zip(gated, raw, strict=True):
@@ -240,40 +275,33 @@ def test_the_client_gates_items_alone(calibrated: Path, judge: Judge) -> None:
     assert batch[0].probabilities == pytest.approx(raw[0]["probabilities"], abs=1e-6)
 
 
-@needs_data
 def test_the_client_sends_the_item_alone(calibrated: Path, judge: Judge) -> None:
     from service.client import JudgeClient
 
     config = ServiceConfig(profiles_dir=calibrated)
     with TestClient(app=create_app(judge, config=config)) as c:
         wait_ready(c)
-        raw = c.post("/judge", json={"profile": "sms_spam", "item": LATE}).json()
+        raw = c.post("/judge", json={"profile": "reviews", "item": POSITIVE}).json()
 
         def forward(request: httpx.Request) -> httpx.Response:
             r = c.request(request.method, request.url.path, content=request.content)
             return httpx.Response(r.status_code, content=r.content, headers=r.headers)
 
         with JudgeClient("http://judge.test", transport=httpx.MockTransport(forward)) as client:
-            got = client.judge_item(LATE, "sms_spam")
+            got = client.judge_item(POSITIVE, "reviews")
     assert got.decision == raw["decision"] and got.certified is raw["certified"] is True
     assert got.probabilities == pytest.approx(raw["probabilities"], abs=1e-9)
 
 
-@needs_data
 def test_the_readme_s_way_to_a_certified_accept(calibrated: Path, judge: Judge) -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme[readme.index("To a certified accept:") :]
     commands = re.search(r"```sh\n(.*?)```", section, re.S)
     shown = re.search(r"```json\n(.*?)```", section, re.S)
     assert commands and shown
-    calibrate, curl = commands.group(1).split("\n", 1)
-    # The fixture ran exactly this calibration (from the checkout's parent, as the README's
-    # relative path says).
-    assert shlex.split(calibrate, comments=True)[1:] == [
-        "calibrate",
-        "--task",
-        "../shared/data/sms_spam",
-    ]
+    _, curl = commands.group(1).split("\n", 1)
+    # The fixture ran exactly this calibration, in a copy of the repository.
+    assert readme_calibration()[1:] == ["calibrate", "--task", "examples/reviews"]
     body = json.loads(shlex.split(curl.replace("\\\n", " "))[-1])
     with TestClient(app=create_app(judge, config=ServiceConfig(profiles_dir=calibrated))) as c:
         wait_ready(c)
@@ -284,7 +312,6 @@ def test_the_readme_s_way_to_a_certified_accept(calibrated: Path, judge: Judge) 
         assert answer[field] == example[field], field
 
 
-@needs_data
 def test_the_readme_s_command_line_and_python_give_the_same_certified_accept(
     calibrated: Path,
     judge: Judge,
@@ -292,7 +319,7 @@ def test_the_readme_s_command_line_and_python_give_the_same_certified_accept(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The quickstart's ``judge ask --profile`` line and its Python block, as written, run from
-    a folder holding ``profiles/sms_spam.json``: both accept the item, certified, as spam."""
+    a folder holding ``profiles/reviews.json``: both accept the item, certified, as negative."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme[readme.index("The same decision from the command line:") :]
     command = re.search(r"```sh\n(.*?)```", section, re.S)
@@ -303,8 +330,8 @@ def test_the_readme_s_command_line_and_python_give_the_same_certified_accept(
     monkeypatch.setattr(Judge, "load", staticmethod(lambda model=None, **options: judge))
     monkeypatch.chdir(calibrated.parent)
     (calibrated.parent / "profiles").mkdir(exist_ok=True)
-    (calibrated.parent / "profiles" / "sms_spam.json").write_bytes(
-        (calibrated / "sms_spam.json").read_bytes()
+    (calibrated.parent / "profiles" / "reviews.json").write_bytes(
+        (calibrated / "reviews.json").read_bytes()
     )
     capsys.readouterr()
     assert main(words[1:]) == 0
@@ -313,12 +340,11 @@ def test_the_readme_s_command_line_and_python_give_the_same_certified_accept(
     exec(compile(code.group(1), "README.md", "exec"), namespace)
     verdict = namespace["verdict"]
     assert answer["decision"] == verdict.decision == "accept"
-    assert answer["choice"] == verdict.choice == "spam"
+    assert answer["choice"] == verdict.choice == "negative"
     assert answer["certified"] is verdict.certified is True
     assert answer["confidence"] == pytest.approx(verdict.confidence, abs=1e-6)
 
 
-@needs_data
 def test_a_typed_question_under_a_task_profile_is_flagged_outside_the_template(
     calibrated: Path, judge: Judge
 ) -> None:
@@ -327,14 +353,14 @@ def test_a_typed_question_under_a_task_profile_is_flagged_outside_the_template(
     config = ServiceConfig(profiles_dir=calibrated)
     question = {
         "type": "choice",
-        "instructions": "Is this SMS spam?",
-        "criteria": {"spam": None, "ham": None},
+        "instructions": "Is this review negative?",
+        "criteria": {"negative": None, "positive": None},
     }
     with TestClient(app=create_app(judge, config=config)) as c:
         wait_ready(c)
-        asked = {"state": WINNER, "questions": {"gated": {**question, "profile": "sms_spam"}}}
+        asked = {"state": NEGATIVE, "questions": {"gated": {**question, "profile": "reviews"}}}
         r = c.post("/v1/systemone", json=asked)
         assert r.status_code == 200, r.text
         assert r.json()["answers"]["gated"]["outside_template"] is True
-        bare = c.post("/v1/systemone", json={"state": WINNER, "questions": {"bare": question}})
+        bare = c.post("/v1/systemone", json={"state": NEGATIVE, "questions": {"bare": question}})
         assert bare.json()["answers"]["bare"]["outside_template"] is False

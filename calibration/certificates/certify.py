@@ -110,6 +110,9 @@ class ThresholdResult(msgspec.Struct, frozen=True, kw_only=True):
     procedure: str  # "fixed_sequence" | "bonferroni"
     method: str  # the procedure in words
     reason: str
+    # The tested threshold with that best bound (the lowest of any tie); None where the result
+    # was not computed by ``select_threshold`` (older profiles, or none tested).
+    best_threshold: float | None = None
 
 
 class RiskCoverage(msgspec.Struct, frozen=True, kw_only=True):
@@ -341,6 +344,7 @@ def select_threshold(
         start = float(thresholds[top])
         how = f"Clopper-Pearson, fixed-sequence testing from {start:g} down (LTT)"
     best = float(lower[tested].max())
+    best_at = float(thresholds[tested][int(np.argmax(lower[tested]))])
     if np.any(passed):
         i = int(np.argmax(passed))  # thresholds are sorted: the first is the lowest
         m, k = int(n_acc[i]), int(n_hits[i])
@@ -357,9 +361,8 @@ def select_threshold(
             f"no threshold certifies precision {target_precision:g} at delta {delta:g} "
             f"with n={n} ({how})"
         )
-        at = float(thresholds[tested][int(np.argmax(lower[tested]))])
         reason = (
-            f"{head}; the best lower bound is {best:.4f} (at threshold {at:g})"
+            f"{head}; the best lower bound is {best:.4f} (at threshold {best_at:g})"
             if best > 0
             else f"{head}: no tested threshold accepts a correct item"
         )
@@ -380,6 +383,7 @@ def select_threshold(
         procedure=procedure,
         method=_METHODS[procedure],
         reason=reason,
+        best_threshold=best_at,
     )
 
 

@@ -48,7 +48,7 @@ from calibration.certificates.certify import DEFAULT_GRID, _check_grid, _lower_b
 from calibration.validation import check_confidences, check_correct, check_int, check_unit_open
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from numpy.typing import ArrayLike
 
@@ -75,13 +75,16 @@ def look_delta(delta: float, look: int) -> float:
 
 
 class Recertification(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a profile refitted from its decision log stands in its lineage's looks."""
+    """Where a profile stands in its lineage's looks: refitted from its decision log, or
+    certified by the labelling queue on the labels so far."""
 
-    look: Annotated[int, Meta(ge=1)]  # 1: the first refit from a log; k: the k-th
+    look: Annotated[int, Meta(ge=1)]  # 1: the first look; k: the k-th
     # The whole sequence's delta: every look's certificate holds at once w.p. >= 1 - delta.
     delta: Annotated[float, Meta(gt=0.0, lt=1.0)]
     spent: Annotated[float, Meta(gt=0.0, lt=1.0)]  # this look's: look_delta(delta, look)
-    log: str  # the decision log it was refitted from (a password masked)
+    # Where its labels came from: the decision log it was refitted from (a password masked),
+    # or the split file the labelling queue wrote (``calibration.tasks.item_queue``).
+    log: str
 
     @classmethod
     def after(cls, before: Recertification | None, delta: float, log: str) -> Recertification:
@@ -131,6 +134,7 @@ def labels_to_certify(
     certify_share: float,
     given: int | None = None,
     grid: Sequence[float] = DEFAULT_GRID,
+    labels_for: Callable[[int], int | None] | None = None,
 ) -> LabelsNeeded:
     """About how many labelled items would certify ``target_precision`` at ``delta``.
 
@@ -156,6 +160,9 @@ def labels_to_certify(
         The share of labelled items a refit certifies on (0.5 for the scalar maps' split,
         0.4 for a probe's).
     given : the labelled items there are in all (default: n); ``more`` counts from it.
+    labels_for : the labels that give a fit that many certify items, or None where none
+        would (default: that many divided by ``certify_share``): where the certify split's
+        share is not a constant (``calibration.limits.allot``, beside taught labels).
     """
     conf = check_confidences(confidences)
     hits = check_correct(correct, conf.shape[0])
@@ -184,7 +191,9 @@ def labels_to_certify(
                 high = mid
             else:
                 low = mid + 1
-        labels = math.ceil(low / certify_share)
+        labels = math.ceil(low / certify_share) if labels_for is None else labels_for(low)
+        if labels is None:
+            continue
         if best is None or labels < best[0]:
             best = (labels, float(t), precision, rate)
     if best is None:

@@ -8,7 +8,9 @@
     calibration.tasks.qualify   qualify_on_task, qualify_engine (``judge qualify``)
     calibration.tasks.cascade   CascadeStageData, FittedCascade, fit_cascade, cascade_decisions
     calibration.tasks.adapter   AdapterProfile, fit_adapter_profile (``--method adapter``)
-    calibration.tasks.item_queue  ItemQueue, PoolItem, load_pool (``judge label --queue --items``)
+    calibration.tasks.item_queue  ItemQueue, PoolItem, Advice, advise, load_pool (``judge label
+                                --queue --items``)
+    calibration.tasks.pool_scores judge_pool, pool_key: a file's scores, judged once and kept
 
 Sits above ``judge`` and calibration's core (it uses both; nothing else in ``calibration``
 imports it, so ``import calibration`` stays free of torch) and below ``service`` (which uses it), so the command line, the HTTP fit endpoint and the benchmarks calibrate the
@@ -17,12 +19,13 @@ same way.
 
 # Everything the two modules export, and only that: a name added to a module's __all__ is
 # exported here without a second list to keep in step.
-from calibration.tasks import adapter, cascade, files, item_queue, labeled, qualify
+from calibration.tasks import adapter, cascade, files, item_queue, labeled, pool_scores, qualify
 from calibration.tasks.adapter import *  # noqa: F403
 from calibration.tasks.cascade import *  # noqa: F403
 from calibration.tasks.files import *  # noqa: F403
 from calibration.tasks.item_queue import *  # noqa: F403
 from calibration.tasks.labeled import *  # noqa: F403
+from calibration.tasks.pool_scores import *  # noqa: F403
 from calibration.tasks.qualify import *  # noqa: F403
 
 __all__ = sorted(
@@ -32,6 +35,7 @@ __all__ = sorted(
         *files.__all__,
         *item_queue.__all__,
         *labeled.__all__,
+        *pool_scores.__all__,
         *qualify.__all__,
     ]
 )

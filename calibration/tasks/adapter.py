@@ -150,7 +150,9 @@ def fit_adapter_profile(
     probe = probe_profile.calibration_map
     assert isinstance(probe, Probe)  # method probe
     layer, reads = max(probe.layers), probe.reads
-    fit_idx, _, _, _ = split_with_taught(base.labels, settings.seed, True, taught)
+    fit_idx, _, _, _ = split_with_taught(
+        base.labels, settings.seed, True, taught, allotment=settings.allotment
+    )
     k = len(task.choices)
     x = probe_input(reads, [layer], base.features, base.span_features, base.feature_layers)
     x_fit, y_fit = x[fit_idx], base.labels[fit_idx]

@@ -2,35 +2,43 @@
 profile serves it and so before a decision log holds anything to label.
 
 The pool (``load_pool``: one ``{"text": ..., "id": ...}`` a line) is judged once by the model
-as loaded, in the task's prompt (``judge_task_pool``), and split at random, by a seed, into
-two streams kept apart (``calibration.monitoring.labelling``):
+as loaded, in the task's prompt, as ``judge calibrate`` judges a split (``judge_pool``, which
+keeps the scores beside the task), and split at random, by a seed, into two streams kept apart
+(``calibration.monitoring.labelling``):
 
 * **audit** (``audit_share`` of the pool, default half): a uniform sample in a seeded order.
   Its labels may certify a profile fitted on the file.
-* **teach**: the rest, the model's least certain first, spread over the items' hidden states.
-  Its labels are marked ``"stream": "teach"`` and only fit a map (``taught_items``).
+* **teach**: the rest, the least certain first, spread over the items' hidden states: first
+  under the model's own probabilities, then under the map fitted so far (``reorder``). Its
+  labels are marked ``"stream": "teach"`` and only fit a map (``taught_items``).
 
 Because the split is made before anything is labelled, the audit labels are a uniform sample
 of the whole file however the teach stream picks. Each label is written to ``out`` as it is
 given (the whole file rewritten atomically: a quit or a crash loses nothing), in the split
 format ``judge calibrate --task DIR --split NAME`` reads; labelled items are left out of the
-queue on the next run, so a session resumes where the last stopped. The teach order is the
-model's before any label, not refitted as labels arrive: once a profile serves the task, the
-log's queue (``service.log.labelling_queue``) orders by the fitted map.
+queue on the next run, so a session resumes where the last stopped.
+
+What the labels so far are worth is ``advise``: the profile ``judge calibrate`` would fit on
+them, from the same scores (whether it certifies, and at what coverage), and, read from that
+map's out-of-sample probabilities of the audit labels, about how many more audit labels would
+certify. The command line runs it in the background every few labels.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
-from calibration.certificates.recertify import LabelsNeeded, labels_to_certify
-from calibration.limits import MIN_EXAMPLES, certify_share
+from calibration.certificates.recertify import Recertification, look_delta
+from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
+from calibration.limits import MIN_EXAMPLES
 from calibration.maps.map_types import softmax
 from calibration.monitoring.labelling import audit_order, next_stream, teach_rounds
 from calibration.tasks.files import (
@@ -41,10 +49,29 @@ from calibration.tasks.files import (
     _jsonl_lines,
     load_split,
     task_prompt,
+    task_template,
+    taught_items,
 )
+from calibration.tasks.labeled import LabeledScores, fit_labeled
 from judge.atomicio import write_text
 
-__all__ = ["ItemQueue", "PoolItem", "load_pool"]
+if TYPE_CHECKING:
+    from calibration import CalibrationProfile
+    from calibration.certificates.recertify import LabelsNeeded
+    from judge import Fingerprint
+
+__all__ = [
+    "Advice",
+    "ItemQueue",
+    "Labelled",
+    "Looks",
+    "PoolItem",
+    "advise",
+    "count_look",
+    "load_pool",
+    "looks_path",
+    "read_looks",
+]
 
 
 class PoolItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,14 +82,16 @@ class PoolItem(msgspec.Struct, frozen=True, kw_only=True):
     text: str
     prompt: str  # the task's prompt around it, as the model read it
     choices: list[str]
-    probabilities: dict[str, float]  # the model's, uncalibrated: no profile serves it yet
-    choice: str  # the model's answer
+    # The map fitted so far (``ItemQueue.reorder``), else the model's own: no profile serves
+    # the task yet.
+    probabilities: dict[str, float]
+    choice: str  # the top choice under them
 
 
-def load_pool(path: str | Path) -> list[tuple[str, str]]:
+def load_pool(path: str | Path) -> tuple[list[tuple[str, str]], str]:
     """The items of a JSONL file, one ``{"text": ...}`` a line with an optional ``id``
-    (default: the line number), as (id, text); any other field (a label) is ignored. A
-    TaskError names the line of anything else, or a repeated id."""
+    (default: the line number), as (id, text), and the file's sha256; any other field (a
+    label) is ignored. A TaskError names the line of anything else, or a repeated id."""
     file = Path(path)
     try:
         data = file.read_bytes()
@@ -84,7 +113,17 @@ def load_pool(path: str | Path) -> list[tuple[str, str]]:
         items.append((key, text))
     if not items:
         raise TaskError(f"{file} holds no items")
-    return items
+    return items, hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """What a fit on the labels so far reads: the split's lines and their scores."""
+
+    items: list[LabeledItem]  # ``out``'s lines, in its order
+    scores: LabeledScores  # theirs, labels set
+    sha256: str  # of ``out``'s bytes, as judge calibrate records them
+    missing: int  # labelled lines not in the pool (other items): judge calibrate judges them
 
 
 @dataclass
@@ -92,32 +131,31 @@ class ItemQueue:
     """The unlabelled items of ``pool`` ((id, text), as ``load_pool`` reads them) in the order
     a person should label them, each label written to ``out``.
 
-    ``log_probabilities`` (n, k): the model's, in ``task.choices`` order; ``features`` (n, d):
-    what the teach stream spreads over (None: the margins alone)."""
+    ``scores``: the pool's, as ``judge_pool`` judges them (labels unset): the model's
+    log-probabilities in ``task.choices`` order, and where the engine has layers their
+    hidden states, whose means over each item at the middle layer spread the teach picks."""
 
     task: Task
     pool: Sequence[tuple[str, str]]
-    log_probabilities: np.ndarray
+    scores: LabeledScores
     split: str  # the labels go to ``<task>/<split>.jsonl`` (``out``)
-    features: np.ndarray | None = None
     seed: int = 0
     audit_share: float = 0.5
     streams: Sequence[str] = STREAMS
-    target_precision: float = 0.9
-    delta: float = 0.1
     labelled: dict[str, int] = field(init=False)  # this session's, per stream
     skipped: dict[str, int] = field(init=False)
     _labelled: list[LabeledItem] = field(init=False)  # every line of ``out``, old and new
     _pending: dict[str, list[int]] = field(init=False)  # pool indices, in order
     _index: dict[str, int] = field(init=False)  # each pool item's index by its id
-    _p: np.ndarray = field(init=False)  # (n, k) the model's probabilities
+    _p: np.ndarray = field(init=False)  # (n, k) the probabilities shown and ordered by
     _turn: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         n, k = len(self.pool), len(self.task.choices)
-        if self.log_probabilities.shape != (n, k):
+        if self.scores.log_probabilities.shape != (n, k):
             raise ValueError(
-                f"log_probabilities must be ({n}, {k}), got {self.log_probabilities.shape}"
+                f"scores must be of ({n}, {k}) items and choices, got "
+                f"{self.scores.log_probabilities.shape}"
             )
         if not 0 < self.audit_share <= 1:
             raise ValueError(f"audit_share must be in (0, 1], got {self.audit_share}")
@@ -127,18 +165,17 @@ class ItemQueue:
         self._labelled = load_split(self.task, self.split)[0] if self.out.exists() else []
         done = {item.id for item in self._labelled}
         self._index = {key: i for i, (key, _) in enumerate(self.pool)}
-        self._p = softmax(self.log_probabilities)
+        self._p = softmax(self.scores.log_probabilities)
         # The split is drawn over the whole pool, labelled or not, so that a resumed session
         # sees the same streams. A generator of its own: audit_order draws from ``seed``.
         audit = np.random.default_rng([self.seed, 1]).random(n) < self.audit_share
         audit_idx, teach_idx = np.flatnonzero(audit), np.flatnonzero(~audit)
         audit_idx = audit_idx[audit_order(audit_idx.shape[0], self.seed)]
-        x = None if self.features is None else self.features[teach_idx]
-        teach_idx = teach_idx[teach_rounds(self._p[teach_idx], features=x)]
         self._pending = {
-            "audit": [int(i) for i in audit_idx if self.pool[i][0] not in done],
-            "teach": [int(i) for i in teach_idx if self.pool[i][0] not in done],
+            "audit": [int(i) for i in audit_idx if self.pool[int(i)][0] not in done],
+            "teach": [int(i) for i in teach_idx if self.pool[int(i)][0] not in done],
         }
+        self._order_teach()
         self.labelled = dict.fromkeys(STREAMS, 0)
         self.skipped = dict.fromkeys(STREAMS, 0)
 
@@ -160,11 +197,7 @@ class ItemQueue:
             raise ValueError(f"label must be one of {self.task.choices}, got {label!r}")
         taught = item.stream == "teach"
         self._labelled.append(LabeledItem(id=item.id, text=item.text, label=label, taught=taught))
-        rows = [
-            {"id": i.id, "text": i.text, "label": i.label, "stream": _stream(i)}
-            for i in self._labelled
-        ]
-        write_text(self.out, "".join(json.dumps(row) + "\n" for row in rows))
+        write_text(self.out, _split_text(self._labelled))
         self._drop(item)
         self.labelled[item.stream] += 1
 
@@ -173,38 +206,76 @@ class ItemQueue:
         self._drop(item)
         self.skipped[item.stream] += 1
 
+    def count(self) -> int:
+        """The labels in ``out``, of both streams, this session's and earlier ones."""
+        return len(self._labelled)
+
     def total(self, stream: str) -> int:
         """The labels of ``stream`` in ``out``, this session's and earlier ones."""
         return sum(_stream(item) == stream for item in self._labelled)
 
-    def needed(self) -> LabelsNeeded | None:
-        """About how many audit labels a profile fitted on ``out`` would need to certify the
-        target (``labels_to_certify``), read from the model's own confidence in its answers
-        to the audit labels so far: an estimate before any map is fitted (a fitted map is
-        usually sharper). None before any audit label."""
-        choice = {c: j for j, c in enumerate(self.task.choices)}
-        rows = [i for i in self._labelled if not i.taught and i.id in self._index]
-        if not rows:
-            return None
-        p = self._p[[self._index[i.id] for i in rows]]
-        correct = p.argmax(axis=1) == np.array([choice[i.label] for i in rows])
-        return labels_to_certify(
-            p.max(axis=1),
-            correct,
-            target_precision=self.target_precision,
-            delta=self.delta,
-            certify_share=certify_share(False),
-            given=self.total("audit"),
-        )
-
     def ready(self) -> bool:
         """Whether ``out`` holds enough labels for ``judge calibrate`` to fit a profile."""
-        return len(self._labelled) >= MIN_EXAMPLES and self.total("audit") > 0
+        labels = {item.label for item in self._labelled}
+        return len(self._labelled) >= MIN_EXAMPLES and self.total("audit") > 0 and len(labels) > 1
+
+    def snapshot(self) -> Labelled:
+        """The labels so far and their scores, for ``advise`` (a copy: labelling goes on)."""
+        items = list(self._labelled)
+        inside = [
+            item
+            for item in items
+            if item.id in self._index and self.pool[self._index[item.id]][1] == item.text
+        ]
+        choice = {c: j for j, c in enumerate(self.task.choices)}
+        rows = self.scores.rows(np.array([self._index[i.id] for i in inside], dtype=np.int64))
+        scores = LabeledScores(
+            log_probabilities=rows.log_probabilities,
+            choice_mass=rows.choice_mass,
+            labels=np.array([choice[i.label] for i in inside], dtype=np.int64),
+            features=rows.features,
+            feature_layers=rows.feature_layers,
+            span_features=rows.span_features,
+            span=rows.span,
+        )
+        # What judge calibrate records: the file's own bytes (every label is in it).
+        digest = hashlib.sha256(self.out.read_bytes() if items else b"").hexdigest()
+        return Labelled(inside, scores, digest, len(items) - len(inside))
+
+    def reorder(self, profile: CalibrationProfile) -> None:
+        """Order the teach stream's pending items by ``profile``'s map (one fitted on the labels
+        so far) instead of the model's own probabilities, and show those. The audit stream's
+        order is never touched: it is a uniform sample whatever the map says."""
+        from calibration.fitting import served_gates
+
+        s = self.scores
+        _, gates = served_gates(
+            profile,
+            s.log_probabilities,
+            s.choice_mass,
+            features=s.features_of(profile.feature_layers),
+            span_features=s.span_features_of(profile.span_layers),
+        )
+        self._p = gates.probabilities
+        self._order_teach()
 
     @property
     def out(self) -> Path:
         """The file the labels go to: the task's split ``split``."""
         return Path(self.task.path) / f"{self.split}.jsonl"
+
+    def _order_teach(self) -> None:
+        pending = np.asarray(self._pending["teach"], dtype=np.int64)
+        if pending.shape[0] == 0:
+            return
+        s = self.scores
+        # Spread over each item's mean state at the middle candidate layer (none without).
+        x = (
+            None
+            if s.span_features is None
+            else s.span_features[pending, len(s.feature_layers) // 2]
+        )
+        self._pending["teach"] = pending[teach_rounds(self._p[pending], features=x)].tolist()
 
     def _item(self, i: int, stream: str) -> PoolItem:
         key, text = self.pool[i]
@@ -221,6 +292,162 @@ class ItemQueue:
 
     def _drop(self, item: PoolItem) -> None:
         self._pending[item.stream].remove(self._index[item.id])
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What the labels so far are worth (``advise``)."""
+
+    labels: int  # the labels the fit read
+    audit: int  # of them, a uniform sample
+    missing: int  # labelled items outside the pool, left out (judge calibrate judges them)
+    # The profile ``judge calibrate`` would fit on them now, at the lineage's next look.
+    profile: CalibrationProfile
+    # About how many audit labels would likely certify at that look, read from its map's
+    # out-of-sample probabilities of the audit labels; None without any.
+    needed: LabelsNeeded | None
+    # Whether this fit is the look: the labels were likely enough (``needed.more`` 0), so its
+    # certificate is read (and the look counted) whether it passes or not. A fit that is not
+    # the look says nothing of its certificate: one read at every fit would be a look at
+    # every fit, and a certificate found by looking again and again fails far more often than
+    # its delta says (``calibration.certificates.recertify``).
+    looked: bool
+
+    @property
+    def certified(self) -> bool:
+        """Whether the look certified a threshold (the pooled one, or a class's); never for a
+        fit that was not a look."""
+        p = self.profile
+        pooled = p.threshold.threshold is not None
+        classes = any(t.threshold is not None for t in p.class_thresholds or [])
+        return self.looked and (pooled or classes)
+
+
+class Looks(msgspec.Struct, frozen=True, kw_only=True):
+    """A split's lineage of looks: how many certificates have been read on its labels, and
+    the delta the whole sequence spends (``calibration.certificates.recertify``). Kept
+    beside the task (``looks_path``), so that a resumed queue, and ``judge calibrate`` on the
+    split, go on counting."""
+
+    delta: float
+    looks: int = 0
+
+    def next(self, split_file: str) -> Recertification:
+        """The next look: its number, and the share of the delta it is tested at."""
+        return Recertification(
+            look=self.looks + 1,
+            delta=self.delta,
+            spent=look_delta(self.delta, self.looks + 1),
+            log=split_file,
+        )
+
+
+def looks_path(task: Task, split: str) -> Path:
+    """Where a split's lineage of looks is kept: ``<task>/.looks/<split>.json``."""
+    return Path(task.path) / ".looks" / f"{split}.json"
+
+
+def read_looks(task: Task, split: str, delta: float, *, start: bool = False) -> Looks | None:
+    """The split's lineage: None where it has none (``start``: begin one spending ``delta``,
+    with no look yet, as the labelling queue does on its split); a TaskError where it spends
+    another delta: a lineage's delta is fixed when it begins."""
+    path = looks_path(task, split)
+    if not path.exists():
+        if not start:
+            return None
+        begun = Looks(delta=delta)
+        write_text(path, msgspec.json.encode(begun).decode() + "\n")
+        return begun
+    try:
+        kept = msgspec.json.decode(path.read_bytes(), type=Looks)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TaskError(f"{path} cannot be read: {exc}") from None
+    if kept.delta != delta:
+        raise TaskError(
+            f"the labels of {task.name}/{split} were looked at {kept.looks} times under a "
+            f"lineage spending delta {kept.delta:g} ({path}), not {delta:g}: certify them at "
+            f"delta {kept.delta:g}"
+        )
+    return kept
+
+
+def count_look(task: Task, split: str, looks: Looks) -> Looks:
+    """Record one more look in the split's lineage, before its certificate is read."""
+    counted = Looks(delta=looks.delta, looks=looks.looks + 1)
+    write_text(looks_path(task, split), msgspec.json.encode(counted).decode() + "\n")
+    return counted
+
+
+def advise(
+    task: Task,
+    split: str,
+    labelled: Labelled,
+    fingerprint: Fingerprint,
+    *,
+    name: str,
+    looks: Looks,
+    settings: FitSettings = DEFAULT_SETTINGS,
+    alternating: bool = True,
+) -> Advice:
+    """Fit the profile ``judge calibrate --task DIR --split SPLIT --name NAME`` would fit on
+    ``labelled`` (the same scores, labels and split) as the lineage's next look (at its share
+    of the delta: ``looks``), and estimate from its map how many more audit labels would
+    likely certify there (``labels_needed``, on the out-of-sample probabilities of the audit
+    labels; ``alternating``: a taught label comes with each audit label, as the queue offers
+    both streams in turn). The fit is the look when the labels are likely enough already;
+    the caller counts it (``count_look``) before reading its certificate."""
+    from calibration.fitting import labels_needed, profile_split
+
+    s = labelled.scores
+    taught = taught_items(labelled.items)
+    look = looks.next(str(Path(task.path) / f"{split}.jsonl"))
+    out_of_sample: list[np.ndarray] = []
+    profile = fit_labeled(
+        name,
+        s,
+        task.choices,
+        fingerprint,
+        dataset=f"{task.name}/{split}",
+        dataset_sha256=labelled.sha256,
+        settings=msgspec.structs.replace(settings, delta=look.spent),
+        template=task_template(task),
+        out_of_sample=out_of_sample,
+        fit_only=taught,
+        recertification=look,
+    )
+    # Whether to look is read off the labels this fit does not certify on (its conformal
+    # items, and any uniform ones it was fitted on, out of fold), never off its certify items:
+    # a look timed by how they came out would pick a lucky draw.
+    certify = profile_split(s.labels, profile.split, taught)[2]
+    usable = np.ones(len(s), dtype=bool)
+    usable[certify] = False
+    needed = labels_needed(
+        profile,
+        out_of_sample[0],
+        s.labels,
+        s.choice_mass,
+        taught,
+        features=s.features is not None,
+        settings=settings,
+        alternating=alternating,
+        usable=usable,
+        delta=look.spent,
+    )
+    audit = len(s) if taught is None else int((~taught).sum())
+    return Advice(
+        labels=len(s),
+        audit=audit,
+        missing=labelled.missing,
+        profile=profile,
+        needed=needed,
+        looked=needed is not None and needed.more == 0,
+    )
+
+
+def _split_text(items: Sequence[LabeledItem]) -> str:
+    """The split file's text: a line per label, with its stream."""
+    rows = [{"id": i.id, "text": i.text, "label": i.label, "stream": _stream(i)} for i in items]
+    return "".join(json.dumps(row) + "\n" for row in rows)
 
 
 def _stream(item: LabeledItem) -> str:

@@ -19,18 +19,20 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from calibration import MIN_EXAMPLES
 from calibration.maps.map_types import Probe, ProbeSpan
-from calibration.maps.probe import MIN_PROBE_EXAMPLES, candidate_layers, map_features
+from calibration.maps.probe import MIN_PROBE_EXAMPLES, candidate_layers
 from calibration.profile import NAME_PATTERN, save_profile
 from calibration.tasks import (
     LabeledItem,
     LabeledScores,
     Task,
     content_free_prompts,
+    count_look,
     fit_adapter_profile,
     fit_labeled,
     fit_unlabeled,
@@ -39,12 +41,14 @@ from calibration.tasks import (
     load_prompts,
     load_split,
     load_task,
+    read_looks,
     task_prompt,
     task_template,
     taught_items,
 )
 from judge import Engine
 from judge.atomicio import write_text
+from service.cli.profile_files import save_fitted
 from service.command_line import (
     UsageError,
     fit_settings,
@@ -57,7 +61,16 @@ from service.command_line import (
     to_json,
 )
 
-__all__ = ["add_arguments", "fit_settings", "run", "run_calibrate", "run_evaluate"]
+if TYPE_CHECKING:
+    from calibration.certificates.recertify import Recertification
+
+__all__ = [
+    "add_arguments",
+    "fit_settings",
+    "run",
+    "run_calibrate",
+    "run_evaluate",
+]
 
 
 def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -200,13 +213,10 @@ def run(args: argparse.Namespace) -> int:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     # Here, as each command's fitting and plotting: `judge --help` runs without scipy.
-    from calibration.fitting import held_out_examples
-    from calibration.maps.scaling import softmax
-    from calibration.reliability import reliability_diagram
     from calibration.report import (
         class_certificate_lines,
         metrics_table,
-        profile_markdown,
+        next_steps,
         signal_markdown,
     )
 
@@ -249,6 +259,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
         engine, task, args.split, items, task.choices, args.batch_size, layers, layers
     )
     taught = taught_items(items)  # chosen to teach (judge label --queue --items): fit only
+    look = _look(task, args.split, settings.delta)
+    if look is not None:
+        print(
+            f"{task.name}/{args.split} is a labelling queue's split: this is look {look.look} "
+            f"of its lineage, certified at delta {look.spent:.3g}, its share of {look.delta:g}"
+        )
+        settings = msgspec.structs.replace(settings, delta=look.spent)
     profile = fit_labeled(
         name,
         scores,
@@ -259,23 +276,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         settings=settings,
         template=task_template(task),  # so that judge ask --profile takes the item alone
         fit_only=taught,
+        recertification=look,
     )
     out = args.profiles_dir
-    save_profile(profile, out / f"{name}.json")
-    write_text(out / f"{name}.report.md", profile_markdown(profile))
-    # The diagram shows what the map was not fitted on: a probe fits its own items far
-    # better than new ones (ECE 0.16 on all 374 items of a 4-class set, 0.07 held out).
-    held = held_out_examples(scores.labels, profile.split, taught)
-    z, labels = scores.log_probabilities[held], scores.labels[held]
-    features = None if scores.features is None else scores.features[held]
-    means = None if scores.span_features is None else scores.span_features[held]
-    x = map_features(profile.calibration_map, features, scores.feature_layers, means)
-    reliability_diagram(
-        (softmax(z), labels),
-        (profile.calibration_map.apply(z, x), labels),
-        out / f"{name}.reliability.png",
-        title=f"{name}: the {held.shape[0]} examples the map was not fitted on",
-    )
+    save_fitted(profile, scores, taught, out)
     fitted = profile.calibration_map
     if isinstance(fitted, Probe):
         print(
@@ -308,8 +312,20 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(f"no certified threshold: {t.reason}")
     for line in class_certificate_lines(profile):
         print(line.replace("**", ""))
+    for line in next_steps(profile):
+        print(f"next: {line}")
     print(f"wrote {out / name}.json, .report.md, .reliability.png")
     return 0
+
+
+def _look(task: Task, split: str, delta: float) -> Recertification | None:
+    """Where ``split`` has a lineage of looks (the labelling queue began one on it), the next
+    look, counted before its certificate is read; else None: one fit, at the full delta."""
+    looks = read_looks(task, split, delta)
+    if looks is None:
+        return None
+    count_look(task, split, looks)
+    return looks.next(str(Path(task.path) / f"{split}.jsonl"))
 
 
 def _calibrate_adapter(

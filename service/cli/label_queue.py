@@ -11,17 +11,35 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol, TextIO, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar
 
-from calibration import CalibrationProfile
-from calibration.certificates.recertify import LabelsNeeded
-from calibration.tasks.item_queue import ItemQueue, PoolItem
+import msgspec
+
+from calibration import CalibrationProfile, FitSettings
+from calibration.certificates.recertify import LabelsNeeded, look_delta
+from calibration.report import next_steps
+from calibration.tasks.files import TaskError, taught_items
+from calibration.tasks.item_queue import (
+    Advice,
+    ItemQueue,
+    Labelled,
+    Looks,
+    PoolItem,
+    advise,
+    count_look,
+    read_looks,
+)
 from service.command_line import UsageError
 from service.log.decision_log import DecisionLog
 from service.log.health import ProfileHealth
 from service.log.labelling_queue import STREAMS, LabellingQueue, QueueItem, Stream
+
+if TYPE_CHECKING:
+    from judge import Fingerprint
 
 __all__ = ["run_item_queue", "run_queue"]
 
@@ -40,42 +58,239 @@ def run_queue(log: DecisionLog, profile: CalibrationProfile, etag: str, stream: 
         outcome = queue.label(item, label)
         return f"labelled {label} ({outcome.status}, {item.stream})\n{_state(queue.health())}"
 
-    _label_loop(queue, lambda item: _shown(item, queue), give)
-    sys.stdout.write(_closing(queue) + "\n")
-    sys.stdout.flush()
+    screen = _Screen()
+    _label_loop(queue, lambda item: _shown(item, queue), give, screen)
+    screen.say(_closing(queue))
     return 0
 
 
-def run_item_queue(queue: ItemQueue, command: str) -> int:
+def run_item_queue(
+    queue: ItemQueue,
+    command: str,
+    *,
+    fingerprint: Fingerprint,
+    settings: FitSettings,
+    name: str,
+    profiles_dir: Path,
+    every: int = 10,
+) -> int:
     """Label a file's items from the terminal (``calibration.tasks.ItemQueue``), until none
-    is left or q; ``command``: the ``judge calibrate`` that fits on the labels written."""
+    is left or q. Every ``every`` labels, the profile ``command`` (a ``judge calibrate``)
+    would fit on the labels so far is fitted in the background (``_Advisor``): where it
+    certifies it is written to ``profiles_dir``, and it says so."""
     _check_keys(queue.task.name, queue.task.choices)
-    sys.stdout.write(
+    screen = _Screen()
+    screen.say(
         f"labelling {queue.task.name} into {queue.out}: {queue.pending('audit')} audit items "
-        f"(a uniform sample: they certify) and {queue.pending('teach')} others (the model's "
-        f"least certain first: they teach) unlabelled; streams: {', '.join(queue.streams)}\n"
+        f"(a uniform sample: they certify) and {queue.pending('teach')} others (the least "
+        f"certain first: they teach) unlabelled; streams: {', '.join(queue.streams)}; every "
+        f"{every} labels the profile `{command}` would fit is fitted in the background"
+    )
+    try:
+        # The split's lineage of looks, begun here where it has none: judge calibrate on the
+        # split goes on counting it.
+        looks = read_looks(queue.task, queue.split, settings.delta, start=True)
+    except TaskError as exc:
+        raise UsageError(str(exc), field="--delta") from None
+    assert looks is not None
+    if looks.looks:
+        screen.say(
+            f"these labels were looked at {looks.looks} times before: the next look is at "
+            f"delta {looks.next('').spent:.3g}, its share of {looks.delta:g}"
+        )
+    advisor = _Advisor(
+        queue,
+        lambda labelled, looks: advise(
+            queue.task,
+            queue.split,
+            labelled,
+            fingerprint,
+            name=name,
+            looks=looks,
+            settings=settings,
+            alternating=len(queue.streams) > 1,
+        ),
+        looks=looks,
+        every=every,
+        screen=screen,
+        profiles_dir=profiles_dir,
     )
 
     def shown(item: PoolItem) -> str:
+        advisor.adopt()  # the teach stream ordered by the newest fit, where there is one
         header = f"[{item.stream}: {queue.pending(item.stream)} left] {item.id}"
-        return _card(
-            header, item.text, item.probabilities, item.choices, "the model (uncalibrated)"
-        )
+        whose = "the map fitted so far" if advisor.adopted else "the model (uncalibrated)"
+        return _card(header, item.text, item.probabilities, item.choices, whose)
 
     def give(item: PoolItem, label: str) -> str:
         queue.label(item, label)
-        return f"labelled {label} ({item.stream})\n{_pool_state(queue, command)}"
+        started = advisor.labelled()
+        return (
+            f"labelled {label} ({item.stream}); in the file: audit {queue.total('audit')}, "
+            f"teach {queue.total('teach')}" + (f"; {started}" if started else "")
+        )
 
-    _label_loop(queue, shown, give)
+    try:
+        _label_loop(queue, shown, give, screen)
+    finally:
+        last = advisor.finish()
     done = sum(queue.labelled.values())
-    sys.stdout.write(
+    screen.say(
         f"labelled {done} (audit {queue.labelled['audit']}, teach {queue.labelled['teach']}) "
         f"into {queue.out}; left: audit {queue.pending('audit')}, teach {queue.pending('teach')}"
-        + (f"; fit a profile on them: {command}" if queue.ready() else "")
-        + "\n"
+        + (f"; fit a profile on them: {command}" if queue.ready() and last is None else "")
     )
-    sys.stdout.flush()
     return 0
+
+
+class _Screen:
+    """The terminal, written by the key loop and by the background fits: a line at a time,
+    never two writers at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            sys.stdout.write(text if text.endswith("\n") else text + "\n")
+            sys.stdout.flush()
+
+
+class _Advisor:
+    """Fits, in a background thread, the profile ``judge calibrate`` would fit on the labels
+    so far (``calibration.tasks.advise``), at most one fit at a time, once ``every`` labels
+    have come since the last one began; says what it found the moment it has it. A fit whose
+    labels are likely enough is a look: it is counted in the split's lineage (``looks``)
+    before its certificate is read, and where it certifies the profile is written to
+    ``profiles_dir``. The key loop never waits for it."""
+
+    def __init__(
+        self,
+        queue: ItemQueue,
+        fit: Callable[[Labelled, Looks], Advice],
+        *,
+        looks: Looks,
+        every: int,
+        screen: _Screen,
+        profiles_dir: Path,
+    ) -> None:
+        self.queue, self.fit, self.every, self.looks = queue, fit, every, looks
+        self.screen, self.profiles_dir = screen, profiles_dir
+        self.newest: Advice | None = None  # the newest fit's, once it has finished
+        self.adopted: Advice | None = None  # the one the teach stream is ordered by
+        self._fitted_at = 0  # labels in the file when the last fit began
+        self._thread: threading.Thread | None = None
+
+    def labelled(self) -> str:
+        """After each label: begin a fit if one is due and none is running; what to say."""
+        total = self.queue.count()
+        due = total - self._fitted_at >= self.every
+        if not due or not self.queue.ready() or self._running():
+            return ""
+        self._begin()
+        return f"fitting a profile on the {total} labels so far in the background"
+
+    def adopt(self) -> None:
+        """Order the teach stream by the newest fit's map, once (in the key loop's thread)."""
+        newest = self.newest
+        if newest is not None and newest is not self.adopted:
+            self.queue.reorder(newest.profile)
+            self.adopted = newest
+
+    def finish(self) -> Advice | None:
+        """At the end: wait for the running fit, then fit once more on any labels it did not
+        read; the newest advice."""
+        if self._thread is not None:
+            self._thread.join()
+        if self.queue.ready() and self.queue.count() > self._fitted_at:
+            self.screen.say(f"fitting a profile on all {self.queue.count()} labels")
+            self._begin()
+            assert self._thread is not None
+            self._thread.join()
+        return self.newest
+
+    def _running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _begin(self) -> None:
+        labelled = self.queue.snapshot()
+        self._fitted_at = len(labelled.items)
+        self._thread = threading.Thread(target=self._run, args=(labelled,), daemon=True)
+        self._thread.start()
+
+    def _run(self, labelled: Labelled) -> None:
+        try:
+            advice = self.fit(labelled, self.looks)
+        except Exception as exc:  # a fit that fails says why; labelling goes on
+            self.screen.say(f"[fit on {len(labelled.items)} labels] failed: {exc}")
+            return
+        if advice.looked:  # counted before anything reads its certificate
+            self.looks = count_look(self.queue.task, self.queue.split, self.looks)
+        wrote = None
+        if advice.certified and not advice.missing:
+            from service.cli.profile_files import save_fitted
+
+            save_fitted(
+                advice.profile,
+                labelled.scores,
+                taught_items(labelled.items),
+                self.profiles_dir,
+            )
+            wrote = self.profiles_dir / f"{advice.profile.name}.json"
+        self.newest = advice
+        self.screen.say(_advice_text(advice, wrote))
+
+
+def _advice_text(advice: Advice, wrote: Path | None) -> str:
+    """What a fit on the labels so far found, in a few lines: a look's certificate, or for a
+    fit that is not a look, only how far the labels are from one."""
+    p = advice.profile
+    r = p.recertification
+    assert p.metrics_after is not None and r is not None  # a labelled fit, a look's
+    taught = advice.labels - advice.audit
+    head = f"[fit on {advice.labels} labels: {advice.audit} audit, {taught} taught]"
+    fitted = (
+        f"method {p.calibration_map.method}, accuracy {p.metrics_after.accuracy.value:.3f} on "
+        "the labels it was not fitted on"
+    )
+    look = f"look {r.look} (at delta {r.spent:.3g}, its share of {r.delta:g})"
+    t = p.threshold
+    if advice.certified:
+        what = (
+            f"threshold {t.threshold:.2f} certified at precision >= {t.target_precision:g}, "
+            f"accepting {t.coverage:.0%} of its {t.n} certify labels"
+            if t.threshold is not None
+            else "thresholds certified for some classes"
+        )
+        lines = [f"{head} the gate opens: {look} {what}; {fitted}"]
+        if wrote is not None:
+            lines.append(
+                f"  wrote {wrote} (and its .report.md, .reliability.png): serve it with "
+                f"judge serve --profiles-dir {wrote.parent}; more labels may certify more, "
+                "at the next look's share of the delta"
+            )
+    elif advice.looked:
+        lines = [f"{head} {look} certified nothing; {fitted}"]
+        lines += [f"  {line}" for line in next_steps(p)[:1]]
+        lines.append(
+            f"  the next look is at delta {look_delta(r.delta, r.look + 1):.3g}; keep labelling"
+        )
+    else:
+        lines = [f"{head} not yet a look; {fitted}"]
+        steps = next_steps(
+            msgspec.structs.replace(p, labels_needed=advice.needed),
+            labels="audit labels",
+            then="keep labelling (the queue offers a taught item beside each audit one); a fit "
+            "with labels enough is the look, and says whether the gate opens",
+            shortfall=False,  # a fit that is not a look leaves its certificate unread
+        )
+        lines += [f"  {line}" for line in steps]
+    if advice.missing:
+        lines.append(
+            f"  {advice.missing} labelled items are not in this file: the fit left them out "
+            "(judge calibrate judges them) and wrote no profile"
+        )
+    return "\n".join(lines)
 
 
 class _Labelled(Protocol):
@@ -96,29 +311,29 @@ class _Queue(Protocol[Item]):
 
 
 def _label_loop(
-    queue: _Queue[Item], shown: Callable[[Item], str], give: Callable[[Item, str], str]
+    queue: _Queue[Item],
+    shown: Callable[[Item], str],
+    give: Callable[[Item, str], str],
+    screen: _Screen,
 ) -> None:
     """Show each item, read a key: a digit labels it (``give`` stores the label and says what
     follows), s skips it, q quits."""
-    out = sys.stdout
     with _keys(sys.stdin) as keys:
         while (item := queue.next()) is not None:
-            out.write(shown(item))
-            out.flush()
+            screen.say(shown(item))
             key = next(keys, "q")
             while key not in ("q", "s") and not (
                 key.isdigit() and 1 <= int(key) <= len(item.choices)
             ):
-                out.write(f"no such key {key!r}: 1-{len(item.choices)}, s or q\n")
-                out.flush()
+                screen.say(f"no such key {key!r}: 1-{len(item.choices)}, s or q")
                 key = next(keys, "q")
             if key == "q":
                 break
             if key == "s":
                 queue.skip(item)
-                out.write("skipped\n")
+                screen.say("skipped")
                 continue
-            out.write(give(item, item.choices[int(key) - 1]) + "\n")
+            screen.say(give(item, item.choices[int(key) - 1]))
 
 
 def _check_keys(name: str, choices: Sequence[str]) -> None:
@@ -191,19 +406,6 @@ def _card(
     model = ", ".join(f"{c} {p:.2f}" for c, p in ranked)
     keys = " · ".join(f"{i} {c}" for i, c in enumerate(choices, 1))
     return f"\n{header}\n  {text}\n  {whose}: {model}\n  {keys} · s skip · q quit\n"
-
-
-def _pool_state(queue: ItemQueue, command: str) -> str:
-    """What the file's labels say so far: how many of each stream, and about how many audit
-    labels a fitted profile would need to certify its target."""
-    parts = [f"in the file: audit {queue.total('audit')}, teach {queue.total('teach')}"]
-    needed = queue.needed()
-    if needed is not None:
-        goal = f"likely certify {queue.target_precision:g} (the model's confidence so far)"
-        parts.append(_needed(needed, goal))
-    if queue.ready():
-        parts.append(f"fit: {command}")
-    return "; ".join(parts)
 
 
 def _state(health: ProfileHealth) -> str:

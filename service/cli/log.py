@@ -136,9 +136,13 @@ def run_label(args: argparse.Namespace) -> int:
 
 def _label_items(args: argparse.Namespace) -> int:
     """``--queue --items``: a new task's first labels, from a file of its unlabelled items,
-    written into the task's directory for ``judge calibrate``."""
+    written into the task's directory for ``judge calibrate``; every few labels the profile
+    ``judge calibrate`` would fit on them is fitted in the background, and written where it
+    certifies (``service.cli.label_queue``)."""
+    from calibration import FitSettings
     from calibration.maps.probe import candidate_layers
-    from calibration.tasks import ItemQueue, TaskError, judge_task_pool, load_pool, load_task
+    from calibration.profile import NAME_PATTERN
+    from calibration.tasks import ItemQueue, TaskError, judge_pool, load_pool, load_task
     from service.cli.label_queue import run_item_queue
     from service.command_line import load_engine
 
@@ -148,7 +152,7 @@ def _label_items(args: argparse.Namespace) -> int:
         raise UsageError("--items labels a file, not a log: drop --log and --profile")
     try:
         task = load_task(args.task)
-        pool = load_pool(args.items)
+        pool, items_sha256 = load_pool(args.items)
     except TaskError as exc:
         raise UsageError(str(exc), field="--items") from None
     split = args.split
@@ -160,31 +164,56 @@ def _label_items(args: argparse.Namespace) -> int:
         )
     if not 0 < args.audit_share <= 1:
         raise UsageError(f"--audit-share must be in (0, 1], got {args.audit_share}")
+    name = args.name or task.name
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise UsageError(
+            f"profile name {name!r} must match {NAME_PATTERN} (pass --name to choose one)",
+            field="--name",
+        )
     engine = load_engine(args, dtype=args.dtype)
     num_layers = engine.fingerprint().num_layers
-    # The teach stream spreads its picks over the items' mean states at the middle candidate
-    # layer of a probe; a model that reports no layers gives margins alone.
+    # The layers judge calibrate reads (a probe's candidates), so that the fits here are its.
     layers = candidate_layers(num_layers) if num_layers else ()
-    layer = layers[len(layers) // 2] if layers else None
-    sys.stderr.write(f"judging {len(pool)} items of {args.items} ...\n")
-    z, features = judge_task_pool(
-        engine, task, [text for _, text in pool], layer=layer, batch_size=args.batch_size
+    scores = judge_pool(
+        engine,
+        task,
+        [text for _, text in pool],
+        items_sha256,
+        layers=layers,
+        batch_size=args.batch_size,
+        say=_say,
     )
     try:
         queue = ItemQueue(
             task,
             pool,
-            z,
+            scores,
             split,
-            features=features,
             seed=args.seed,
             audit_share=args.audit_share,
             streams=["audit", "teach"] if args.stream == "both" else [args.stream],
         )
     except TaskError as exc:
         raise UsageError(str(exc), field="--split") from None
-    command = f"judge calibrate --task {task.path} --split {split}"
-    return run_item_queue(queue, command)
+    settings = FitSettings(
+        target_precision=args.target_precision, delta=args.delta, values=task.values
+    )
+    named = "" if name == task.name else f" --name {name}"
+    command = f"judge calibrate --task {task.path} --split {split}{named}"
+    return run_item_queue(
+        queue,
+        command,
+        fingerprint=engine.fingerprint(),
+        settings=settings,
+        name=name,
+        profiles_dir=args.profiles_dir,
+        every=args.refit_every,
+    )
+
+
+def _say(line: str) -> None:
+    """A line for the person at the terminal that is not the queue's own output."""
+    sys.stderr.write(line + "\n")
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -452,6 +481,27 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         help="the share of the items drawn (at random, before any label) for the audit stream",
     )
     items.add_argument("--seed", type=int, default=0, help="the streams' random draw")
+    items.add_argument(
+        "--refit-every",
+        type=positive_int,
+        default=10,
+        help="fit the profile judge calibrate would fit on the labels so far, in the "
+        "background, every N labels (default 10): whether it certifies, and about how many "
+        "more audit labels would; a profile that certifies is written to --profiles-dir",
+    )
+    items.add_argument("--name", help="the profile's name (default: the task's)")
+    items.add_argument(
+        "--target-precision",
+        type=open_probability,
+        default=0.9,
+        help="the precision its certificate is for (default 0.9), as judge calibrate's",
+    )
+    items.add_argument(
+        "--delta",
+        type=open_probability,
+        default=0.1,
+        help="the certificate's allowed failure probability (default 0.1), as judge calibrate's",
+    )
     model_arguments(items)
     items.add_argument("--batch-size", type=positive_int, default=8)
     label.set_defaults(run=run_label)

@@ -36,7 +36,7 @@ import msgspec
 import numpy as np
 
 from calibration.certificates.recertify import LabelsNeeded, labels_to_certify, next_look_delta
-from calibration.limits import certify_share
+from calibration.limits import labels_wanted
 from calibration.monitoring.health import (
     DriftTest,
     PrecisionCheck,
@@ -261,7 +261,8 @@ def assess(
 
     mix = answers_mix(profile, records, alpha=alpha_prior)
     prior = live_prior(profile, records, alpha=alpha_prior, window=window)
-    labels = _labels_needed(profile, labeled)
+    taught = sum(r.label is not None and not r.audit for r in records)
+    labels = _labels_needed(profile, labeled, taught)
     if labels is None:
         notes.append("no audited decision is labeled: no estimate of the labels the gate needs")
     model = _model_check(profile, records, current_model_sha256)
@@ -301,10 +302,12 @@ _THRESHOLD_REASONS = {"below_threshold", "no_certified_threshold"}
 
 
 def _labels_needed(
-    profile: CalibrationProfile, labeled: Sequence[LoggedDecision]
+    profile: CalibrationProfile, labeled: Sequence[LoggedDecision], taught: int
 ) -> LabelsNeeded | None:
     """``labels_to_certify`` on the labeled audit decisions, for the next refit from the log:
-    its look's delta (``calibration.certificates.recertify``) and its split's certify share."""
+    its look's delta (``calibration.certificates.recertify``) and the audit labels that give
+    its split the certify items, beside the ``taught`` labels (labelled, not audited) that
+    fit it (``calibration.limits.allot``)."""
     if not labeled:
         return None
     confidence = np.array(
@@ -318,7 +321,7 @@ def _labels_needed(
         correct,
         target_precision=profile.threshold.target_precision,
         delta=delta,
-        certify_share=certify_share(probe),
+        **labels_wanted(taught, probe),
     )
 
 

@@ -286,6 +286,27 @@ async function onProfilePicked() {
   }
 }
 
+// What to do when a profile certifies nothing (calibration.report.next_steps says the same
+// on the command line): how close it came, and the labels its map says would certify.
+function nextSteps(p) {
+  const t = p.threshold;
+  const n = p.labels_needed;
+  let text = "Next: on its " + t.n + " certify labels the best lower bound on the precision is " +
+    fmt(t.best_certified_precision, 3) +
+    (t.best_threshold === null || t.best_threshold === undefined ? "" : " (at threshold " + t.best_threshold + ")") +
+    ", short of " + t.target_precision + ". ";
+  if (n && n.more !== null) {
+    text += "About " + n.more + " more uniform labels (" + n.labels + " in all) would likely certify it, " +
+      "at threshold " + n.threshold + " accepting about " + Math.round(100 * n.acceptance) +
+      "% of items: label more (the Label tab, or judge label --queue), then fit again.";
+  } else if (!n || n.given < 50) {
+    text += "Too few uniform labels to tell whether more would certify: label more.";
+  } else {
+    text += n.reason;
+  }
+  return text;
+}
+
 function showProfile(p) {
   $("profile-name").textContent = p.name;
   const map = p.calibration_map;
@@ -307,6 +328,9 @@ function showProfile(p) {
   } else {
     th.append(el("strong", { id: "profile-threshold-value" }, "none certified"), " — " + t.reason);
   }
+  const next = $("profile-next");
+  next.textContent = t.threshold === null && p.metrics_after ? nextSteps(p) : "";
+  next.hidden = next.textContent === "";
 
   const table = $("profile-metrics");
   table.replaceChildren();
