@@ -84,6 +84,7 @@ bench: install bench-cpu
 	$(BIN)/python benchmarks/bench_order.py
 	$(BIN)/python benchmarks/bench_pairwise.py
 	$(BIN)/python benchmarks/bench_labels.py
+	$(BIN)/python benchmarks/bench_first_certificate.py
 	$(BIN)/python benchmarks/bench_label_free.py
 	$(BIN)/python benchmarks/bench_reliability.py
 	$(BIN)/python benchmarks/bench_ray.py

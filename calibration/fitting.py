@@ -926,6 +926,7 @@ def labels_needed(
     alternating: bool = False,
     usable: ArrayLike | None = None,
     delta: float | None = None,
+    calibrated: bool = False,
 ) -> LabelsNeeded | None:
     """About how many uniform labels a fit like ``profile``'s would need to certify its target
     at its delta, read from its map as it judges new items: ``labels_to_certify`` on
@@ -937,8 +938,10 @@ def labels_needed(
     streams in turn gives them); the split is a probe's where ``settings`` would try one on
     these scores (``features``: the scores carry hidden states). ``usable`` (n,) booleans:
     the uniform labels whose ``out_of_sample`` rows are read (default: all). The delta is
-    ``delta``, else the profile's, or for a refit its lineage's next look's. None without a
-    uniform label."""
+    ``delta``, else the profile's, or for a refit its lineage's next look's. ``calibrated``:
+    take each item's precision from the map's confidence in its answer instead of its label
+    (``labels_to_certify``'s ``expected``), so that the estimate reads no label. None without
+    a uniform label."""
     labels = np.asarray(y)
     only = np.zeros(labels.shape[0], dtype=bool) if fit_only is None else np.asarray(fit_only)
     taught, uniform = int(only.sum()), int((~only).sum())
@@ -961,7 +964,8 @@ def labels_needed(
         delta = profile.threshold.delta if r is None else next_look_delta(r, r.delta)
     return labels_to_certify(
         np.where(gates.accepted, gates.confidence, 0.0),
-        gates.best == labels[read],
+        None if calibrated else gates.best == labels[read],
+        expected=gates.confidence if calibrated else None,
         target_precision=profile.threshold.target_precision,
         delta=delta,
         certify_share=certify_share(probe),

@@ -390,6 +390,25 @@ def test_bench_labelling_quick(tmp_path: Path) -> None:
 @pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_first_certificate_quick(tmp_path: Path) -> None:
+    """The queue through the real command line, a labeller at its keys, and the two ways in
+    process: each run labels, fits on the schedule, and stops at the cap."""
+    out = tmp_path / "bench_first_certificate.json"
+    _run("bench_first_certificate.py", "--out", str(out), "--work", str(tmp_path / "work"))
+    report = json.loads(out.read_text())
+    runs = report["tasks"]["sst2"]
+    assert runs["pool"] == 60 + 60 and runs["evaluation"] == 60 and runs["cap"] == 100
+    for way in ("default", "uniform", "before"):
+        (run,) = runs[way]
+        assert 20 <= run["labels"] <= 100 and run["fits"], way
+        assert all(f["labels"] % report["every"] == 0 for f in run["fits"][:-1]), way
+    # The labeller read every scheduled fit off the command line's screen.
+    assert [f["labels"] for f in runs["default"][0]["fits"]][:9] == list(range(20, 101, 10))
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
 def test_bench_span_cost_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_span_cost.json"
     _run("bench_span_cost.py", "--out", str(out))

@@ -28,7 +28,7 @@ from postgres import postgres_database, postgres_url  # noqa: F401
 from server import wait_app_ready as wait_ready
 
 from calibration import CalibrationProfile, FitSettings, fit_profile
-from calibration.fitting import split_examples
+from calibration.limits import allot
 from judge import Fingerprint, Judgment, Query
 from service import ServiceConfig, create_app
 from service.cli.main import main
@@ -447,15 +447,14 @@ def test_labels_outside_the_audit_sample_fit_and_never_certify(
     )
     refit = ProfileStore(tmp_path / "profiles").get("refit")
     assert refit.n_examples == n + 120 and refit.split.taught == 120
-    # Only the audited decisions set the quantile and certify: the same counts as the audited
-    # decisions alone split into (3:2:5), the taught ones all in the fit split.
-    audited = np.array(
-        [CHOICES.index(y) for r, y in zip(responses, labels, strict=True) if r.get("audit")]
-    )
-    fit_i, conformal_i, certify_i = split_examples(audited, refit.split.seed)
-    assert (refit.split.conformal, refit.split.certify) == (conformal_i.size, certify_i.size)
-    assert refit.split.fit == fit_i.size + 120
-    assert refit.metrics_after is not None and refit.metrics_after.n == n - fit_i.size
+    # Only the audited decisions set the quantile and certify. The fit split takes its share
+    # (3 of 10) of all the labels, the 120 taught ones first, so the audited decisions fit only
+    # where those fall short; the rest set the quantile and certify (2:5): calibration.limits.allot.
+    fitting, conformal, certify = allot(120, n, probe=False)
+    assert fitting == max(0, round((n + 120) * 3 / 10) - 120)
+    assert (refit.split.conformal, refit.split.certify) == (conformal, certify)
+    assert refit.split.fit == fitting + 120 and refit.split.allotment == "by_role"
+    assert refit.metrics_after is not None and refit.metrics_after.n == n - fitting
     assert refit.dataset.endswith("and 120 others labeled (fit only)")
 
 

@@ -4,6 +4,7 @@ fit a profile but never certify it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -27,10 +28,12 @@ from calibration.tasks import (
     Task,
     TaskError,
     advise,
+    count_look,
     judge_pool,
     load_pool,
     load_split,
     load_task,
+    looks_path,
     read_looks,
     taught_items,
 )
@@ -163,6 +166,45 @@ def test_how_many_more_from_the_fitted_map(tmp_path: Path) -> None:
     assert (advice.needed or pytest.fail()).labels is None and not advice.looked
     steps = next_steps(advice.profile)
     assert "more labels will not" in steps[1]
+
+
+def test_a_splits_looks_are_counted_and_spend_one_delta(tmp_path: Path) -> None:
+    task = task_at(tmp_path)
+    assert read_looks(task, "labelled", 0.1) is None  # no lineage: judge calibrate fits once
+    begun = read_looks(task, "labelled", 0.1, start=True)
+    assert begun == Looks(delta=0.1, looks=0) and looks_path(task, "labelled").exists()
+    first = begun.next("labelled.jsonl")
+    assert first.look == 1 and first.spent == pytest.approx(0.1 * 6 / np.pi**2)
+    counted = count_look(task, "labelled", begun)
+    assert read_looks(task, "labelled", 0.1) == counted == Looks(delta=0.1, looks=1)
+    assert counted.next("labelled.jsonl").spent == pytest.approx(0.1 * 6 / (4 * np.pi**2))
+    # A lineage's delta is fixed when it begins: another one is refused, naming the file.
+    with pytest.raises(TaskError, match=r"looked at 1 times under a lineage spending delta 0\.1"):
+        read_looks(task, "labelled", 0.05)
+
+
+def test_a_fit_is_a_look_only_when_its_labels_are_likely_enough(tmp_path: Path) -> None:
+    """The map's own confidence says when (no label read); until then its certificate is
+    computed with the map, but unread: only a look's counts."""
+    task = task_at(tmp_path)
+    pool, z = pool_of(1000, seed=2, low=0.9, high=0.999)  # a sharp, calibrated model
+    queue = ItemQueue(task, pool, z, "l", streams=["audit"])
+    label_as_calibrated(queue, 30)
+    looks = Looks(delta=0.1)
+    early = advise(task, "l", queue.snapshot(), FINGERPRINT, name="toy", looks=looks)
+    assert not early.looked and not early.certified
+    assert "calibrated confidence" in (early.needed or pytest.fail()).reason  # no label read
+    while not (
+        advice := advise(task, "l", queue.snapshot(), FINGERPRINT, name="toy", looks=looks)
+    ).looked:
+        assert queue.count() < 400, "a sharp model's labels were never likely enough"
+        label_as_calibrated(queue, 20)
+    r = advice.profile.recertification
+    assert r is not None and r.look == 1 and advice.profile.threshold.delta == r.spent
+    assert advice.certified == (advice.profile.threshold.threshold is not None)
+    # A fit that is not a look certifies nothing, whatever its unread certificate says.
+    unread = dataclasses.replace(advice, looked=False)
+    assert not unread.certified
 
 
 class Person:

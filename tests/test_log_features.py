@@ -144,6 +144,28 @@ def test_labels_to_certify() -> None:
     assert none.labels is None and none.more is None and "will not open the gate" in none.reason
 
 
+def test_labels_to_certify_from_calibrated_confidence_reads_no_label() -> None:
+    """With ``expected`` (a calibrated map's confidence in its answers) in place of the
+    labels, the estimate is the labels' in expectation, and never reads a label."""
+    rng = np.random.default_rng(3)
+    confidence = rng.uniform(0.5, 1.0, 4000)
+    correct = rng.random(4000) < confidence  # calibrated
+    common = {"target_precision": 0.9, "delta": 0.06, "certify_share": 0.5}
+    read = labels_to_certify(confidence, correct, **common)
+    believed = labels_to_certify(confidence, None, expected=confidence, **common)
+    assert read.labels is not None and believed.labels is not None
+    assert abs(believed.labels - read.labels) <= 0.25 * read.labels
+    assert "calibrated confidence" in believed.reason
+    # An overconfident map says so to its own estimate: where it believes itself right half
+    # the time, no number of labels opens the gate.
+    none = labels_to_certify(confidence, None, expected=np.full(4000, 0.5), **common)
+    assert none.labels is None and "calibrated confidence shows" in none.reason
+    with pytest.raises(ValueError, match="not both"):
+        labels_to_certify(confidence, correct, expected=confidence, **common)
+    with pytest.raises(ValueError, match="neither"):
+        labels_to_certify(confidence, None, **common)
+
+
 # --- the real model: serve, label, refit a probe from the log -------------------------------
 
 

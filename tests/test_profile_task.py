@@ -319,7 +319,7 @@ def test_the_readme_s_command_line_and_python_give_the_same_certified_accept(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The quickstart's ``judge ask --profile`` line and its Python block, as written, run from
-    a folder holding ``profiles/reviews.json``: both accept the item, certified, as negative."""
+    a folder holding ``profiles/reviews.json``: both accept the item, certified, as positive."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme[readme.index("The same decision from the command line:") :]
     command = re.search(r"```sh\n(.*?)```", section, re.S)
@@ -340,7 +340,7 @@ def test_the_readme_s_command_line_and_python_give_the_same_certified_accept(
     exec(compile(code.group(1), "README.md", "exec"), namespace)
     verdict = namespace["verdict"]
     assert answer["decision"] == verdict.decision == "accept"
-    assert answer["choice"] == verdict.choice == "negative"
+    assert answer["choice"] == verdict.choice == "positive"
     assert answer["certified"] is verdict.certified is True
     assert answer["confidence"] == pytest.approx(verdict.confidence, abs=1e-6)
 

@@ -127,7 +127,7 @@ def _certifies(trials: int, precision: float, target: float, delta: float) -> bo
 
 def labels_to_certify(
     confidences: ArrayLike,
-    correct: ArrayLike,
+    correct: ArrayLike | None,
     *,
     target_precision: float,
     delta: float,
@@ -135,6 +135,7 @@ def labels_to_certify(
     given: int | None = None,
     grid: Sequence[float] = DEFAULT_GRID,
     labels_for: Callable[[int], int | None] | None = None,
+    expected: ArrayLike | None = None,
 ) -> LabelsNeeded:
     """About how many labelled items would certify ``target_precision`` at ``delta``.
 
@@ -163,9 +164,21 @@ def labels_to_certify(
     labels_for : the labels that give a fit that many certify items, or None where none
         would (default: that many divided by ``certify_share``): where the certify split's
         share is not a constant (``calibration.limits.allot``, beside taught labels).
+    expected : array of shape (n,), in place of ``correct`` (None)
+        The probability that each answer is right, as a calibrated map says it (its
+        confidence in the answer): an estimate that reads no label, for deciding when to
+        certify without looking at the labels the certificate will rest on.
     """
     conf = check_confidences(confidences)
-    hits = check_correct(correct, conf.shape[0])
+    if (correct is None) == (expected is None):
+        raise ValueError("give correct or expected, not both and not neither")
+    if expected is not None:
+        hits = check_confidences(expected, "expected")
+    else:
+        assert correct is not None  # one of the two, checked above
+        hits = check_correct(correct, conf.shape[0]).astype(np.float64)
+    if hits.shape != conf.shape:
+        raise ValueError(f"expected must have shape {conf.shape}, got {hits.shape}")
     target = check_unit_open(target_precision, "target_precision")
     delta = check_unit_open(delta, "delta")
     if not (isinstance(certify_share, int | float) and 0 < certify_share <= 1):
@@ -196,10 +209,13 @@ def labels_to_certify(
             continue
         if best is None or labels < best[0]:
             best = (labels, float(t), precision, rate)
+    read = (
+        "items' calibrated confidence shows" if expected is not None else "labelled items read show"
+    )
     if best is None:
         return LabelsNeeded(
             given=n,
-            reason=f"at no threshold do the {shown} labelled items read show a precision "
+            reason=f"at no threshold do the {shown} {read} a precision "
             f"above {target:g} that a certificate could confirm: at the precision they show, "
             "more labels will not open the gate for this map (a sharper one might: a probe "
             "fitted from the log with --log-features, a better model, a clearer prompt)",
@@ -213,7 +229,7 @@ def labels_to_certify(
         threshold=t,
         precision=precision,
         acceptance=rate,
-        reason=f"at threshold {t:g} the {shown} labelled items read show precision about "
+        reason=f"at threshold {t:g} the {shown} {read} precision about "
         f"{precision:.3f} with {rate:.1%} accepted; about {labels} labels in all ({more} more "
         f"than the {n} there are) would certify {target:g} at delta {delta:.3g}, if the "
         "next map is as good as this one",

@@ -396,7 +396,7 @@ def advise(
     labels; ``alternating``: a taught label comes with each audit label, as the queue offers
     both streams in turn). The fit is the look when the labels are likely enough already;
     the caller counts it (``count_look``) before reading its certificate."""
-    from calibration.fitting import labels_needed, profile_split
+    from calibration.fitting import labels_needed
 
     s = labelled.scores
     taught = taught_items(labelled.items)
@@ -415,12 +415,10 @@ def advise(
         fit_only=taught,
         recertification=look,
     )
-    # Whether to look is read off the labels this fit does not certify on (its conformal
-    # items, and any uniform ones it was fitted on, out of fold), never off its certify items:
-    # a look timed by how they came out would pick a lucky draw.
-    certify = profile_split(s.labels, profile.split, taught)[2]
-    usable = np.ones(len(s), dtype=bool)
-    usable[certify] = False
+    # Whether to look is read off the map's own confidence in its answers to the audit items
+    # (out of sample), never off their labels: a look timed by how the certify items came out
+    # would pick a lucky draw. (Their labels, on the few items the certificate does not rest
+    # on, were too few to time it: tens of them, where the certificate reads hundreds.)
     needed = labels_needed(
         profile,
         out_of_sample[0],
@@ -430,8 +428,8 @@ def advise(
         features=s.features is not None,
         settings=settings,
         alternating=alternating,
-        usable=usable,
         delta=look.spent,
+        calibrated=True,
     )
     audit = len(s) if taught is None else int((~taught).sum())
     return Advice(
