@@ -6,8 +6,9 @@ as a file of unlabelled items; the second half of the test split is never labell
 every certificate. The pool is judged once (``judge_pool``, as the queue judges it; every run
 reads the kept scores). Then, for each seed, three ways to the first certificate, each fitted
 every ``--every`` labels as the queue fits (``calibration.tasks.advise``): a fit is a look only
-where the labels it does not certify on say the labels are likely enough, and the looks of a
-split spend one delta (``calibration.certificates.recertify``):
+where the fitted map's own confidence in its answers (out of fold, no label read) says the
+labels are likely enough, and the looks of a split spend one delta
+(``calibration.certificates.recertify``):
 
 * **default**: ``judge label --queue --items POOL --task DIR --seed S`` in a subprocess, both
   streams in turn, the teach stream ordered by the map fitted so far. The labeller reads each
@@ -27,7 +28,9 @@ coverage) checked on the unlabelled half: its precision there against 0.9, count
 queue's estimate of the audit labels a certificate needs (at its first fit with at least 50
 audit labels) against the audit labels its first certificate took.
 
-    python benchmarks/bench_first_certificate.py [--tasks ...] [--seeds 5] [--every 10] [--quick]
+    python benchmarks/bench_first_certificate.py [--tasks ...] [--seeds 5] [--first-seed 0]
+        [--every 10] [--quick]
+    python benchmarks/bench_first_certificate.py --tables A.json B.json  # runs merged, per task
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 JUDGE = Path(sys.executable).parent / "judge"
 TARGET, DELTA, COVERAGE = 0.9, 0.1, 0.5
 EVERY = 10  # labels between fits, the queue's default (--every)
+WAYS = ("default", "uniform", "before")
 FEW = 50  # the queue's estimate is read at its first fit with this many audit labels
 
 
@@ -328,14 +332,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=["sst2", "ag_news", "sms_spam", "trec"])
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--ways", nargs="+", default=["default", "uniform", "before"])
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds run from this one")
+    parser.add_argument("--ways", nargs="+", default=list(WAYS))
     parser.add_argument("--cap", type=int, default=500, help="labels a run may take at most")
     parser.add_argument("--every", type=int, default=EVERY, help="labels between fits")
     parser.add_argument("--quick", action="store_true", help="one task, one seed, a small pool")
     parser.add_argument("--work", type=Path, help="working folder (default: results/...)")
     parser.add_argument("--out", type=Path, help="where the JSON goes (default: results/)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--tables", nargs="+", type=Path, help="print the tables of these reports, merged"
+    )
     args = parser.parse_args()
+    if args.tables:
+        merged = merge([json.loads(path.read_text()) for path in args.tables])
+        print_tables(merged, args.ways)
+        return
     if args.threads:
         import torch
 
@@ -366,7 +378,7 @@ def main() -> None:
         runs: dict[str, Any] = {"pool": len(pool.pool), "cap": cap}
         runs["evaluation"] = len(pool.evaluation)
         runs["judge_seconds"] = pool.judge_seconds
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for way in args.ways:
                 start = time.perf_counter()
                 if way == "default":
@@ -380,6 +392,18 @@ def main() -> None:
         report["tasks"][name] = runs
         write_text(out_path, json.dumps(report, indent=2))
     print_tables(report, args.ways)
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report of several runs' (of the same settings): each task's runs of each way, by
+    seed, in the order given."""
+    merged = {**reports[0], "tasks": {}}
+    for report in reports:
+        for name, runs in report["tasks"].items():
+            into = merged["tasks"].setdefault(name, {**runs, **{w: [] for w in WAYS}})
+            for way in WAYS:
+                into[way].extend(runs.get(way, []))
+    return merged
 
 
 def print_tables(report: dict[str, Any], ways: list[str]) -> None:
@@ -396,7 +420,7 @@ def print_tables(report: dict[str, Any], ways: list[str]) -> None:
             got = [first(r, COVERAGE) for r in runs[way]]
             labels = [None if g is None else g["labels"] for g in got]
             finite = [x if x is not None else 10**9 for x in labels]
-            median = statistics.median(finite)
+            median = statistics.median_high(finite)  # a run with none counts as the most
             shown = "-" if median >= 10**9 else f"{median:g}"
             looks = [sum(bool(f.get("look")) for f in r["fits"]) for r in runs[way]]
             cells.append(

@@ -9,7 +9,9 @@ judge qualify [MODEL] --data DIR              measure a model before trusting it
 judge serve                                   run the HTTP service
 judge decide --state FILE --question ID=JSON  typed questions about a state; print the answers
 judge mcp                                     a Model Context Protocol server over stdio
+judge label --queue --items F --task DIR     label a file's items one key at a time, to a certificate
 judge label --log L --input labels.jsonl      store the true labels of logged decisions
+judge estimate --log L --profile P            each choice's share and the judge's accuracy (PPI++)
 judge check --profile P --log L               a profile's health from the log (exit 1: alarm)
 judge replay ID --log L                       re-run a logged decision on today's model
 judge calibrate --from-log L --profile P      refit a profile on its audited decisions
