@@ -150,7 +150,7 @@ def test_labels_to_certify_from_calibrated_confidence_reads_no_label() -> None:
     rng = np.random.default_rng(3)
     confidence = rng.uniform(0.5, 1.0, 4000)
     correct = rng.random(4000) < confidence  # calibrated
-    common = {"target_precision": 0.9, "delta": 0.06, "certify_share": 0.5}
+    common: dict[str, Any] = {"target_precision": 0.9, "delta": 0.06, "certify_share": 0.5}
     read = labels_to_certify(confidence, correct, **common)
     believed = labels_to_certify(confidence, None, expected=confidence, **common)
     assert read.labels is not None and believed.labels is not None
