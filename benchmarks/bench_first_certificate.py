@@ -403,6 +403,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
             into = merged["tasks"].setdefault(name, {**runs, **{w: [] for w in WAYS}})
             for way in WAYS:
                 into[way].extend(runs.get(way, []))
+                into[way].sort(key=lambda run: run["seed"])
     return merged
 
 
