@@ -54,12 +54,12 @@ import numpy as np
 from benchlib import cpu_flags, cpu_model
 
 from calibration import FitSettings, load_profile
-from calibration.fitting import served_gates
 from calibration.maps.probe import candidate_layers
 from calibration.tasks import (
     ItemQueue,
     Looks,
     advise,
+    gates_on_scores,
     judge_pool,
     load_pool,
     load_split,
@@ -129,13 +129,7 @@ class Pool:
         """A certificate on the unlabelled half: its precision and coverage there."""
         profile = load_profile(profile_path)
         e = self.evaluation
-        _, gates = served_gates(
-            profile,
-            e.log_probabilities,
-            e.choice_mass,
-            features=e.features_of(profile.feature_layers),
-            span_features=e.span_features_of(profile.span_layers),
-        )
+        gates = gates_on_scores(profile, e)
         accepted = gates.accepted
         right = gates.best == e.labels
         t = profile.threshold

@@ -44,12 +44,11 @@ from calibration.certificates.certify import ThresholdResult
 from calibration.errors import FitError
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.limits import MIN_EXAMPLES
-from calibration.tasks.labeled import LabeledScores, fit_labeled
+from calibration.tasks.labeled import LabeledScores, fit_labeled, gates_on_scores
 from judge import Fingerprint
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
-    from calibration.policy import Gates
 
 __all__ = [
     "CascadeStageData",
@@ -70,20 +69,6 @@ class CascadeStageData:
     fingerprint: Fingerprint
 
 
-def _gates(profile: CalibrationProfile, scores: LabeledScores) -> Gates:
-    """A gate on ``profile``'s gates on the items of ``scores``, as served."""
-    from calibration.fitting import served_gates  # the fitters load scipy: here, not above
-
-    _, gates = served_gates(
-        profile,
-        scores.log_probabilities,
-        scores.choice_mass,
-        features=scores.features_of(profile.feature_layers),
-        span_features=scores.span_features_of(profile.span_layers),
-    )
-    return gates
-
-
 def cascade_rule_on(
     profiles: Sequence[CalibrationProfile],
     stages: Sequence[LabeledScores],
@@ -92,7 +77,7 @@ def cascade_rule_on(
     """What the cascade of ``profiles`` (their thresholds, as served) does on each stage's
     scores of the same labeled items: coverage, each stage's share, precision and the expected
     cost per item (``costs`` per stage; None: 1 each)."""
-    views = [StageView.of(_gates(p, s)) for p, s in zip(profiles, stages, strict=True)]
+    views = [StageView.of(gates_on_scores(p, s)) for p, s in zip(profiles, stages, strict=True)]
     thresholds = [p.threshold.threshold for p in profiles]
     return measure_rule(views, stages[0].labels, thresholds, costs or [1.0] * len(profiles))
 
@@ -107,7 +92,7 @@ def cascade_decisions(
     choice = np.full(n, -1, dtype=np.int64)
     for s, (profile, scores) in enumerate(zip(profiles, stages, strict=True)):
         rows = np.flatnonzero(decided_by < 0)
-        gates = _gates(profile, scores.rows(rows))
+        gates = gates_on_scores(profile, scores.rows(rows))
         decided_by[rows[gates.accepted]] = s
         choice[rows[gates.accepted]] = gates.best[gates.accepted]
     return decided_by, choice
@@ -182,7 +167,7 @@ def fit_cascade(
         for p, honest, stage in zip(profiles, out_of_sample, stages, strict=True)
     ]
     served = [
-        StageView.of(_gates(p, stage.scores.rows(certify)))
+        StageView.of(gates_on_scores(p, stage.scores.rows(certify)))
         for p, stage in zip(profiles, stages, strict=True)
     ]
     certificate = certify_rules(

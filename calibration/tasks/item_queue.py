@@ -52,7 +52,7 @@ from calibration.tasks.files import (
     task_template,
     taught_items,
 )
-from calibration.tasks.labeled import LabeledScores, fit_labeled
+from calibration.tasks.labeled import LabeledScores, fit_labeled, gates_on_scores
 from judge.atomicio import write_text
 
 if TYPE_CHECKING:
@@ -246,17 +246,7 @@ class ItemQueue:
         """Order the teach stream's pending items by ``profile``'s map (one fitted on the labels
         so far) instead of the model's own probabilities, and show those. The audit stream's
         order is never touched: it is a uniform sample whatever the map says."""
-        from calibration.fitting import served_gates
-
-        s = self.scores
-        _, gates = served_gates(
-            profile,
-            s.log_probabilities,
-            s.choice_mass,
-            features=s.features_of(profile.feature_layers),
-            span_features=s.span_features_of(profile.span_layers),
-        )
-        self._p = gates.probabilities
+        self._p = gates_on_scores(profile, self.scores).probabilities
         self._order_teach()
 
     @property

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from calibration import CalibrationProfile
     from calibration.certificates.recertify import Recertification
     from calibration.fitting import TrainedHead
+    from calibration.policy import Gates
 
 
 class _Given(TypedDict, total=False):
@@ -61,6 +62,7 @@ __all__ = [
     "content_free_prompts",
     "fit_labeled",
     "fit_unlabeled",
+    "gates_on_scores",
     "judge_labeled",
     "judge_task_items",
     "judge_task_pool",
@@ -183,6 +185,21 @@ class LabeledScores:
         if values is None or any(n not in self.feature_layers for n in layers):
             raise TaskError(f"these scores carry {carried}")
         return values[:, [self.feature_layers.index(n) for n in layers], :]
+
+
+def gates_on_scores(profile: CalibrationProfile, scores: LabeledScores) -> Gates:
+    """The gates a gate on ``profile`` serves on the items of ``scores``, as arrays
+    (``calibration.fitting.served_gates``, with the features its map reads)."""
+    from calibration.fitting import served_gates  # the fitters load scipy: here, not above
+
+    _, gates = served_gates(
+        profile,
+        scores.log_probabilities,
+        scores.choice_mass,
+        features=scores.features_of(profile.feature_layers),
+        span_features=scores.span_features_of(profile.span_layers),
+    )
+    return gates
 
 
 def labeled_queries(
