@@ -272,6 +272,19 @@ class Page:
         assert self.selected_tabs() == [tab]
         assert self.shown_panels() == [panel], f"after clicking {tab}"
 
+    def view_profile(self, name: str) -> None:
+        """Open the page with profile ``name``, pick it in the profiles tab and wait for its
+        view."""
+        from selenium.webdriver.support.ui import Select
+
+        self.open_with(name)
+        self.show("tab-profiles", "profiles-view")
+        self.wait.until(lambda d: self.all(f"#profile-pick option[value='{name}']"))
+        Select(self.find("#profile-pick")).select_by_value(name)
+        self.wait.until(
+            lambda d: self.find("#profile-detail").get_attribute("data-state") == "done"
+        )
+
     def all(self, css: str) -> list[Any]:
         return list(self.driver.find_elements(self.by.CSS_SELECTOR, css))
 
@@ -590,18 +603,12 @@ def test_a_profile_that_certifies_nothing_says_what_next(
     browser: Any, labelling_server: tuple[Server, dict[str, str]]
 ) -> None:
     """The profile's view says how close its certificate came and what the labels say."""
-    from selenium.webdriver.support.ui import Select
-
     server, _ = labelling_server
     profile = httpx.get(f"{server.url}/profiles/sms_spam", headers=auth()).json()
     t = profile["threshold"]
     assert t["threshold"] is None and profile["labels_needed"] is not None
     page = Page(browser, server.url)
-    page.open_with("sms_spam")
-    page.show("tab-profiles", "profiles-view")
-    page.wait.until(lambda d: page.all("#profile-pick option[value='sms_spam']"))
-    Select(page.find("#profile-pick")).select_by_value("sms_spam")
-    page.wait.until(lambda d: page.find("#profile-detail").get_attribute("data-state") == "done")
+    page.view_profile("sms_spam")
     shown = page.find("#profile-next").text
     assert f"best lower bound on the precision is {t['best_certified_precision']:.3f}" in shown
     # 40 labels, 20 of them uniform and held out: too few to tell.
@@ -675,13 +682,7 @@ def test_the_traffic_panel_plots_shares_prior_and_alarms(
     history = httpx.get(f"{server.url}/profiles/sms_spam/health/history", headers=auth()).json()
     assert history["profile_etag"] == etag and history["points"]
     page = Page(browser, server.url)
-    page.open_with("sms_spam")
-    page.show("tab-profiles", "profiles-view")
-    from selenium.webdriver.support.ui import Select
-
-    page.wait.until(lambda d: page.all("#profile-pick option[value='sms_spam']"))
-    Select(page.find("#profile-pick")).select_by_value("sms_spam")
-    page.wait.until(lambda d: page.find("#profile-detail").get_attribute("data-state") == "done")
+    page.view_profile("sms_spam")
     assert [g.get_attribute("data-choice") for g in page.all("#traffic-svg g.share")] == [
         "ham",
         "spam",
