@@ -159,7 +159,12 @@ def main() -> None:
         local = Judge.load()  # as a user gets it: bfloat16 where the CPU computes it
         # The agreement is with the GGUF's weights as they are, de-quantized to float32.
         exact = local if local.dtype == "float32" else Judge.load(dtype="float32")
-        echo, top = open_engine(spec), open_engine(f"{spec}?read=top&top={args.top}")
+        # llama-cpp-python's server answers one request at a time: at 16 in flight the last
+        # waits for the 15 before it (an echo read takes seconds on 2 cores), far past the
+        # engine's 60 s default, which is meant for one call.
+        slow = {"timeout_s": 900.0}
+        echo = open_engine(spec, **slow)
+        top = open_engine(f"{spec}?read=top&top={args.top}", **slow)
         sst2 = load_task(DATA / "sst2")
         rows, _ = load_split(sst2, "test", speed_items)
         queries = [{"prompt": task_prompt(sst2, r.text), "choices": sst2.choices} for r in rows]
