@@ -173,7 +173,7 @@ def postgres(skipped: list[str]) -> Iterator[DurablePostgres | None]:
         import psycopg  # noqa: F401
     except ImportError:
         bin_dir = None
-        skipped.append("PostgreSQL: psycopg is not installed (pip install 'judge[postgres]')")
+        skipped.append("PostgreSQL: psycopg is not installed (pip install '.[postgres]')")
     else:
         if bin_dir is None:
             skipped.append("PostgreSQL: no binaries under /usr/lib/postgresql/*/bin")

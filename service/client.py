@@ -32,7 +32,7 @@ generator of steps that does no I/O: it yields ``_Send`` (one HTTP exchange) and
 ``AsyncJudgeClient`` on ``httpx.AsyncClient``, tasks and ``asyncio.sleep``. Methods and paths
 come from the service's table of operations (``service.operations``).
 
-Installed alone (``pip install judge``, without the ``server`` extra), the client needs only
+Installed alone (``pip install calibrated-judge``, without the ``server`` extra), the client needs only
 msgspec, httpx and numpy: this module imports neither the engine nor the server.
 """
 

@@ -230,8 +230,8 @@ class ServiceConfig:
         Flag(
             "--decision-log",
             "text",
-            "a SQLite file (created if missing) or a postgresql:// URL (pip install "
-            "'judge[postgres]'), shared by every replica",
+            "a SQLite file (created if missing) or a postgresql:// URL (the "
+            "postgres extra), shared by every replica",
             metavar="TARGET",
             group="log",
         ),

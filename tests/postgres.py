@@ -128,7 +128,7 @@ def postgres_url() -> Iterator[str]:
     try:
         import psycopg  # noqa: F401
     except ImportError:
-        _unavailable("psycopg is not installed (pip install 'judge[postgres]')")
+        _unavailable("psycopg is not installed (pip install '.[postgres]')")
         return
     server = PostgresServer(bin_dir)
     try:

@@ -2,7 +2,7 @@
 made from ServiceConfig's settings (one declaration each).
 
 The help checks run in a fresh interpreter where importing any of the `server` extra's
-packages fails, as on the client's install (``pip install judge``).
+packages fails, as on the client's install (``pip install calibrated-judge``).
 """
 
 from __future__ import annotations
@@ -152,7 +152,8 @@ def test_a_command_without_the_server_s_packages_fails_after_parsing() -> None:
     assert "judge decide: error: argument --max-orderings" in done.stderr
     assert (
         "judge: error: `judge label` needs the server's dependencies (torch, transformers, "
-        "scipy, sklearn, litestar, uvicorn not installed): pip install 'judge[server]'"
+        "scipy, sklearn, litestar, uvicorn not installed): pip install 'calibrated-judge[server]' "
+        "(from a checkout: pip install '.[server]')"
     ) in done.stderr
 
 

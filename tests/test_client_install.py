@@ -1,4 +1,4 @@
-"""The client installs and imports without the server's dependencies (``pip install judge``).
+"""The client installs and imports without the server's dependencies (``pip install calibrated-judge``).
 
 Each check runs in a fresh interpreter whose imports of the server's packages fail, as they
 would where only the base dependencies are installed.
@@ -93,7 +93,9 @@ def test_the_commands_say_how_to_install_the_server() -> None:
     assert result.returncode == 2, result.stderr
     [line] = result.stderr.splitlines()
     assert line.startswith("judge: error: `judge serve` needs the server's dependencies")
-    assert line.endswith("pip install 'judge[server]'")
+    assert line.endswith(
+        "pip install 'calibrated-judge[server]' (from a checkout: pip install '.[server]')"
+    )
 
 
 def test_the_base_dependencies_are_the_client_s() -> None:
@@ -108,3 +110,27 @@ def test_the_base_dependencies_are_the_client_s() -> None:
         "torch", "transformers", "gguf", "accelerate", "scipy", "scikit-learn", "threadpoolctl",
         "matplotlib", "tqdm", "litestar", "uvicorn", "prometheus-client",
     }  # fmt: skip
+
+
+def test_every_install_line_names_the_project_s_distribution() -> None:
+    """``judge`` on the package index is an unrelated project: the distribution is named
+    otherwise, and no page, message or test tells anyone to install ``judge`` from it."""
+    from service.install import DISTRIBUTION, install_hint
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DISTRIBUTION != "judge"
+    assert install_hint("server").startswith(f"pip install '{DISTRIBUTION}[server]'")
+    wrong = re.compile(r"pip install (-e )?['\"]?judge\b")
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    code = [
+        p
+        for d in ("judge", "calibration", "service", "tests", "benchmarks")
+        for p in (ROOT / d).rglob("*.py")
+    ]
+    found = [
+        f"{path.relative_to(ROOT)}: {line.strip()}"
+        for path in pages + code
+        for line in path.read_text().splitlines()
+        if wrong.search(line) and "unrelated" not in line  # the warning against it
+    ]
+    assert found == []

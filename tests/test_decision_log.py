@@ -478,7 +478,9 @@ def test_an_unreachable_server_is_named_with_its_password_masked() -> None:
 
 def test_missing_psycopg_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "psycopg", None)  # import psycopg raises ImportError
-    with pytest.raises(DecisionLogError, match=r"pip install 'judge\[postgres\]'") as raised:
+    with pytest.raises(
+        DecisionLogError, match=r"pip install 'calibrated-judge\[postgres\]'"
+    ) as raised:
         open_log("postgres://judge:pw@db.example/decisions")
     assert "postgres://judge:***@db.example/decisions" in str(raised.value)
 

@@ -314,7 +314,7 @@ def test_without_the_sdk_judge_mcp_says_how_to_install_it(
     monkeypatch.setattr(Judge, "load", staticmethod(fail))
     assert main(["mcp"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "pip install 'judge[mcp]'" in lines[0]
+    assert len(lines) == 1 and "pip install 'calibrated-judge[mcp]'" in lines[0]
 
 
 def test_the_readme_s_client_configuration_starts_judge_mcp() -> None:

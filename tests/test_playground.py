@@ -213,7 +213,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             "(apt-get install chromium chromium-driver)"
         )
     webdriver = pytest.importorskip(
-        "selenium.webdriver", reason="selenium is not installed (pip install 'judge[dev]')"
+        "selenium.webdriver", reason="selenium is not installed (pip install '.[dev]')"
     )
     from selenium.webdriver.chrome.service import Service as DriverService
 

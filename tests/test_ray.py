@@ -318,7 +318,7 @@ def test_scaling_flags_are_checked_before_anything_starts(
     assert "--target-ongoing-requests needs" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: import fails
     assert main(["serve", "--ray", "--replicas", "2"]) == 2
-    assert "pip install -e '.[ray]'" in capsys.readouterr().err
+    assert "pip install 'calibrated-judge[ray]'" in capsys.readouterr().err
 
 
 def test_deployment_options_follow_the_scaling() -> None:

@@ -17,7 +17,7 @@ judge replay ID --log L                       re-run a logged decision on today'
 judge calibrate --from-log L --profile P      refit a profile on its audited decisions
 
 Every command needs the server's dependencies (the engine, the fitters, the decision log's
-readers): without them (the client's install, ``pip install judge``) it stops with one line
+readers): without them (the client's install, ``pip install calibrated-judge``) it stops with one line
 that says to install them.
 ``judge --help`` and ``judge COMMAND --help`` need none of them.
 """
@@ -34,6 +34,7 @@ from calibration import CalibrationError
 from calibration.tasks import TaskError
 from judge import JudgeError
 from service.command_line import UsageError
+from service.install import install_hint
 from service.log.decision_log import DecisionLogError
 
 __all__ = ["COMMAND_MODULES", "SERVER_MODULES", "main", "parser"]
@@ -96,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:  # after parsing: --help, and a usage error, need none of them
         print(
             f"judge: error: `judge {args.command}` needs the server's dependencies "
-            f"({', '.join(missing)} not installed): pip install 'judge[server]'",
+            f"({', '.join(missing)} not installed): {install_hint('server')}",
             file=sys.stderr,
         )
         return 2

@@ -7,7 +7,7 @@ interface (``DecisionLog``), chosen by ``open_log``'s target:
     SQLiteLog      ``sqlite:///abs/path`` or a plain file path: embedded, the default. WAL
                    mode, one connection per thread; the file is created, its directory is not.
     PostgresLog    ``postgresql://...`` or ``postgres://...``: several replicas, on several
-                   machines, writing one log (``pip install 'judge[postgres]'``).
+                   machines, writing one log (the ``postgres`` extra).
 
 The table. One row per decision in ``decisions``: the scalar columns that reads filter on
 (``judgment_id`` the primary key, ``created_at``, ``profile``, ``profile_etag``, ``decision``,
@@ -71,6 +71,7 @@ import msgspec
 
 from calibration.carry import carry
 from calibration.cascade import StageResult
+from service.install import install_hint
 from service.log.logged_features import LoggedFeatures
 
 if TYPE_CHECKING:
@@ -994,7 +995,7 @@ class PostgresLog(DecisionLog):
         except ImportError as exc:
             raise DecisionLogError(
                 f"the decision log {self._target} is in PostgreSQL, and psycopg is not "
-                "installed: pip install 'judge[postgres]'"
+                f"installed: {install_hint('postgres')}"
             ) from exc
         self._psycopg = psycopg
         try:

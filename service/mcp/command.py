@@ -28,6 +28,7 @@ from service.command_line import (
     stage,
 )
 from service.config import ServiceConfig
+from service.install import install_hint
 
 __all__ = ["add_arguments", "run"]
 
@@ -43,7 +44,7 @@ SETTINGS = (
     "uncertified_threshold",
     "min_choice_mass",
 )
-INSTALL = "pip install 'judge[mcp]'"
+INSTALL = install_hint("mcp")
 
 
 def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -18,7 +18,7 @@ answered comes back as a tool error (``isError``) whose text starts with the arg
 (``choices: ...``, ``questions.q1.criteria: ...``). Model work runs on the SDK's worker
 threads, one call at a time (the engine is not shared between threads).
 
-The MCP SDK is the ``mcp`` extra (``pip install 'judge[mcp]'``), imported only here and by
+The MCP SDK is the ``mcp`` extra (``pip install 'calibrated-judge[mcp]'``), imported only here and by
 ``judge mcp``.
 """
 

@@ -35,6 +35,7 @@ from service.command_line import (
     settings_of,
 )
 from service.config import ServiceConfig
+from service.install import install_hint
 
 if TYPE_CHECKING:
     from judge import Engine
@@ -100,7 +101,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     }
     add_settings(groups)
     scale = serve.add_argument_group(
-        "scaling out on Ray Serve (pip install -e '.[ray]')",
+        "scaling out on Ray Serve (the ray extra)",
         "Replicas of the service behind one endpoint, each with its own model; profiles are "
         "shared through --profiles-dir, which every replica must reach.",
     )
@@ -209,7 +210,7 @@ def run_ray(args: argparse.Namespace, loader: Callable[[], Engine], config: Serv
         ray_serve.check_ray()
     except ImportError:
         raise UsageError(
-            "--ray: Ray Serve is not installed; install it with: pip install -e '.[ray]'"
+            f"--ray: Ray Serve is not installed; install it with: {install_hint('ray')}"
         ) from None
     ray_serve.run(
         loader,

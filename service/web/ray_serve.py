@@ -1,6 +1,6 @@
 """The same Litestar app on Ray Serve: replicas behind one endpoint, scaled by count or load.
 
-An optional extra (``pip install -e '.[ray]'``); nothing else in the project imports ray.
+An optional extra (``ray``: ``service.install.install_hint('ray')``); nothing else in the project imports ray.
 
 Each replica is one Ray actor, one process, that builds the whole app itself with
 ``create_app(loader=...)``: its own engine, batcher, admission and metrics. Ray's proxy takes
@@ -37,6 +37,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from judge import Engine
 from service.config import ServiceConfig
+from service.install import install_hint
 from service.profiles import SharedDirectory
 from service.web.app import create_app
 
@@ -44,7 +45,7 @@ __all__ = ["INSTALL_HINT", "Scaling", "application", "check_ray", "run"]
 
 log = logging.getLogger("judge.service")
 
-INSTALL_HINT = "Ray Serve is not installed: pip install -e '.[ray]'"
+INSTALL_HINT = f"Ray Serve is not installed: {install_hint('ray')}"
 APP_NAME = "judge"
 
 
