@@ -37,9 +37,12 @@ __all__ = [
     "add_settings",
     "api_key",
     "audit_rates",
+    "batch_size_argument",
     "check_stage_names",
     "choice_paths_argument",
     "choice_value",
+    "device_argument",
+    "dtype_argument",
     "fit_settings",
     "load_engine",
     "load_profile",
@@ -50,6 +53,7 @@ __all__ = [
     "positive_int",
     "probability",
     "profile_dtype",
+    "profiles_dir_argument",
     "seconds",
     "settings_of",
     "task_arguments",
@@ -192,9 +196,59 @@ def model_arguments(
         default=None,
         help="model id, directory or .gguf (default: SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--dtype", default=None, choices=DTYPES, help=dtype_help or None)
-    parser.add_argument("--device", default="cpu")
+    dtype_argument(parser, default=None, default_help=dtype_help)
+    device_argument(parser)
     choice_paths_argument(parser, default=None)
+
+
+def dtype_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    default: str | None = "auto",
+    default_help: str = "",
+) -> None:
+    """--dtype: the arithmetic the model's weights are loaded in."""
+    parser.add_argument(
+        "--dtype",
+        default=default,
+        choices=DTYPES,
+        help="the model's arithmetic; auto: bfloat16 where the CPU computes it natively "
+        "(AVX-512 BF16, AMX) or on a GPU, else float32 "
+        + (default_help or f"(default: {default})"),
+    )
+
+
+def device_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--device: where torch runs the model."""
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="the torch device the model runs on: cpu, or cuda (cuda:N) on a machine with an "
+        "NVIDIA GPU and a CUDA build of torch (default: cpu)",
+    )
+
+
+def profiles_dir_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--profiles-dir: where a profile given by name is looked up."""
+    parser.add_argument(
+        "--profiles-dir",
+        type=Path,
+        default=Path("profiles"),
+        help="the directory of calibration profiles, where a profile given by name is "
+        "looked up and a fitted one is written (default: profiles)",
+    )
+
+
+def batch_size_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: int = 8
+) -> None:
+    """--batch-size: items per forward pass when a file or a split is judged."""
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=default,
+        help=f"items judged per forward pass (default: {default})",
+    )
 
 
 def choice_paths_argument(
@@ -228,11 +282,11 @@ def task_arguments(
     parser.add_argument("--split", default=split, help=f"which <split>.jsonl (default: {split})")
     parser.add_argument("--limit", type=positive_int, help="use only the first N items")
     parser.add_argument("--model", default=None, help="model id, directory or .gguf")
-    parser.add_argument("--device", default="cpu")
+    device_argument(parser)
     choice_paths_argument(parser, default=None)
-    parser.add_argument("--batch-size", type=positive_int, default=8)
+    batch_size_argument(parser)
     if dtype:
-        parser.add_argument("--dtype", default="auto", choices=DTYPES)
+        dtype_argument(parser)
 
 
 def load_profile(path: str | os.PathLike[str]) -> CalibrationProfile:

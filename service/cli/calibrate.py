@@ -57,6 +57,7 @@ from service.command_line import (
     open_probability,
     positive_int,
     probability,
+    profiles_dir_argument,
     task_arguments,
     to_json,
 )
@@ -91,7 +92,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "--profile", help="with --from-log: the profile to refit (a name in --profiles-dir)"
     )
     fit.add_argument("--name", help="profile name (default: the task's name)")
-    fit.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    profiles_dir_argument(fit)
     fit.add_argument(
         "--target-precision",
         type=open_probability,

@@ -34,6 +34,7 @@ from service.command_line import (
     load_stages,
     model_arguments,
     positive_int,
+    profiles_dir_argument,
     stage,
     to_json,
 )
@@ -276,7 +277,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         metavar="ID=NAME",
         help="gate question ID with the profile NAME from --profiles-dir; repeat for each",
     )
-    decide.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    profiles_dir_argument(decide)
     decide.add_argument(
         "--cascade",
         type=stage,

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from service.command_line import UsageError, open_probability, to_json
+from service.command_line import UsageError, open_probability, profiles_dir_argument, to_json
 
 __all__ = ["add_arguments", "run_estimate"]
 
@@ -56,7 +56,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     estimate.add_argument(
         "--profile", help="with --log: the profile whose decisions to read (a file or a name)"
     )
-    estimate.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    profiles_dir_argument(estimate)
     estimate.add_argument(
         "--alpha",
         type=open_probability,

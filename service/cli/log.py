@@ -27,11 +27,13 @@ import msgspec
 
 from service.command_line import (
     UsageError,
+    batch_size_argument,
     fit_settings,
     model_arguments,
     open_probability,
     positive_int,
     positive_number,
+    profiles_dir_argument,
     to_json,
 )
 
@@ -452,7 +454,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     queue = label.add_argument_group("--queue")
     queue.add_argument("--profile", help="a profile file, or a name in --profiles-dir")
-    queue.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    profiles_dir_argument(queue)
     queue.add_argument(
         "--stream",
         choices=["both", "audit", "teach"],
@@ -503,7 +505,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         help="the certificate's allowed failure probability (default 0.1), as judge calibrate's",
     )
     model_arguments(items)
-    items.add_argument("--batch-size", type=positive_int, default=8)
+    batch_size_argument(items)
     label.set_defaults(run=run_label)
     check = commands.add_parser(
         "check",
@@ -516,7 +518,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "--profile", required=True, help="a profile file, or a name in --profiles-dir"
     )
     check.add_argument("--log", required=True, help=log_help)
-    check.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    profiles_dir_argument(check)
     check.add_argument(
         "--window", type=positive_int, default=1000, help="newest decisions the drift test reads"
     )
@@ -554,8 +556,8 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "replay",
         help="re-run a logged decision on today's model and profile and show what changed",
     )
-    replay.add_argument("judgment_id")
+    replay.add_argument("judgment_id", help="the id of a logged decision (its judgment_id)")
     replay.add_argument("--log", required=True, help=log_help)
-    replay.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    profiles_dir_argument(replay)
     model_arguments(replay, dtype_help="(default: the profile's, else auto)")
     replay.set_defaults(run=run_replay)

@@ -17,8 +17,10 @@ from calibration.qualify import Criteria, Qualification, TaskQualification
 from calibration.tasks import Task, load_split, load_task
 from judge.atomicio import write_text
 from service.command_line import (
-    DTYPES,
     UsageError,
+    batch_size_argument,
+    device_argument,
+    dtype_argument,
     load_engine,
     positive_int,
     probability,
@@ -62,9 +64,9 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         default=100,
         help="calibration items per task (the temperature and prior of the signal verdict)",
     )
-    q.add_argument("--dtype", default="auto", choices=DTYPES)
-    q.add_argument("--device", default="cpu")
-    q.add_argument("--batch-size", type=positive_int, default=8)
+    dtype_argument(q)
+    device_argument(q)
+    batch_size_argument(q)
     q.add_argument("--response-prefix", help="the response prefix (default: the engine's)")
     q.add_argument("--json", type=Path, help="also write the qualification as JSON here")
     defaults = Criteria()

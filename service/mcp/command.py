@@ -13,17 +13,18 @@ import contextlib
 import importlib.util
 import logging
 import sys
-from pathlib import Path
 
 from judge import DEFAULT_PREFIX_CACHE_MB
 from service.command_line import (
-    DTYPES,
     UsageError,
     add_settings,
     check_stage_names,
     choice_paths_argument,
+    device_argument,
+    dtype_argument,
     load_stages,
     megabytes,
+    profiles_dir_argument,
     settings_of,
     stage,
 )
@@ -58,9 +59,9 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     mcp.add_argument("--model", default=None, help="model id, directory or .gguf")
     choice_paths_argument(mcp)
-    mcp.add_argument("--dtype", default="auto", choices=DTYPES)
-    mcp.add_argument("--device", default="cpu")
-    mcp.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+    dtype_argument(mcp)
+    device_argument(mcp)
+    profiles_dir_argument(mcp)
     mcp.add_argument(
         "--prefix-cache-mb",
         type=megabytes,

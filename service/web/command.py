@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING
 
 from judge import DEFAULT_PREFIX_CACHE_MB
 from service.command_line import (
-    DTYPES,
     UsageError,
     add_settings,
     choice_paths_argument,
+    device_argument,
+    dtype_argument,
     megabytes,
     positive_int,
     seconds,
@@ -59,8 +60,8 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "serve", help="run the HTTP service (POST /judge)", allow_abbrev=False
     )
     serve.add_argument("--model", default=None, help="model id, directory or .gguf")
-    serve.add_argument("--dtype", default="auto", choices=DTYPES)
-    serve.add_argument("--device", default="cpu")
+    dtype_argument(serve)
+    device_argument(serve)
     choice_paths_argument(serve)
     serve.add_argument(
         "--batch-variant",
@@ -80,8 +81,15 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         default=DEFAULT_PREFIX_CACHE_MB,
         help="memory for cached prompt prefixes, reused across requests (0: off)",
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0: every "
+        "interface)",
+    )
+    serve.add_argument(
+        "--port", type=int, default=8000, help="the TCP port to listen on (default: 8000)"
+    )
     serve.add_argument(
         "--shutdown-timeout",
         type=seconds,
@@ -89,7 +97,12 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         help="on SIGTERM or Ctrl-C, seconds to finish requests in flight before cancelling "
         "them (default: 20, within the usual 30 s grace period)",
     )
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the server's log level (default: info)",
+    )
     groups = {
         None: serve,
         "log": serve.add_argument_group(
