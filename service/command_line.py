@@ -207,14 +207,15 @@ def dtype_argument(
     default: str | None = "auto",
     default_help: str = "",
 ) -> None:
-    """--dtype: the arithmetic the model's weights are loaded in."""
+    """--dtype: the arithmetic the model's weights are loaded in (default None: the
+    profile's, else auto)."""
+    shown = default_help or ("(default: the profile's, else auto)" if default is None else "")
     parser.add_argument(
         "--dtype",
         default=default,
         choices=DTYPES,
         help="the model's arithmetic; auto: bfloat16 where the CPU computes it natively "
-        "(AVX-512 BF16, AMX) or on a GPU, else float32 "
-        + (default_help or f"(default: {default})"),
+        "(AVX-512 BF16, AMX) or the GPU does, else float32 " + (shown or f"(default: {default})"),
     )
 
 

@@ -52,7 +52,7 @@ def add_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser])
     """``judge mcp``'s arguments: the model's, and where the profiles are."""
     mcp = commands.add_parser(
         "mcp",
-        help=f"serve the judge to MCP clients over stdio ({INSTALL})",
+        help="serve the judge to MCP clients over stdio (the mcp extra)",
         description="A Model Context Protocol server on stdin/stdout with the tools judge "
         "(one prompt), decide (typed questions about a state) and list_profiles. The model "
         "loads once, at start. Register it with a client as the command `judge mcp`.",
