@@ -93,6 +93,17 @@ bench: install bench-cpu
 	$(BIN)/python benchmarks/bench_monitoring.py
 	$(BIN)/python benchmarks/bench_decision_log.py
 	$(BIN)/python benchmarks/bench_health.py
+	$(BIN)/python benchmarks/bench_sequential.py
+	$(BIN)/python benchmarks/bench_estimates.py
+	$(BIN)/python benchmarks/bench_label_shift.py
+	$(BIN)/python benchmarks/bench_labelling.py
+	$(BIN)/python benchmarks/bench_log_features.py
+	$(BIN)/python benchmarks/bench_span_features.py
+	$(BIN)/python benchmarks/bench_span_cost.py
+	$(BIN)/python benchmarks/bench_path.py
+	$(BIN)/python benchmarks/bench_adapter.py
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip install --quiet 'llama-cpp-python[server]==0.3.36'
+	$(BIN)/python benchmarks/bench_server.py
 
 # The contract test with a larger budget: schemathesis, every check and every phase, against
 # live servers on the model and on a fake engine (`make test` runs a small budget on the model).

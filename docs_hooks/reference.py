@@ -326,6 +326,26 @@ def python_page() -> str:
     return "\n".join(out) + "\n"
 
 
+# --- the benchmarks ---------------------------------------------------------------------------
+
+BENCHMARKS_MARK = (
+    "<!-- benchmarks: generated from each script's docstring (docs_hooks/reference.py) -->"
+)
+
+
+def benchmark_list() -> str:
+    """Each ``benchmarks/bench_*.py`` and the first paragraph of its docstring: what it
+    measures, in its own words."""
+    import ast
+
+    out = []
+    for script in sorted((HERE.parent / "benchmarks").glob("bench_*.py")):
+        doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+        first = _md(_rst(doc.split("\n\n", 1)[0]))
+        out += [f"`{script.name}`", f":   {first}", ""]
+    return "\n".join(out)
+
+
 # --- the hook --------------------------------------------------------------------------------
 
 
@@ -351,3 +371,12 @@ def on_files(files: Any, config: Any) -> Any:
     for uri, builder in PAGES.items():
         files.append(File.generated(config, uri, content=globals()[builder]()))
     return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """MkDocs: the benchmarks page's list of scripts, from the scripts."""
+    if page.file.src_uri == "benchmarks.md":
+        if BENCHMARKS_MARK not in markdown:
+            raise ValueError("docs/benchmarks.md lost the mark where the list of scripts goes")
+        return markdown.replace(BENCHMARKS_MARK, benchmark_list())
+    return markdown

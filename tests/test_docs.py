@@ -74,3 +74,14 @@ def test_the_glossary_defines_each_word_once() -> None:
     assert len(words) == len(set(words))
     for word in ("judgment", "gate", "decide", "decision", "verdict", "settle", "answer"):
         assert word in words, word
+
+
+def test_make_bench_runs_every_benchmark_script() -> None:
+    """docs/benchmarks.md says `make bench` runs every script: each is in its recipe (or in
+    bench-cpu's, which it runs first)."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipes = re.findall(r"^(bench-cpu|bench):[^\n]*\n((?:\t[^\n]*\n)+)", makefile, re.M)
+    assert {name for name, _ in recipes} == {"bench", "bench-cpu"}
+    run = set(re.findall(r"benchmarks/(bench_\w+\.py)", "".join(body for _, body in recipes)))
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("bench_*.py")}
+    assert scripts - run == set()

@@ -197,3 +197,11 @@ def test_the_shape_comparison_sees_a_field_renamed() -> None:
     assert shape(recorded) != shape(renamed)
     assert shape({"threshold": 0.5}) != shape({"threshold": None})
 
+
+
+def test_every_benchmark_script_says_what_it_measures() -> None:
+    listing = reference.benchmark_list()
+    for script in (ROOT / "benchmarks").glob("bench_*.py"):
+        entry = listing.split(f"`{script.name}`\n:   ", 1)
+        assert len(entry) == 2 and entry[1].split("\n", 1)[0].strip(), script.name
+    assert reference.BENCHMARKS_MARK in (ROOT / "docs" / "benchmarks.md").read_text()
