@@ -85,3 +85,21 @@ def test_make_bench_runs_every_benchmark_script() -> None:
     run = set(re.findall(r"benchmarks/(bench_\w+\.py)", "".join(body for _, body in recipes)))
     scripts = {p.name for p in (ROOT / "benchmarks").glob("bench_*.py")}
     assert scripts - run == set()
+
+
+def test_the_generated_reference_is_in_the_site(built: tuple[Path, str]) -> None:
+    """The hook's pages are built, and mkdocstrings rendered an entry (an anchor) for every
+    public name: a name griffe cannot resolve would have no anchor."""
+    import importlib
+
+    site, _ = built
+    cli = (site / "reference" / "cli" / "index.html").read_text()
+    assert 'id="judge-calibrate"' in cli and "--target-precision" in cli
+    http = (site / "reference" / "http" / "index.html").read_text()
+    assert 'id="post-judge"' in http and 'id="judgerequest"' in http
+    python = (site / "reference" / "python" / "index.html").read_text()
+    anchors = set(re.findall(r'id="([^"]+)"', python))
+    for package in ("judge", "calibration", "calibration.tasks", "service", "service.client"):
+        for name in importlib.import_module(package).__all__:
+            if not name.startswith("__"):
+                assert f"{package}.{name}" in anchors, f"{package}.{name}"
