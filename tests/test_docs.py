@@ -103,3 +103,31 @@ def test_the_generated_reference_is_in_the_site(built: tuple[Path, str]) -> None
         for name in importlib.import_module(package).__all__:
             if not name.startswith("__"):
                 assert f"{package}.{name}" in anchors, f"{package}.{name}"
+
+
+def test_every_glossary_entry_names_code_that_exists() -> None:
+    """Each entry points at the code it describes (a dotted name in backticks, a module's
+    attribute chain), and each such name resolves: a rename leaves no word behind."""
+    import importlib
+
+    glossary = (ROOT / "docs" / "glossary.md").read_text()
+    entries = re.findall(r"^\*\*(.+?)\*\*\n((?::   |    ).*(?:\n    .*)*)", glossary, re.M)
+    assert len(entries) >= 20
+    for term, text in entries:
+        names = re.findall(r"`((?:judge|calibration|service)(?:\.\w+)+)`", text)
+        assert names, f"{term}: names no code"
+        for name in names:
+            parts = name.split(".")
+            for cut in range(len(parts), 0, -1):  # the longest importable module first
+                try:
+                    found: object = importlib.import_module(".".join(parts[:cut]))
+                except ImportError:
+                    continue
+                for attribute in parts[cut:]:
+                    assert hasattr(found, attribute), f"{term}: {name}"
+                    found = getattr(found, attribute)
+                break
+            else:
+                raise AssertionError(f"{term}: {name} is not importable")
+    for word in ("policy", "overrides", "hold", "cascade", "template", "version", "look"):
+        assert f"**{word}**" in glossary, word
