@@ -231,8 +231,10 @@ def _schema(name: str, schema: dict[str, Any]) -> list[str]:
         notes = ["required" if field in required else None, _constraints(spec)]
         if "default" in spec:
             notes.append(f"default `{json.dumps(spec['default'])}`")
-        text = "; ".join(n for n in notes if n)
-        out += [f"`{field}`: `{_type(spec)}`", f":   {text or 'optional'}", ""]
+        limits = "; ".join(n for n in notes if n) or "optional"
+        said = _md(_rst(spec.get("description", "")))
+        text = f"{said}. {limits[0].upper()}{limits[1:]}" if said else limits
+        out += [f"`{field}`: `{_type(spec)}`", f":   {text}.", ""]
     return out
 
 

@@ -81,26 +81,96 @@ Candidates = Annotated[dict[NonBlank, NonBlank], Meta(min_length=2, max_length=2
 Criterion = str | dict[str, Any] | None
 
 
+# What several request bodies share: each described once.
+ChoicesField = Annotated[
+    Choices,
+    Meta(
+        description="the answers allowed, two or more, distinct; the probabilities follow this order"
+    ),
+]
+SystemField = Annotated[
+    str | None, Meta(description="a system message before the prompt (default: the server's)")
+]
+PrefixField = Annotated[
+    str | None,
+    Meta(
+        description="the text the answer starts with, so that the next token decides "
+        '(default: {"answer": ")'
+    ),
+]
+SuffixField = Annotated[
+    str | None,
+    Meta(description='the text that closes the answer after a choice (default: "})'),
+]
+ProfileField = Annotated[
+    ProfileName | None,
+    Meta(
+        description="the calibration profile to decide through, by its name (GET /profiles); without one "
+        "the decision escalates unless uncertified_threshold opts in"
+    ),
+]
+ThresholdField = Annotated[
+    Probability | None,
+    Meta(
+        description="accept at this confidence instead of the profile's certified threshold; the decision "
+        "is then not certified (a profile that certified none: 422)"
+    ),
+]
+UncertifiedField = Annotated[
+    Probability | None,
+    Meta(
+        description="the opt-in: accept at this confidence where no certified threshold applies; the "
+        "decision says certified: false"
+    ),
+]
+MassField = Annotated[
+    Probability | None,
+    Meta(
+        description="escalate (low_choice_mass) when the choices hold less of the model's probability; "
+        "overrides the profile's and the server's"
+    ),
+]
+ReturnPromptField = Annotated[bool, Meta(description="answer with the prompt as the model read it")]
+ValuesField = Annotated[
+    dict[str, float] | None,
+    Meta(
+        description="a score: a number per choice, so that the answer carries the expected value and its "
+        "standard deviation (default for numeral choices: the numerals)"
+    ),
+]
+MaxStdField = Annotated[
+    Annotated[float, Meta(ge=0.0)] | None,
+    Meta(
+        description="a score: escalate (high_std) when the standard deviation is above this; overrides the "
+        "profile's"
+    ),
+]
+SpanField = Annotated[
+    tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]] | None,
+    Meta(
+        description="the [start, end) characters of the prompt that hold the item, for a probe that reads "
+        "the mean hidden state over it: a profile fitted on marked items needs it, one fitted "
+        "on whole prompts refuses it"
+    ),
+]
+
+
 class JudgeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    prompt: str
-    choices: Choices
-    system: str | None = None
-    profile: ProfileName | None = None
-    threshold: Probability | None = None  # overrides the profile's certified one (none: 422)
-    uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
-    min_choice_mass: Probability | None = None  # overrides the server's default
-    response_prefix: str | None = None
-    response_suffix: str | None = None
-    return_prompt: bool = False
-    # A score: a number per choice (default for numeral choices: the numerals), so that the
-    # response carries the expected value and the standard deviation; escalate when the
-    # standard deviation is above max_std (overrides the profile's).
-    values: dict[str, float] | None = None
-    max_std: Annotated[float, Meta(ge=0.0)] | None = None
-    # The item's own text: the [start, end) characters of ``prompt`` that hold it (not the
-    # instruction or rubric around it), for a probe that reads the mean hidden state over the
-    # item (a profile fitted on marked items needs it; one fitted on whole prompts refuses it).
-    item_span: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]] | None = None
+    """``POST /judge``: one prompt between fixed choices."""
+
+    prompt: Annotated[str, Meta(description="the whole prompt, the user's message the model reads")]
+    choices: ChoicesField
+    system: SystemField = None
+    profile: ProfileField = None
+    threshold: ThresholdField = None
+    uncertified_threshold: UncertifiedField = None
+    min_choice_mass: MassField = None
+    response_prefix: PrefixField = None
+    response_suffix: SuffixField = None
+    return_prompt: ReturnPromptField = False
+    values: ValuesField = None
+    max_std: MaxStdField = None
+    item_span: SpanField = None
 
     def query(self) -> Query:
         """The engine's query for this request."""
@@ -124,17 +194,40 @@ class PairRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     winner's name, and the gate bounds how far the two orders disagreed
     (``max_order_spread``, reason code ``position_inconsistent``)."""
 
-    state: Any  # what both are judged against: a string as it is, any other JSON indented
-    instructions: NonBlank
-    candidates: Candidates
-    criteria: Criterion = None
-    order: Literal["given", "invariant"] = "invariant"  # "given": one order, as given
-    profile: ProfileName | None = None  # fitted for the two names
-    threshold: Probability | None = None
-    uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
-    min_choice_mass: Probability | None = None
-    max_order_spread: Probability | None = None  # default for a pair: 0.2
-    return_prompt: bool = False  # the first order's prompt
+    state: Annotated[
+        Any,
+        Meta(
+            description="what both candidates are judged against: a string as it is, other JSON indented"
+        ),
+    ]
+    instructions: Annotated[
+        NonBlank, Meta(description="what makes one candidate better than the other")
+    ]
+    candidates: Annotated[
+        Candidates, Meta(description="two names, each with its text; the answer is a name")
+    ]
+    criteria: Annotated[
+        Criterion,
+        Meta(description="what to weigh: free text, an object of named criteria, or none"),
+    ] = None
+    order: Annotated[
+        Literal["given", "invariant"],
+        Meta(
+            description="invariant: judged in both orders and averaged; given: once, in the order given"
+        ),
+    ] = "invariant"
+    profile: ProfileField = None  # fitted for the two names
+    threshold: ThresholdField = None
+    uncertified_threshold: UncertifiedField = None
+    min_choice_mass: MassField = None
+    max_order_spread: Annotated[
+        Probability | None,
+        Meta(
+            description="escalate (position_inconsistent) when the two orders disagree on a candidate's "
+            "probability by more (default for a pair: 0.2)"
+        ),
+    ] = None
+    return_prompt: ReturnPromptField = False  # the first order's prompt
 
 
 class ItemRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -143,16 +236,16 @@ class ItemRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     profile was fitted on, its characters marked, and judged between the profile's choices
     (in its order). Told apart from a JudgeRequest by its key ``item``."""
 
-    item: str
-    profile: ProfileName | None = None  # needed: a 422 names it when missing
-    threshold: Probability | None = None  # overrides the profile's certified one (none: 422)
-    uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
-    min_choice_mass: Probability | None = None
-    return_prompt: bool = False
-    # A score's, as a whole request's (JudgeRequest): a number per choice, and the bound on
-    # the standard deviation.
-    values: dict[str, float] | None = None
-    max_std: Annotated[float, Meta(ge=0.0)] | None = None
+    item: Annotated[
+        str, Meta(description="the item alone, put in the prompt the profile was fitted on")
+    ]
+    profile: ProfileField = None  # needed: a 422 names it when missing
+    threshold: ThresholdField = None
+    uncertified_threshold: UncertifiedField = None
+    min_choice_mass: MassField = None
+    return_prompt: ReturnPromptField = False
+    values: ValuesField = None
+    max_std: MaxStdField = None
 
     def judge_request(
         self, prompt: str, item_span: tuple[int, int] | None, choices: list[str], system: str | None
@@ -308,9 +401,15 @@ class ItemsBatch(
     (``service.bodies.decode_each``), before any work; the schema says what each may be
     (``service.web.openapi``)."""
 
-    items: Annotated[list[msgspec.Raw], Meta(max_length=MAX_BATCH_ITEMS)]
-    context: None = None  # the other shape's keys: absent, or null
-    questions: None = None
+    items: Annotated[
+        Annotated[list[msgspec.Raw], Meta(max_length=MAX_BATCH_ITEMS)],
+        Meta(
+            description="each a whole request or an item alone, as POST /judge takes them; each is answered "
+            "or refused in its place"
+        ),
+    ]
+    context: Annotated[None, Meta(description="the other shape's key: absent, or null")] = None
+    questions: Annotated[None, Meta(description="the other shape's key: absent, or null")] = None
 
 
 class SharedBatch(
@@ -318,9 +417,14 @@ class SharedBatch(
 ):
     """Questions about one ``context``, which the engine encodes once for all of them."""
 
-    context: str
-    questions: Annotated[list[SharedQuestion], Meta(max_length=MAX_BATCH_ITEMS)]
-    items: None = None  # the other shape's key: absent, or null
+    context: Annotated[
+        str, Meta(description="the text every question is about, computed once for all of them")
+    ]
+    questions: Annotated[
+        Annotated[list[SharedQuestion], Meta(max_length=MAX_BATCH_ITEMS)],
+        Meta(description="each question's prompt follows the context"),
+    ]
+    items: Annotated[None, Meta(description="the other shape's key: absent, or null")] = None
 
 
 BatchRequest = ItemsBatch | SharedBatch
@@ -329,13 +433,13 @@ BatchRequest = ItemsBatch | SharedBatch
 class SharedQuestion(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A question about the batch's shared context; the prompt is context + question."""
 
-    prompt: str
-    choices: Choices
-    profile: ProfileName | None = None
-    threshold: Probability | None = None
-    uncertified_threshold: Probability | None = None  # the opt-in: accept with no certificate
-    min_choice_mass: Probability | None = None
-    return_prompt: bool = False
+    prompt: Annotated[str, Meta(description="the question, read after the shared context")]
+    choices: ChoicesField
+    profile: ProfileField = None
+    threshold: ThresholdField = None
+    uncertified_threshold: UncertifiedField = None
+    min_choice_mass: MassField = None
+    return_prompt: ReturnPromptField = False
 
     def query(self) -> Query:
         """The engine's query for this question alone; the engine's own template applies."""
@@ -366,20 +470,31 @@ class LabelRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """The true label of one decision: one of its choices. ``replace`` changes a label given
     before; without it, another label than the stored one is a 409."""
 
-    label: Choice
-    replace: bool = False
+    label: Annotated[Choice, Meta(description="the true label: one of the decision's choices")]
+    replace: Annotated[
+        bool, Meta(description="change a label given before (else another label is a 409)")
+    ] = False
 
 
 class LabelItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    judgment_id: JudgmentId
-    label: Choice
+    """One logged decision's true label."""
+
+    judgment_id: Annotated[
+        JudgmentId, Meta(description="the decision's judgment_id, as its response gave it")
+    ]
+    label: Annotated[Choice, Meta(description="the true label: one of the decision's choices")]
 
 
 class LabelsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Labels of many decisions; each is stored or refused on its own."""
 
-    labels: Annotated[list[LabelItem], Meta(min_length=1, max_length=MAX_LABELS)]
-    replace: bool = False
+    labels: Annotated[
+        Annotated[list[LabelItem], Meta(min_length=1, max_length=MAX_LABELS)],
+        Meta(description="each a judgment_id and its true label"),
+    ]
+    replace: Annotated[
+        bool, Meta(description="change labels given before (else another label is refused)")
+    ] = False
 
 
 class LabelResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -399,12 +514,14 @@ class LabelsResponse(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LabeledExample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    prompt: str
-    label: Choice
-    # The item's characters in ``prompt`` (as ``JudgeRequest.item_span``): a probe may read the
-    # mean hidden state over them. Mark every example's, or none (then the whole prompts'
-    # means compete, and requests to the profile mark none).
-    item_span: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]] | None = None
+    """One labelled prompt to fit on. Mark every example's item (``item_span``) or none:
+    then the whole prompts' means compete, and requests to the profile mark none."""
+
+    prompt: Annotated[
+        str, Meta(description="the whole prompt, as a request to the profile will send it")
+    ]
+    label: Annotated[Choice, Meta(description="its true answer: one of the choices")]
+    item_span: SpanField = None
 
 
 FitMethod = Literal["auto", "temperature", "bias_temperature", "probe"]
@@ -420,17 +537,35 @@ class FitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     where it can be tried (the profile's note says when it was not).
     """
 
-    choices: Choices
-    examples: Annotated[list[LabeledExample], Meta(min_length=MIN_EXAMPLES, max_length=20_000)]
-    system: str | None = None
-    response_prefix: str | None = None
-    response_suffix: str | None = None
-    target_precision: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.9
-    delta: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.1
-    alpha: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.1
-    method: FitMethod = "auto"
-    # Certify a threshold per predicted class too, and serve that rule (calibration.certificates.class_certify)
-    per_class: bool = False
+    choices: ChoicesField
+    examples: Annotated[
+        Annotated[list[LabeledExample], Meta(min_length=MIN_EXAMPLES, max_length=20_000)],
+        Meta(description="the labelled prompts (a probe needs 100)"),
+    ]
+    system: SystemField = None
+    response_prefix: PrefixField = None
+    response_suffix: SuffixField = None
+    target_precision: Annotated[
+        Annotated[float, Meta(gt=0.0, lt=1.0)],
+        Meta(description="the precision the certified threshold guarantees among accepted answers"),
+    ] = 0.9
+    delta: Annotated[
+        Annotated[float, Meta(gt=0.0, lt=1.0)],
+        Meta(description="the probability that the certificate is wrong, at most"),
+    ] = 0.1
+    alpha: Annotated[
+        Annotated[float, Meta(gt=0.0, lt=1.0)],
+        Meta(
+            description="the conformal prediction set holds the true label with probability at least 1 - alpha"
+        ),
+    ] = 0.1
+    method: Annotated[FitMethod, Meta(description="the map to fit; auto lets them compete")] = (
+        "auto"
+    )
+    # calibration.certificates.class_certify
+    per_class: Annotated[
+        bool, Meta(description="also certify a threshold per predicted class, and serve that rule")
+    ] = False
 
 
 class CalibrationMapSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -490,7 +625,10 @@ class LabelQueue(msgspec.Struct, frozen=True, kw_only=True):
 class RollbackRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Serve a kept version of a profile again: its ETag (``GET /profiles/{name}/versions``)."""
 
-    etag: Annotated[str, Meta(pattern='^"[0-9a-f]{64}"$')]
+    etag: Annotated[
+        Annotated[str, Meta(pattern='^"[0-9a-f]{64}"$')],
+        Meta(description="the ETag of a kept version (GET /profiles/{name}/versions)"),
+    ]
 
 
 class RefitRecord(msgspec.Struct, frozen=True, kw_only=True):

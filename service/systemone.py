@@ -164,9 +164,17 @@ class SystemOneRequest(
 ):
     """Questions about one state; the server's ``max_questions`` bounds how many."""
 
-    state: Any  # a string as it is, anything else rendered as indented JSON
-    questions: Annotated[dict[QuestionId, SystemOneQuestion], Meta(min_length=1)]
-    model: str | None = None  # if given, the served model's id
+    state: Annotated[
+        Any,
+        Meta(description="what the questions are about: a string as it is, other JSON indented"),
+    ]
+    questions: Annotated[
+        dict[QuestionId, SystemOneQuestion],
+        Meta(min_length=1, description="each question by its id: noul, choice, score or pair"),
+    ]
+    model: Annotated[
+        str | None, Meta(description="if given, the served model's id (another: 422)")
+    ] = None
 
 
 class _Answered(msgspec.Struct, frozen=True, kw_only=True):

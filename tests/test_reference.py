@@ -121,6 +121,26 @@ def test_every_route_and_request_field_has_an_entry_and_an_example() -> None:
     assert missing_http_entries(cut) == ["FitRequest.target_precision"]
 
 
+def test_every_request_field_says_what_it_is_for() -> None:
+    """Each field a client sends has a description in the schema the server serves, which
+    the reference shows: written where the field is declared (service/schemas.py)."""
+    from service.web.openapi import openapi_document
+
+    document = openapi_document(secured=True)
+    schemas = document["components"]["schemas"]
+    bodies = set(_request_fields(document)) - {"CalibrationProfile"}  # the stored profile
+    nested = {"LabeledExample", "LabelItem", "SharedQuestion"}
+    silent = [
+        f"{name}.{field}"
+        for name in bodies | nested
+        for field, spec in schemas[name]["properties"].items()
+        if not spec.get("description")
+    ]
+    assert silent == []
+    page = reference.http_page()
+    assert "`threshold`: `number | null`\n:   accept at this confidence instead" in page
+
+
 def test_every_public_name_has_an_entry() -> None:
     page = reference.python_page()
     assert missing_python_entries(page) == []
