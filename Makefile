@@ -87,6 +87,7 @@ bench: install bench-cpu
 	$(BIN)/python benchmarks/bench_first_certificate.py
 	$(BIN)/python benchmarks/bench_label_free.py
 	$(BIN)/python benchmarks/bench_reliability.py
+	$(BIN)/python benchmarks/bench_soak.py
 	$(BIN)/python benchmarks/bench_ray.py
 	$(BIN)/python benchmarks/bench_systemone.py
 	$(BIN)/python benchmarks/bench_invariance.py --service

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration import CalibrationProfile, FitSettings, PolicyEvaluation
+from calibration import CalibrationProfile, FitSettings, PolicyEvaluation, Provenance
 from calibration.maps.map_types import Probe, ProbeSpan
 from calibration.maps.probe import candidate_layers
 from calibration.tasks import (
@@ -299,17 +299,13 @@ def fit_and_evaluate(
     (columns in task.choices order, which is the profile's)."""
     from calibration.tasks import fit_labeled
 
-    profile = fit_labeled(
-        task.name,
-        fitted_on,
-        task.choices,
-        judge.fingerprint(),
-        dataset=f"{task.name}/calibration",
-        dataset_sha256=digest,
-        settings=FitSettings(
-            target_precision=args.target_precision, delta=args.delta, methods=methods, seed=seed
-        ),
+    provenance = Provenance(
+        fingerprint=judge.fingerprint(), dataset=f"{task.name}/calibration", dataset_sha256=digest
     )
+    settings = FitSettings(
+        target_precision=args.target_precision, delta=args.delta, methods=methods, seed=seed
+    )
+    profile = fit_labeled(task.name, fitted_on, task.choices, provenance, settings).profile
     return profile, evaluate_on(profile, test, n_bootstrap)
 
 

@@ -44,7 +44,7 @@ import torch
 from bench_calibration import cached_scores, evaluate_on
 from benchlib import cpu_flags, cpu_model
 
-from calibration import FitError, FitSettings, candidate_layers
+from calibration import FitError, FitSettings, Provenance, candidate_layers
 from calibration.maps.map_types import ProbeSpan
 from calibration.tasks import (
     CascadeStageData,
@@ -84,15 +84,8 @@ def alone(
     judge: Judge, task: Any, fit: LabeledScores, test: LabeledScores, settings: FitSettings
 ) -> dict[str, Any]:
     """One model's profile on the calibration split, measured on test."""
-    profile = fit_labeled(
-        task.name,
-        fit,
-        task.choices,
-        judge.fingerprint(),
-        dataset=task.name,
-        dataset_sha256="-",
-        settings=settings,
-    )
+    provenance = Provenance(fingerprint=judge.fingerprint(), dataset=task.name, dataset_sha256="-")
+    profile = fit_labeled(task.name, fit, task.choices, provenance, settings).profile
     ev = evaluate_on(profile, test, n_bootstrap=50)
     return {
         "threshold": profile.threshold.threshold,

@@ -66,7 +66,9 @@ from benchlib import cpu_flags, cpu_model
 
 from judge.atomicio import write_text
 from judge.identity import new_judgment_id
-from service.log.decision_log import DecisionLog, LoggedDecision, Sync, open_log
+from service.log.backends import Sync, open_log
+from service.log.decision_log import DecisionLog
+from service.log.record import LoggedDecision
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"

@@ -88,6 +88,7 @@ def run_task(judge: object, task: object, cache: Path) -> dict[str, object]:
     from calibration import (
         BatchTemperatureScaler,
         BiasTemperatureScaler,
+        Provenance,
         TemperatureScaler,
         estimate_prior,
         evaluate_policy,
@@ -122,16 +123,10 @@ def run_task(judge: object, task: object, cache: Path) -> dict[str, object]:
         name: {"accuracy": accuracy(p, y), "nll": nll(p, y), "ece": ece(p, y)}
         for name, p in probs.items()
     }
-    profile = fit_profile(
-        task.name,
-        zc,
-        yc,
-        task.choices,
-        choice_mass=cal.choice_mass,
-        fingerprint=judge.fingerprint(),
-        dataset=f"{task.name}/calibration",
-        dataset_sha256=digest,
+    provenance = Provenance(
+        fingerprint=judge.fingerprint(), dataset=f"{task.name}/calibration", dataset_sha256=digest
     )
+    profile = fit_profile(task.name, cal, task.choices, provenance).profile
     evaluation = evaluate_policy(profile, z, y, test.choice_mass)
     s = evaluation.signal
     return {

@@ -39,7 +39,7 @@ from benchlib import cpu_flags, cpu_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calibration import FitSettings
+from calibration import FitSettings, Provenance
 from calibration.gate import Gate
 from calibration.maps.probe import candidate_layers, map_features
 from calibration.metrics import ece
@@ -91,15 +91,11 @@ def run_task(judge: Judge, name: str, seeds: int) -> dict[str, Any]:
     test, _ = load_split(task, "test")
     layers = candidate_layers(judge.fingerprint().num_layers or 1)
     fit = judge_task_items(judge, task, calibration, feature_layers=layers, span_layers=layers)
-    profile = fit_labeled(
-        name,
-        fit,
-        task.choices,
-        judge.fingerprint(),
-        dataset=f"{name}/calibration",
-        dataset_sha256=digest,
-        settings=FitSettings(target_precision=0.9, delta=0.1),
+    provenance = Provenance(
+        fingerprint=judge.fingerprint(), dataset=f"{name}/calibration", dataset_sha256=digest
     )
+    settings = FitSettings(target_precision=0.9, delta=0.1)
+    profile = fit_labeled(name, fit, task.choices, provenance, settings).profile
     scores: LabeledScores = judge_task_items(
         judge, task, test, feature_layers=layers, span_layers=layers
     )

@@ -145,7 +145,7 @@ def fit_arm(
     """One arm's profile on one draw at one target, evaluated on the whole test split: the
     calibration method it chose and the evaluation. ``scores``: the draw's LabeledScores;
     ``tfidf``: for the TF-IDF arm, its (n, k) and (m, k) log-probabilities."""
-    from calibration import evaluate_policy, fit_profile
+    from calibration import LabeledScores, Provenance, evaluate_policy, fit_profile
 
     if arm == "probe":  # as bench_calibration fits and measures an auto profile
         settings = argparse.Namespace(target_precision=target, delta=FitSettings().delta)
@@ -162,17 +162,20 @@ def fit_arm(
     else:
         assert tfidf is not None
         lp, test_lp = tfidf
-        profile = fit_profile(
-            f"{draws.task.name}-tfidf",
-            lp,
-            scores.labels,
-            draws.task.choices,
+        provenance = Provenance(
             fingerprint=draws.judge.fingerprint(),
             dataset=f"{draws.task.name}/calibration[{draws.n}] (TF-IDF + LR)",
             dataset_sha256=draws.digest,
-            settings=FitSettings(target_precision=target),
-            probe_split=True,
         )
+        profile = fit_profile(
+            f"{draws.task.name}-tfidf",
+            # The classifier's scores alone: no choice mass, no hidden states.
+            LabeledScores(lp, np.ones(len(lp)), scores.labels),
+            draws.task.choices,
+            provenance,
+            FitSettings(target_precision=target),
+            probe_split=True,
+        ).profile
         e = evaluate_policy(profile, test_lp, draws.test.labels, n_bootstrap=10)
     return profile.calibration_map.method, e
 

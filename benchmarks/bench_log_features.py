@@ -35,6 +35,7 @@ from calibration import (
     CalibrationProfile,
     FitSettings,
     PolicyEvaluation,
+    Provenance,
     fit_profile,
     load_profile,
     save_profile,
@@ -61,27 +62,29 @@ def serve_and_label(
     from litestar.testing import TestClient
 
     from service import ServiceConfig, create_app
-    from service.log.decision_log import open_log
+    from service.log.backends import open_log
 
     items, _ = load_split(task, "calibration")
     seed = judge.judge_batch(
         [{"prompt": task_prompt(task, i.text), "choices": task.choices} for i in items[:SEED_ITEMS]]
     )
-    profile = fit_profile(
-        task.name,
-        np.array(
+    scores = LabeledScores(
+        log_probabilities=np.array(
             [
                 [dict(zip(j.choices, j.log_probs, strict=True))[c] for c in task.choices]
                 for j in seed
             ]
         ),
-        np.array([task.choices.index(i.label) for i in items[:SEED_ITEMS]]),
-        task.choices,
+        choice_mass=np.ones(len(seed)),  # no mass gate: the seed profile only routes
+        labels=np.array([task.choices.index(i.label) for i in items[:SEED_ITEMS]]),
+    )
+    provenance = Provenance(
         fingerprint=judge.fingerprint(),
         dataset=f"{task.name}/calibration[:{SEED_ITEMS}]",
         dataset_sha256="0" * 64,
-        settings=FitSettings(methods=["temperature"]),
     )
+    settings = FitSettings(methods=["temperature"])
+    profile = fit_profile(task.name, scores, task.choices, provenance, settings).profile
     profiles = directory / "profiles"
     profiles.mkdir(parents=True)
     save_profile(profile, profiles / f"{task.name}.json")
@@ -122,7 +125,7 @@ def record_bytes(log: Path) -> dict[str, float]:
     """Mean JSON bytes of a record, with its hidden states and without them."""
     import msgspec
 
-    from service.log.decision_log import open_log
+    from service.log.backends import open_log
 
     with open_log(str(log)) as opened:
         records = opened.decisions()
@@ -144,7 +147,7 @@ def looks(
     lineage, its profiles in ``profiles``), each look's profile measured on the test split, with
     what the command said the next look would need when the gate stayed shut."""
     from service.cli.main import main
-    from service.log.decision_log import open_log
+    from service.log.backends import open_log
 
     with open_log(str(log)) as opened:
         records = opened.decisions()

@@ -17,7 +17,7 @@ cached per-choice log-probabilities of bench_calibration.py (judged once if miss
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import sys
 import time
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_scores.json")
     args = parser.parse_args()
 
-    from calibration import FitSettings, estimate_prior, fit_profile, prior_correction
+    from calibration import FitSettings, Provenance, estimate_prior, fit_profile, prior_correction
     from calibration.maps.probe import candidate_layers, map_features
     from calibration.maps.scaling import softmax
     from calibration.tasks import load_split, load_task
@@ -104,21 +104,15 @@ def main() -> None:
     target = np.array([by_id[item.id] for item in items])  # (n,) annotators' mean rating
     values = np.array([task.values[c] for c in task.choices])  # (k,)
 
-    fit = functools.partial(
-        fit_profile,
-        "sts_images",
-        cal.log_probabilities,
-        cal.labels,
-        task.choices,
-        choice_mass=cal.choice_mass,
-        fingerprint=judge.fingerprint(),
-        dataset="sts_images/calibration",
-        dataset_sha256=digest,
-        settings=FitSettings(values=task.values),
+    provenance = Provenance(
+        fingerprint=judge.fingerprint(), dataset="sts_images/calibration", dataset_sha256=digest
     )
-    profile = fit()  # the scalar maps: "auto" without features
+    settings = FitSettings(values=task.values)
+    # The scalar maps: "auto" without features.
+    scalar = dataclasses.replace(cal, features=None, feature_layers=())
+    profile = fit_profile("sts_images", scalar, task.choices, provenance, settings).profile
     # The same fit with a probe on the pass's hidden state competing.
-    probed = fit(features=cal.features, feature_layers=cal.feature_layers)
+    probed = fit_profile("sts_images", cal, task.choices, provenance, settings).profile
     batch = prior_correction(estimate_prior(cal.log_probabilities))
     z = test.log_probabilities
     probe_map = probed.calibration_map

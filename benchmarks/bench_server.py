@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 from benchlib import cpu_flags, cpu_model
 
-from calibration import evaluate_policy
+from calibration import Provenance, evaluate_policy
 from calibration.tasks import fit_labeled, load_split, load_task, task_prompt
 from calibration.tasks.labeled import scores_from_judgments
 from judge import Judge, Judgment
@@ -123,14 +123,12 @@ def quality(engines: dict[str, Any], name: str, items: int) -> dict[str, Any]:
             judged[label]["calibration"], labels["calibration"], task.choices
         )
         test = scores_from_judgments(judged[label]["test"], labels["test"], task.choices)
-        profile = fit_labeled(
-            name,
-            cal,
-            task.choices,
-            engine.fingerprint(),
+        provenance = Provenance(
+            fingerprint=engine.fingerprint(),
             dataset=f"{name}/calibration",
             dataset_sha256=splits["calibration"][1],
         )
+        profile = fit_labeled(name, cal, task.choices, provenance).profile
         ev = evaluate_policy(profile, test.log_probabilities, test.labels, test.choice_mass)
         out[label] = {
             "accuracy": ev.after.accuracy.value,
@@ -162,9 +160,8 @@ def main() -> None:
         # llama-cpp-python's server answers one request at a time: at 16 in flight the last
         # waits for the 15 before it (an echo read takes seconds on 2 cores), far past the
         # engine's 60 s default, which is meant for one call.
-        slow = {"timeout_s": 900.0}
-        echo = open_engine(spec, **slow)
-        top = open_engine(f"{spec}?read=top&top={args.top}", **slow)
+        echo = open_engine(spec, timeout_s=900.0)
+        top = open_engine(f"{spec}?read=top&top={args.top}", timeout_s=900.0)
         sst2 = load_task(DATA / "sst2")
         rows, _ = load_split(sst2, "test", speed_items)
         queries = [{"prompt": task_prompt(sst2, r.text), "choices": sst2.choices} for r in rows]

@@ -41,10 +41,15 @@ if TYPE_CHECKING:
         RuleError,
         ValuesError,
     )
+    from calibration.fit_data import (
+        LabeledScores,
+        Provenance,
+    )
     from calibration.fit_settings import (
         FitSettings,
     )
     from calibration.fitting import (
+        FittedProfile,
         PolicyEvaluation,
         TrainedHead,
         evaluate_policy,
@@ -124,10 +129,12 @@ _EXPORTS = {
     "DataSplit": "calibration.profile",
     "FitError": "calibration.errors",
     "FitSettings": "calibration.fit_settings",
+    "FittedProfile": "calibration.fitting",
     "Gate": "calibration.gate",
     "Identity": "calibration.maps.scaling",
     "Interval": "calibration.metrics",
     "LabelFree": "calibration.maps.label_free",
+    "LabeledScores": "calibration.fit_data",
     "MIN_EXAMPLES": "calibration.limits",
     "MIN_PROBE_EXAMPLES": "calibration.maps.probe",
     "MetricReport": "calibration.metrics",
@@ -140,6 +147,7 @@ _EXPORTS = {
     "ProfileMismatchError": "calibration.errors",
     "NoCertificateError": "calibration.errors",
     "ProfileNotFoundError": "calibration.errors",
+    "Provenance": "calibration.fit_data",
     "REASON_CODES": "calibration.policy",
     "ReasonCode": "calibration.policy",
     "RuleError": "calibration.errors",
@@ -189,10 +197,12 @@ __all__ = [
     "DataSplit",
     "FitError",
     "FitSettings",
+    "FittedProfile",
     "Gate",
     "Identity",
     "Interval",
     "LabelFree",
+    "LabeledScores",
     "MetricReport",
     "NoCertificateError",
     "Overrides",
@@ -203,6 +213,7 @@ __all__ = [
     "ProfileError",
     "ProfileMismatchError",
     "ProfileNotFoundError",
+    "Provenance",
     "ReasonCode",
     "RuleError",
     "ScoredJudgment",

@@ -68,12 +68,12 @@ from calibration.certificates.mass_gate import choose_min_choice_mass
 from calibration.certificates.per_class import ClassReport, class_evidence
 from calibration.certificates.recertify import (
     LabelsNeeded,
-    Recertification,
     labels_to_certify,
     next_look_delta,
 )
 from calibration.certificates.signal import SignalReport, label_prior, signal_report
 from calibration.errors import FitError
+from calibration.fit_data import LabeledScores, Provenance
 from calibration.fit_settings import AUTO_METHODS, DEFAULT_METHODS, DEFAULT_SETTINGS, FitSettings
 from calibration.gate import Gate, Overrides
 from calibration.limits import (
@@ -107,6 +107,7 @@ from judge.fingerprint import Fingerprint
 __all__ = [
     "AUTO_METHODS",
     "MIN_EXAMPLES",
+    "FittedProfile",
     "FittedRule",
     "PolicyEvaluation",
     "evaluate_policy",
@@ -483,75 +484,82 @@ class TrainedHead:
     adapter: Adapter
 
 
+@dataclass(frozen=True)
+class FittedProfile:
+    """What ``fit_profile`` returns: the profile, and its items as its map would judge new
+    ones."""
+
+    profile: CalibrationProfile
+    # (n, k) calibrated probabilities of every item, a probe's fit split from the folds that
+    # did not see them: a cascade orders its rules on these, a labelling queue times its looks.
+    out_of_sample: np.ndarray
+
+
 def fit_profile(
     name: str,
-    log_probabilities: ArrayLike,
-    y: ArrayLike,
+    scores: LabeledScores,
     choices: Sequence[str],
-    *,
-    fingerprint: Fingerprint,
-    dataset: str,
-    dataset_sha256: str,
+    provenance: Provenance,
     settings: FitSettings = DEFAULT_SETTINGS,
-    choice_mass: ArrayLike | None = None,
-    features: ArrayLike | None = None,
-    feature_layers: Sequence[int] = (),
+    *,
     probe_split: bool | None = None,
-    recertification: Recertification | None = None,
-    span_features: ArrayLike | None = None,
-    span: ProbeSpan | None = None,
-    out_of_sample: list[np.ndarray] | None = None,
     trained: TrainedHead | None = None,
-    fit_only: ArrayLike | None = None,
-) -> CalibrationProfile:
-    """Fit a profile on (n, k) per-choice log-probabilities and label indices ``y`` (n >= 20).
+) -> FittedProfile:
+    """Fit a profile named ``name`` on labelled ``scores`` (n >= 20 items; columns in
+    ``choices`` order), recording their ``provenance``.
 
-    ``fingerprint`` is the engine's (``judge.fingerprint(...)`` for the template the scores
-    were judged with), stored in the profile; ``settings`` (``FitSettings``) are what to
-    certify and how: the guarantees, a score's ``values`` and ``max_std``, the candidate
-    ``methods`` ("auto": every method, the probe included where ``features`` (n, m, H) of
-    ``feature_layers`` are given and there are at least ``MIN_PROBE_EXAMPLES``; the note says
-    when it was not tried), the split's seed and the metrics' resamples. With ``span_features``
-    (n, m, H), the same layers' means over each item's tokens (``span``: the item marked in
-    its prompt, or the whole prompt), the probe may read those instead, or beside them.
+    ``scores`` (``LabeledScores``) are the (n, k) log-probabilities, the labels and the choice
+    mass, with the (n, m, H) ``features`` of ``feature_layers`` a probe reads (and
+    ``span_features``, the same layers' means over each item's tokens, which it may read
+    instead or beside them), and ``fit_only``: items that may only fit the map (a teach
+    stream's labels), the split drawn from the others (``split.taught`` counts them).
+    ``provenance`` (``Provenance``) is stored in the profile: the engine's fingerprint, the
+    data's name and hash, the prompt's template and, for a refit, the look it is (the
+    settings' delta must be that look's share, ``recertification.spent``). ``settings``
+    (``FitSettings``) are what to certify and how: the guarantees, a score's ``values`` and
+    ``max_std``, the candidate ``methods`` ("auto": every method, the probe included where
+    there are features and at least ``MIN_PROBE_EXAMPLES`` items; the note says when it was
+    not tried), the split's seed and the metrics' resamples.
+
     When a probe wins, the scalar maps (temperature, or bias + temperature, by cross-validated
     NLL, as without a probe) are fitted and certified on the same split too, and kept as the
     profile's ``baseline``. ``probe_split`` (``split_examples``; None: the probe's split exactly
     when a probe is a candidate) lets scores from another classifier, trained on the probe
-    split's fit items only, be certified on the items it never saw. ``recertification``: a
-    refit from a decision log, the look it is (``calibration.certificates.recertify``); the settings' delta
-    must be its share, ``recertification.spent``. ``out_of_sample``, a list, gets the (n, k)
-    calibrated probabilities of every example as the map would judge a new one (a probe's fit
-    split from the folds that did not see them): a cascade orders its rules on those.
-    ``trained``: a probe head trained with low-rank adapters on the probe split's fit items
-    alone (``judge.adapter_fit``), and those adapters; the scores are the adapted engine's,
-    the split is the probe's, and the profile carries the adapter. Nothing chooses the map here, so
-    the conformal and certify splits, which neither saw, certify it exactly. ``fit_only``
-    (n,) booleans: items that may only fit the map (a teach stream's labels): the split is
-    drawn from the others (``split.taught`` counts them).
+    split's fit items only, be certified on the items it never saw. ``trained``: a probe head
+    trained with low-rank adapters on the probe split's fit items alone
+    (``judge.adapter_fit``), and those adapters; the scores are the adapted engine's, the split
+    is the probe's, and the profile carries the adapter. Nothing chooses the map here, so the
+    conformal and certify splits, which neither saw, certify it exactly.
+
+    Returns the profile and the (n, k) calibrated probabilities of every item as the map would
+    judge a new one (``FittedProfile``).
     """
     if trained is not None:
         if probe_split is False:
             raise ValueError("an adapter's head is trained on the probe split: probe_split=False")
         probe_split = True
+    fingerprint, dataset = provenance.fingerprint, provenance.dataset
     _check_fingerprint(fingerprint)
-    z = _shaped(log_probabilities, choices)
-    _check_classes(check_labels(y, z.shape[0], z.shape[1]), choices)
-    z, labels = _check(z, y, choices, MIN_EXAMPLES)
+    z, labels, mass = scores.log_probabilities, scores.labels, scores.choice_mass
+    if z.shape[1] != len(choices):
+        raise ValueError(f"scores have {z.shape[1]} columns but there are {len(choices)} choices")
+    _check_classes(labels, choices)
+    if z.shape[0] < MIN_EXAMPLES:
+        raise FitError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
     rule = fit_rule(
         z,
         labels,
-        choice_mass,
+        mass,
         settings=settings,
         choices=choices,
-        features=features,
-        feature_layers=feature_layers,
+        features=scores.features,
+        feature_layers=scores.feature_layers,
         num_layers=fingerprint.num_layers,
         probe_split=probe_split,
-        span_features=span_features,
-        span=span,
+        span_features=scores.span_features,
+        span=scores.span,
         fitted=None if trained is None else trained.fit,
-        fit_only=fit_only,
+        fit_only=scores.fit_only,
     )
     held = rule.held_out
     evidence = {"seed": settings.seed, "n_bootstrap": settings.n_bootstrap}
@@ -560,14 +568,14 @@ def fit_profile(
         base = fit_rule(
             z,
             labels,
-            choice_mass,
+            mass,
             # The same gate as the profile's: the baseline is served under the profile's mass.
             settings=msgspec.structs.replace(
                 settings, methods=DEFAULT_METHODS, min_choice_mass=rule.min_choice_mass
             ),
             choices=choices,
             probe_split=True,
-            fit_only=fit_only,
+            fit_only=scores.fit_only,
         )
         assert not isinstance(base.fit.map, Probe)
         baseline = Baseline(
@@ -593,7 +601,8 @@ def fit_profile(
         fingerprint,
         settings,
         dataset=dataset,
-        dataset_sha256=dataset_sha256,
+        dataset_sha256=provenance.dataset_sha256,
+        template=provenance.template,
         n_examples=len(labels),
         calibration_map=rule.fit.map,
         cv_nll=rule.fit.cv_nll,
@@ -622,16 +631,13 @@ def fit_profile(
             f"{dataset}",
             seed=settings.seed,
         ),
-        recertification=recertification,
+        recertification=provenance.recertification,
         adapter=None if trained is None else trained.adapter,
     )
     # Per class, on the items the map was not fitted on, under the rule as served (its own
     # gates on the calibrated probabilities): the evidence the report shows beside the metrics.
-    held_mass = None if choice_mass is None else np.asarray(choice_mass)[held]
-    g = gates_on_calibrated(profile, rule.probabilities[held], held_mass)
+    g = gates_on_calibrated(profile, rule.probabilities[held], mass[held])
     evidence_by_class = class_evidence(list(choices), labels[held], g.best, g.accepted)
-    if out_of_sample is not None:
-        out_of_sample.append(rule.out_of_sample)
     # A head trained on its fit items has no out-of-sample probabilities there: its estimate
     # reads the held-out items alone.
     usable = None
@@ -642,13 +648,16 @@ def fit_profile(
         profile,
         rule.out_of_sample,
         labels,
-        choice_mass,
-        fit_only,
-        features=features is not None,
+        mass,
+        scores.fit_only,
+        features=scores.features is not None,
         settings=settings,
         usable=usable,
     )
-    return msgspec.structs.replace(profile, class_evidence=evidence_by_class, labels_needed=needed)
+    return FittedProfile(
+        msgspec.structs.replace(profile, class_evidence=evidence_by_class, labels_needed=needed),
+        rule.out_of_sample,
+    )
 
 
 def labels_for_next_look(
@@ -664,8 +673,8 @@ def labels_for_next_look(
     """About how many labels the next look of ``profile``'s lineage would need to certify its
     target (``calibration.certificates.recertify.labels_to_certify``), judged by the profile's own map on
     the examples it was fitted from but not fitted on (its conformal and certify splits, every
-    gate but the threshold applied), at the next look's delta. The arguments are the ones
-    ``fit_profile`` was given."""
+    gate but the threshold applied), at the next look's delta. The arguments are the arrays of
+    the ``LabeledScores`` ``fit_profile`` was given."""
     labels = np.asarray(y)
     held = held_out_examples(labels, profile.split, fit_only)
     z = np.asarray(log_probabilities, dtype=np.float64)[held]

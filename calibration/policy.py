@@ -46,6 +46,10 @@ the profile's certified threshold, minimum mass and maximum std unchanged, the r
 ``calibration.fitting`` certified; an override is the caller's own choice and carries no
 guarantee.
 
+This module resolves the rule and makes the verdicts; the checks themselves run over arrays
+in ``calibration.policy_checks`` (``Policy.gates``), where each reason code and its words are
+made.
+
 A judgment is anything with its ``choices``, their ``log_probs`` in that order and a
 ``choice_mass`` (the engine's ``Judgment`` qualifies), so this module needs neither torch nor
 the engine.
@@ -58,25 +62,33 @@ import hashlib
 import math
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from calibration.carry import carry
-from calibration.certificates.conformal import set_membership
 from calibration.errors import NoCertificateError, ProfileMismatchError, ValuesError
 from calibration.maps.map_types import CalibrationMap, Identity, Probe
-from calibration.monitoring.label_shift import reweighted
+from calibration.policy_checks import (
+    REASON_CODES,
+    Gates,
+    Hold,
+    ReasonCode,
+    Rows,
+    checked,
+    failures,
+)
 from calibration.scored import ScoredJudgment, check_max_std, probe_row
-from calibration.scores import check_values, numeral_values, value_moments
-from calibration.validation import check_choice_mass, check_probability
+from calibration.scores import check_values, numeral_values
+from calibration.validation import check_probability
 
 if TYPE_CHECKING:
     from calibration.profile import CalibrationProfile
 
+# REASON_CODES, Gates, Hold and ReasonCode are calibration.policy_checks', named here too: the
+# policy's callers import them with it.
 __all__ = [
     "DEFAULT_MAX_POSITION_SPREAD",
     "REASON_CODES",
@@ -91,19 +103,6 @@ __all__ = [
     "make_policy",
 ]
 
-ReasonCode = Literal[
-    "uncalibrated",
-    "no_certified_threshold",
-    "below_threshold",
-    "low_choice_mass",
-    "ambiguous_set",
-    "high_std",
-    "order_sensitive",
-    "position_inconsistent",
-    "partial_logprobs",
-    "prior_shift",
-]
-REASON_CODES: tuple[str, ...] = get_args(ReasonCode)
 ThresholdSource = Literal["request", "profile", "default"]
 # Where a policy's threshold came from: the profile's certificate, a request's override of it,
 # or the opt-in uncertified threshold (the request's, else the server's); "none": no threshold,
@@ -129,7 +128,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     What ``Gate.decide`` gives in Python, and what every wire form is made from: the
     ``/judge`` response (``service.schemas.JudgeResponse.of``), a System One answer's
     extension fields (``service.systemone.wire_answer``), ``judge ask``'s JSONL lines and the
-    decision log's row (``service.log.decision_log.LoggedDecision.of``). Probabilities are arrays
+    decision log's row (``service.log.record.LoggedDecision.of``). Probabilities are arrays
     in ``choices`` order; ``probabilities`` and ``raw_probabilities`` are their dict views.
     Plain data.
     """
@@ -210,67 +209,6 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-@dataclass(frozen=True)
-class Gates:
-    """A policy's gates over n items, as arrays (see ``Policy.gates``)."""
-
-    probabilities: npt.NDArray[np.float64]  # (n, k) calibrated
-    best: npt.NDArray[np.int64]  # (n,) index of the top choice
-    confidence: npt.NDArray[np.float64]  # (n,) its probability
-    choice_mass: npt.NDArray[np.float64]  # (n,)
-    below_threshold: npt.NDArray[np.bool_]  # (n,) True where there is no threshold
-    # (n,) the threshold each item is held to: the policy's, or its top choice's class's;
-    # NaN where there is none (so it escalates)
-    thresholds: npt.NDArray[np.float64]
-    low_choice_mass: npt.NDArray[np.bool_]  # (n,)
-    membership: npt.NDArray[np.bool_] | None  # (n, k) conformal sets; None without a profile
-    expected_value: npt.NDArray[np.float64] | None  # (n,) for a score; None without values
-    std: npt.NDArray[np.float64] | None  # (n,) for a score; None without values
-    high_std: npt.NDArray[np.bool_]  # (n,) std above max_std; False everywhere without a bound
-    # (n,) order_spread above the bound in force (``Policy.spread_bound``); False everywhere
-    # without a spread or a bound
-    order_sensitive: npt.NDArray[np.bool_]
-    accepted: npt.NDArray[np.bool_]  # (n,) every gate passed
-
-    @property
-    def eligible(self) -> npt.NDArray[np.bool_]:
-        """(n,) every gate passed but the threshold: what another threshold would accept
-        at or above it (a cascade's thresholds are chosen together, ``calibration.certificates.cascade_certify``)."""
-        return _other_gates_pass(
-            self.low_choice_mass, self.membership, self.high_std, self.order_sensitive
-        )
-
-
-def _held(hold: Hold | None) -> tuple[list[ReasonCode], list[str]]:
-    """A decision's first reason code and reason: its policy's hold, if it has one."""
-    return (["prior_shift"], [hold.reason]) if hold is not None else ([], [])
-
-
-def _at_live_prior(probs: npt.NDArray[np.float64], hold: Hold | None) -> npt.NDArray[np.float64]:
-    """Calibrated probabilities moved to the live class prior where a hold carries one: Bayes'
-    rule under label shift (``calibration.monitoring.label_shift.correct``)."""
-    if hold is None or hold.prior_weights is None:
-        return probs
-    return reweighted(probs, hold.prior_weights)
-
-
-def _other_gates_pass(
-    low_choice_mass: npt.NDArray[np.bool_],
-    membership: npt.NDArray[np.bool_] | None,
-    high_std: npt.NDArray[np.bool_],
-    order_sensitive: npt.NDArray[np.bool_],
-    hold: Hold | None = None,
-) -> npt.NDArray[np.bool_]:
-    """(n,) every gate but the threshold passes: enough choice mass, a single-choice conformal
-    set (where there are sets), the std and order-spread bounds, and no ``hold``."""
-    ambiguous = (
-        np.zeros(low_choice_mass.shape, dtype=bool)
-        if membership is None
-        else membership.sum(axis=1) != 1
-    )
-    return ~(low_choice_mass | ambiguous | high_std | order_sensitive) & (hold is None)
-
-
 class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
     """What applies when neither the request nor a profile says otherwise.
 
@@ -289,17 +227,6 @@ class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
         check_probability(self.min_choice_mass, "min_choice_mass")
         if self.max_std is not None:
             check_max_std(self.max_std)
-
-
-class Hold(msgspec.Struct, frozen=True, kw_only=True):
-    """What a server's monitor found that the certificate does not cover
-    (``calibration.monitoring.label_shift``): every decision escalates with reason code ``prior_shift``
-    and ``reason``, until the profile is re-certified (a new version is a new policy); with
-    ``prior_weights`` (the estimated live prior over the source's, per choice) the served
-    probabilities are moved to the live prior (the server's opt-in)."""
-
-    reason: str
-    prior_weights: list[float] | None = None
 
 
 class Policy(msgspec.Struct, frozen=True, kw_only=True):
@@ -386,24 +313,20 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         for i, j in enumerate(judgments):
             groups.setdefault(tuple(j.choices), []).append(i)
         out: list[Verdict | None] = [None] * len(judgments)
-        for order, rows in groups.items():
+        for order, members in groups.items():
             choices, columns = self._columns(order)
-            z = np.array([judgments[i].log_probs for i in rows], dtype=np.float64)  # (n, k)
-            mass = np.array([judgments[i].choice_mass for i in rows], dtype=np.float64)
-            features = self._features([judgments[i] for i in rows])
-            spread = None if order_spreads is None else [order_spreads[i] for i in rows]
-            decisions = self._decide(
+            group = [judgments[i] for i in members]
+            z = np.array([j.log_probs for j in group], dtype=np.float64)  # (n, k)
+            rows = Rows(
                 choices,
                 z[:, columns],
-                mass,
-                features,
-                spread,
-                sha256=sha256,
+                choice_mass=np.array([j.choice_mass for j in group], dtype=np.float64),
+                features=self._features(group),
+                order_spread=None if order_spreads is None else [order_spreads[i] for i in members],
                 pair=pair,
-                judgments=[judgments[i] for i in rows],
-                raw_probs=_raw_probs([judgments[i] for i in rows], columns),
             )
-            for i, d in zip(rows, decisions, strict=True):
+            decisions = self._verdicts(rows, group, _raw_probs(group, columns), sha256)
+            for i, d in zip(members, decisions, strict=True):
                 out[i] = d
         return [d for d in out if d is not None]
 
@@ -445,103 +368,38 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             [probe_row(j, probe.reads, probe.layers, probe.span, name) for j in judgments]
         )
 
-    def _decide(
+    def _verdicts(
         self,
-        choices: Sequence[str],
-        log_probabilities: npt.ArrayLike,
-        choice_mass: npt.ArrayLike | None,
-        features: npt.ArrayLike | None,
-        order_spread: npt.ArrayLike | None,
-        *,
+        rows: Rows,
+        judgments: Sequence[ScoredJudgment],
+        raw_probs: npt.NDArray[np.float64] | None,
         sha256: str,
-        pair: bool = False,
-        judgments: Sequence[ScoredJudgment] | None = None,
-        raw_probs: npt.NDArray[np.float64] | None = None,
     ) -> list[Verdict]:
-        """Decisions for (n, k) log-probabilities whose columns follow ``choices``, with this
-        policy's ``sha256`` read once by the caller, and the judgments the rows come from
-        (None: not known), whose ids and hashes the decisions carry. ``choice_mass`` (n,),
-        ``features`` and ``order_spread`` (n,) are ``gates``'s. ``raw_probs`` (n, k): the model's probabilities as the judgments carry them
-        (None: the exponentials of ``log_probabilities``)."""
-        z = np.asarray(log_probabilities, dtype=np.float64)
-        g = self.gates(choices, z, choice_mass, features, order_spread, pair=pair)
+        """The verdicts on ``rows``, made from the judgments in order, whose ids and hashes
+        they carry, with this policy's ``sha256`` read once by the caller. ``raw_probs``
+        (n, k): the model's probabilities as the judgments carry them (None: the exponentials
+        of ``rows.log_probs``)."""
+        z = rows.log_probs  # (n, k)
+        g = checked(self, rows)
         raw = np.exp(z) if raw_probs is None else raw_probs
-        spreads = None if order_spread is None else np.asarray(order_spread, dtype=np.float64)
-        bound = self.spread_bound(pair)
+        spreads = (
+            None if rows.order_spread is None else np.asarray(rows.order_spread, dtype=np.float64)
+        )
+        bound = self.spread_bound(rows.pair)
         method, temperature, layers = self._map_record()
         decisions = []
-        for i in range(g.probabilities.shape[0]):
-            codes, reasons = _held(self.hold)
-            held_to = float(g.thresholds[i])
-            if math.isnan(held_to):
-                codes.append("uncalibrated" if self.profile is None else "no_certified_threshold")
-                reasons.append(self._no_threshold_reason(int(g.best[i])))
-            elif g.below_threshold[i]:
-                codes.append("below_threshold")
-                reasons.append(
-                    f"confidence {g.confidence[i]:.4f} is below the threshold {held_to:.4f}"
-                )
-            if g.low_choice_mass[i]:
-                codes.append("low_choice_mass")
-                reasons.append(
-                    f"choice mass {g.choice_mass[i]:.4f} is below the minimum "
-                    f"{self.min_choice_mass:.4f}"
-                )
-            members = None
-            if g.membership is not None:
-                members = [choices[int(j)] for j in np.flatnonzero(g.membership[i])]
-                if len(members) != 1:
-                    codes.append("ambiguous_set")
-                    reasons.append(
-                        f"the conformal prediction set holds {len(members)} choices "
-                        f"({', '.join(members)}), not one"
-                    )
-            if g.high_std[i]:
-                assert g.std is not None and self.max_std is not None
-                codes.append("high_std")
-                reasons.append(
-                    f"the score's standard deviation {g.std[i]:.4f} is above the maximum "
-                    f"{self.max_std:.4f}"
-                )
-            if g.order_sensitive[i]:
-                assert spreads is not None and bound is not None
-                # One gate; a pair's listings are its candidates' two orders.
-                codes.append("position_inconsistent" if pair else "order_sensitive")
-                moved = "swapping the candidates" if pair else "the order of the options"
-                reasons.append(
-                    f"{moved} moved a probability by {spreads[i]:.4f}, above the maximum "
-                    f"order spread {bound:.4f}"
-                )
-            judgment = None if judgments is None else judgments[i]
+        for i, judgment in enumerate(judgments):
             unknown = float(getattr(judgment, "unknown_mass", 0.0) or 0.0)
-            if unknown > 0 and not codes:
-                changed = _moved_by_unread(
-                    self,
-                    choices,
-                    z[i],
-                    int(g.best[i]),
-                    unknown,
-                    i,
-                    pair=pair,
-                    choice_mass=choice_mass,
-                    features=features,
-                    order_spread=order_spread,
-                    sha256=sha256,
-                )
-                if changed:
-                    codes.append("partial_logprobs")
-                    reasons.append(
-                        f"up to {unknown:.4f} of the choices' probability was not read (the "
-                        f"server's top next tokens left some out), and at that bound {changed}"
-                    )
+            codes, reasons, members = failures(self, g, rows, i, unknown)
+            held_to = float(g.thresholds[i])
             scored = g.expected_value is not None and g.std is not None
             judgment_id = _carried(judgment, "judgment_id")
             decisions.append(
                 Verdict(
                     decision="escalate" if codes else "accept",
-                    choice=choices[int(g.best[i])],
+                    choice=rows.choices[int(g.best[i])],
                     confidence=float(g.confidence[i]),
-                    choices=list(choices),
+                    choices=list(rows.choices),
                     probs=[float(p) for p in g.probabilities[i]],
                     raw_probs=[float(p) for p in raw[i]],
                     raw_log_probs=[float(v) for v in z[i]],
@@ -581,12 +439,6 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         temperature = None if method == "probe" else self.calibration_map.temperature
         return method, temperature, list(self.probe_layers) or None
 
-    def _no_threshold_reason(self, best: int) -> str:
-        """Why a decision of class ``best`` has no threshold to be held to."""
-        if self.class_reasons is not None:
-            return f"profile {self.profile!r} certifies no threshold for {self.class_reasons[best]}"
-        return str(self.no_threshold_reason)
-
     def gates(
         self,
         choices: Sequence[str],
@@ -597,7 +449,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         *,
         pair: bool = False,
     ) -> Gates:
-        """Every gate of the policy for (n, k) log-probabilities, as arrays.
+        """Every gate of the policy for (n, k) log-probabilities, as arrays
+        (``calibration.policy_checks.checked``).
 
         ``features`` (n, m * H) are the hidden states a probe map reads; other maps ignore them.
         ``order_spread`` (n,) is each judgment's spread across listings of its options;
@@ -606,71 +459,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         ``decide_many`` turns these into decisions; for large evaluations, ``Gates.accepted``
         and ``Gates.best`` are the decisions without building an object per item.
         """
-        if self.choices is not None and list(choices) != self.choices:
-            raise ProfileMismatchError(
-                "choices",
-                f"profile {self.profile!r} decides between {self.choices!r}, not {list(choices)!r}",
-            )
         z = np.asarray(log_probabilities, dtype=np.float64)
-        probs = _at_live_prior(self.calibration_map.apply(z, features), self.hold)
-        if probs.ndim != 2 or probs.shape[1] != len(choices):
-            raise ValueError(
-                f"log_probabilities must have shape (n, {len(choices)}), got {probs.shape}"
-            )
-        n = probs.shape[0]
-        mass = check_choice_mass(choice_mass, n)
-        best = probs.argmax(axis=1)  # (n,)
-        confidence = probs[np.arange(n), best]  # (n,)
-        thresholds = self._item_thresholds(best)
-        below = ~(confidence >= thresholds)  # NaN, no threshold: below every confidence
-        low_mass = mass < self.min_choice_mass
-        membership = (
-            None
-            if self.conformal_quantile is None
-            else set_membership(probs, self.conformal_quantile)
-        )  # (n, k)
-        expected = std = None
-        high_std = np.zeros(n, dtype=bool)
-        values = self.values_for(choices)
-        if values is not None:
-            expected, std = value_moments(probs, values)  # (n,), (n,)
-            if self.max_std is not None:
-                high_std = std > self.max_std
-        order_sensitive = np.zeros(n, dtype=bool)
-        if order_spread is not None:
-            spreads = np.asarray(order_spread, dtype=np.float64)
-            if spreads.shape != (n,):
-                raise ValueError(f"order_spread must have shape ({n},), got {spreads.shape}")
-            bound = self.spread_bound(pair)
-            if bound is not None:
-                order_sensitive = spreads > bound
-        return Gates(
-            probabilities=probs,
-            best=best,
-            confidence=confidence,
-            choice_mass=mass,
-            below_threshold=below,
-            thresholds=thresholds,
-            low_choice_mass=low_mass,
-            membership=membership,
-            expected_value=expected,
-            std=std,
-            high_std=high_std,
-            order_sensitive=order_sensitive,
-            accepted=~below
-            & _other_gates_pass(low_mass, membership, high_std, order_sensitive, self.hold),
-        )
-
-    def _item_thresholds(self, best: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
-        """(n,) each item's threshold: its top choice's class's where the policy has one per
-        class (columns in the profile's order), else the one threshold; NaN for none."""
-        if self.class_thresholds is not None:
-            per_class = np.array(
-                [np.nan if t is None else t for t in self.class_thresholds], dtype=np.float64
-            )
-            return per_class[best]
-        one = np.nan if self.threshold is None else self.threshold
-        return np.full(best.shape, one, dtype=np.float64)
+        rows = Rows(choices, z, choice_mass, features, order_spread=order_spread, pair=pair)
+        return checked(self, rows)
 
     def values_for(self, choices: Sequence[str]) -> npt.NDArray[np.float64] | None:
         """The number of each of ``choices`` (k,), or None when the judgment is not a score. A
@@ -739,51 +530,6 @@ def _raw_probs(
     if any(r is None or len(r) != len(columns) for r in rows):
         return None
     return np.asarray(rows, dtype=np.float64)[:, columns]
-
-
-def _moved_by_unread(
-    policy: Policy,
-    choices: Sequence[str],
-    z: npt.NDArray[np.float64],
-    best: int,
-    unknown: float,
-    row: int,
-    *,
-    pair: bool,
-    choice_mass: npt.ArrayLike | None,
-    features: npt.ArrayLike | None,
-    order_spread: npt.ArrayLike | None,
-    sha256: str,
-) -> str | None:
-    """How ``policy``'s decision of row ``row`` (log-probabilities ``z``, best choice ``best``)
-    changes when the ``unknown`` share of probability not read goes all to the runner-up,
-    or evenly to every other choice; None where it holds at both."""
-    p = np.exp(z) * (1 - unknown)
-    others = [j for j in range(len(p)) if j != best]
-    runner_up, spread = p.copy(), p.copy()
-    runner_up[max(others, key=lambda j: p[j])] += unknown
-    spread[others] += unknown / len(others)
-    pick = slice(row, row + 1)
-
-    def sliced(values: npt.ArrayLike | None) -> npt.ArrayLike | None:
-        return None if values is None else np.asarray(values)[pick]
-
-    for worst in (runner_up, spread):
-        logs = np.log(np.maximum(worst, np.finfo(np.float64).tiny))[None, :]
-        (verdict,) = policy._decide(
-            choices,
-            logs,
-            sliced(choice_mass),
-            sliced(features),
-            sliced(order_spread),
-            sha256=sha256,
-            pair=pair,
-        )
-        if verdict.decision == "escalate":
-            return f"it escalates ({', '.join(verdict.reason_codes)})"
-        if verdict.choice != choices[best]:
-            return f"it picks {verdict.choice!r}"
-    return None
 
 
 def _carried(judgment: object, field: str) -> str | None:

@@ -31,7 +31,7 @@ What is checked, so that no made-up probability comes out:
 
 A server that is down, slower than the engine's timeout, answers with an error status or
 malformed JSON, or drops the connection mid-request raises ``ModelServerError`` (HTTP 502
-from ``judge serve``).
+from ``judge serve``); ``judge.completions_api`` makes the calls and decodes the answers.
 
 What cannot be known is said, not filled in: the weights are not hashed here (a judgment's
 ``model_sha256`` is empty, the fingerprint's None), the arithmetic is the server's (nothing
@@ -60,10 +60,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import httpx
-import msgspec
 import numpy as np
 
 from judge.base_engine import BaseEngine
+from judge.completions_api import CompletionsAPI, Logprobs
 from judge.errors import InvalidQueryError, ModelLoadError, ModelServerError
 from judge.fingerprint import ChoicePaths
 from judge.judgments import Judgment, Prepared, Query
@@ -140,36 +140,6 @@ class ServerModel:
         return cls(base, given.get("model"), given.get("tokenizer"), read, int(top))
 
 
-# The completions endpoint's answer, as far as it is read. msgspec checks the types.
-class _Logprobs(msgspec.Struct):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None] | None = None
-
-
-class _Choice(msgspec.Struct):
-    text: str = ""
-    index: int = 0
-    logprobs: _Logprobs | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int
-
-
-class _Completion(msgspec.Struct):
-    choices: list[_Choice]
-    usage: _Usage | None = None
-
-
-class _Model(msgspec.Struct):
-    id: str
-
-
-class _Models(msgspec.Struct):
-    data: list[_Model]
-
-
 @dataclass(frozen=True)
 class _Scores:
     """What one judgment's requests gave: each scored node's children's log-probabilities
@@ -237,8 +207,8 @@ class ServerEngine(BaseEngine):
         self._texts: dict[str, int] | None = None
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
-        self._client = httpx.Client(timeout=self.timeout_s, transport=transport)
-        self.served_model = model or self._only_model()
+        self._api = CompletionsAPI(self.base_url, timeout_s=self.timeout_s, transport=transport)
+        self.served_model = model or self._api.only_model()
         self.model_id = f"{SCHEME}{self.base_url}?model={self.served_model}"
         self.weights_sha256: str | None = None
         self.hidden_size: int | None = None
@@ -295,7 +265,7 @@ class ServerEngine(BaseEngine):
         )
 
     def close(self) -> None:
-        self._client.close()
+        self._api.close()
 
     def prepare(self, query: Query | Mapping[str, Any]) -> Prepared:
         """As any engine's, but a query asking for hidden states is refused: a server returns
@@ -377,7 +347,7 @@ class ServerEngine(BaseEngine):
 
     def _top_next(self, text: str, tokens: int) -> dict[str, float]:
         """The server's top next tokens after ``text`` (``tokens`` tokens here), by text."""
-        completion = self._complete(text, echo=False, top=self.top_logprobs)
+        completion = self._api.complete(self.served_model, text, echo=False, top=self.top_logprobs)
         if completion.usage is not None and completion.usage.prompt_tokens != tokens:
             raise ModelServerError(
                 f"the model server at {self.base_url} tokenizes the text into "
@@ -409,7 +379,7 @@ class ServerEngine(BaseEngine):
     def _read(self, text: str, ids: list[int]) -> _Read:
         """The server's echoed log-probabilities of ``text``'s tokens ``ids``, checked to be
         those tokens."""
-        got = self._complete(text, echo=True).choices[0].logprobs
+        got = self._api.complete(self.served_model, text, echo=True).choices[0].logprobs
         if got is None or len(got.tokens) != len(got.token_logprobs):
             raise ModelServerError(
                 f"the model server at {self.base_url} returned no prompt log-probabilities; it "
@@ -418,7 +388,7 @@ class ServerEngine(BaseEngine):
             )
         return _Read(self._aligned_logprobs(got, ids), len(ids))
 
-    def _aligned_logprobs(self, got: _Logprobs, ids: list[int]) -> list[float | None]:
+    def _aligned_logprobs(self, got: Logprobs, ids: list[int]) -> list[float | None]:
         """``got``'s log-probabilities laid on the local tokens ``ids``: the echo is those
         tokens, maybe without BOS tokens (llama-cpp-python leaves every one out), then what
         the server generated. Another tokenization is an error."""
@@ -469,7 +439,9 @@ class ServerEngine(BaseEngine):
             if self._aligned:
                 return
             prompt = self.render(_PROBE)
-            generated = self._complete(prompt, echo=False).choices[0].logprobs
+            generated = (
+                self._api.complete(self.served_model, prompt, echo=False).choices[0].logprobs
+            )
             if generated is None or not generated.token_logprobs:
                 raise ModelServerError(
                     f"the model server at {self.base_url} returned no log-probabilities"
@@ -488,69 +460,6 @@ class ServerEngine(BaseEngine):
                     f"its tokens': {token!r} generated at {want}, echoed at {got}"
                 )
             self._aligned = True
-
-    def _complete(self, text: str, *, echo: bool, top: int = 1) -> _Completion:
-        """One completion of ``text``: greedy, one token, ``top`` log-probabilities."""
-        body: dict[str, Any] = {
-            "model": self.served_model,
-            "prompt": text,
-            "max_tokens": 1,  # 0 means "no limit" to some servers
-            "temperature": 0,
-            "logprobs": top,
-            "echo": echo,
-        }
-        data = self._call("POST", "/completions", body)
-        try:
-            completion = msgspec.json.decode(data, type=_Completion)
-        except msgspec.DecodeError as exc:
-            raise ModelServerError(
-                f"the model server at {self.base_url} answered /completions with malformed "
-                f"JSON: {exc}"
-            ) from None
-        if len(completion.choices) != 1:
-            raise ModelServerError(
-                f"the model server at {self.base_url} answered one prompt with "
-                f"{len(completion.choices)} completions"
-            )
-        return completion
-
-    def _only_model(self) -> str:
-        """The name of the server's one model (``GET /models``)."""
-        data = self._call("GET", "/models", None)
-        try:
-            models = msgspec.json.decode(data, type=_Models).data
-        except msgspec.DecodeError as exc:
-            raise ModelServerError(
-                f"the model server at {self.base_url} answered /models with malformed JSON: {exc}"
-            ) from None
-        if len(models) != 1:
-            names = ", ".join(m.id for m in models) or "none"
-            raise ModelServerError(
-                f"the model server at {self.base_url} serves {len(models)} models ({names}); "
-                "name one with model= in the model spec"
-            )
-        return models[0].id
-
-    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> bytes:
-        url = self.base_url + path
-        try:
-            response = self._client.request(method, url, json=body)
-        except httpx.TimeoutException:
-            raise ModelServerError(
-                f"the model server at {self.base_url} did not answer {path} within "
-                f"{self.timeout_s:g} s"
-            ) from None
-        except httpx.HTTPError as exc:
-            raise ModelServerError(
-                f"the model server at {self.base_url} could not be reached or dropped the "
-                f"connection ({type(exc).__name__}: {exc})"
-            ) from None
-        if response.status_code >= 400:
-            raise ModelServerError(
-                f"the model server at {self.base_url} answered {path} with HTTP "
-                f"{response.status_code}: {response.text[:300]}"
-            )
-        return response.content
 
     def _result(self, prepared: Prepared, scores: _Scores, latency_ms: float) -> Judgment:
         logps = prepared.trie.choice_logprobs(scores.node_logits)

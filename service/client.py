@@ -65,9 +65,9 @@ import httpx
 import msgspec
 
 from calibration.profile import CalibrationProfile
-from service.log.decision_log import LoggedDecision
 from service.log.health import ProfileHealth
 from service.log.health_history import HealthHistory
+from service.log.record import LoggedDecision
 from service.operations import BY_NAME, Operation
 from service.schemas import (
     MAX_BATCH_ITEMS,

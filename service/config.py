@@ -7,12 +7,13 @@ the flags from them, with the settings' defaults, so a setting and its flag are 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Literal, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 from calibration import PolicyDefaults
 from calibration.profile import NAME_PATTERN
@@ -350,27 +351,15 @@ class ServiceConfig:
     policy_defaults: PolicyDefaults = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("min_choice_mass", "audit_rate"):
-            check_probability(getattr(self, name), name)  # named as the server's settings
-        if self.uncertified_threshold is not None:
-            check_probability(self.uncertified_threshold, "uncertified_threshold")
+        for name, (kind, optional) in _bounded().items():
+            _check_kind(name, getattr(self, name), kind, optional)
+        check_probability(self.audit_rate, "audit_rate")  # named as the server's setting
         for profile, rate in self.audit_rates.items():
             check_probability(rate, f"audit_rates[{profile!r}]")
-        if isinstance(self.shift_check_every, bool) or not (
-            isinstance(self.shift_check_every, int) and self.shift_check_every >= 1
-        ):
-            raise ValueError(
-                f"shift_check_every must be an integer >= 1, got {self.shift_check_every!r}"
-            )
         if not 0 < self.alpha_prior < 1:
             raise ValueError(f"alpha_prior must be in (0, 1), got {self.alpha_prior!r}")
-        if self.refit_every is not None:
-            if isinstance(self.refit_every, bool) or not (
-                isinstance(self.refit_every, int) and self.refit_every >= 1
-            ):
-                raise ValueError(f"refit_every must be an integer >= 1, got {self.refit_every!r}")
-            if self.decision_log is None:
-                raise ValueError("refit_every refits from the decision log: set decision_log")
+        if self.refit_every is not None and self.decision_log is None:
+            raise ValueError("refit_every refits from the decision log: set decision_log")
         if self.refit_adapters and (self.refit_every is None or not self.log_requests):
             raise ValueError(
                 "refit_adapters retrains from the logged items: set refit_every and log_requests"
@@ -383,44 +372,6 @@ class ServiceConfig:
         for name, target in self.cascade.items():
             if not target:
                 raise ValueError(f"cascade stage {name!r} needs a model or a URL")
-        if self.log_max_age_days is not None and not (
-            isinstance(self.log_max_age_days, int | float)
-            and math.isfinite(self.log_max_age_days)
-            and self.log_max_age_days > 0
-        ):
-            raise ValueError(
-                f"log_max_age_days must be a number of days > 0 or None, "
-                f"got {self.log_max_age_days!r}"
-            )
-        if self.log_max_rows is not None and (
-            not isinstance(self.log_max_rows, int) or self.log_max_rows < 1
-        ):
-            raise ValueError(
-                f"log_max_rows must be a whole number >= 1 or None, got {self.log_max_rows!r}"
-            )
-        for name in (
-            "max_batch_size",
-            "max_batch_tokens",
-            "max_queue",
-            "max_jobs",
-            "max_request_tokens",
-            "max_questions",
-            "max_body_bytes",
-            "max_profile_bytes",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-        for name in (
-            "request_timeout_s",
-            "fit_timeout_s",
-            "read_timeout_s",
-            "admission_wait_s",
-            "max_wait_ms",
-        ):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.max_request_tokens > self.max_batch_tokens:
             raise ValueError(
                 f"max_request_tokens ({self.max_request_tokens}) must not exceed "
@@ -448,3 +399,41 @@ def flags() -> dict[str, Flag]:
             if isinstance(meta, Flag):
                 found[setting.name] = meta
     return found
+
+
+# What a number of each kind must be (the bounds in ``FlagKind``'s table): a test, and its
+# words. The command line reads each kind to the same bounds (``service.command_line``); these
+# hold a ServiceConfig built in Python to them too.
+_BOUNDS: dict[FlagKind, tuple[Callable[[Any], bool], str]] = {
+    "count": (lambda v: isinstance(v, int) and v >= 1, "a whole number >= 1"),
+    "duration": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "positive": (lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    "probability": (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
+}
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+@functools.cache
+def _bounded() -> dict[str, tuple[FlagKind, bool]]:
+    """Each setting whose flag's kind bounds a number, with that kind and whether it may be
+    None (no bound of that kind: its type says so)."""
+    hints = get_type_hints(ServiceConfig, include_extras=True)
+    return {
+        name: (flag.kind, type(None) in get_args(get_args(hints[name])[0]))
+        for name, flag in flags().items()
+        if flag.kind in _BOUNDS
+    }
+
+
+def _check_kind(name: str, value: object, kind: FlagKind, optional: bool) -> None:
+    """A ValueError naming setting ``name`` where ``value`` is not a number of its ``kind``
+    (a bool is not a number here)."""
+    if value is None and optional:
+        return
+    holds, words = _BOUNDS[kind]
+    if isinstance(value, bool) or not holds(value):
+        alternative = " or None" if optional else ""
+        raise ValueError(f"{name} must be {words}{alternative}, got {value!r}")

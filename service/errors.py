@@ -13,6 +13,7 @@ The service's own errors:
     TooLargeError    413: a judgment is over the server's token budget
     NotReadyError    503: the model is still loading or warming up
     LogUnavailableError 503: the decision log could not be written, so nothing was decided
+                     (or labeled)
     NoLogError       404: the server keeps no decision log (no --decision-log)
 
 and from ``service.profiles``:
@@ -24,6 +25,7 @@ and from ``service.log.decision_log``:
     UnknownJudgmentError 404: no logged decision has that id
     LabelNotAChoiceError 422: the label is not one of the decision's choices
     RelabelError         409: the decision has another label already (replace to change it)
+    DecisionLogError     503: the log cannot be read (its writes are LogUnavailableError)
 
 Only a 500 is logged with its traceback: a 503 (busy, timed out) is the service working as
 designed, and logging each would flood the log exactly when the server is under load.
@@ -54,7 +56,12 @@ from judge import (
     ValuesError,  # the engine's: calibration re-exports it
 )
 from service.bodies import BodyError
-from service.log.decision_log import LabelNotAChoiceError, RelabelError, UnknownJudgmentError
+from service.log.decision_log import (
+    DecisionLogError,
+    LabelNotAChoiceError,
+    RelabelError,
+    UnknownJudgmentError,
+)
 from service.profiles import PreconditionFailedError
 from service.schemas import ErrorBody
 
@@ -108,7 +115,8 @@ class NotReadyError(Exception):
 
 
 class LogUnavailableError(Exception):
-    """The decision log could not be written: the decision is not served unlogged."""
+    """The decision log could not be written: the decision is not served unlogged, the label
+    not stored."""
 
 
 class NoLogError(LookupError):
@@ -147,6 +155,9 @@ STATUS: list[tuple[type[Exception], int, str | None]] = [
     (TimeoutError, 503, None),
     (NotReadyError, 503, None),
     (LogUnavailableError, 503, None),
+    # A read of the log that failed (a write lock held past the busy timeout, a database
+    # gone): the log is unavailable, not the server broken, and a retry may do.
+    (DecisionLogError, 503, None),
 ]
 
 

@@ -35,8 +35,8 @@ from calibration.gate import Gate, Overrides, fitted_template
 from calibration.policy import Hold, PolicyDefaults, Verdict
 from judge.scores import check_values
 from service.decisions import QuestionDecision
-from service.log.decision_log import LoggedDecision, replayable_query
 from service.log.logged_features import LoggedFeatures, log_layers
+from service.log.record import LoggedDecision, replayable_query
 from service.schemas import JudgeResponse
 
 if TYPE_CHECKING:

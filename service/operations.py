@@ -21,9 +21,9 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 from calibration.profile import NAME_PATTERN, CalibrationProfile
-from service.log.decision_log import LoggedDecision
 from service.log.health import ProfileHealth
 from service.log.health_history import HealthHistory
+from service.log.record import LoggedDecision
 from service.schemas import (
     BatchRequest,
     BatchResponse,
@@ -174,24 +174,24 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("label_queue", "GET", "/profiles/{name}/queue",
               "What to label next under a profile: its unlabelled logged decisions, the audit "
               "stream (they certify) and the teach stream (they fit), and the certificate's state",
-              ok=(200, LabelQueue), errors=(400, 404)),
+              ok=(200, LabelQueue), errors=(400, 404, 503)),
     Operation("profile_health", "GET", "/profiles/{name}/health",
               "A profile's health from the decision log: audited precision against its "
               "certificate, drift from its calibration data, the model",
-              ok=(200, ProfileHealth), errors=(400, 404)),
+              ok=(200, ProfileHealth), errors=(400, 404, 503)),
     Operation("profile_health_history", "GET", "/profiles/{name}/health/history",
               "A profile's health at 20 points of its current version's decisions: each "
               "choice's share with its confidence sequence, the live class prior, the alarms",
-              ok=(200, HealthHistory), errors=(400, 404)),
+              ok=(200, HealthHistory), errors=(400, 404, 503)),
     Operation("judgment", "GET", "/judgments/{judgment_id}",
               "A logged decision, with its label if it has one", ok=(200, LoggedDecision),
-              errors=(400, 404)),
+              errors=(400, 404, 503)),
     Operation("label", "POST", "/judgments/{judgment_id}/label",
               "The true label of a logged decision (feedback)", body=LabelRequest,
-              ok=(200, LabelResult), errors=(*_BODY_ERRORS, 404, 409, 422)),
+              ok=(200, LabelResult), errors=(*_BODY_ERRORS, 404, 409, 422, 503)),
     Operation("labels", "POST", "/labels",
               "True labels of many logged decisions, each stored or refused in its place",
-              body=LabelsRequest, ok=(200, LabelsResponse), errors=(*_BODY_ERRORS, 404)),
+              body=LabelsRequest, ok=(200, LabelsResponse), errors=(*_BODY_ERRORS, 404, 503)),
     Operation("schema", "GET", "/schema/openapi.json", "This document", ok=(200, "object")),
     Operation("schema_index", "GET", "/schema", "A redirect to the OpenAPI document",
               ok=(307, None), documented=False),

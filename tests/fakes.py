@@ -14,7 +14,7 @@ from typing import Any, Unpack
 import msgspec
 import numpy as np
 
-from calibration import CalibrationProfile, FitSettings, fit_profile
+from calibration import CalibrationProfile, FitSettings, LabeledScores, Provenance, fit_profile
 from judge import (
     DEFAULT_RESPONSE_PREFIX,
     DEFAULT_RESPONSE_SUFFIX,
@@ -216,11 +216,8 @@ def clear_profile(
     z = z - np.logaddexp(z[:, :1], z[:, 1:])
     return fit_profile(
         name,
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         list(choices),
-        fingerprint=fingerprint,
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        settings=FitSettings(methods=["temperature"]),
-    )
+        Provenance(fingerprint=fingerprint, dataset="synthetic", dataset_sha256="0" * 64),
+        FitSettings(methods=["temperature"]),
+    ).profile

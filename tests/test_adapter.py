@@ -40,7 +40,8 @@ from judge.adapters import Adapter, weights_sha256
 from service.cli.main import main
 from service.config import ServiceConfig
 from service.log.adapter_refit import logged_items, retrain_from_log
-from service.log.decision_log import LoggedDecision, open_log
+from service.log.backends import open_log
+from service.log.record import LoggedDecision
 from service.log.refit import LogRefit, refit_settings
 from service.profiles import ProfileStore
 from service.web.background_refit import BackgroundRefit

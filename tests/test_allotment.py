@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 from fakes import FINGERPRINT
 
-from calibration import CalibrationProfile, FitSettings, fit_profile
+from calibration import CalibrationProfile, FitSettings, LabeledScores, Provenance, fit_profile
 from calibration.fitting import profile_split, split_examples, split_with_taught
 from calibration.limits import allot, certify_share, uniform_to_certify
 from calibration.profile import DataSplit
@@ -110,15 +110,11 @@ def fitted(
     settings = FitSettings(n_bootstrap=20, methods=["temperature"])
     return fit_profile(
         "p",
-        z,
-        labels,
+        LabeledScores(z, np.ones(len(labels)), labels, fit_only=taught),
         choices,
-        fingerprint=FINGERPRINT,
-        dataset="d",
-        dataset_sha256="0",
-        settings=settings,
-        fit_only=taught,
-    ), z
+        Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"),
+        settings,
+    ).profile, z
 
 
 def test_taught_labels_fit_and_the_uniform_ones_certify() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from calibration import Gate, fit_profile, make_policy, save_profile
+from calibration import Gate, LabeledScores, Provenance, fit_profile, make_policy, save_profile
 from judge import Judge
 from service.cli.main import main
 
@@ -79,14 +79,10 @@ def test_what_the_first_stage_escalates_the_second_decides(
     z -= np.logaddexp(z[:, 0], z[:, 1])[:, None]
     profile = fit_profile(
         "sharp",
-        z,
-        (gap < 0).astype(int),
+        LabeledScores(z, np.full(300, 0.9), (gap < 0).astype(int)),
         CHOICES,
-        choice_mass=np.full(300, 0.9),
-        fingerprint=judge.fingerprint(),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-    )
+        Provenance(fingerprint=judge.fingerprint(), dataset="synthetic", dataset_sha256="0" * 64),
+    ).profile
     save_profile(profile, tmp_path / "sharp.json")
     lines = "".join(
         json.dumps({"prompt": prompt(t), "choices": CHOICES, "id": i}) + "\n"

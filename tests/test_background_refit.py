@@ -14,7 +14,7 @@ import pytest
 from litestar.testing import TestClient
 from test_feedback import CHOICES, ScoreEngine, judge_all, served, stream
 
-from calibration import CalibrationProfile, FitSettings, fit_profile
+from calibration import CalibrationProfile, FitSettings, LabeledScores, Provenance, fit_profile
 from service import ServiceConfig
 from service.profiles import ProfileStore
 
@@ -24,14 +24,17 @@ def profile_on(n: int, seed: int) -> CalibrationProfile:
     p, labels = stream(np.random.default_rng(seed), n)
     return fit_profile(
         "gate",
-        np.log(np.array([[v, 1 - v] for v in p])),
-        np.array([CHOICES.index(label) for label in labels]),
+        LabeledScores(
+            np.log(np.array([[v, 1 - v] for v in p])),
+            np.ones(n),
+            np.array([CHOICES.index(label) for label in labels]),
+        ),
         CHOICES,
-        fingerprint=ScoreEngine().fingerprint(),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        settings=FitSettings(methods=["temperature"], target_precision=0.95),
-    )
+        Provenance(
+            fingerprint=ScoreEngine().fingerprint(), dataset="synthetic", dataset_sha256="0" * 64
+        ),
+        FitSettings(methods=["temperature"], target_precision=0.95),
+    ).profile
 
 
 def label_audited(c: TestClient[Any], responses: list[Any], labels: list[str]) -> None:

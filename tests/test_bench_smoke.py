@@ -563,6 +563,27 @@ def test_bench_reliability_quick(tmp_path: Path) -> None:
     assert "| 32 hang up after 0.3 s |" in done.stdout
 
 
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not DATA.exists(), reason="the shared datasets are not beside this checkout")
+def test_bench_soak_quick(tmp_path: Path) -> None:
+    """Three minutes of the whole loop under load and faults (two kills, a full disk, a PUT
+    racing a refit, hang-ups): it exits 1 on a lost decision or label or an unexplained 5xx,
+    and its report says what it counted."""
+    out = tmp_path / "bench_soak.json"
+    _run("bench_soak.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["quick"] is True and result["passed"] is True
+    assert result["decisions_lost"] == 0 and result["labels_lost"] == 0
+    assert result["decisions_acknowledged"] > 0 and result["labels_acknowledged"] > 0
+    assert not result["failures"]["unexplained"] and not result["server_died"]
+    # Each restart and the full disk were followed by a read of the whole log.
+    whens = [c["when"] for c in result["checks"]]
+    assert whens[:3] == ["after kill 1", "after the full disk", "after kill 2"]
+    assert result["checks"][-1]["integrity"] == "ok"
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
 def test_bench_monitoring_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_monitoring.json"
     cmd = [sys.executable, str(BENCHMARKS / "bench_monitoring.py"), "--quick", "--out", str(out)]

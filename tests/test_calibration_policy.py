@@ -11,9 +11,11 @@ from fakes import FINGERPRINT, Scored, judgment_of
 
 from calibration import (
     FitSettings,
+    LabeledScores,
     NoCertificateError,
     PolicyDefaults,
     ProfileMismatchError,
+    Provenance,
     Verdict,
     evaluate_policy,
     fit_profile,
@@ -42,14 +44,11 @@ def profile() -> CalibrationProfile:
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     return fit_profile(
         "sms",
-        logp,
-        y,
+        LabeledScores(logp, np.ones(len(y)), y),
         CHOICES,
-        fingerprint=FINGERPRINT,
-        dataset="d",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=20),
-    )
+        Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"),
+        FitSettings(n_bootstrap=20),
+    ).profile
 
 
 def with_threshold(profile: CalibrationProfile, t: float | None) -> CalibrationProfile:
@@ -349,14 +348,11 @@ def test_fit_profile_certifies_per_class_when_asked(profile: CalibrationProfile)
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     fitted = fit_profile(
         "sms",
-        logp,
-        y,
+        LabeledScores(logp, np.ones(len(y)), y),
         CHOICES,
-        fingerprint=FINGERPRINT,
-        dataset="d",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=20, per_class=True),
-    )
+        Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"),
+        FitSettings(n_bootstrap=20, per_class=True),
+    ).profile
     assert fitted.class_thresholds is not None and len(fitted.class_thresholds) == 2
     for result in fitted.class_thresholds:
         assert result.delta == pytest.approx(fitted.threshold.delta / 2)  # Bonferroni

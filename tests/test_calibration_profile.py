@@ -18,6 +18,7 @@ from calibration.errors import (
     ProfileNotFoundError,
     RuleError,
 )
+from calibration.fit_data import LabeledScores, Provenance
 from calibration.fitting import (
     TrainedHead,
     evaluate_policy,
@@ -67,13 +68,10 @@ def profile() -> CalibrationProfile:
     z, y = synthetic(600, seed=1)
     return fit_profile(
         "spam-v1",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         CHOICES,
-        dataset="synthetic",
-        dataset_sha256="d" * 64,
-        fingerprint=FINGERPRINT,
-    )
+        Provenance(fingerprint=FINGERPRINT, dataset="synthetic", dataset_sha256="d" * 64),
+    ).profile
 
 
 def test_fit_recovers_the_temperature_and_improves_held_out(profile: CalibrationProfile) -> None:
@@ -108,12 +106,9 @@ def test_scores_from_another_classifier_can_take_the_probes_split() -> None:
     """``probe_split=True``: the 5:1:4 split without a probe, so scores of a classifier
     trained on the probe split's fit items only are certified on items it never saw."""
     z, y = synthetic(600, seed=1)
-    options: dict[str, Any] = {
-        "dataset": "synthetic",
-        "dataset_sha256": "d" * 64,
-        "fingerprint": FINGERPRINT,
-    }
-    probe_split = fit_profile("other", z, y, CHOICES, probe_split=True, **options)
+    scores = LabeledScores(z, np.ones(600), y)
+    source = Provenance(fingerprint=FINGERPRINT, dataset="synthetic", dataset_sha256="d" * 64)
+    probe_split = fit_profile("other", scores, CHOICES, source, probe_split=True).profile
     split = probe_split.split
     assert (split.fit, split.conformal, split.certify) == (300, 60, 240)
     assert probe_split.threshold.n == 240 and probe_split.calibration_map.method != "probe"
@@ -123,7 +118,7 @@ def test_scores_from_another_classifier_can_take_the_probes_split() -> None:
     # before any fitting (what is passed as the head and adapter is never read).
     head: Any = TrainedHead(fit=None, adapter=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="trained on the probe split"):
-        fit_profile("adapted", z, y, CHOICES, probe_split=False, trained=head, **options)
+        fit_profile("adapted", scores, CHOICES, source, probe_split=False, trained=head)
 
 
 def test_the_held_out_examples_are_recomputed_from_the_labels_and_the_split(
@@ -145,18 +140,33 @@ def test_the_held_out_examples_are_recomputed_from_the_labels_and_the_split(
 
 
 def test_too_few_or_too_uniform_examples_are_refused() -> None:
-    options: dict[str, Any] = {"dataset": "d", "dataset_sha256": "0", "fingerprint": FINGERPRINT}
+    source = Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0")
     z, y = synthetic(19, seed=3)
     with pytest.raises(FitError, match="at least 20 labeled examples, got 19"):
-        fit_profile("p", z, y, CHOICES, **options)
+        fit_profile("p", LabeledScores(z, np.ones(19), y), CHOICES, source)
     z, _ = synthetic(40, seed=4)
     with pytest.raises(FitError, match="all 40 examples have label 'spam'; need at least two"):
-        fit_profile("p", z, np.ones(40, int), CHOICES, **options)
+        fit_profile("p", LabeledScores(z, np.ones(40), np.ones(40, int)), CHOICES, source)
     # Ten examples of one class: the one-class problem is named, not just the count (it used
     # to be a profile with T = 0.01 and precision 1.0).
     z, _ = synthetic(10, seed=5)
     with pytest.raises(FitError, match="all 10 examples have label 'ham'; need at least two"):
-        fit_profile("p", z, np.zeros(10, int), CHOICES, **options)
+        fit_profile("p", LabeledScores(z, np.ones(10), np.zeros(10, int)), CHOICES, source)
+    with pytest.raises(ValueError, match="3 columns but there are 2 choices"):
+        fit_profile("p", LabeledScores(z, np.ones(10), np.arange(10) % 2), CHOICES[:2], source)
+
+
+def test_the_fit_returns_each_item_as_the_map_judges_a_new_one() -> None:
+    """A scalar map is fitted on few parameters: every item's out-of-sample probabilities are
+    its map's, fit split included, and they are what the profile serves."""
+    z, y = synthetic(300, seed=6)
+    source = Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0")
+    fitted = fit_profile("p", LabeledScores(z, np.ones(300), y), CHOICES, source)
+    assert fitted.out_of_sample.shape == (300, len(CHOICES))
+    np.testing.assert_allclose(fitted.out_of_sample.sum(axis=1), 1.0)
+    np.testing.assert_allclose(
+        fitted.out_of_sample, fitted.profile.calibration_map.apply(z), rtol=1e-12
+    )
 
 
 def test_round_trip(tmp_path: Path, profile: CalibrationProfile) -> None:

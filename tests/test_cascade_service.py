@@ -12,7 +12,14 @@ import pytest
 from litestar.testing import TestClient
 from server import settled
 
-from calibration import CalibrationProfile, Gate, fit_profile, save_profile
+from calibration import (
+    CalibrationProfile,
+    Gate,
+    LabeledScores,
+    Provenance,
+    fit_profile,
+    save_profile,
+)
 from judge import Judge
 from judge.loading import default_model_path
 from service import ServiceConfig, create_app
@@ -33,14 +40,10 @@ def coin_profile(name: str, judge: Judge, right: float, seed: int) -> Calibratio
     z = np.log(np.stack([p, 1 - p], axis=1))
     return fit_profile(
         name,
-        z,
-        labels,
+        LabeledScores(z, np.full(n, 0.9), labels),
         CHOICES,
-        choice_mass=np.full(n, 0.9),
-        fingerprint=judge.fingerprint(),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-    )
+        Provenance(fingerprint=judge.fingerprint(), dataset="synthetic", dataset_sha256="0" * 64),
+    ).profile
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from calibration import CalibrationProfile, PolicyDefaults, fit_profile, make_policy, save_profile
+from calibration.fit_data import LabeledScores, Provenance
 from calibration.profile import etag_of
 from judge import Judge
 from service.cli.main import main
@@ -58,14 +59,10 @@ def profile(judge: Judge) -> CalibrationProfile:
     z = np.log(np.stack([p, 1 - p], axis=1))  # (n, 2) in CHOICES order
     return fit_profile(
         "sms",
-        z,
-        labels,
+        LabeledScores(z, np.full(n, 0.9), labels),
         CHOICES,
-        choice_mass=np.full(n, 0.9),
-        fingerprint=judge.fingerprint(),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-    )
+        Provenance(fingerprint=judge.fingerprint(), dataset="synthetic", dataset_sha256="0" * 64),
+    ).profile
 
 
 @pytest.fixture

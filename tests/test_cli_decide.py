@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from calibration import CalibrationProfile, fit_profile, make_policy, save_profile
+from calibration.fit_data import LabeledScores, Provenance
 from judge import Judge
 from judge.answers import decide
 from service.cli.main import main
@@ -80,14 +81,10 @@ def yes_no_profile(judge: Judge) -> CalibrationProfile:
     p = np.where(labels == 0, p_right, 1 - p_right)  # P(yes)
     return fit_profile(
         "billing",
-        np.log(np.stack([p, 1 - p], axis=1)),
-        labels,
+        LabeledScores(np.log(np.stack([p, 1 - p], axis=1)), np.full(n, 0.9), labels),
         ["yes", "no"],
-        choice_mass=np.full(n, 0.9),
-        fingerprint=judge.fingerprint(),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-    )
+        Provenance(fingerprint=judge.fingerprint(), dataset="synthetic", dataset_sha256="0" * 64),
+    ).profile
 
 
 def _decide(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:

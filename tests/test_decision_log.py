@@ -29,6 +29,7 @@ from postgres import postgres_database, postgres_url  # noqa: F401
 from server import free_port
 
 from judge.identity import new_judgment_id
+from service.log.backends import PostgresLog, SQLiteLog, mask_target, open_log
 from service.log.decision_log import (
     PRUNE_EVERY,
     DecisionLog,
@@ -36,15 +37,11 @@ from service.log.decision_log import (
     LabelFailure,
     LabelNotAChoiceError,
     LabelOutcome,
-    LoggedDecision,
-    PostgresLog,
     RelabelError,
     Retention,
-    SQLiteLog,
     UnknownJudgmentError,
-    mask_target,
-    open_log,
 )
+from service.log.record import LoggedDecision
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -539,7 +536,7 @@ def _subprocess_env() -> dict[str, str]:
 
 KILLED_WRITER = """
 import sys
-from service.log.decision_log import SQLiteLog
+from service.log.backends import SQLiteLog
 from test_decision_log import decision
 log = SQLiteLog(sys.argv[1])
 n = 0
@@ -599,7 +596,8 @@ def test_sqlite_keeps_every_acknowledged_append_through_kill_9(tmp_path: Path) -
 
 REPLICA = """
 import random, sys, time
-from service.log.decision_log import LabelFailure, PostgresLog
+from service.log.backends import PostgresLog
+from service.log.decision_log import LabelFailure
 from test_decision_log import decision, replica_ids
 url, me, other = sys.argv[1:4]
 mine, theirs = replica_ids(me), replica_ids(other)

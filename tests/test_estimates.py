@@ -136,12 +136,11 @@ def test_judge_estimate_from_judged_lines(
 
 def test_judge_estimate_from_the_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The audited labels are the sample; labels outside it are left out, and said."""
-    from test_label_queue import decision
+    from test_label_queue import WEIGHTS, decision
 
-    from calibration import FitSettings, fit_profile, save_profile
-    from judge import Fingerprint
+    from calibration import FitSettings, LabeledScores, Provenance, fit_profile, save_profile
     from service.cli.main import main
-    from service.log.decision_log import open_log
+    from service.log.backends import open_log
 
     rng = np.random.default_rng(4)
     p_yes = rng.uniform(0.05, 0.95, 300)
@@ -158,24 +157,13 @@ def test_judge_estimate_from_the_log(tmp_path: Path, capsys: pytest.CaptureFixtu
             opened.label(records[i].judgment_id, "yes" if truth[i] else "no")
     y = rng.integers(0, 2, 100)
     q = np.clip(np.where(y == 0, 0.8, 0.2) + rng.normal(0, 0.1, 100), 0.01, 0.99)
-    fingerprint = Fingerprint(
-        model="fake",
-        model_sha256="a" * 64,
-        dtype="float32",
-        response_prefix='{"answer": "',
-        response_suffix='"}',
-        system_sha256=None,
-    )
     profile = fit_profile(
         "gate",
-        np.log(np.stack([q, 1 - q], axis=1)),
-        y,
+        LabeledScores(np.log(np.stack([q, 1 - q], axis=1)), np.ones(len(y)), y),
         ["yes", "no"],
-        fingerprint=fingerprint,
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        settings=FitSettings(methods=["temperature"]),
-    )
+        Provenance(fingerprint=WEIGHTS, dataset="synthetic", dataset_sha256="0" * 64),
+        FitSettings(methods=["temperature"]),
+    ).profile
     save_profile(profile, tmp_path / "gate.json")
     argv = ["estimate", "--log", log, "--profile", str(tmp_path / "gate.json"), "--json"]
     assert main(argv) == 0

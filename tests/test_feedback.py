@@ -27,13 +27,14 @@ from litestar.testing import TestClient
 from postgres import postgres_database, postgres_url  # noqa: F401
 from server import wait_app_ready as wait_ready
 
-from calibration import CalibrationProfile, FitSettings, fit_profile
+from calibration import CalibrationProfile, FitSettings, LabeledScores, Provenance, fit_profile
 from calibration.limits import allot
 from judge import Fingerprint, Judgment, Query
 from service import ServiceConfig, create_app
 from service.cli.main import main
 from service.client import AsyncJudgeClient, ClientError
-from service.log.decision_log import DecisionLogError, open_log
+from service.log.backends import open_log
+from service.log.decision_log import DecisionLogError
 from service.profiles import ProfileStore
 
 CHOICES = ["yes", "no"]
@@ -81,14 +82,13 @@ def profile() -> CalibrationProfile:
     y = np.array([CHOICES.index(label) for label in labels])
     fitted = fit_profile(
         "gate",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         CHOICES,
-        fingerprint=ScoreEngine().fingerprint(),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        settings=FitSettings(methods=["temperature"], target_precision=0.95),
-    )
+        Provenance(
+            fingerprint=ScoreEngine().fingerprint(), dataset="synthetic", dataset_sha256="0" * 64
+        ),
+        FitSettings(methods=["temperature"], target_precision=0.95),
+    ).profile
     assert fitted.threshold.threshold is not None and fitted.reference is not None
     return fitted
 
@@ -238,6 +238,42 @@ def test_a_write_failure_is_a_503_not_a_silent_loss(client: TestClient[Any]) -> 
     assert r.status_code == 503 and "decision log" in r.json()["detail"]
     metrics = client.get("/metrics").text
     assert "judge_decision_log_errors_total 1.0" in metrics
+
+
+def test_a_label_the_log_cannot_store_is_a_503_not_a_500(client: TestClient[Any]) -> None:
+    """A full disk under the log (bench_soak's fault) failed every label with a bare 500, as
+    if the server had a bug, and the labeller could not tell that a retry would do: a label
+    the log cannot store, or a read it cannot make, is a 503 that says the log failed."""
+    judged = client.post("/judge", json={"prompt": "x p=0.9", "choices": CHOICES}).json()
+    log = _service(client).decision_log
+    assert log is not None
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        # What SQLite says when the file may not grow (RLIMIT_FSIZE; ENOSPC: "disk is full").
+        raise DecisionLogError("decision log x: cannot label decision 'y': disk I/O error")
+
+    jid = judged["judgment_id"]
+    calls = {
+        "label": lambda: client.post(f"/judgments/{jid}/label", json={"label": "no"}),
+        "labels": lambda: client.post("/labels", json={"labels": [{"judgment_id": jid, "label": "no"}]}),
+        "get": lambda: client.get(f"/judgments/{jid}"),
+    }  # fmt: skip
+    for method, call in zip(("label", "label_many", "get"), calls.values(), strict=True):
+        original = getattr(log, method)
+        setattr(log, method, full)
+        try:
+            r = call()
+        finally:
+            setattr(log, method, original)
+        assert r.status_code == 503, (method, r.status_code, r.text)
+        assert "disk I/O error" in r.json()["detail"] and r.headers["retry-after"] == "1"
+    # Nothing was stored meanwhile; once the log can be written, the same label is.
+    assert client.get(f"/judgments/{jid}").json()["label"] is None
+    stored = client.post(f"/judgments/{jid}/label", json={"label": "no"}).json()
+    assert stored["status"] == "labeled"
+    # The two labels refused are counted as a refused decision is; the read is not a write.
+    metrics = client.get("/metrics").text
+    assert "judge_decision_log_errors_total 2.0" in metrics
 
 
 def _service(client: TestClient[Any]) -> Any:

@@ -53,7 +53,7 @@ import pytest
 from fakes import FINGERPRINT
 from scipy import stats
 
-from calibration import FitSettings, fit_profile
+from calibration import FitSettings, LabeledScores, Provenance, fit_profile
 from calibration.certificates.recertify import Recertification
 from calibration.gate import Gate
 from calibration.policy import Gates
@@ -109,16 +109,13 @@ def simulate(
         z, y, _ = world(n, np.random.default_rng(1000 + r))
         profile = fit_profile(
             "sim",
-            z,
-            y,
+            LabeledScores(z, np.ones(len(y)), y),
             CHOICES,
-            fingerprint=FINGERPRINT,
-            dataset="synthetic",
-            dataset_sha256="0",
-            settings=FitSettings(
+            Provenance(fingerprint=FINGERPRINT, dataset="synthetic", dataset_sha256="0"),
+            FitSettings(
                 target_precision=target, delta=delta, seed=r, n_bootstrap=10, procedure=procedure
             ),  # the metrics are evidence only; the rule does not depend on them
-        )
+        ).profile
         gates = Gate(profile).policy.gates(CHOICES, fresh_z)
         accepted = gates.accepted
         coverage.append(float(accepted.mean()))
@@ -206,18 +203,13 @@ def simulate_probe(
         z, y, x, _ = probe_world(n, np.random.default_rng(1000 + r))
         profile = fit_profile(
             "sim",
-            z,
-            y,
+            LabeledScores(z, np.ones(len(y)), y, features=x, feature_layers=LAYERS),
             CHOICES,
-            fingerprint=PROBE_FINGERPRINT,
-            dataset="synthetic",
-            dataset_sha256="0",
-            settings=FitSettings(
+            Provenance(fingerprint=PROBE_FINGERPRINT, dataset="synthetic", dataset_sha256="0"),
+            FitSettings(
                 target_precision=target, delta=delta, seed=r, n_bootstrap=10, methods="auto"
             ),
-            features=x,
-            feature_layers=LAYERS,
-        )
+        ).profile
         # The served policy reads the hidden states of the probe's own layers, flattened.
         index = [LAYERS.index(layer) for layer in profile.feature_layers]
         flat = fresh_x[:, index, :].reshape(N_FRESH, -1) if index else None
@@ -313,20 +305,21 @@ def runs_certifying(runs: int, *, spend: bool) -> int:
             look = Recertification.after(before, DELTA, "simulated")
             profile = fit_profile(
                 "sim",
-                z[:n],
-                y[:n],
+                LabeledScores(z[:n], np.ones(n), y[:n]),
                 ["a", "b"],
-                fingerprint=FINGERPRINT,
-                dataset="synthetic",
-                dataset_sha256="0",
-                settings=FitSettings(
+                Provenance(
+                    fingerprint=FINGERPRINT,
+                    dataset="synthetic",
+                    dataset_sha256="0",
+                    recertification=look if spend else None,
+                ),
+                FitSettings(
                     target_precision=TARGET,
                     delta=look.spent if spend else DELTA,
                     n_bootstrap=10,
                     methods=["temperature"],
                 ),
-                recertification=look if spend else None,
-            )
+            ).profile
             before = look
             if profile.threshold.threshold is not None:
                 failed += 1
@@ -394,13 +387,10 @@ def class_outcomes() -> ClassOutcomes:
         z, y, _ = rare_world(N_CALIBRATION, np.random.default_rng(2000 + r))
         profile = fit_profile(
             "sim",
-            z,
-            y,
+            LabeledScores(z, np.ones(len(y)), y),
             TWO,
-            fingerprint=FINGERPRINT,
-            dataset="synthetic",
-            dataset_sha256="0",
-            settings=FitSettings(
+            Provenance(fingerprint=FINGERPRINT, dataset="synthetic", dataset_sha256="0"),
+            FitSettings(
                 target_precision=TARGET,
                 delta=DELTA,
                 seed=r,
@@ -408,7 +398,7 @@ def class_outcomes() -> ClassOutcomes:
                 per_class=True,
                 methods=["temperature", "bias_temperature"],
             ),
-        )
+        ).profile
         assert profile.class_thresholds is not None
         certified += [t.threshold is not None for t in profile.class_thresholds]
         pooled = msgspec.structs.replace(profile, class_thresholds=None)

@@ -32,7 +32,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from calibration import (
     CalibrationProfile,
     FitSettings,
+    LabeledScores,
     PolicyDefaults,
+    Provenance,
     fit_profile,
     make_policy,
     save_profile,
@@ -214,14 +216,11 @@ def profile() -> CalibrationProfile:
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     return fit_profile(
         "sms",
-        logp,
-        y,
+        LabeledScores(logp, np.ones(len(y)), y),
         ["ham", "spam"],
-        fingerprint=FakeEngine().fingerprint(),
-        dataset="d",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=10),
-    )
+        Provenance(fingerprint=FakeEngine().fingerprint(), dataset="d", dataset_sha256="0"),
+        FitSettings(n_bootstrap=10),
+    ).profile
 
 
 def test_the_policy_hash_changes_with_every_setting(profile: CalibrationProfile) -> None:

@@ -16,6 +16,8 @@ from calibration import (
     BiasTemperature,
     FitError,
     FitSettings,
+    LabeledScores,
+    Provenance,
     decode_profile,
     estimate_prior,
     evaluate_policy,
@@ -125,14 +127,11 @@ def test_batch_temperature_is_a_labeled_candidate_chosen_by_cv_nll() -> None:
     np.testing.assert_allclose(fit.map.apply(z), manual, rtol=1e-9)
     profile = fit_profile(
         "bt",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         CHOICES,
-        fingerprint=FINGERPRINT,
-        dataset="d",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=20, methods=("temperature", "batch_temperature")),
-    )
+        Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"),
+        FitSettings(n_bootstrap=20, methods=("temperature", "batch_temperature")),
+    ).profile
     assert profile.label_free is not None and profile.label_free.method == "batch"
     assert profile.label_free.n_inputs == profile.split.fit
     assert profile.metrics_after is not None and profile.signal is not None

@@ -16,15 +16,27 @@ from typing import Any
 import numpy as np
 import pytest
 
-from calibration import CalibrationProfile, FitSettings, fit_profile
+from calibration import CalibrationProfile, FitSettings, LabeledScores, Provenance, fit_profile
 from judge import Fingerprint
 from judge.identity import new_judgment_id
-from service.log.decision_log import LoggedDecision, open_log
+from service.log.backends import open_log
 from service.log.labelling_queue import LabellingQueue
+from service.log.record import LoggedDecision
 from service.profiles import ProfileStore
 
 ROOT = Path(__file__).resolve().parent.parent
 CHOICES = ["yes", "no"]
+
+
+# The engine of the decisions ``decision`` logs: its weights hashed, as a served model's.
+WEIGHTS = Fingerprint(
+    model="fake",
+    model_sha256="a" * 64,
+    dtype="float32",
+    response_prefix='{"answer": "',
+    response_suffix='"}',
+    system_sha256=None,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +47,11 @@ def profile() -> CalibrationProfile:
     p = np.clip(1 / (1 + np.exp(-margin)), 1e-4, 1 - 1e-4)
     return fit_profile(
         "gate",
-        np.log(np.stack([p, 1 - p], axis=1)),
-        y,
+        LabeledScores(np.log(np.stack([p, 1 - p], axis=1)), np.ones(len(y)), y),
         CHOICES,
-        fingerprint=Fingerprint(
-            model="fake",
-            model_sha256="a" * 64,
-            dtype="float32",
-            response_prefix='{"answer": "',
-            response_suffix='"}',
-            system_sha256=None,
-        ),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        settings=FitSettings(methods=["temperature"]),
-    )
+        Provenance(fingerprint=WEIGHTS, dataset="synthetic", dataset_sha256="0" * 64),
+        FitSettings(methods=["temperature"]),
+    ).profile
 
 
 def decision(

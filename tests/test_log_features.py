@@ -22,7 +22,7 @@ from fakes import FINGERPRINT, judgment_of
 from litestar.testing import TestClient
 from server import wait_app_ready
 
-from calibration import FitSettings, Gate, fit_profile
+from calibration import FitSettings, Gate, LabeledScores, Provenance, fit_profile
 from calibration.certificates.recertify import Recertification, labels_to_certify, look_delta
 from calibration.errors import RuleError
 from calibration.fitting import labels_for_next_look
@@ -30,8 +30,9 @@ from calibration.maps.probe import candidate_layers
 from calibration.tasks.files import load_split, load_task, task_prompt
 from service import ServiceConfig, create_app
 from service.cli.main import main
-from service.log.decision_log import LoggedDecision, open_log
+from service.log.backends import open_log
 from service.log.logged_features import LoggedFeatures, log_layers
+from service.log.record import LoggedDecision
 from service.profiles import ProfileStore
 
 SMS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sms_spam"
@@ -104,19 +105,14 @@ def test_a_profile_must_be_certified_at_its_look_s_share() -> None:
     y = rng.integers(0, 2, 200)
     z = np.log(np.where(np.eye(2)[y] > 0, 0.8, 0.2))
     look = Recertification.after(None, 0.1, "log.db")
-    common: dict[str, Any] = {"fingerprint": FINGERPRINT, "dataset": "s", "dataset_sha256": "0"}
-    fitted = fit_profile(
-        "p",
-        z,
-        y,
-        ["a", "b"],
-        settings=FitSettings(delta=look.spent),
-        recertification=look,
-        **common,
+    scores = LabeledScores(z, np.ones(len(y)), y)
+    source = Provenance(
+        fingerprint=FINGERPRINT, dataset="s", dataset_sha256="0", recertification=look
     )
+    fitted = fit_profile("p", scores, ["a", "b"], source, FitSettings(delta=look.spent)).profile
     assert fitted.recertification == look and fitted.threshold.delta == look.spent
     with pytest.raises(RuleError, match=r"recertification\.spent"):
-        fit_profile("p", z, y, ["a", "b"], recertification=look, **common)  # at the full delta
+        fit_profile("p", scores, ["a", "b"], source)  # at the full delta
 
 
 def test_labels_to_certify() -> None:
@@ -184,14 +180,13 @@ def test_a_probe_is_refitted_from_the_log_of_a_served_model(
     y = np.array([task.choices.index(i.label) for i in first])
     profile = fit_profile(
         "sms",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         task.choices,
-        fingerprint=judge.fingerprint(),
-        dataset="sms_spam/calibration[:24]",
-        dataset_sha256="0",
-        settings=FitSettings(methods=["temperature"]),
-    )
+        Provenance(
+            fingerprint=judge.fingerprint(), dataset="sms_spam/calibration[:24]", dataset_sha256="0"
+        ),
+        FitSettings(methods=["temperature"]),
+    ).profile
     profiles = tmp_path / "profiles"
     ProfileStore(profiles).put(profile)
     db = str(tmp_path / "decisions.db")
@@ -259,15 +254,11 @@ def test_a_refit_that_stays_shut_says_what_the_next_look_needs() -> None:
     look = Recertification.after(None, 0.1, "log.db")
     profile = fit_profile(
         "p",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         ["a", "b"],
-        fingerprint=FINGERPRINT,
-        dataset="s",
-        dataset_sha256="0",
-        settings=FitSettings(delta=look.spent, target_precision=0.95, methods=["temperature"]),
-        recertification=look,
-    )
+        Provenance(fingerprint=FINGERPRINT, dataset="s", dataset_sha256="0", recertification=look),
+        FitSettings(delta=look.spent, target_precision=0.95, methods=["temperature"]),
+    ).profile
     assert profile.threshold.threshold is None  # 150 labels are too few for 0.95
     needed = labels_for_next_look(profile, z, y)
     assert needed.given == 150 and needed.labels is not None and needed.labels > 150

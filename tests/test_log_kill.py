@@ -28,7 +28,7 @@ import httpx
 import pytest
 from server import Server, free_port
 
-from service.log.decision_log import open_log
+from service.log.backends import open_log
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

@@ -8,7 +8,7 @@ import pytest
 from fakes import FINGERPRINT
 from scipy import stats
 
-from calibration import FitSettings, fit_profile
+from calibration import FitSettings, LabeledScores, Provenance, fit_profile
 from calibration.certificates.mass_gate import choose_min_choice_mass
 from calibration.gate import Gate
 
@@ -69,17 +69,11 @@ def test_the_certificate_covers_the_rule_with_the_chosen_gate() -> None:
         z, y, mass, _ = massy_world(500, np.random.default_rng(500 + r))
         profile = fit_profile(
             "sim",
-            z,
-            y,
+            LabeledScores(z, mass, y),
             CHOICES,
-            choice_mass=mass,
-            fingerprint=FINGERPRINT,
-            dataset="synthetic",
-            dataset_sha256="0",
-            settings=FitSettings(
-                seed=r, n_bootstrap=10, methods=["temperature"], target_precision=TARGET
-            ),
-        )
+            Provenance(fingerprint=FINGERPRINT, dataset="synthetic", dataset_sha256="0"),
+            FitSettings(seed=r, n_bootstrap=10, methods=["temperature"], target_precision=TARGET),
+        ).profile
         gated += profile.min_choice_mass > 0
         assert "choice-mass gate" in profile.note
         gates = Gate(profile).policy.gates(CHOICES, fresh_z, fresh_mass)
@@ -96,13 +90,9 @@ def test_a_given_minimum_is_kept(given: float) -> None:
     z, y, mass, _ = massy_world(300, np.random.default_rng(9))
     profile = fit_profile(
         "given",
-        z,
-        y,
+        LabeledScores(z, mass, y),
         CHOICES,
-        choice_mass=mass,
-        fingerprint=FINGERPRINT,
-        dataset="synthetic",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=10, min_choice_mass=given),
-    )
+        Provenance(fingerprint=FINGERPRINT, dataset="synthetic", dataset_sha256="0"),
+        FitSettings(n_bootstrap=10, min_choice_mass=given),
+    ).profile
     assert profile.min_choice_mass == given and "choice-mass gate" not in profile.note

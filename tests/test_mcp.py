@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from calibration import CalibrationProfile, fit_profile, make_policy, save_profile
+from calibration.fit_data import LabeledScores, Provenance
 from calibration.template import PromptTemplate
 from judge import Judge
 from judge.answers import decide
@@ -61,14 +62,10 @@ def _profile(name: str, choices: list[str], judge: Judge) -> CalibrationProfile:
     p = np.where(labels == 0, p_right, 1 - p_right)
     return fit_profile(
         name,
-        np.log(np.stack([p, 1 - p], axis=1)),
-        labels,
+        LabeledScores(np.log(np.stack([p, 1 - p], axis=1)), np.full(n, 0.9), labels),
         choices,
-        choice_mass=np.full(n, 0.9),
-        fingerprint=judge.fingerprint(),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-    )
+        Provenance(fingerprint=judge.fingerprint(), dataset="synthetic", dataset_sha256="0" * 64),
+    ).profile
 
 
 CALLS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -357,7 +354,7 @@ def test_mcp_decisions_enter_the_audit_sample(
     import asyncio
 
     from service.command_line import audit_rates
-    from service.log.decision_log import open_log
+    from service.log.backends import open_log
     from service.mcp.server import create_server
     from service.profiles import ProfileStore
 
@@ -394,7 +391,7 @@ def test_decide_escalates_through_a_cascade(judge: Judge, tmp_path: Path) -> Non
     from test_cascade_service import coin_profile
 
     from service.cascade.stages import LocalModel
-    from service.log.decision_log import open_log
+    from service.log.backends import open_log
     from service.mcp.server import create_server
     from service.profiles import ProfileStore
 
@@ -450,11 +447,11 @@ def test_judge_mcp_keeps_its_log_as_judge_serve_keeps_its_own(
 ) -> None:
     """`judge mcp`'s log settings reach the server it starts: the log opened with the
     retention its flags give, the audit rates, the opt-in and the choice mass as defaults."""
-    from service.log import decision_log
+    from service.log import backends, decision_log
     from service.mcp import server as mcp_server
 
     opened: dict[str, Any] = {}
-    real_open = decision_log.open_log
+    real_open = backends.open_log
 
     def open_log(target: str, **options: Any) -> decision_log.DecisionLog:
         opened["retention"] = options.get("retention")
@@ -468,7 +465,7 @@ def test_judge_mcp_keeps_its_log_as_judge_serve_keeps_its_own(
         opened["options"] = options
         return Started()
 
-    monkeypatch.setattr(decision_log, "open_log", open_log)
+    monkeypatch.setattr(backends, "open_log", open_log)
     monkeypatch.setattr(mcp_server, "create_server", create_server)
     monkeypatch.setattr("judge.engines.open_engine", lambda *_, **__: judge)
     argv = ["mcp", "--decision-log", str(tmp_path / "log.db"), "--log-max-rows", "5"]

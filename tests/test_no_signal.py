@@ -9,7 +9,14 @@ import pytest
 from fakes import FINGERPRINT
 from sklearn.metrics import roc_auc_score
 
-from calibration import FitSettings, evaluate_policy, fit_profile, signal_report
+from calibration import (
+    FitSettings,
+    LabeledScores,
+    Provenance,
+    evaluate_policy,
+    fit_profile,
+    signal_report,
+)
 from calibration.certificates.signal import auroc, label_prior
 from calibration.maps.scaling import T_MAX
 from calibration.report import evaluation_markdown, profile_markdown
@@ -37,14 +44,11 @@ def test_a_prior_predictor_is_called_one() -> None:
     z, y = noise(600, seed=0)
     profile = fit_profile(
         "rte",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         CHOICES,
-        fingerprint=FINGERPRINT,
-        dataset="d",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=200),
-    )
+        Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"),
+        FitSettings(n_bootstrap=200),
+    ).profile
     s = profile.signal
     assert s is not None
     # The fit flattens the scores (T at its bound) and lets the bias carry the prior.
@@ -67,14 +71,11 @@ def test_a_judge_with_signal_beats_the_prior() -> None:
     z, y = signal(600, seed=2)
     profile = fit_profile(
         "sst",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         CHOICES,
-        fingerprint=FINGERPRINT,
-        dataset="d",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=200),
-    )
+        Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"),
+        FitSettings(n_bootstrap=200),
+    ).profile
     s = profile.signal
     assert s is not None and s.beats_prior and not s.temperature_at_bound
     assert s.accuracy_gain.low > 0 and s.nll_gain.low > 0
@@ -85,8 +86,11 @@ def test_a_judge_with_signal_beats_the_prior() -> None:
 def test_the_comparison_is_on_held_out_items_against_fit_split_frequencies() -> None:
     z, y = signal(600, seed=3)
     profile = fit_profile(
-        "s", z, y, CHOICES, fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"
-    )
+        "s",
+        LabeledScores(z, np.ones(len(y)), y),
+        CHOICES,
+        Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"),
+    ).profile
     s = profile.signal
     assert s is not None
     assert s.n == profile.split.conformal + profile.split.certify

@@ -27,7 +27,9 @@ from calibration import (
     CalibrationProfile,
     FitSettings,
     Gate,
+    LabeledScores,
     Overrides,
+    Provenance,
     fit_profile,
     make_policy,
 )
@@ -293,14 +295,13 @@ def pair_profile(name: str = "xy") -> CalibrationProfile:
     z = logits - np.logaddexp(logits[:, 0], logits[:, 1])[:, None]
     return fit_profile(
         name,
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         ["x", "y"],
-        settings=FitSettings(methods=["temperature"]),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        fingerprint=FakeEngine().fingerprint(),
-    )
+        Provenance(
+            fingerprint=FakeEngine().fingerprint(), dataset="synthetic", dataset_sha256="0" * 64
+        ),
+        FitSettings(methods=["temperature"]),
+    ).profile
 
 
 def test_a_profile_for_the_names_gates_a_pair_on_both_routes(tmp_path: Path) -> None:

@@ -71,7 +71,7 @@ def test_bad_input_is_refused_by_name() -> None:
 def test_a_fitted_profile_and_its_report_carry_the_evidence_per_class() -> None:
     from fakes import FINGERPRINT
 
-    from calibration import fit_profile
+    from calibration import LabeledScores, Provenance, fit_profile
     from calibration.report import profile_markdown
 
     rng = np.random.default_rng(5)
@@ -79,8 +79,11 @@ def test_a_fitted_profile_and_its_report_carry_the_evidence_per_class() -> None:
     y = (rng.random(300) > np.exp(z[:, 0]) / np.exp(z).sum(1)).astype(int)
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     profile = fit_profile(
-        "p", logp, y, ["ham", "spam"], fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"
-    )
+        "p",
+        LabeledScores(logp, np.ones(len(y)), y),
+        ["ham", "spam"],
+        Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"),
+    ).profile
     evidence = profile.class_evidence
     assert evidence is not None
     held = profile.split.conformal + profile.split.certify  # the examples not fitted on

@@ -23,7 +23,15 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
 
-from calibration import FitSettings, decode_profile, evaluate_policy, fit_calibrator, fit_profile
+from calibration import (
+    FitSettings,
+    LabeledScores,
+    Provenance,
+    decode_profile,
+    evaluate_policy,
+    fit_calibrator,
+    fit_profile,
+)
 from calibration.errors import FitError, ProfileError, ProfileMismatchError, RuleError
 from calibration.gate import Gate
 from calibration.maps.map_types import MAX_PROBE_WEIGHTS, Probe, Temperature, softmax
@@ -87,20 +95,16 @@ def fit(
     methods: Sequence[str] | str,
     choices: list[str] = CHOICES,
 ) -> CalibrationProfile:
-    """``fit_profile`` on synthetic items and their features (n, 3, H) of ``LAYERS``, with the
-    engine of ``engine()``, choosing among ``methods``."""
+    """``fit_profile`` on synthetic items and their features (n, 3, H) of ``LAYERS`` (None:
+    none), with the engine of ``engine()``, choosing among ``methods``."""
+    layers = LAYERS if x is not None else ()
     return fit_profile(
         "probe-v1",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y, features=x, feature_layers=layers),
         choices,
-        fingerprint=engine(),
-        dataset="synthetic",
-        dataset_sha256="0",
-        features=x,
-        feature_layers=LAYERS,
-        settings=FitSettings(methods=methods, n_bootstrap=20),
-    )
+        Provenance(fingerprint=engine(), dataset="synthetic", dataset_sha256="0"),
+        FitSettings(methods=methods, n_bootstrap=20),
+    ).profile
 
 
 @pytest.fixture(scope="module")
@@ -478,16 +482,15 @@ def test_a_probe_profile_of_the_default_model_is_small() -> None:
     z = np.log(softmax(rng.normal(size=(200, 2))))
     fitted = fit_profile(
         "sst2-probe",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y, features=x, feature_layers=(20,)),
         ["negative", "positive"],
-        fingerprint=engine(num_layers=30, hidden_size=hidden),
-        dataset="synthetic",
-        dataset_sha256="0",
-        settings=FitSettings(methods=["probe"], n_bootstrap=10),
-        features=x,
-        feature_layers=[20],
-    )
+        Provenance(
+            fingerprint=engine(num_layers=30, hidden_size=hidden),
+            dataset="synthetic",
+            dataset_sha256="0",
+        ),
+        FitSettings(methods=["probe"], n_bootstrap=10),
+    ).profile
     assert isinstance(fitted.calibration_map, Probe)
     data = msgspec.json.encode(fitted)
     # A float is at most 24 characters of JSON and a comma: the weights take at most 29 KB

@@ -18,7 +18,7 @@ import pytest
 from fakes import FakeEngine
 from litestar.testing import TestClient
 
-from calibration import CalibrationProfile, FitSettings, fit_profile
+from calibration import CalibrationProfile, FitSettings, LabeledScores, Provenance, fit_profile
 from calibration.errors import ProfileNotFoundError
 from service import ServiceConfig, create_app
 from service.profiles import (
@@ -43,14 +43,11 @@ def fake_profile(name: str = "sms", seed: int = 0) -> CalibrationProfile:
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     return fit_profile(
         name,
-        logp,
-        y,
+        LabeledScores(logp, np.ones(len(y)), y),
         ["ham", "spam"],
-        fingerprint=FAKE,
-        dataset="d",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=10),
-    )
+        Provenance(fingerprint=FAKE, dataset="d", dataset_sha256="0"),
+        FitSettings(n_bootstrap=10),
+    ).profile
 
 
 @pytest.fixture(scope="module")

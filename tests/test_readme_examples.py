@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from calibration import FitSettings, fit_profile, save_profile
+from calibration import FitSettings, LabeledScores, Provenance, fit_profile, save_profile
 from calibration.tasks import load_task, task_item_span, task_prompt, task_template
 from judge import Judge
 from service.cli.main import main
@@ -58,16 +58,11 @@ def test_pipeline_example(
     logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
     profile = fit_profile(
         "sms_spam",
-        logp,
-        labels,
+        LabeledScores(logp, np.ones(len(labels)), labels, features=features, feature_layers=(20,)),
         ["ham", "spam"],
-        fingerprint=judge.fingerprint(),
-        dataset="t",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=20, methods=[method]),
-        features=features,
-        feature_layers=(20,),
-    )
+        Provenance(fingerprint=judge.fingerprint(), dataset="t", dataset_sha256="0"),
+        FitSettings(n_bootstrap=20, methods=[method]),
+    ).profile
     assert (profile.calibration_map.method == "probe") == (method == "probe")
     # As judge calibrate --task writes it: with the task's prompt, so the example sends items.
     profile = msgspec.structs.replace(profile, template=task_template(load_task(SMS)))

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from calibration import (
     REASON_CODES,
     FitSettings,
+    LabeledScores,
     PolicyDefaults,
+    Provenance,
     decode_profile,
     fit_profile,
     make_policy,
@@ -192,14 +194,11 @@ def score_profile() -> CalibrationProfile:
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     return fit_profile(
         "grades",
-        logp,
-        y,
+        LabeledScores(logp, np.ones(len(y)), y),
         GRADES,
-        fingerprint=FINGERPRINT,
-        dataset="d",
-        dataset_sha256="0",
-        settings=FitSettings(n_bootstrap=20, values={c: float(c) for c in GRADES}, max_std=1.2),
-    )
+        Provenance(fingerprint=FINGERPRINT, dataset="d", dataset_sha256="0"),
+        FitSettings(n_bootstrap=20, values={c: float(c) for c in GRADES}, max_std=1.2),
+    ).profile
 
 
 def test_a_score_profile_round_trips_and_certifies_the_gate_it_serves(

@@ -32,7 +32,7 @@ from calibration.tasks import TaskError, judge_labeled, load_split, load_task, t
 from judge import InvalidQueryError, Judge, ModelServerError, Query
 from judge.engines import open_engine
 from judge.server_engine import ServerEngine, ServerModel
-from service.log.decision_log import open_log
+from service.log.backends import open_log
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # The served model runs the GGUF's 4-bit weights in llama.cpp's arithmetic, the local engine

@@ -19,7 +19,14 @@ from fakes import FakeEngine, judgment_of
 from litestar.testing import TestClient
 from server import wait_app_ready as wait_ready
 
-from calibration import CalibrationProfile, FitSettings, decode_profile, fit_profile
+from calibration import (
+    CalibrationProfile,
+    FitSettings,
+    LabeledScores,
+    Provenance,
+    decode_profile,
+    fit_profile,
+)
 from calibration.gate import Gate, Overrides
 from calibration.maps.map_types import MAX_PROBE_WEIGHTS, Probe
 from calibration.maps.probe import candidate_layers
@@ -796,16 +803,13 @@ def probe_profile(name: str = "probe", n: int = 150) -> CalibrationProfile:
     z = np.log(rng.dirichlet(np.ones(2), n))  # (n, k)
     profile = fit_profile(
         name,
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y, features=features, feature_layers=(2,)),
         ["yes", "no"],
-        settings=FitSettings(methods=["probe"]),
-        features=features,
-        feature_layers=(2,),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        fingerprint=FeatureEngine().fingerprint(),
-    )
+        Provenance(
+            fingerprint=FeatureEngine().fingerprint(), dataset="synthetic", dataset_sha256="0" * 64
+        ),
+        FitSettings(methods=["probe"]),
+    ).profile
     assert profile.calibration_map.method == "probe" and profile.feature_layers == (2,)
     assert (profile.fingerprint.num_layers, profile.fingerprint.hidden_size) == (NUM_LAYERS, H)
     return profile

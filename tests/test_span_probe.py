@@ -16,7 +16,7 @@ from fakes import FINGERPRINT, judgment_of
 from sklearn.model_selection import StratifiedKFold
 from threadpoolctl import threadpool_limits
 
-from calibration import FitSettings, evaluate_policy, fit_profile
+from calibration import FitSettings, Provenance, evaluate_policy, fit_profile
 from calibration.errors import ProfileMismatchError, RuleError
 from calibration.gate import Gate
 from calibration.maps.map_types import Probe, softmax
@@ -56,18 +56,19 @@ def profile() -> CalibrationProfile:
     fingerprint = msgspec.structs.replace(FINGERPRINT, num_layers=NUM_LAYERS, hidden_size=H)
     fitted = fit_profile(
         "span",
-        z,
-        y,
+        LabeledScores(
+            z,
+            np.ones(len(y)),
+            y,
+            features=points,
+            feature_layers=LAYERS,
+            span_features=means,
+            span="item",
+        ),
         CHOICES,
-        fingerprint=fingerprint,
-        dataset="mean world",
-        dataset_sha256="0" * 64,
-        features=points,
-        feature_layers=LAYERS,
-        span_features=means,
-        span="item",
-        settings=FitSettings(methods=["probe"], n_bootstrap=20),
-    )
+        Provenance(fingerprint=fingerprint, dataset="mean world", dataset_sha256="0" * 64),
+        FitSettings(methods=["probe"], n_bootstrap=20),
+    ).profile
     assert isinstance(fitted.calibration_map, Probe)
     return fitted
 
@@ -140,14 +141,11 @@ def profile_with(probe: Probe) -> CalibrationProfile:
     fingerprint = msgspec.structs.replace(FINGERPRINT, num_layers=NUM_LAYERS, hidden_size=H)
     base = fit_profile(
         "base",
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         CHOICES,
-        fingerprint=fingerprint,
-        dataset="mean world",
-        dataset_sha256="0" * 64,
-        settings=FitSettings(methods=["temperature"], n_bootstrap=20),
-    )
+        Provenance(fingerprint=fingerprint, dataset="mean world", dataset_sha256="0" * 64),
+        FitSettings(methods=["temperature"], n_bootstrap=20),
+    ).profile
     return msgspec.structs.replace(base, calibration_map=probe)
 
 

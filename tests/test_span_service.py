@@ -29,7 +29,7 @@ from calibration.maps.map_types import Probe
 from judge import Judge
 from service import ServiceConfig, create_app
 from service.cli.main import main
-from service.log.decision_log import open_log
+from service.log.backends import open_log
 from service.profiles import ProfileStore
 
 LAYER = 15

@@ -115,11 +115,12 @@ def test_the_walk_finds_a_circle() -> None:
     assert _imports(tree, {"x.y"}) == {"x.y"}
 
 
-MAX_CLASS_LINES = 400
+MAX_CLASS_LINES = 350
 
 
-def test_no_class_is_over_400_lines() -> None:
-    """A class that long does several jobs (``Service`` did six in 725 lines): cut it by job."""
+def test_no_class_is_over_350_lines() -> None:
+    """A class that long does several jobs (``Service`` did six in 725 lines): cut it by job.
+    400 held ``Policy`` at exactly 400, its checks beside its verdicts (issue 68)."""
     long = [
         f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
         for name, path in _modules().items()

@@ -28,7 +28,14 @@ from litestar.testing import TestClient
 from server import Server
 from server import wait_app_ready as ready
 
-from calibration import CalibrationProfile, FitSettings, fit_profile, make_policy
+from calibration import (
+    CalibrationProfile,
+    FitSettings,
+    LabeledScores,
+    Provenance,
+    fit_profile,
+    make_policy,
+)
 from judge import Judgment, Query
 from judge.answers import plan_decisions
 from service import ServiceConfig, create_app
@@ -321,14 +328,13 @@ def yes_no_profile(name: str = "yesno") -> CalibrationProfile:
     z = logits - np.logaddexp(logits[:, 0], logits[:, 1])[:, None]  # (n, 2) log-probabilities
     return fit_profile(
         name,
-        z,
-        y,
+        LabeledScores(z, np.ones(len(y)), y),
         ["yes", "no"],
-        settings=FitSettings(methods=["temperature"]),
-        dataset="synthetic",
-        dataset_sha256="0" * 64,
-        fingerprint=FakeEngine().fingerprint(),
-    )
+        Provenance(
+            fingerprint=FakeEngine().fingerprint(), dataset="synthetic", dataset_sha256="0" * 64
+        ),
+        FitSettings(methods=["temperature"]),
+    ).profile
 
 
 class Leaning(Counting):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine, judgment_of
 
-from calibration import FitSettings
+from calibration import FitSettings, Provenance
 from calibration.errors import ProfileMismatchError
 from calibration.tasks import (
     LabeledItem,
@@ -123,15 +123,11 @@ def test_fit_labeled_records_the_engine_and_the_data() -> None:
     queries = labeled_queries([f"p={p}" for p in p_spam], CHOICES)
     scores = judge_labeled(engine, queries, labels, CHOICES, batch_size=50)
     fingerprint = engine.fingerprint(system="Be brief.")
-    profile = fit_labeled(
-        "fake",
-        scores,
-        CHOICES,
-        fingerprint,
-        dataset="fake/calibration",
-        dataset_sha256="ab" * 32,
-        settings=FitSettings(target_precision=0.8, delta=0.2, alpha=0.2),
+    source = Provenance(
+        fingerprint=fingerprint, dataset="fake/calibration", dataset_sha256="ab" * 32
     )
+    settings = FitSettings(target_precision=0.8, delta=0.2, alpha=0.2)
+    profile = fit_labeled("fake", scores, CHOICES, source, settings).profile
     assert profile.name == "fake" and profile.choices == CHOICES and profile.n_examples == 120
     assert profile.fingerprint == fingerprint
     assert (fingerprint.model, fingerprint.dtype, fingerprint.response_prefix) == (
@@ -148,9 +144,11 @@ def test_fit_labeled_records_the_engine_and_the_data() -> None:
 
     with pytest.raises(TypeError, match=r"fingerprint must be a judge\.Fingerprint"):
         as_dict = msgspec.to_builtins(fingerprint)
-        fit_labeled("x", scores, CHOICES, as_dict, dataset="d", dataset_sha256="0")
+        fit_labeled(
+            "x", scores, CHOICES, Provenance(fingerprint=as_dict, dataset="d", dataset_sha256="0")
+        )
     with pytest.raises(ValueError, match="2 columns but there are 3 choices"):
-        fit_labeled("x", scores, [*CHOICES, "maybe"], fingerprint, dataset="d", dataset_sha256="0")
+        fit_labeled("x", scores, [*CHOICES, "maybe"], source)
 
 
 def test_judge_labeled_agrees_with_judging_one_at_a_time(judge: Judge) -> None:
@@ -324,5 +322,5 @@ def test_features_of_picks_layers_in_the_order_asked() -> None:
     assert np.array_equal(picked[:, 0], features[:, 2]) and np.array_equal(
         picked[:, 1], features[:, 0]
     )
-    with pytest.raises(TaskError, match=r"not of \[15\]"):
+    with pytest.raises(ProfileMismatchError, match=r"not of \[15\]"):
         scores.features_of((15,))

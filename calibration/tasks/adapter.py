@@ -26,6 +26,7 @@ The steps, each on the items the step may see (the probe split of ``calibration.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
+from calibration.fit_data import Provenance
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.maps.map_types import Probe
 from calibration.maps.probe import candidate_layers, fit_probe_weights, probe_input
@@ -96,6 +98,8 @@ def fit_adapter_profile(
     from calibration.maps.scaling import CalibrationFit
     from judge.adapter_fit import fit_adapter
 
+    taught = taught_items(items)  # chosen to teach: they train the adapter, never certify
+
     def judged(judge: Judge, stage: str, layers: Sequence[int]) -> LabeledScores:
         done = [0]
 
@@ -104,7 +108,7 @@ def fit_adapter_profile(
             if progress is not None:
                 progress(stage, done[0], len(items))
 
-        return judge_task_items(
+        scores = judge_task_items(
             judge,
             task,
             items,
@@ -113,38 +117,27 @@ def fit_adapter_profile(
             feature_layers=layers,
             span_layers=layers,
         )
+        return dataclasses.replace(scores, fit_only=taught)
 
     fingerprint = engine.fingerprint()
     num_layers = fingerprint.num_layers
     if not num_layers:
         raise ValueError("an adapter needs a model that reports its layers")
     probe_settings = msgspec.structs.replace(settings, methods=("probe",))
-    taught = taught_items(items)  # chosen to teach: they train the adapter, never certify
     base = judged(engine, "judge", candidate_layers(num_layers))
-    template = task_template(task)
-
-    def labeled_fit(fit_settings: FitSettings) -> tuple[CalibrationProfile, np.ndarray]:
-        out_of_fold: list[np.ndarray] = []
-        fitted = fit_labeled(
-            name,
-            base,
-            task.choices,
-            fingerprint,
-            dataset=dataset,
-            dataset_sha256=dataset_sha256,
-            settings=fit_settings,
-            template=template,
-            out_of_sample=out_of_fold,
-            fit_only=taught,
-        )
-        return fitted, out_of_fold[0]
-
+    provenance = Provenance(
+        fingerprint=fingerprint,
+        dataset=dataset,
+        dataset_sha256=dataset_sha256,
+        template=task_template(task),
+    )
     auto = settings.methods == "auto"
-    rival_profile, rival_oof = labeled_fit(settings if auto else probe_settings)
+    rival = fit_labeled(name, base, task.choices, provenance, settings if auto else probe_settings)
+    rival_profile, rival_oof = rival.profile, rival.out_of_sample
     if isinstance(rival_profile.calibration_map, Probe):
         probe_profile = rival_profile
     else:  # auto chose a scalar map: the head still starts from the probe
-        probe_profile, _ = labeled_fit(probe_settings)
+        probe_profile = fit_labeled(name, base, task.choices, provenance, probe_settings).profile
     if rival_profile.split != probe_profile.split:
         raise AssertionError("auto and the probe must share the probe split")  # 5:1:4 both
     probe = probe_profile.calibration_map
@@ -212,12 +205,8 @@ def fit_adapter_profile(
         name,
         adapted,
         task.choices,
-        fingerprint,
-        dataset=dataset,
-        dataset_sha256=dataset_sha256,
-        settings=probe_settings,  # the head served is a probe's, given
-        template=template,
-        fit_only=taught,
+        provenance,
+        probe_settings,  # the head served is a probe's, given
         trained=TrainedHead(
             CalibrationFit(
                 map=head,
@@ -227,7 +216,7 @@ def fit_adapter_profile(
             ),
             fit.adapter,
         ),
-    )
+    ).profile
     return AdapterProfile(profile, probe_profile, rival_profile, fit, adapted, winner, nll)
 
 

@@ -42,6 +42,7 @@ from calibration.certificates.cascade_certify import (
 )
 from calibration.certificates.certify import ThresholdResult
 from calibration.errors import FitError
+from calibration.fit_data import Provenance
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.limits import MIN_EXAMPLES
 from calibration.tasks.labeled import LabeledScores, fit_labeled, gates_on_scores
@@ -133,20 +134,21 @@ def fit_cascade(
                 "every stage must score the same labeled items in the same order"
             )
     pooled = msgspec.structs.replace(settings, per_class=False)  # one threshold per stage
-    out_of_sample: list[np.ndarray] = []  # each stage's items as its map judges new ones
-    profiles = [
+    fits = [
         fit_labeled(
             name if s == 0 else f"{name}-{stage.name}",
             stage.scores,
             choices,
-            stage.fingerprint,
-            dataset=dataset,
-            dataset_sha256=dataset_sha256,
-            settings=pooled,
-            out_of_sample=out_of_sample,
+            Provenance(
+                fingerprint=stage.fingerprint, dataset=dataset, dataset_sha256=dataset_sha256
+            ),
+            pooled,
         )
         for s, stage in enumerate(stages)
     ]
+    profiles = [fitted.profile for fitted in fits]
+    # Each stage's items as its map judges new ones.
+    out_of_sample = [fitted.out_of_sample for fitted in fits]
     held = np.ones(len(labels), dtype=bool)  # held out by every stage's own fit
     for profile in profiles:
         mask = np.zeros(len(labels), dtype=bool)

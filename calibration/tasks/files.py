@@ -189,7 +189,7 @@ def load_split(task: Task, split: str, limit: int | None = None) -> tuple[list[L
 
 
 def taught_items(items: Sequence[LabeledItem]) -> np.ndarray | None:
-    """Which ``items`` were chosen to teach (``fit_profile``'s ``fit_only``); None where none
+    """Which ``items`` were chosen to teach (``LabeledScores.fit_only``); None where none
     was, so that a split of uniform labels alone is the one it always was."""
     taught = np.array([item.taught for item in items], dtype=np.bool_)
     return taught if taught.any() else None

@@ -26,6 +26,7 @@ certify. The command line runs it in the background every few labels.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ import msgspec
 import numpy as np
 
 from calibration.certificates.recertify import Recertification, look_delta
+from calibration.fit_data import Provenance
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.limits import MIN_EXAMPLES
 from calibration.maps.map_types import softmax
@@ -388,30 +390,27 @@ def advise(
     the caller counts it (``count_look``) before reading its certificate."""
     from calibration.fitting import labels_needed
 
-    s = labelled.scores
     taught = taught_items(labelled.items)
+    s = dataclasses.replace(labelled.scores, fit_only=taught)
     look = looks.next(str(Path(task.path) / f"{split}.jsonl"))
-    out_of_sample: list[np.ndarray] = []
-    profile = fit_labeled(
-        name,
-        s,
-        task.choices,
-        fingerprint,
+    provenance = Provenance(
+        fingerprint=fingerprint,
         dataset=f"{task.name}/{split}",
         dataset_sha256=labelled.sha256,
-        settings=msgspec.structs.replace(settings, delta=look.spent),
         template=task_template(task),
-        out_of_sample=out_of_sample,
-        fit_only=taught,
         recertification=look,
     )
+    fitted = fit_labeled(
+        name, s, task.choices, provenance, msgspec.structs.replace(settings, delta=look.spent)
+    )
+    profile = fitted.profile
     # Whether to look is read off the map's own confidence in its answers to the audit items
     # (out of sample), never off their labels: a look timed by how the certify items came out
     # would pick a lucky draw. (Their labels, on the few items the certificate does not rest
     # on, were too few to time it: tens of them, where the certificate reads hundreds.)
     needed = labels_needed(
         profile,
-        out_of_sample[0],
+        fitted.out_of_sample,
         s.labels,
         s.choice_mass,
         taught,

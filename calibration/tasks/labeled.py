@@ -5,15 +5,15 @@ The two halves of "calibrate on my data", shared by ``judge calibrate``, the ser
 
 * ``judge_labeled`` runs an engine over labeled prompts in batches and keeps, per item, the
   per-choice log-probabilities in one fixed choice order, the choice mass and the label index;
-* ``fit_labeled`` hands those arrays, with the engine's fingerprint, to
-  ``calibration.fit_profile``.
+* ``fit_labeled`` hands those arrays, with where they came from (``calibration.Provenance``:
+  the engine's fingerprint, the data, the prompt), to ``calibration.fit_profile``.
 
 Without labels, ``judge_unlabeled`` judges prompts alone (content-free ones from
 ``content_free_prompts``, a task's texts, or a JSONL file read by ``load_prompts``) and
 ``fit_unlabeled`` fits a label-free prior correction (``calibration.fit_label_free_profile``).
 
-The arrays travel as ``LabeledScores``, plain numpy data that can be cached on disk and
-refitted without the model.
+The arrays travel as ``LabeledScores`` (calibration's own, exported here too), plain numpy
+data that can be cached on disk and refitted without the model.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
 import msgspec
 import numpy as np
 
+from calibration.fit_data import LabeledScores, Provenance
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.maps.map_types import ProbeSpan
 from calibration.tasks.files import (
@@ -38,22 +38,19 @@ from calibration.tasks.files import (
     task_item_span,
     task_prompt,
 )
-from calibration.template import PromptTemplate
 from judge import Engine, Fingerprint, Judgment, Query
 from judge.judgments import QueryTemplate
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
-    from calibration.certificates.recertify import Recertification
-    from calibration.fitting import TrainedHead
+    from calibration.fitting import FittedProfile, TrainedHead
     from calibration.policy import Gates
 
 
 class _Given(TypedDict, total=False):
-    """What ``fit_labeled`` passes on to ``fit_profile`` as given."""
+    """What ``fit_labeled`` passes on to ``fit_profile`` beside the three records."""
 
     probe_split: bool | None
-    recertification: Recertification | None
     trained: TrainedHead | None
 
 
@@ -71,120 +68,6 @@ __all__ = [
     "load_prompts",
     "scores_from_judgments",
 ]
-
-
-@dataclass(frozen=True)
-class LabeledScores:
-    """An engine's scores on n labeled items with k choices, in one fixed choice order.
-
-    Attributes
-    ----------
-    log_probabilities : np.ndarray, shape (n, k)
-        log P(choice) per item; column j is the j-th choice of the order they were made in.
-    choice_mass : np.ndarray, shape (n,)
-        The choices' share of the model's full next-token distribution, per item.
-    labels : np.ndarray, shape (n,), int64
-        The index of each item's correct choice.
-    features : np.ndarray, shape (n, m, H), float32, optional
-        Each item's hidden state at the decision point for each of ``feature_layers`` (m of
-        them); None when none were asked for.
-    feature_layers : tuple of int
-        The layers of ``features``, in its order.
-    span_features : np.ndarray, shape (n, m, H), float32, optional
-        The same layers' hidden states averaged over each item's tokens; None when not asked.
-    span : "item" or "prompt", optional
-        Over which tokens ``span_features`` were averaged: the item marked in each prompt
-        (``Query.item_span``), or the whole prompt. Set exactly with ``span_features``.
-    """
-
-    log_probabilities: np.ndarray
-    choice_mass: np.ndarray
-    labels: np.ndarray
-    features: np.ndarray | None = None
-    feature_layers: tuple[int, ...] = ()
-    span_features: np.ndarray | None = None
-    span: ProbeSpan | None = None
-
-    def __post_init__(self) -> None:
-        z = np.asarray(self.log_probabilities, dtype=np.float64)
-        mass = np.asarray(self.choice_mass, dtype=np.float64)
-        labels = np.asarray(self.labels)
-        if z.ndim != 2 or z.shape[1] < 2:
-            raise ValueError(f"log_probabilities must have shape (n, k) with k >= 2, got {z.shape}")
-        n, k = z.shape
-        if mass.shape != (n,):
-            raise ValueError(f"choice_mass must have shape ({n},), got {mass.shape}")
-        if labels.shape != (n,):
-            raise ValueError(f"labels must have shape ({n},), got {labels.shape}")
-        if n and not np.issubdtype(labels.dtype, np.integer):
-            raise ValueError(f"labels must be choice indices (integers), got {labels.dtype}")
-        if n and (labels.min() < 0 or labels.max() >= k):
-            raise ValueError(
-                f"labels must be indices in [0, {k}), got {labels.min()}..{labels.max()}"
-            )
-        if self.features is not None:
-            f = np.asarray(self.features, dtype=np.float32)
-            if f.ndim != 3 or f.shape[:2] != (n, len(self.feature_layers)):
-                raise ValueError(
-                    f"features must have shape ({n}, {len(self.feature_layers)}, H) for layers "
-                    f"{list(self.feature_layers)}, got {f.shape}"
-                )
-            object.__setattr__(self, "features", f)
-        elif self.feature_layers:
-            raise ValueError(f"feature_layers {list(self.feature_layers)} given without features")
-        if self.span_features is not None:
-            means = np.asarray(self.span_features, dtype=np.float32)
-            if self.features is None or means.shape != np.shape(self.features):
-                raise ValueError(
-                    f"span_features must have the shape of features, got {means.shape}"
-                )
-            object.__setattr__(self, "span_features", means)
-        if (self.span is None) != (self.span_features is None):
-            raise ValueError("span names the tokens of span_features: give both or neither")
-        object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
-        # Normalised copies: what is stored is what was checked.
-        object.__setattr__(self, "log_probabilities", z)
-        object.__setattr__(self, "choice_mass", mass)
-        object.__setattr__(self, "labels", labels.astype(np.int64))
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    def rows(self, index: np.ndarray) -> LabeledScores:
-        """These scores of the items ``index`` selects (indices or a mask), every array cut
-        alike."""
-        return LabeledScores(
-            log_probabilities=self.log_probabilities[index],
-            choice_mass=self.choice_mass[index],
-            labels=self.labels[index],
-            features=None if self.features is None else self.features[index],
-            feature_layers=self.feature_layers,
-            span_features=None if self.span_features is None else self.span_features[index],
-            span=self.span,
-        )
-
-    def features_of(self, layers: Sequence[int]) -> np.ndarray | None:
-        """(n, len(layers), H) features of ``layers``, in that order (a probe profile's
-        ``feature_layers``); None when ``layers`` is empty."""
-        carried = f"features of layers {list(self.feature_layers)}, not of {list(layers)}"
-        return self._of_layers(self.features, layers, carried)
-
-    def span_features_of(self, layers: Sequence[int]) -> np.ndarray | None:
-        """(n, len(layers), H) means over the items of ``layers`` (a probe profile's
-        ``span_layers``); None when ``layers`` is empty."""
-        carried = f"no means over the items of layers {list(layers)}: judge them with span_layers"
-        return self._of_layers(self.span_features, layers, carried)
-
-    def _of_layers(
-        self, values: np.ndarray | None, layers: Sequence[int], carried: str
-    ) -> np.ndarray | None:
-        """``values`` (n, len(feature_layers), H) of ``layers``, in that order; a TaskError
-        saying what these scores carry where they lack one."""
-        if not layers:
-            return None
-        if values is None or any(n not in self.feature_layers for n in layers):
-            raise TaskError(f"these scores carry {carried}")
-        return values[:, [self.feature_layers.index(n) for n in layers], :]
 
 
 def gates_on_scores(profile: CalibrationProfile, scores: LabeledScores) -> Gates:
@@ -458,75 +341,24 @@ def fit_labeled(
     name: str,
     scores: LabeledScores,
     choices: Sequence[str],
-    fingerprint: Fingerprint,
-    *,
-    dataset: str,
-    dataset_sha256: str,
+    provenance: Provenance,
     settings: FitSettings = DEFAULT_SETTINGS,
-    template: PromptTemplate | None = None,
-    out_of_sample: list[np.ndarray] | None = None,
-    fit_only: np.ndarray | None = None,
     **given: Unpack[_Given],
-) -> CalibrationProfile:
-    """Fit a calibration profile on ``scores``, for the engine that ``fingerprint`` describes.
+) -> FittedProfile:
+    """``calibration.fit_profile`` on an engine's labelled ``scores`` (as ``judge_labeled``
+    returns them, columns in ``choices`` order), imported when called: judging a labeled set
+    needs no scipy or scikit-learn, only fitting does.
 
     A probe (the settings' ``methods`` "auto", the default, or with "probe") reads
     ``scores.features``: judge the items with
-    ``feature_layers=calibration.candidate_layers(num_layers)``.
-
-    Parameters
-    ----------
-    name : str
-        The profile's name.
-    scores : LabeledScores
-        Columns in ``choices`` order (as ``judge_labeled`` returns them).
-    choices : sequence of str
-    fingerprint : Fingerprint
-        ``engine.fingerprint(...)`` for the template the scores were judged with.
-    dataset, dataset_sha256 : str
-        What the scores were computed on, recorded in the profile.
-    settings : FitSettings
-        What to certify and how (``calibration.fit_settings``); a score task's ``values`` (a
-        task's own) and std bound go there too.
-    template : PromptTemplate, optional
-        The prompt the scores were judged on, with the item left out (a task's:
-        ``task_template``): the profile keeps it, so that a request sends only the item.
-    out_of_sample : list, optional
-        Gets the items' calibrated probabilities as the map would judge new ones
-        (``fit_profile``).
-    fit_only : array of bool, optional
-        The items chosen to teach (``taught_items``): they fit the map, never certify it.
-    **given
-        What ``fit_profile`` takes beside the scores: ``probe_split``, ``recertification`` (a
-        refit's look), ``trained`` (a head trained with adapters).
+    ``feature_layers=calibration.candidate_layers(num_layers)``. ``provenance`` is the
+    engine's fingerprint for the template the scores were judged with, the data's name and
+    hash, and the prompt with the item left out (a task's: ``task_template``), so that a
+    request to the profile sends only the item. ``given``: ``probe_split``, ``trained``.
     """
-    # Imported here: judging a labeled set needs no scipy or scikit-learn, only fitting does.
     from calibration import fit_profile
 
-    if scores.log_probabilities.shape[1] != len(choices):
-        raise ValueError(
-            f"scores have {scores.log_probabilities.shape[1]} columns but there are "
-            f"{len(choices)} choices"
-        )
-    profile = fit_profile(
-        name,
-        scores.log_probabilities,
-        scores.labels,
-        list(choices),
-        fingerprint=fingerprint,
-        dataset=dataset,
-        dataset_sha256=dataset_sha256,
-        settings=settings,
-        choice_mass=scores.choice_mass,
-        features=scores.features,
-        feature_layers=scores.feature_layers,
-        span_features=scores.span_features,
-        span=scores.span,
-        out_of_sample=out_of_sample,
-        fit_only=fit_only,
-        **given,
-    )
-    return profile if template is None else msgspec.structs.replace(profile, template=template)
+    return fit_profile(name, scores, choices, provenance, settings, **given)
 
 
 def content_free_prompts(task: Task, inputs: Sequence[str] | None = None) -> list[str]:

@@ -6,7 +6,9 @@
                        turn, for judgments and typed questions alike (``escalated``)
     system_one_stage   any System One server as a stage (``SystemOneStage``)
 
-Imported only where a cascade is configured: a server without one never loads this package.
-The server's side (stages loaded at start-up, run off its event loop, counted in its metrics)
-is ``service.web.serving_cascade``.
+``judge serve`` and the command line import it only where a cascade is configured: an HTTP
+server without one neither loads nor calls it (``tests/test_structure.py`` traces one). The
+MCP server imports it at the top of ``service.mcp.server``, so ``judge mcp`` loads it with or
+without a cascade (without one it opens no stage). The HTTP server's side (stages loaded at
+start-up, run off its event loop, counted in its metrics) is ``service.web.serving_cascade``.
 """

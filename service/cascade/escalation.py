@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from calibration.cascade import Stage, StageAnswer, StageResult, run_stages
-from service.log.decision_log import with_cascade
+from service.log.record import with_cascade
 from service.schemas import JudgeResponse
 from service.systemone import SystemOneAnswer
 
 if TYPE_CHECKING:
     from calibration import Verdict
     from calibration.policy import ScoredJudgment
-    from service.log.decision_log import LoggedDecision
+    from service.log.record import LoggedDecision
 
 __all__ = ["Escalation", "Kept", "escalated"]
 

@@ -14,6 +14,7 @@ labels ignored, or the prompts of ``--input`` (batch); see ``calibration.maps.la
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import re
 import sys
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from calibration import MIN_EXAMPLES
+from calibration import MIN_EXAMPLES, Provenance
 from calibration.maps.map_types import Probe, ProbeSpan
 from calibration.maps.probe import MIN_PROBE_EXAMPLES, candidate_layers
 from calibration.profile import NAME_PATTERN, save_profile
@@ -260,6 +261,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         engine, task, args.split, items, task.choices, args.batch_size, layers, layers
     )
     taught = taught_items(items)  # chosen to teach (judge label --queue --items): fit only
+    scores = dataclasses.replace(scores, fit_only=taught)
     look = _look(task, args.split, settings.delta)
     if look is not None:
         print(
@@ -267,18 +269,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
             f"of its lineage, certified at delta {look.spent:.3g}, its share of {look.delta:g}"
         )
         settings = msgspec.structs.replace(settings, delta=look.spent)
-    profile = fit_labeled(
-        name,
-        scores,
-        task.choices,
-        fingerprint,
+    provenance = Provenance(
+        fingerprint=fingerprint,
         dataset=f"{task.name}/{args.split}",
         dataset_sha256=digest,
-        settings=settings,
         template=task_template(task),  # so that judge ask --profile takes the item alone
-        fit_only=taught,
         recertification=look,
     )
+    profile = fit_labeled(name, scores, task.choices, provenance, settings).profile
     out = args.profiles_dir
     save_fitted(profile, scores, taught, out)
     fitted = profile.calibration_map

@@ -40,7 +40,8 @@ from service.command_line import (
 if TYPE_CHECKING:
     from calibration import CalibrationProfile, Gate, Overrides, PolicyDefaults, Verdict
     from judge import Engine, Judgment
-    from service.log.decision_log import DecisionLog, LoggedDecision
+    from service.log.decision_log import DecisionLog
+    from service.log.record import LoggedDecision
     from service.profiles import ProfileStore
 
 __all__ = [
@@ -60,7 +61,8 @@ class _LabelLine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def open_decision_log(target: str) -> DecisionLog:
-    from service.log.decision_log import DecisionLogError, open_log
+    from service.log.backends import open_log
+    from service.log.decision_log import DecisionLogError
 
     try:
         return open_log(target)
@@ -379,7 +381,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     ``--delta``."""
     from calibration.fitting import labels_for_next_look
     from calibration.profile import NAME_PATTERN
-    from service.log.decision_log import mask_target
+    from service.log.backends import mask_target
     from service.log.refit import RefitError, refit_from_log
 
     if args.profile is None:

@@ -29,8 +29,9 @@ from calibration.maps.probe import MIN_PROBE_EXAMPLES
 from calibration.tasks import LabeledItem, Task, fit_adapter_profile
 from judge.adapter_fit import AdapterSettings
 from judge.engine import Judge
-from service.log.decision_log import DecisionLog, LoggedDecision
+from service.log.decision_log import DecisionLog
 from service.log.labelling_queue import logged_prompt
+from service.log.record import LoggedDecision
 from service.log.refit import LogRefit, RefitError, labelled_decisions
 
 __all__ = ["logged_items", "retrain_from_log"]

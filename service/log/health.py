@@ -53,7 +53,8 @@ from calibration.monitoring.label_shift import (
     source_prior,
 )
 from calibration.profile import CalibrationProfile
-from service.log.decision_log import DecisionLog, LoggedDecision
+from service.log.decision_log import DecisionLog
+from service.log.record import LoggedDecision
 
 __all__ = [
     "DEFAULT_WINDOW",

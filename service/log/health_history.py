@@ -19,13 +19,13 @@ import msgspec
 from calibration.monitoring.health import ShareEstimate
 from calibration.monitoring.label_shift import em_prior, source_prior
 from calibration.profile import CalibrationProfile
-from service.log.decision_log import LoggedDecision
 from service.log.health import (
     answers_mix,
     labelled_precision,
     probabilities_of,
     traffic_shares,
 )
+from service.log.record import LoggedDecision
 
 __all__ = ["MAX_POINTS", "HealthHistory", "HealthPoint", "health_history"]
 

@@ -27,8 +27,9 @@ import numpy as np
 
 from calibration import CalibrationProfile
 from calibration.monitoring.labelling import next_stream, teach_rounds
-from service.log.decision_log import DecisionLog, LabelOutcome, LoggedDecision
+from service.log.decision_log import DecisionLog, LabelOutcome
 from service.log.health import ProfileHealth, profile_health
+from service.log.record import LoggedDecision
 
 __all__ = ["STREAMS", "LabellingQueue", "QueueItem", "Stream", "logged_prompt"]
 

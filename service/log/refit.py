@@ -4,7 +4,7 @@
 (``service.web.background_refit``) both run. It reads the profile's labelled decisions (every
 version's, made with the same weights): the audited ones (a uniform sample of the traffic) are
 split as a fit's labels are and alone set the quantile and certify; the others (a teach
-stream's picks, or any a person chose) join the fit split only (``fit_profile(fit_only=)``).
+stream's picks, or any a person chose) join the fit split only (``LabeledScores.fit_only``).
 Where the log kept hidden states (``--log-features``) a probe may read them. The refit is
 the next look of the profile's lineage and certifies at its share of the lineage's delta
 (``calibration.certificates.recertify``), so that refitting again and again as labels arrive keeps every
@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from calibration import MIN_EXAMPLES, CalibrationProfile, FitSettings
+from calibration import MIN_EXAMPLES, CalibrationProfile, FitSettings, Provenance
 from calibration.certificates.recertify import Recertification
 from calibration.maps.probe import MIN_PROBE_EXAMPLES
 from calibration.tasks import LabeledScores, fit_labeled
-from service.log.decision_log import DecisionLog, LoggedDecision
+from service.log.decision_log import DecisionLog
+from service.log.record import LoggedDecision
 
 __all__ = ["LogRefit", "RefitError", "labelled_decisions", "refit_from_log", "refit_settings"]
 
@@ -109,27 +110,23 @@ def refit_from_log(
     mass = np.array([r.choice_mass for r in records])
     recertification = Recertification.after(profile.recertification, settings.delta, log_name)
     only = fit_only if taught else None
-    scores = LabeledScores(
-        log_probabilities=z, choice_mass=mass, labels=y, features=features, feature_layers=layers
-    )
-    refit = fit_labeled(
-        name,
-        scores,
-        profile.choices,
-        profile.fingerprint,
+    scores = LabeledScores(z, mass, y, features=features, feature_layers=layers, fit_only=only)
+    # What the refit map reads is what the logged decisions were judged under: the profile's
+    # prompt (an item sent alone is placed in it) and its adapter (the logged scores and
+    # states are the adapted model's), so the refit carries both.
+    provenance = Provenance(
+        fingerprint=profile.fingerprint,
         dataset=f"decision log {recertification.log}: {audited} audited decisions of "
         f"{profile.name}"
         + (f" and {taught} others labeled (fit only)" if taught else "")
         + (f", with the hidden states of layers {list(layers)}" if layers else ""),
         dataset_sha256=digest,
-        settings=msgspec.structs.replace(settings, delta=recertification.spent),
+        template=profile.template,
         recertification=recertification,
-        fit_only=only,
     )
-    # What the refit map reads is what the logged decisions were judged under: the profile's
-    # prompt (an item sent alone is placed in it) and its adapter (the logged scores and
-    # states are the adapted model's), so the refit carries both.
-    refit = msgspec.structs.replace(refit, template=profile.template, adapter=profile.adapter)
+    settings = msgspec.structs.replace(settings, delta=recertification.spent)
+    fitted = fit_labeled(name, scores, profile.choices, provenance, settings)
+    refit = msgspec.structs.replace(fitted.profile, adapter=profile.adapter)
     return LogRefit(refit, recertification, audited, taught, notes, scores, only)
 
 

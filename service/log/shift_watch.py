@@ -28,8 +28,9 @@ import numpy as np
 from calibration import ProfileError
 from calibration.monitoring.label_shift import mix_shift, prior_weights
 from calibration.policy import Hold
-from service.log.decision_log import DecisionLog, DecisionLogError, LoggedDecision
+from service.log.decision_log import DecisionLog, DecisionLogError
 from service.log.health import DEFAULT_WINDOW, live_prior
+from service.log.record import LoggedDecision
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     # Opened first: a log that cannot be written stops the server before the model loads.
     decision_log = None
     if config.decision_log is not None:
-        from service.log.decision_log import DecisionLogError, Retention, open_log
+        from service.log.backends import open_log
+        from service.log.decision_log import DecisionLogError, Retention
 
         retention = Retention(max_age_days=config.log_max_age_days, max_rows=config.log_max_rows)
         try:

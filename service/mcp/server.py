@@ -62,12 +62,8 @@ from service.decisions import (
     with_order,
 )
 from service.gate_context import GateContext, item_prompt, scored
-from service.log.decision_log import (
-    DecisionLog,
-    DecisionLogError,
-    LoggedDecision,
-    replayable_question,
-)
+from service.log.decision_log import DecisionLog, DecisionLogError
+from service.log.record import LoggedDecision, replayable_question
 from service.log.shift_watch import ShiftWatch
 from service.profiles import ProfileStore
 

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 from calibration import CalibrationProfile, ProfileError
 from service.log.adapter_refit import retrain_from_log
-from service.log.decision_log import DecisionLog, DecisionLogError, mask_target
+from service.log.backends import mask_target
+from service.log.decision_log import DecisionLog, DecisionLogError
 from service.log.refit import RefitError, refit_from_log, refit_settings
 from service.profiles import PreconditionFailedError, Preconditions, ProfileStore
 from service.schemas import RefitRecord

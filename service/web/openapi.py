@@ -47,7 +47,7 @@ _ERRORS = {
     "rule across fields, a fit's method cannot be used, a label is not one of the decision's "
     "choices); `field` names the part at fault",
     503: "The model is loading, the server is at capacity, the deadline passed, or the "
-    "decision log could not be written; retry after Retry-After seconds",
+    "decision log could not be read or written; retry after Retry-After seconds",
 }
 
 # Profiles carry versions (service.profiles): an ETag on what GET and PUT answer, and

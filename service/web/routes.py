@@ -32,9 +32,9 @@ from calibration import CalibrationProfile
 from calibration.profile import current_format
 from service.bodies import decode_body, decode_each
 from service.errors import BadFieldError, TooLargeError
-from service.log.decision_log import LoggedDecision
 from service.log.health import ProfileHealth
 from service.log.health_history import HealthHistory
+from service.log.record import LoggedDecision
 from service.operations import (
     OPERATIONS,
     TIMEOUT_HEADER,

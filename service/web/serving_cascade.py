@@ -26,7 +26,7 @@ from service.cascade.stages import (
     is_remote,
     opened_stages,
 )
-from service.log.decision_log import LoggedDecision
+from service.log.record import LoggedDecision
 from service.web.serving_core import WARM_UP, ServiceCore
 
 __all__ = ["CascadeServing"]

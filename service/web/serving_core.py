@@ -56,13 +56,9 @@ from service.errors import (
     TooLargeError,
 )
 from service.gate_context import GateContext
-from service.log.decision_log import (
-    DecisionLog,
-    DecisionLogError,
-    LoggedDecision,
-    Retention,
-    open_log,
-)
+from service.log.backends import open_log
+from service.log.decision_log import DecisionLog, DecisionLogError, Retention
+from service.log.record import LoggedDecision
 from service.log.shift_watch import ShiftWatch
 from service.metrics import ServiceMetrics
 from service.profiles import ProfileStore

@@ -2,29 +2,34 @@
 
 Labels are stored atomically per decision (``service.log.decision_log``); health
 (``service.log.health.profile_health``) reads the log's recent decisions of a profile's current
-version, and ``/metrics`` reads every profile's at most every ``HEALTH_TTL_S`` seconds.
+version, and ``/metrics`` reads every profile's at most every ``HEALTH_TTL_S`` seconds. A label
+the log cannot store (a full disk) is a 503 that says so, counted as a decision's is
+(``judge_decision_log_errors_total``): the labeller sends it again.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import anyio.to_thread
 
 from calibration import ProfileError
 from calibration.carry import carry
-from service.errors import NoLogError
+from service.errors import LogUnavailableError, NoLogError
 from service.log.decision_log import (
     DecisionLog,
     DecisionLogError,
     LabelFailure,
-    LoggedDecision,
     UnknownJudgmentError,
 )
 from service.log.health import ProfileHealth, profile_health
 from service.log.health_history import HealthHistory, health_history
 from service.log.labelling_queue import LabellingQueue
+from service.log.record import LoggedDecision
 from service.schemas import (
     LabelQueue,
     LabelRequest,
@@ -36,6 +41,9 @@ from service.schemas import (
 from service.web.serving_core import ServiceCore
 
 __all__ = ["FeedbackServing"]
+
+log = logging.getLogger("judge.service")
+T = TypeVar("T")
 
 QUEUE_AHEAD = 20  # decisions of each stream GET /profiles/{name}/queue returns
 HEALTH_TTL_S = 30.0  # /metrics reads the profiles' health at most this often
@@ -72,7 +80,7 @@ class FeedbackServing:
         label = functools.partial(
             self._log_or_404().label, judgment_id, request.label, replace=request.replace
         )
-        outcome = await anyio.to_thread.run_sync(label)
+        outcome = await self._store(label)
         self.service.metrics.labels.labels(outcome.status).inc()
         self._nudge_refit([outcome.status])
         return LabelResult(
@@ -90,7 +98,7 @@ class FeedbackServing:
             replace=request.replace,
         )
         results = []
-        for outcome in await anyio.to_thread.run_sync(label_many):
+        for outcome in await self._store(label_many):
             if isinstance(outcome, LabelFailure):
                 status = _LABEL_FAILURES[outcome.error]
                 results.append(
@@ -115,6 +123,22 @@ class FeedbackServing:
                 self.service.metrics.labels.labels(outcome.status).inc()
         self._nudge_refit([r.status for r in results])
         return LabelsResponse(results=results)
+
+    async def _store(self, write: Callable[[], T]) -> T:
+        """Run a label ``write`` on a worker thread. A log that cannot store it fails the
+        request with a 503 that says so, counted in ``judge_decision_log_errors_total`` as a
+        decision's is: a bare 500 said the server was broken, where sending the label again
+        once the disk has room is all it takes (answered ``unchanged`` where a commit whose
+        outcome was unknown had stored it)."""
+        try:
+            return await anyio.to_thread.run_sync(write)
+        except DecisionLogError as exc:
+            self.service.metrics.decision_log_errors.inc()
+            log.error("a label could not be written to the decision log: %s", exc)
+            raise LogUnavailableError(
+                f"the label could not be stored in the decision log ({exc}): send it again "
+                "later (a label stored already is answered unchanged)"
+            ) from exc
 
     def _nudge_refit(self, statuses: list[str]) -> None:
         """Tell the background refit (``--refit-every``) that labels were stored."""

@@ -24,7 +24,7 @@ from service.errors import (
     error_of,
 )
 from service.gate_context import item_prompt, scored
-from service.log.decision_log import LoggedDecision
+from service.log.record import LoggedDecision
 from service.schemas import (
     BatchItem,
     BatchResponse,

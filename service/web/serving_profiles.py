@@ -29,6 +29,7 @@ from calibration import (
     ProfileNotFoundError,
 )
 from calibration.carry import carry
+from calibration.fit_data import Provenance
 from calibration.fit_settings import FitSettings
 from calibration.fitting import resolve_methods
 from calibration.maps.map_types import CalibrationMap, Probe
@@ -151,10 +152,12 @@ class ProfileServing:
             name,
             scores,
             request.choices,
-            fingerprint,
-            dataset=f"POST /profiles/{name}/fit",
-            dataset_sha256=hashlib.sha256(msgspec.json.encode(request.examples)).hexdigest(),
-            settings=FitSettings(
+            Provenance(
+                fingerprint=fingerprint,
+                dataset=f"POST /profiles/{name}/fit",
+                dataset_sha256=hashlib.sha256(msgspec.json.encode(request.examples)).hexdigest(),
+            ),
+            FitSettings(
                 target_precision=request.target_precision,
                 delta=request.delta,
                 alpha=request.alpha,
@@ -163,7 +166,7 @@ class ProfileServing:
             ),
         )
         try:
-            profile = await anyio.to_thread.run_sync(fit)
+            profile = (await anyio.to_thread.run_sync(fit)).profile
         except (CalibrationError, ValueError) as exc:  # e.g. every example has the same label
             # The fitter's own refusals of a method ("method 'probe' needs ...") name it.
             field = "method" if str(exc).startswith("method ") else "examples"

@@ -24,7 +24,7 @@ from judge import Engine, Judgment, Prepared
 from judge.answers import plan_decisions
 from service.decisions import QuestionDecision
 from service.errors import TooLargeError, UnprocessableError
-from service.log.decision_log import LoggedDecision, replayable_question
+from service.log.record import LoggedDecision, replayable_question
 from service.schemas import JudgeResponse, PairRequest
 from service.systemone import (
     SystemOnePair,

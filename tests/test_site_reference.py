@@ -1,7 +1,7 @@
-"""The generated reference (docs_hooks/reference.py): every command, flag, route, request field
+"""The generated reference (docs_hooks/site_reference.py): every command, flag, route, request field
 and public name has an entry, and each route's example is what a real server answers.
 
-``JUDGE_RECORD_EXAMPLES=1 pytest tests/test_reference.py -k examples`` writes the exchanges'
+``JUDGE_RECORD_EXAMPLES=1 pytest tests/test_site_reference.py -k examples`` writes the exchanges'
 live answers into docs_hooks/http_examples.json (after a change to a route's answer); without
 it the test compares them.
 """
@@ -12,20 +12,20 @@ import importlib
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from litestar.testing import TestClient
+from server import wait_app_ready
 
 from judge import Judge
 from service import ServiceConfig, create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "docs_hooks"))
-import reference  # noqa: E402  (docs_hooks is not a package: the hook is a file MkDocs loads)
+import site_reference as reference  # noqa: E402  (docs_hooks is not a package: the hook is a file MkDocs loads)
 
 # The numbers, ids and times differ from run to run and machine to machine: an answer is
 # compared with its recorded example by shape (its fields and their JSON types).
@@ -158,10 +158,7 @@ def client(judge: Judge, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
         profiles_dir=folder / "profiles", decision_log=str(folder / "log.db"), audit_rate=1.0
     )
     with TestClient(app=create_app(judge, config=config)) as c:
-        for _ in range(600):  # a watchdog, not a speed: the model warms up once
-            if c.get("/ready").status_code == 200:
-                break
-            time.sleep(0.5)
+        wait_app_ready(c)
         yield c
 
 

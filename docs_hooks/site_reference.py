@@ -6,12 +6,12 @@
 * ``reference/http.md``: every route of the operation table (``service.operations``) with its
   parameters, request and response fields and statuses, from the OpenAPI document the server
   serves (``service.web.openapi``), and a request and response example for each route from
-  ``http_examples.json`` beside this file: exchanges that tests/test_reference.py sends to a
+  ``http_examples.json`` beside this file: exchanges that tests/test_site_reference.py sends to a
   real server and compares with what it answers.
 * ``reference/python.md``: the public names of each package (its ``__all__``), rendered from
   their docstrings by mkdocstrings.
 
-tests/test_reference.py checks that each page names everything it should: a command, flag,
+tests/test_site_reference.py checks that each page names everything it should: a command, flag,
 route, request field or public name without an entry fails it.
 """
 
@@ -331,7 +331,7 @@ def python_page() -> str:
 # --- the benchmarks ---------------------------------------------------------------------------
 
 BENCHMARKS_MARK = (
-    "<!-- benchmarks: generated from each script's docstring (docs_hooks/reference.py) -->"
+    "<!-- benchmarks: generated from each script's docstring (docs_hooks/site_reference.py) -->"
 )
 
 
