@@ -18,6 +18,7 @@ route, request field or public name without an entry fails it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 from pathlib import Path
@@ -39,20 +40,23 @@ PAGES = {
 # --- the command line ---------------------------------------------------------------------
 
 
-def commands() -> dict[str, argparse.ArgumentParser]:
-    """Each ``judge`` command's parser, by name, in the order ``judge --help`` lists them."""
+@functools.cache
+def _subcommands() -> argparse._SubParsersAction[argparse.ArgumentParser]:
+    """The ``judge`` parser's commands, built once per build (it imports every command)."""
     from service.cli.main import parser
 
     [sub] = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(sub.choices)
+    return sub
+
+
+def commands() -> dict[str, argparse.ArgumentParser]:
+    """Each ``judge`` command's parser, by name, in the order ``judge --help`` lists them."""
+    return dict(_subcommands().choices)
 
 
 def command_summaries() -> dict[str, str]:
     """Each command's one-line help, as ``judge --help`` lists it."""
-    from service.cli.main import parser
-
-    [sub] = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return {action.dest: action.help or "" for action in sub._choices_actions}
+    return {action.dest: action.help or "" for action in _subcommands()._choices_actions}
 
 
 def documented_actions(command: argparse.ArgumentParser) -> list[argparse.Action]:
