@@ -46,6 +46,7 @@ labels: it certifies nothing and reports no metrics, and says so.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -86,7 +87,7 @@ from calibration.limits import (
     uniform_to_certify,
 )
 from calibration.maps.label_free import LabelFree, estimate_prior, prior_correction
-from calibration.maps.map_types import MAX_PROBE_WEIGHTS, ProbeSpan
+from calibration.maps.map_types import MAX_PROBE_WEIGHTS
 from calibration.maps.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
 from calibration.maps.scaling import CalibrationFit, Identity, Probe, fit_calibrator, softmax
 from calibration.metrics import MetricReport, evaluate
@@ -286,37 +287,34 @@ class FittedRule:
 
 
 def fit_rule(
-    log_probabilities: ArrayLike,
-    y: ArrayLike,
-    choice_mass: ArrayLike | None = None,
+    scores: LabeledScores,
     *,
     settings: FitSettings = DEFAULT_SETTINGS,
     choices: Sequence[str] | None = None,
-    features: ArrayLike | None = None,
-    feature_layers: Sequence[int] = (),
     num_layers: int | None = None,
     probe_split: bool | None = None,
-    span_features: ArrayLike | None = None,
-    span: ProbeSpan | None = None,
     fitted: CalibrationFit | None = None,
-    fit_only: ArrayLike | None = None,
 ) -> FittedRule:
-    """The whole fitting procedure on (n, k) log-probabilities and (n,) label indices.
+    """The whole fitting procedure on ``scores``: their (n, k) log-probabilities, (n,) label
+    indices and choice mass.
 
     See the module docstring for the split and why, and ``FitSettings`` for the settings;
     ``choices`` name the columns (for messages, and for the settings' ``values``); the
     settings' ``methods`` are resolved into ``fit_calibrator``'s candidates by
-    ``resolve_methods`` (the rule's ``skipped`` says why "auto" did not try the probe). A "probe" candidate
-    reads ``features`` (n, m, H), the hidden states of ``feature_layers`` in a model of
-    ``num_layers`` blocks (and may read ``span_features``, the same layers' means over each
-    item's ``span``), and needs ``MIN_PROBE_EXAMPLES``. ``probe_split`` chooses the
-    split (None: the probe's split exactly when "probe" is a candidate), so that a baseline
-    can be fitted on the same items as a probe. ``fit_only`` (n,) marks items that may only
-    fit the map (labels a teach stream chose, not a uniform sample): they join the fit split,
-    and the split itself is drawn from the others, so that only those certify.
+    ``resolve_methods`` (the rule's ``skipped`` says why "auto" did not try the probe). A
+    "probe" candidate reads the scores' ``features`` (n, m, H), the hidden states of their
+    ``feature_layers`` in a model of ``num_layers`` blocks (and may read ``span_features``, the
+    same layers' means over each item's ``span``), and needs ``MIN_PROBE_EXAMPLES``.
+    ``probe_split`` chooses the split (None: the probe's split exactly when "probe" is a
+    candidate), so that a baseline can be fitted on the same items as a probe. The scores'
+    ``fit_only`` (n,) marks items that may only fit the map (labels a teach stream chose, not
+    a uniform sample): they join the fit split, and the split itself is drawn from the
+    others, so that only those certify.
     """
-    z = check_logits(log_probabilities, name="log_probabilities")
-    labels = check_labels(y, z.shape[0], z.shape[1])
+    features, feature_layers = scores.features, scores.feature_layers
+    span_features, span, fit_only = scores.span_features, scores.span, scores.fit_only
+    z = check_logits(scores.log_probabilities, name="log_probabilities")
+    labels = check_labels(scores.labels, z.shape[0], z.shape[1])
     _check_classes(labels, choices)
     if z.shape[0] < MIN_EXAMPLES:
         raise FitError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
@@ -331,7 +329,7 @@ def fit_rule(
         settings.methods, z.shape[0], None if f is None else probe_weights(z.shape[1], f.shape[2])
     )
     probe = "probe" in methods
-    mass = check_choice_mass(choice_mass, z.shape[0])
+    mass = check_choice_mass(scores.choice_mass, z.shape[0])
     chosen_mass = settings.min_choice_mass
     columns = [str(j) for j in range(z.shape[1])] if choices is None else list(choices)
     values = None if settings.values is None else check_values(settings.values, columns)
@@ -547,35 +545,28 @@ def fit_profile(
     if z.shape[0] < MIN_EXAMPLES:
         raise FitError(f"need at least {MIN_EXAMPLES} labeled examples, got {z.shape[0]}")
     rule = fit_rule(
-        z,
-        labels,
-        mass,
+        scores,
         settings=settings,
         choices=choices,
-        features=scores.features,
-        feature_layers=scores.feature_layers,
         num_layers=fingerprint.num_layers,
         probe_split=probe_split,
-        span_features=scores.span_features,
-        span=scores.span,
         fitted=None if trained is None else trained.fit,
-        fit_only=scores.fit_only,
     )
     held = rule.held_out
     evidence = {"seed": settings.seed, "n_bootstrap": settings.n_bootstrap}
     baseline = None
     if rule.fit.method == "probe":
         base = fit_rule(
-            z,
-            labels,
-            mass,
+            # The scalar maps read no hidden states.
+            dataclasses.replace(
+                scores, features=None, feature_layers=(), span_features=None, span=None
+            ),
             # The same gate as the profile's: the baseline is served under the profile's mass.
             settings=msgspec.structs.replace(
                 settings, methods=DEFAULT_METHODS, min_choice_mass=rule.min_choice_mass
             ),
             choices=choices,
             probe_split=True,
-            fit_only=scores.fit_only,
         )
         assert not isinstance(base.fit.map, Probe)
         baseline = Baseline(
@@ -644,16 +635,7 @@ def fit_profile(
     if trained is not None:
         usable = np.zeros(len(labels), dtype=bool)
         usable[held] = True
-    needed = labels_needed(
-        profile,
-        rule.out_of_sample,
-        labels,
-        mass,
-        scores.fit_only,
-        features=scores.features is not None,
-        settings=settings,
-        usable=usable,
-    )
+    needed = labels_needed(profile, rule.out_of_sample, scores, settings=settings, usable=usable)
     return FittedProfile(
         msgspec.structs.replace(profile, class_evidence=evidence_by_class, labels_needed=needed),
         rule.out_of_sample,
@@ -755,8 +737,9 @@ def resolve_methods(
             )
         if probe_weights is None:
             return DEFAULT_METHODS, (
-                "; probe not tried: no hidden-state features were given (an engine without "
-                "layers has none: a model served over HTTP returns log-probabilities only)"
+                "; probe not tried: no hidden-state features were given (judged here they "
+                "are read with feature layers, and a decision log keeps them under "
+                "--log-features; a model served over HTTP returns log-probabilities only)"
             )
         if n < MIN_PROBE_EXAMPLES:
             return DEFAULT_METHODS, (
@@ -926,11 +909,8 @@ def gates_on_calibrated(
 def labels_needed(
     profile: CalibrationProfile,
     out_of_sample: ArrayLike,
-    y: ArrayLike,
-    choice_mass: ArrayLike | None = None,
-    fit_only: ArrayLike | None = None,
+    scores: LabeledScores,
     *,
-    features: bool,
     settings: FitSettings = DEFAULT_SETTINGS,
     alternating: bool = False,
     usable: ArrayLike | None = None,
@@ -940,18 +920,18 @@ def labels_needed(
     """About how many uniform labels a fit like ``profile``'s would need to certify its target
     at its delta, read from its map as it judges new items: ``labels_to_certify`` on
     ``out_of_sample`` (n, k), the calibrated probabilities ``fit_profile`` gave every example
-    (a probe's fit items from the folds that did not see them), of the uniform labels only
-    (not ``fit_only``), every gate but the threshold applied. The labels to come are allotted
+    of ``scores`` (a probe's fit items from the folds that did not see them), of the uniform
+    labels only (not the scores' ``fit_only``), every gate but the threshold applied. The labels to come are allotted
     as ``calibration.limits.allot`` allots them, beside the taught ones there are
     (``alternating``: a taught label comes with each uniform one, as a queue offering both
     streams in turn gives them); the split is a probe's where ``settings`` would try one on
-    these scores (``features``: the scores carry hidden states). ``usable`` (n,) booleans:
+    these scores (where they carry hidden states). ``usable`` (n,) booleans:
     the uniform labels whose ``out_of_sample`` rows are read (default: all). The delta is
     ``delta``, else the profile's, or for a refit its lineage's next look's. ``calibrated``:
     take each item's precision from the map's confidence in its answer instead of its label
     (``labels_to_certify``'s ``expected``), so that the estimate reads no label. None without
     a uniform label."""
-    labels = np.asarray(y)
+    labels, fit_only = scores.labels, scores.fit_only
     only = np.zeros(labels.shape[0], dtype=bool) if fit_only is None else np.asarray(fit_only)
     taught, uniform = int(only.sum()), int((~only).sum())
     read = ~only if usable is None else ~only & np.asarray(usable)
@@ -959,14 +939,14 @@ def labels_needed(
         return None
     k = len(profile.choices)
     weights = None
-    if features and profile.fingerprint.hidden_size is not None:
+    if scores.features is not None and profile.fingerprint.hidden_size is not None:
         weights = probe_weights(k, profile.fingerprint.hidden_size)
     try:
         methods, _ = resolve_methods(settings.methods, MIN_PROBE_EXAMPLES, weights)
     except FitError:  # a probe named without features: its fits fail, not this estimate
         methods = ()
     probe = "probe" in methods
-    mass = None if choice_mass is None else np.asarray(choice_mass)[read]
+    mass = scores.choice_mass[read]
     gates = gates_on_calibrated(profile, np.asarray(out_of_sample)[read], mass, opened=True)
     r = profile.recertification
     if delta is None:

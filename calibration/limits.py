@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "FEW_LABELS",
     "MIN_EXAMPLES",
     "PROBE_SPLIT",
     "SPLIT",
@@ -19,6 +20,10 @@ __all__ = [
 ]
 
 MIN_EXAMPLES = 20  # labeled examples a profile is fitted on, at least
+# Below this many uniform labels, a map that shows no certifiable threshold says too little
+# about whether more labels would help: the map itself is fitted on few, and their precision
+# is known only to within ten points or more.
+FEW_LABELS = 50
 
 # How a fit splits its labeled examples (``calibration.fitting.split_examples``): of every ten
 # (per label, in random order), 0 fits the map, 1 sets the conformal quantile, 2 certifies the

@@ -9,6 +9,7 @@ from __future__ import annotations
 from calibration.certificates.per_class import ClassReport
 from calibration.certificates.signal import SignalReport
 from calibration.fitting import PolicyEvaluation
+from calibration.limits import FEW_LABELS
 from calibration.maps.map_types import Probe
 from calibration.metrics import Interval, MetricReport
 from calibration.profile import CalibrationProfile
@@ -82,11 +83,6 @@ def _threshold_line(profile: CalibrationProfile) -> str:
         )
     return f"**no certified threshold**: {t.reason}; every item escalates unless a caller sets one"
 
-
-# Below this many uniform labels, a map that shows no certifiable threshold says too little
-# about whether more labels would help: the map itself is fitted on few, and their precision
-# is known only to within ten points or more.
-FEW_LABELS = 50
 
 LABEL_MORE = (
     "label more with judge label --queue --items FILE --task DIR (its audit labels certify, "

@@ -138,6 +138,38 @@ def test_labels_to_certify() -> None:
         confidence, rng.random(400) < 0.5, target_precision=0.9, delta=0.06, certify_share=0.5
     )
     assert none.labels is None and none.more is None and "will not open the gate" in none.reason
+    # One wrong label says nothing of the next hundred: too few to tell, not "will not help".
+    one = labels_to_certify([0.9], [False], target_precision=0.9, delta=0.06, certify_share=0.5)
+    assert one.labels is None and "too few to tell" in one.reason
+    assert "will not open the gate" not in one.reason
+
+
+def test_labels_to_certify_answers_the_fewest_certify_items_at_every_threshold() -> None:
+    """The thresholds' searches run together in one array call a step: each still ends on
+    the fewest certify items whose expected accepted items certify, one fewer not."""
+    from calibration.certificates.recertify import _certifies
+
+    rng = np.random.default_rng(4)
+    confidence = rng.uniform(0.5, 1.0, 600)
+    correct = rng.random(600) < confidence
+    asked: list[int] = []
+
+    def labels_for(items: int) -> int:
+        asked.append(items)
+        return 2 * items
+
+    common: dict[str, Any] = {"target_precision": 0.9, "delta": 0.01, "certify_share": 0.5}
+    needed = labels_to_certify(confidence, correct, labels_for=labels_for, **common)
+    assert needed.labels is not None and needed.labels == 2 * min(asked) and len(asked) > 3
+    assert needed.acceptance is not None and needed.precision is not None
+    items = needed.labels // 2
+
+    def certifies(n: int) -> bool:
+        assert needed.acceptance is not None and needed.precision is not None
+        trials = np.array([round(n * needed.acceptance)], dtype=np.int64)
+        return bool(_certifies(trials, np.array([needed.precision]), 0.9, 0.01)[0])
+
+    assert certifies(items) and not certifies(items - 1)
 
 
 def test_labels_to_certify_from_calibrated_confidence_reads_no_label() -> None:
@@ -241,6 +273,15 @@ def test_a_probe_is_refitted_from_the_log_of_a_served_model(
     again = ProfileStore(profiles).get("sms")
     assert again.recertification is not None and again.recertification.look == 2
     assert again.threshold.delta == look_delta(0.1, 2)
+    # Under "auto", too few decisions with states: the scalar maps fit all of them, and the
+    # refit says why no probe was tried (it said nothing, and its profile blamed HTTP).
+    from service.log.refit import _with_features, labelled_decisions
+
+    with open_log(db) as log:
+        few = labelled_decisions(log, profile)[:50]
+    kept, states, _, why = _with_features(few, "auto", profile)
+    assert states is None and len(kept) == 50
+    assert why is not None and "50 labeled decisions kept the hidden states" in why
 
 
 def test_a_refit_that_stays_shut_says_what_the_next_look_needs() -> None:

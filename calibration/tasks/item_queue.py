@@ -411,10 +411,7 @@ def advise(
     needed = labels_needed(
         profile,
         fitted.out_of_sample,
-        s.labels,
-        s.choice_mass,
-        taught,
-        features=s.features is not None,
+        s,
         settings=settings,
         alternating=alternating,
         delta=look.spent,

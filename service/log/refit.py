@@ -78,7 +78,9 @@ def refit_from_log(
     records = labelled_decisions(log, profile)
     notes = []
     labeled = len(records)
-    records, features, layers = _with_features(records, settings.methods, profile)
+    records, features, layers, why = _with_features(records, settings.methods, profile)
+    if why:
+        notes.append(why)
     if len(records) < labeled:
         notes.append(
             f"read {len(records)} of the {labeled} labeled decisions: those that kept "
@@ -148,8 +150,9 @@ def labelled_decisions(log: DecisionLog, profile: CalibrationProfile) -> list[Lo
 
 def _with_features(
     records: list[LoggedDecision], methods: Sequence[str] | str, profile: CalibrationProfile
-) -> tuple[list[LoggedDecision], np.ndarray | None, tuple[int, ...]]:
-    """The records a refit reads, their hidden states (n, m, H) and the m layers, or None.
+) -> tuple[list[LoggedDecision], np.ndarray | None, tuple[int, ...], str | None]:
+    """The records a refit reads, their hidden states (n, m, H) and the m layers, or None,
+    and why a probe is not tried where the log kept states ("auto" with too few of them).
 
     A probe is fitted on the records that kept hidden states (``--log-features``), on the
     layers every one of them kept (else the newest one's, and only the records with those):
@@ -164,7 +167,7 @@ def _with_features(
                 "decisions kept hidden states; serve with --log-features (or choose "
                 "--method temperature)"
             )
-        return records, None, ()
+        return records, None, (), None
     shared = set.intersection(*(set(r.features.layers) for r in kept if r.features))
     newest = kept[-1].features
     assert newest is not None
@@ -177,7 +180,12 @@ def _with_features(
                 f"kept the hidden states of layers {list(layers)}, and a probe needs "
                 f"{MIN_PROBE_EXAMPLES}: label more, or choose --method temperature"
             )
-        return records, None, ()
+        why = (
+            f"probe not tried: {len(kept)} labeled decisions kept the hidden states of layers "
+            f"{list(layers)}, fewer than the {MIN_PROBE_EXAMPLES} a probe needs; the scalar "
+            "maps fit on the log-probabilities of all of them (label more for a probe)"
+        )
+        return records, None, (), why
     width = profile.fingerprint.hidden_size
     rows = []
     for r in kept:
@@ -189,4 +197,4 @@ def _with_features(
             )
         states = r.features.array()
         rows.append(states[[r.features.layers.index(n) for n in layers]])
-    return kept, np.stack(rows), layers
+    return kept, np.stack(rows), layers, None
