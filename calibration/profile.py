@@ -57,6 +57,7 @@ __all__ = [
     "Baseline",
     "CalibrationProfile",
     "DataSplit",
+    "certified_coverage",
     "decode_profile",
     "etag_of",
     "load_profile",
@@ -465,6 +466,12 @@ def etag_of(data: bytes) -> str:
     """A strong ETag for these bytes, their quoted sha256: the same on every replica and host
     that stores them."""
     return f'"{hashlib.sha256(data).hexdigest()}"'
+
+
+def certified_coverage(profile: CalibrationProfile) -> float:
+    """The coverage ``profile`` certified at its target; 0 where it certified none."""
+    t = profile.threshold
+    return t.coverage if t.threshold is not None else 0.0
 
 
 def save_profile(profile: CalibrationProfile, path: str | os.PathLike[str]) -> Path:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from fakes import FINGERPRINT, FakeEngine, judgment_of
 
-from calibration import FitSettings, load_profile
+from calibration import FitSettings, load_profile, save_profile
 from calibration.limits import allot
 from calibration.maps.probe import candidate_layers
 from calibration.monitoring.labelling import margins
@@ -421,3 +421,19 @@ def test_judge_label_items_then_calibrate(
     assert msgspec.structs.replace(advice.profile, created_at="") == msgspec.structs.replace(
         profile, created_at=""
     )
+    # A later look that certifies less does not replace an earlier one of the lineage (a
+    # queue's certificate, here one written in its place): the file is kept, and it says so.
+    opened = msgspec.structs.replace(
+        profile,
+        threshold=msgspec.structs.replace(
+            profile.threshold, threshold=0.6, coverage=1.0, feasible=True
+        ),
+    )
+    save_profile(opened, profiles / "reviews.json")
+    before = (profiles / "reviews.json").read_bytes()
+    capsys.readouterr()
+    assert main([*argv, "--profiles-dir", str(profiles)]) == 0
+    said = capsys.readouterr().out
+    assert "this look (look 2" in said and "--name NAME" in said, said[-600:]
+    assert (profiles / "reviews.json").read_bytes() == before
+    assert (read_looks(task, "labelled", 0.1) or pytest.fail()).looks == 2

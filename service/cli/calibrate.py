@@ -49,7 +49,7 @@ from calibration.tasks import (
 )
 from judge import Engine
 from judge.atomicio import write_text
-from service.cli.profile_files import save_fitted
+from service.cli.profile_files import kept_instead, save_fitted
 from service.command_line import (
     UsageError,
     fit_settings,
@@ -278,7 +278,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     profile = fit_labeled(name, scores, task.choices, provenance, settings).profile
     out = args.profiles_dir
-    save_fitted(profile, scores, taught, out)
+    kept = kept_instead(profile, out / f"{name}.json")
+    if kept is None:
+        save_fitted(profile, scores, taught, out)
     fitted = profile.calibration_map
     if isinstance(fitted, Probe):
         print(
@@ -313,7 +315,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(line.replace("**", ""))
     for line in next_steps(profile):
         print(f"next: {line}")
-    print(f"wrote {out / name}.json, .report.md, .reliability.png")
+    print(kept or f"wrote {out / name}.json, .report.md, .reliability.png")
     return 0
 
 

@@ -15,7 +15,32 @@ if TYPE_CHECKING:
     from calibration import CalibrationProfile
     from calibration.tasks import LabeledScores
 
-__all__ = ["save_fitted"]
+__all__ = ["kept_instead", "save_fitted"]
+
+
+def kept_instead(profile: CalibrationProfile, path: Path) -> str | None:
+    """Why ``profile``, a look of a lineage, must not replace the profile at ``path``: that
+    one is an earlier look of the same lineage (a labelling queue's certificate, say) and
+    certifies more coverage, the rule a background refit is served by. None: write it."""
+    from calibration.errors import ProfileError
+    from calibration.profile import certified_coverage, load_profile
+
+    look = profile.recertification
+    if look is None or not path.is_file():
+        return None
+    try:
+        there = load_profile(path)
+    except ProfileError:
+        return None  # not a profile this can read: replaced, as before
+    before, after = certified_coverage(there), certified_coverage(profile)
+    if there.recertification is None or there.recertification.log != look.log or after >= before:
+        return None
+    return (
+        f"kept {path}: look {there.recertification.look} of this lineage certified coverage "
+        f"{before:.3f} there, and this look (look {look.look}, at its smaller share of the "
+        f"delta) {after:.3f}: this fit is not written (its look is counted all the same); "
+        "--name NAME writes a later look under another name"
+    )
 
 
 def save_fitted(

@@ -25,7 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from calibration import CalibrationProfile, ProfileError
+from calibration import ProfileError
+from calibration.profile import certified_coverage
 from service.log.adapter_refit import retrain_from_log
 from service.log.backends import mask_target
 from service.log.decision_log import DecisionLog, DecisionLogError
@@ -36,17 +37,11 @@ from service.schemas import RefitRecord
 if TYPE_CHECKING:
     from judge.engine import Judge
 
-__all__ = ["KEPT_REFITS", "BackgroundRefit", "certified_coverage"]
+__all__ = ["KEPT_REFITS", "BackgroundRefit"]
 
 log = logging.getLogger("judge.refit")
 
 KEPT_REFITS = 50  # per profile, the newest, in memory
-
-
-def certified_coverage(profile: CalibrationProfile) -> float:
-    """The coverage ``profile`` certified at its target; 0 where it certified none."""
-    t = profile.threshold
-    return t.coverage if t.threshold is not None else 0.0
 
 
 class BackgroundRefit:
