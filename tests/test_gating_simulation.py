@@ -63,6 +63,8 @@ TARGET, DELTA = 0.9, 0.1
 RESAMPLES, N_CALIBRATION, N_FRESH = 250, 500, 20_000
 # The probe's fits cost about 0.2 s a resample; 100 decide the claim (see the docstring).
 PROBE_RESAMPLES = 100
+# Minutes of fits in all: in `make bench-smoke`, which CI runs after `make test`.
+pytestmark = pytest.mark.bench
 CONFIDENCE = 0.95  # of the upper bound on the failure rate that the tests compare with delta
 CHOICES = ["a", "b", "c"]
 # The probe world: two layers of a 12-layer model, 4 features each; the truth is linear in

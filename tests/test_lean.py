@@ -626,7 +626,7 @@ def test_a_process_runs_avx2_kernels_on_an_avx2_cpu_or_with_all_three_variables(
 @pytest.mark.skipif(
     _runs_avx2_kernels(),
     reason="this process runs AVX2 kernels already: the invariance tests here (and, in `make "
-    "test`'s workers, test_the_invariance_holds_at_a_users_threads) are that run",
+    "bench-smoke`'s workers, test_the_invariance_holds_at_a_users_threads) are that run",
 )
 def test_the_invariance_holds_with_an_avx2_cpus_kernels() -> None:
     """The batch-invariance tests of the lean and the generic pass (tiny models) again in a
@@ -638,9 +638,10 @@ def test_the_invariance_holds_with_an_avx2_cpus_kernels() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench  # three files' tests again (minutes): in `make bench-smoke`'s workers
 @pytest.mark.skipif(not shared(), reason="the suite runs at a user's threads here")
 def test_the_invariance_holds_at_a_users_threads() -> None:
-    """`make test`'s workers each run torch on their share of the cores (tests/cores.py), and
+    """The suite's workers each run torch on their share of the cores (tests/cores.py), and
     a product or an attention call may split its work otherwise on more threads: the
     batch-invariance tests again, the real model's and the tiny models', in a process with the
     threads a user's process runs, on this machine's own kernels."""

@@ -35,6 +35,18 @@ def test_ci_also_runs_the_benchmark_smoke_runs() -> None:
         ["make", "-n", "bench-smoke"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     assert "pytest -m bench" in plan
+    # On two workers (the quick scripts run on one thread each), each file whole on one of
+    # them, so that a module fixture (a model loaded, an adapter trained) starts once.
+    assert "-n $(TEST_WORKERS) --dist loadfile" in (ROOT / "Makefile").read_text()
+    files = re.findall(r"tests/\S+\.py", plan)
+    assert {"tests/test_bench_smoke.py", "tests/test_bench_smoke_service.py"} <= set(files)
+    # `make test` leaves out every test marked bench: each must be in a file this runs.
+    marked = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"(?<![\"'])pytest\.mark\.bench\b", path.read_text())
+    }
+    assert marked and sorted(marked - set(files)) == [], "bench tests that no run of CI runs"
 
 
 def test_test_command_runs_lint_types_and_tests() -> None:

@@ -54,6 +54,9 @@ BLOCK = re.compile(
     re.M | re.S,
 )
 NUMBER = r"[-+]?\d+(?:\.\d+)?"
+# The page runs once for every test here (about 4 minutes on 2 cores): in `make bench-smoke`,
+# which CI runs after `make test`.
+pytestmark = pytest.mark.bench
 
 
 @dataclass(frozen=True)
