@@ -43,7 +43,7 @@ from benchlib import cpu_flags, cpu_model
 from calibration.certificates.certify import select_threshold, sequence_start
 from calibration.fitting import split_examples
 from calibration.maps.probe import candidate_layers, map_features
-from calibration.maps.scaling import fit_calibrator
+from calibration.maps.scaling import ProbeInputs, fit_calibrator
 from calibration.monitoring.labelling import audit_order, teach_order
 from calibration.tasks import LabeledScores, judge_task_items, load_split, load_task
 from judge import Judge
@@ -79,11 +79,9 @@ class Pool:
             s.labels[index],
             methods=METHODS,
             random_state=seed,
-            features=s.features[index],
-            feature_layers=s.feature_layers,
-            num_layers=self.num_layers,
-            span_features=s.span_features[index],
-            span="item",
+            probe=ProbeInputs(
+                s.features, s.feature_layers, self.num_layers, s.span_features, "item"
+            ).rows(index),
         )
 
     def probabilities(self, fitted: Any, index: np.ndarray) -> np.ndarray:

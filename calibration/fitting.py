@@ -65,7 +65,7 @@ from calibration.certificates.certify import (
 )
 from calibration.certificates.class_certify import certify_per_class
 from calibration.certificates.conformal import conformal_quantile
-from calibration.certificates.mass_gate import choose_min_choice_mass
+from calibration.certificates.mass_check import choose_min_choice_mass
 from calibration.certificates.per_class import ClassReport, class_evidence
 from calibration.certificates.recertify import (
     LabelsNeeded,
@@ -89,10 +89,17 @@ from calibration.limits import (
 from calibration.maps.label_free import LabelFree, estimate_prior, prior_correction
 from calibration.maps.map_types import MAX_PROBE_WEIGHTS
 from calibration.maps.probe import MIN_PROBE_EXAMPLES, check_features, map_features, probe_weights
-from calibration.maps.scaling import CalibrationFit, Identity, Probe, fit_calibrator, softmax
+from calibration.maps.scaling import (
+    CalibrationFit,
+    Identity,
+    Probe,
+    ProbeInputs,
+    fit_calibrator,
+    softmax,
+)
 from calibration.metrics import MetricReport, evaluate
 from calibration.monitoring.health import reference_of
-from calibration.policy import Gates, Policy
+from calibration.policy import Checks, Policy
 from calibration.profile import FORMAT_VERSION, Baseline, CalibrationProfile, DataSplit
 from calibration.scored import check_max_std
 from calibration.scores import check_values
@@ -111,17 +118,17 @@ __all__ = [
     "FittedProfile",
     "FittedRule",
     "PolicyEvaluation",
+    "checks_on_calibrated",
     "evaluate_policy",
     "fit_label_free_profile",
     "fit_profile",
     "fit_rule",
-    "gates_on_calibrated",
     "held_out_examples",
     "labels_for_next_look",
     "labels_needed",
     "profile_split",
     "resolve_methods",
-    "served_gates",
+    "served_checks",
     "split_examples",
     "split_with_taught",
 ]
@@ -273,7 +280,7 @@ class FittedRule:
     # Per class, in the choices' order, with ``settings.per_class``; else None.
     class_thresholds: list[ThresholdResult] | None
     min_choice_mass: (
-        float  # the settings', or the one chosen (``calibration.certificates.mass_gate``)
+        float  # the settings', or the one chosen (``calibration.certificates.mass_check``)
     )
     mass_note: str  # for the profile's note: which minimum was chosen and why; "" if given
     split: DataSplit
@@ -345,16 +352,13 @@ def fit_rule(
             "set the conformal quantile and certify on: label some of the audit stream"
         )
 
+    states = (
+        None
+        if f is None or num_layers is None
+        else ProbeInputs(f, feature_layers, num_layers, means, span).rows(fit_idx)
+    )
     fit = fitted or fit_calibrator(
-        z[fit_idx],
-        labels[fit_idx],
-        methods=methods,
-        random_state=seed,
-        features=None if f is None else f[fit_idx],
-        feature_layers=feature_layers,
-        num_layers=num_layers,
-        span_features=None if means is None else means[fit_idx],
-        span=span,
+        z[fit_idx], labels[fit_idx], methods=methods, random_state=seed, probe=states
     )
     x = map_features(fit.map, f, feature_layers, means)  # (n, slots*H) for a probe, else None
     probs = fit.map.apply(z, x)  # (n, k)
@@ -364,7 +368,7 @@ def fit_rule(
     q_hat = conformal_quantile(probs[conformal_idx], labels[conformal_idx], settings.alpha)
     best = probs.argmax(axis=1)
     correct = best == labels
-    # Items the certify split does not depend on: they choose the mass gate and the starts.
+    # Items the certify split does not depend on: they choose the mass check and the starts.
     # A map given with no out-of-fold probabilities for its fit items (an adapter's head,
     # trained on them: near-certain there, whatever it does on new items) leaves them out.
     blind = fitted is not None and fitted.heldout_probabilities is None
@@ -392,7 +396,7 @@ def fit_rule(
     mass_note = ""
     if chosen_mass == "auto":
         # Chosen on the fit and conformal splits: the certify split does not depend on it.
-        ungated = open_at(0.0).gates(columns, z, mass, x)
+        ungated = open_at(0.0).checks(columns, z, mass, x)
         chosen_mass, mass_note = choose_min_choice_mass(
             np.where(ungated.accepted, ungated.confidence, 0.0)[independent],
             correct[independent],
@@ -401,8 +405,8 @@ def fit_rule(
             delta=settings.delta,
         )
     min_choice_mass = check_probability(chosen_mass, "min_choice_mass")
-    open_gates = open_at(min_choice_mass)
-    gates = open_gates.gates(columns, z, mass, x)
+    open_policy = open_at(min_choice_mass)
+    gates = open_policy.checks(columns, z, mass, x)
     confidence = np.where(gates.accepted, gates.confidence, 0.0)
     start = None
     target_precision, delta = settings.target_precision, settings.delta
@@ -415,7 +419,7 @@ def fit_rule(
             # A probe is sharper on the items it was fitted on than on new ones, so the start
             # is judged on its out-of-fold probabilities there (every gate applied to them).
             oof = np.log(np.clip(np.asarray(fit.heldout_probabilities), 1e-300, 1.0))
-            g = msgspec.structs.replace(open_gates, calibration_map=Identity()).gates(
+            g = msgspec.structs.replace(open_policy, calibration_map=Identity()).checks(
                 columns, oof, mass[fit_idx]
             )
             start_confidence[: fit_idx.shape[0]] = np.where(g.accepted, g.confidence, 0.0)
@@ -474,7 +478,7 @@ def fit_rule(
 
 @dataclass(frozen=True)
 class TrainedHead:
-    """A probe head trained together with low-rank adapters (``judge.adapter_fit``): the map
+    """A probe head trained together with low-rank adapters (``calibration.tasks.adapter.training``): the map
     ``fit_profile`` is given, and the adapters the scores were judged under (the profile
     carries them). One value, since neither means anything without the other."""
 
@@ -525,7 +529,7 @@ def fit_profile(
     when a probe is a candidate) lets scores from another classifier, trained on the probe
     split's fit items only, be certified on the items it never saw. ``trained``: a probe head
     trained with low-rank adapters on the probe split's fit items alone
-    (``judge.adapter_fit``), and those adapters; the scores are the adapted engine's, the split
+    (``calibration.tasks.adapter.training``), and those adapters; the scores are the adapted engine's, the split
     is the probe's, and the profile carries the adapter. Nothing chooses the map here, so the
     conformal and certify splits, which neither saw, certify it exactly.
 
@@ -627,7 +631,7 @@ def fit_profile(
     )
     # Per class, on the items the map was not fitted on, under the rule as served (its own
     # gates on the calibrated probabilities): the evidence the report shows beside the metrics.
-    g = gates_on_calibrated(profile, rule.probabilities[held], mass[held])
+    g = checks_on_calibrated(profile, rule.probabilities[held], mass[held])
     evidence_by_class = class_evidence(list(choices), labels[held], g.best, g.accepted)
     # A head trained on its fit items has no out-of-sample probabilities there: its estimate
     # reads the held-out items alone.
@@ -670,7 +674,7 @@ def labels_for_next_look(
     opened = msgspec.structs.replace(
         Gate(profile).policy, threshold=0.0, class_thresholds=None, class_reasons=None
     )
-    gates = opened.gates(profile.choices, z, mass, x)
+    gates = opened.checks(profile.choices, z, mass, x)
     return labels_to_certify(
         np.where(gates.accepted, gates.confidence, 0.0),
         gates.best == labels[held],
@@ -885,13 +889,13 @@ class PolicyEvaluation(msgspec.Struct, frozen=True, kw_only=True):
     class_thresholds: list[float | None] | None = None
 
 
-def gates_on_calibrated(
+def checks_on_calibrated(
     profile: CalibrationProfile,
     probabilities: ArrayLike,
     choice_mass: ArrayLike | None = None,
     *,
     opened: bool = False,
-) -> Gates:
+) -> Checks:
     """``profile``'s served gates on n items' (n, k) probabilities already through its map
     (the threshold as served): what it decides of items whose calibrated probabilities are
     known, such as a probe's out-of-fold ones. ``opened``: every gate but the threshold, for
@@ -903,7 +907,7 @@ def gates_on_calibrated(
             served, threshold=0.0, class_thresholds=None, class_reasons=None
         )
     z = np.log(np.clip(np.asarray(probabilities, dtype=np.float64), 1e-300, 1.0))
-    return served.gates(profile.choices, z, choice_mass)
+    return served.checks(profile.choices, z, choice_mass)
 
 
 def labels_needed(
@@ -947,7 +951,7 @@ def labels_needed(
         methods = ()
     probe = "probe" in methods
     mass = scores.choice_mass[read]
-    gates = gates_on_calibrated(profile, np.asarray(out_of_sample)[read], mass, opened=True)
+    gates = checks_on_calibrated(profile, np.asarray(out_of_sample)[read], mass, opened=True)
     r = profile.recertification
     if delta is None:
         delta = profile.threshold.delta if r is None else next_look_delta(r, r.delta)
@@ -968,7 +972,7 @@ def labels_needed(
     )
 
 
-def served_gates(
+def served_checks(
     profile: CalibrationProfile,
     log_probabilities: ArrayLike,
     choice_mass: ArrayLike | None = None,
@@ -976,7 +980,7 @@ def served_gates(
     features: ArrayLike | None = None,
     span_features: ArrayLike | None = None,
     overrides: Overrides | None = None,
-) -> tuple[Policy, Gates]:
+) -> tuple[Policy, Checks]:
     """The policy a gate on ``profile`` serves (under ``overrides``) and its gates on n items,
     as arrays: what ``decide`` decides, a probe reading the items' ``features`` (n, m, H) of
     ``profile.feature_layers`` and ``span_features``, the means over each item of its
@@ -999,7 +1003,7 @@ def served_gates(
             checked[read] = check_features(arr, z.shape[0], probe.layers)
         x = map_features(probe, checked.get("point"), probe.layers, checked.get("mean"))
     policy = Gate(profile, overrides=overrides).policy
-    return policy, policy.gates(profile.choices, z, choice_mass, x)
+    return policy, policy.checks(profile.choices, z, choice_mass, x)
 
 
 def evaluate_policy(
@@ -1034,7 +1038,7 @@ def evaluate_policy(
         min_choice_mass=min_choice_mass,
         max_std=max_std,
     )
-    policy, g = served_gates(
+    policy, g = served_checks(
         profile, z, mass, features=features, span_features=span_features, overrides=overrides
     )
     accepted = g.accepted

@@ -26,6 +26,7 @@ from threadpoolctl import threadpool_limits
 from calibration import (
     FitSettings,
     LabeledScores,
+    ProbeInputs,
     Provenance,
     decode_profile,
     evaluate_policy,
@@ -181,9 +182,7 @@ def test_fit_calibrator_chooses_the_probe_when_a_layer_carries_the_label() -> No
         z,
         y,
         methods=["temperature", "bias_temperature", "probe"],
-        features=x,
-        feature_layers=LAYERS,
-        num_layers=NUM_LAYERS,
+        probe=ProbeInputs(x, LAYERS, NUM_LAYERS),
     )
     assert result.method == "probe"
     assert isinstance(result.map, Probe) and result.map.layers == [SIGNAL_LAYER]
@@ -199,9 +198,7 @@ def test_the_probe_does_not_win_when_the_features_are_noise(seed: int) -> None:
         z,
         y,
         methods=["temperature", "bias_temperature", "probe"],
-        features=x,
-        feature_layers=LAYERS,
-        num_layers=NUM_LAYERS,
+        probe=ProbeInputs(x, LAYERS, NUM_LAYERS),
     )
     assert result.method == "temperature"
     assert isinstance(result.map, Temperature)
@@ -252,7 +249,7 @@ def test_a_rare_class_does_not_break_the_fit() -> None:
     y = np.zeros(150, dtype=np.int64)
     y[90] = 1
     result = fit_calibrator(
-        z, y, methods=["temperature", "probe"], features=x, feature_layers=LAYERS, num_layers=12
+        z, y, methods=["temperature", "probe"], probe=ProbeInputs(x, LAYERS, 12)
     )
     assert all(math.isfinite(v) for v in result.cv_nll.values())
     assert np.all(np.isfinite(result.map.apply(z, map_features(result.map, x, LAYERS))))

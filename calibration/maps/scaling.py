@@ -27,6 +27,7 @@ function for serving time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -73,6 +74,7 @@ __all__ = [
     "CalibrationMap",
     "Identity",
     "Probe",
+    "ProbeInputs",
     "Temperature",
     "TemperatureScaler",
     "fit_calibrator",
@@ -321,6 +323,47 @@ def _folds(
     return iter(list(splitter.split(np.zeros((n, 1)), labels))), stratified
 
 
+@dataclass(frozen=True)
+class ProbeInputs:
+    """What ``fit_calibrator``'s "probe" candidate reads besides the log-probabilities.
+
+    features
+        Array of shape (n, m, H): the hidden states at the decision point for ``layers``.
+    layers
+        The m layers (the judgment's ``feature_layers``).
+    num_layers
+        The model's depth, recorded in the probe.
+    span_features
+        Optional, shape (n, m, H): the same layers' means over each item's tokens (``span``:
+        "item" or "prompt"), which the probe may read instead of the decision point's states,
+        or beside them.
+    """
+
+    features: ArrayLike
+    layers: Sequence[int]
+    num_layers: int
+    span_features: ArrayLike | None = None
+    span: ProbeSpan | None = None
+
+    def rows(self, index: npt.NDArray[np.intp]) -> ProbeInputs:
+        """The same inputs for the items ``index`` selects."""
+        means = self.span_features
+        return dataclasses.replace(
+            self,
+            features=np.asarray(self.features)[index],
+            span_features=None if means is None else np.asarray(means)[index],
+        )
+
+    def checked(self, n: int) -> ProbeInputs:
+        """The inputs as float32 arrays, checked against n items (ValueError if not)."""
+        means = self.span_features
+        return dataclasses.replace(
+            self,
+            features=check_features(self.features, n, self.layers),
+            span_features=None if means is None else np.asarray(means, dtype=np.float32),
+        )
+
+
 def fit_calibrator(
     logits: ArrayLike,
     y: ArrayLike,
@@ -329,11 +372,7 @@ def fit_calibrator(
     cv: int = 5,
     random_state: int = 0,
     min_improvement_se: float = 1.0,
-    features: ArrayLike | None = None,
-    feature_layers: Sequence[int] = (),
-    num_layers: int | None = None,
-    span_features: ArrayLike | None = None,
-    span: ProbeSpan | None = None,
+    probe: ProbeInputs | None = None,
 ) -> CalibrationFit:
     """Choose and fit a calibration method by cross-validated NLL.
 
@@ -363,15 +402,9 @@ def fit_calibrator(
         Seed of the fold shuffle.
     min_improvement_se : float
         Required improvement, in standard errors, for a more flexible method to be chosen.
-    features : array of shape (n, m, H), optional
-        The hidden states at the decision point for ``feature_layers``; needed by "probe",
-        whose layer and regularisation are chosen in the same folds (``calibration.maps.probe``).
-    feature_layers : sequence of int, length m
-    num_layers : int, optional
-        The model's depth, recorded in a probe.
-    span_features : array of shape (n, m, H), optional
-        The same layers' means over each item's tokens (``span``: "item" or "prompt"), which
-        the probe may read instead of the decision point's states, or beside them.
+    probe : ProbeInputs, optional
+        The hidden states the "probe" candidate reads (needed when ``methods`` has it); its
+        layer and regularisation are chosen in the same folds (``calibration.maps.probe``).
     """
     z = check_logits(logits)
     n, k = z.shape
@@ -396,18 +429,12 @@ def fit_calibrator(
     cv = min(cv, n)
     probe_inputs = None
     if "probe" in methods:
-        if features is None or num_layers is None or not feature_layers:
+        if probe is None or not probe.layers:
             raise ValueError(
-                "the probe needs features, feature_layers and num_layers: the hidden states "
-                "the engine returns for a judgment's feature_layers"
+                "the probe needs its inputs (ProbeInputs: features, layers, num_layers): the "
+                "hidden states the engine returns for a judgment's feature_layers"
             )
-        probe_inputs = _ProbeInputs(
-            check_features(features, n, feature_layers),
-            feature_layers,
-            num_layers,
-            None if span_features is None else np.asarray(span_features, dtype=np.float32),
-            span,
-        )
+        probe_inputs = probe.checked(n)
 
     # These problems have a handful of parameters: a multi-threaded BLAS only adds thread
     # hand-offs, which cost 10x the whole fit on a busy machine (measured: 4 s vs 0.28 s for
@@ -427,17 +454,6 @@ def _thread_pools() -> ThreadpoolController:
     return ThreadpoolController()
 
 
-@dataclass(frozen=True)
-class _ProbeInputs:
-    """What a probe candidate is fitted on (``fit_probe``'s arguments)."""
-
-    features: npt.NDArray[np.float32]
-    layers: Sequence[int]
-    num_layers: int
-    means: npt.NDArray[np.float32] | None
-    span: ProbeSpan | None
-
-
 def _fit_calibrator(
     z: _FloatArray,
     labels: _IntArray,
@@ -445,7 +461,7 @@ def _fit_calibrator(
     cv: int,
     random_state: int,
     min_improvement_se: float,
-    probe_inputs: _ProbeInputs | None,
+    probe_inputs: ProbeInputs | None,
 ) -> CalibrationFit:
     n = z.shape[0]
     candidates = [m for m in METHODS if m == "none" or m in methods]
@@ -458,7 +474,14 @@ def _fit_calibrator(
     if probe_inputs is not None:
         p = probe_inputs
         probe_fit = fit_probe(
-            p.features, p.layers, p.num_layers, z, labels, folds, span_features=p.means, span=p.span
+            np.asarray(p.features),
+            p.layers,
+            p.num_layers,
+            z,
+            labels,
+            folds,
+            span_features=None if p.span_features is None else np.asarray(p.span_features),
+            span=p.span,
         )
         heldout["probe"] = np.clip(probe_fit.heldout_nll, 0.0, -np.log(_NLL_CLIP))
     for train, test in folds:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -28,6 +29,7 @@ from judge.scores import ValuesError, check_values
 __all__ = [
     "STREAMS",
     "LabeledItem",
+    "LabeledItems",
     "Task",
     "TaskError",
     "load_split",
@@ -58,6 +60,15 @@ class LabeledItem(msgspec.Struct, frozen=True):
     label: str
     # Chosen to teach (``judge label --queue --items``): it may fit a map, never certify one.
     taught: bool = False
+
+
+@dataclass(frozen=True)
+class LabeledItems:
+    """Labelled items and where they came from, in the words and hash a profile records."""
+
+    items: Sequence[LabeledItem]
+    dataset: str  # what they are, in words: "sst2/calibration", "decision log ..."
+    sha256: str  # of the bytes they were read from
 
 
 class Task(msgspec.Struct, frozen=True):
