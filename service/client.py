@@ -22,7 +22,10 @@ every call is retried on it, waiting what ``Retry-After`` says (capped by ``max_
 exponential backoff with jitter when it says nothing, within ``budget`` seconds of waiting
 per call. A call that never got an answer is retried only when repeating it is harmless:
 everything but ``fit``, which would fit (and judge every example) twice
-(``Operation.idempotent``).
+(``Operation.idempotent``). A call that runs the model sends the server its deadline
+(X-Request-Timeout, ``server_deadline``: a little less than the client's timeout), so that a
+busy server answers 503 before the client gives up; the gate resends the items of a batch
+that came back 503 and sends fewer requests at once while they do.
 
 One implementation, two transports. What each method does (the request, the retries, the
 answer's decoding, the gate's ordering and bounds) is written once, in ``_Core``, as a
@@ -68,7 +71,7 @@ from calibration.profile import CalibrationProfile
 from service.log.health import ProfileHealth
 from service.log.health_history import HealthHistory
 from service.log.record import LoggedDecision
-from service.operations import BY_NAME, Operation
+from service.operations import BY_NAME, TIMEOUT_HEADER, Operation
 from service.schemas import (
     MAX_BATCH_ITEMS,
     BatchItem,
@@ -124,6 +127,7 @@ __all__ = [
     "SystemOneQuestion",
     "SystemOneResponse",
     "parse_retry_after",
+    "server_deadline",
 ]
 
 Item = TypeVar("Item", bound=str | JudgeRequest)
@@ -185,6 +189,14 @@ class RetryPolicy:
             told = step / 2 + rng.uniform(0, step / 2)
         wait = min(told, self.max_wait)
         return wait if waited + wait <= self.budget else None
+
+
+def server_deadline(timeout: float) -> float:
+    """The deadline a call that waits ``timeout`` seconds gives the server (X-Request-Timeout):
+    a tenth less (at least 1 s, at most half), so that a server out of time answers 503 in
+    each item's place while the client still listens, instead of working on while the client
+    times out and sends the whole request again."""
+    return timeout - min(max(1.0, timeout / 10), timeout / 2)
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -356,6 +368,9 @@ class _Send:
     path: str
     body: bytes | None = None
     timeout: float | None = None  # None: the client's
+    # The operation runs the model: the server is told the client's deadline
+    # (X-Request-Timeout), so that it gives up, and answers, before the client stops waiting.
+    deadline: bool = False
 
 
 @dataclass(frozen=True)
@@ -402,6 +417,18 @@ _GateStep = _Take | _Spawn | _Join | _Call | _Emit
 @dataclass(frozen=True)
 class _Done(Generic[T]):
     value: T
+
+
+def _unserved(result: GateResult) -> bool:
+    """An item the server served no decision for, a 503 in its place (out of time, out of
+    queue room, or a log that could not keep it): nothing of it was logged or answered, so
+    it may be sent again."""
+    return isinstance(result, ErrorBody) and result.status_code == 503
+
+
+def _sleeping(seconds: float) -> Steps[None]:
+    """A wait, as steps a transport runs."""
+    yield _Sleep(seconds)
 
 
 def _resume(
@@ -451,8 +478,10 @@ class _Core:
         self._rng = random.Random(seed)
 
     def _request(self, http: httpx.Client | httpx.AsyncClient, send: _Send) -> httpx.Request:
-        headers = {"Content-Type": "application/json"} if send.body is not None else None
+        headers = {"Content-Type": "application/json"} if send.body is not None else {}
         timeout = self._timeout if send.timeout is None else send.timeout
+        if send.deadline and timeout is not None:
+            headers[TIMEOUT_HEADER] = f"{server_deadline(timeout):.3f}"
         return http.build_request(
             send.method, send.path, content=send.body, headers=headers, timeout=timeout
         )
@@ -464,7 +493,7 @@ class _Core:
     ) -> Steps[httpx.Response]:
         """Send ``operation``, retrying per ``self.retries``; an error status is returned."""
         content = None if body is None else msgspec.json.encode(body)
-        send = _Send(operation.method, operation.url(**path), content, timeout)
+        send = _Send(operation.method, operation.url(**path), content, timeout, operation.model)
         waited, attempt = 0.0, 0
         while True:
             try:
@@ -641,7 +670,11 @@ class _Core:
             assert listed is not None
             return JudgeRequest(prompt=item, choices=listed, **fields)  # type: ignore[arg-type]
 
-        pending: deque[tuple[list[Any], Any]] = deque()
+        pending: deque[tuple[list[Any], list[BatchItem], Any]] = deque()
+        # Requests in flight: up to ``concurrency``, halved after a request whose items the
+        # server ran out of time or room for, one more after each that it answered whole
+        # (additive increase, multiplicative decrease, as TCP paces a congested link).
+        window = settings.concurrency
 
         def send(chunk: list[Any]) -> Generator[_GateStep, Any, None]:
             nonlocal listed, alone
@@ -655,17 +688,39 @@ class _Core:
                         f"system: profile {profile!r} was fitted on a task, whose prompt has its "
                         "own system prompt; give choices to send whole prompts instead"
                     )
-            steps = self._judge_batch([request(item) for item in chunk])
-            pending.append((chunk, (yield _Spawn(steps))))
+            requests = [request(item) for item in chunk]
+            pending.append((chunk, requests, (yield _Spawn(self._judge_batch(requests)))))
 
-        while len(pending) < settings.concurrency and (chunk := (yield _Take(settings.batch_size))):
+        while len(pending) < window and (chunk := (yield _Take(settings.batch_size))):
             yield from send(chunk)
         while pending:
-            chunk, handle = pending.popleft()
-            yield _Emit(list(zip(chunk, (yield _Join(handle)), strict=True)))
+            chunk, requests, handle = pending.popleft()
+            results, strained = yield from self._resent(requests, (yield _Join(handle)))
+            window = max(1, window // 2) if strained else min(settings.concurrency, window + 1)
+            yield _Emit(list(zip(chunk, results, strict=True)))
             # Only now: the chunk just emitted was the one held beyond those in flight.
-            if following := (yield _Take(settings.batch_size)):
+            while len(pending) < window and (following := (yield _Take(settings.batch_size))):
                 yield from send(following)
+
+    def _resent(
+        self, requests: list[BatchItem], results: list[GateResult]
+    ) -> Generator[_GateStep, Any, tuple[list[GateResult], bool]]:
+        """``results`` with each item the server served no decision for (a 503 in its place:
+        ``_unserved``) sent again, in one request with the others like it, after
+        the retry policy's wait and within its budget; and whether there were any. One still
+        out of time when the retries are spent keeps its 503."""
+        results = list(results)
+        again = [i for i, r in enumerate(results) if _unserved(r)]
+        strained = bool(again)
+        waited, attempt = 0.0, 0
+        while again and (wait := self.retries.wait(attempt, None, waited, self._rng)) is not None:
+            yield _Call(_sleeping(wait))
+            waited, attempt = waited + wait, attempt + 1
+            answers = yield _Call(self._judge_batch([requests[i] for i in again]))
+            for i, answer in zip(again, answers, strict=True):
+                results[i] = answer
+            again = [i for i in again if _unserved(results[i])]
+        return results, strained
 
 
 # --- the two transports -------------------------------------------------------------------
@@ -864,6 +919,12 @@ class JudgeClient(_Core):
         out ``batch_size`` to a request, at most ``concurrency`` requests at a time, so at
         most ``batch_size * concurrency`` items are held. An item's 4xx comes back as an
         ErrorBody in its place; a request that fails as a whole raises ClientError.
+
+        A server that cannot keep up paces the gate: each request tells it the client's
+        deadline (``server_deadline``), an item it ran out of time or room for (503) is sent
+        again per the retry policy, and such a request halves the requests in flight (each
+        answered whole adds one back, up to ``concurrency``). Only an item still unserved when
+        its retries are spent comes back as its 503.
         """
         settings = _GateSettings.of(options)
         steps = self._gate(options, settings)

@@ -29,6 +29,7 @@ from service.client import (
     JudgeClient,
     RetryPolicy,
     parse_retry_after,
+    server_deadline,
 )
 from service.schemas import (
     BatchResponse,
@@ -593,6 +594,100 @@ def test_gate_is_ordered_lazy_and_bounded() -> None:
     # server (counting what was sent at close raced with such a request on a busy machine).
     assert read <= 21 + 5 * 4 and endless.read == read
     assert backend.requests <= -(-read // 5)
+
+
+class BusyServer(BatchServer):
+    """Runs out of time on each item the first time it comes (a 503 in its place), and on
+    ``never`` every time; notes each request's items and the requests in flight at its
+    arrival."""
+
+    def __init__(self, never: str = "") -> None:
+        super().__init__(lambda items: 0.01)
+        self.never = never
+        self.seen: set[str] = set()
+        # Each request's items, the requests in flight (itself included) and whether none of
+        # its items came before.
+        self.arrivals: list[tuple[list[str], int, bool]] = []
+        self.deadlines: set[str | None] = set()
+
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        items = sent_items(request)
+        prompts = [i.prompt for i in items]
+        with self.lock:
+            new = not self.seen.intersection(prompts)
+            self.arrivals.append((prompts, self.in_flight, new))
+            self.deadlines.add(request.headers.get("X-Request-Timeout"))
+            fresh = [p for p in prompts if p not in self.seen or p == self.never]
+            self.seen.update(prompts)
+        if not fresh:
+            return super().answer(request)
+        out = ErrorBody(status_code=503, detail="the request's deadline passed")
+        body = BatchResponse(
+            results=[out if p in fresh else judgment(["a", "b", "c"]) for p in prompts]
+        )
+        return httpx.Response(200, content=msgspec.json.encode(body))
+
+
+def test_a_busy_server_paces_the_gate_and_gets_every_item_again() -> None:
+    """Items a server had no time for come back 503: the gate sends them again (waiting as
+    the retry policy says) instead of handing the 503s on, and sends fewer requests at once
+    while they do, down to one; input order holds (issue 66: a busy 2-core server)."""
+    backend = BusyServer()
+    client, waits = mock(backend.handler)
+    pairs = list(client.gate((str(i) for i in range(40)), choices=["a", "b", "c"], batch_size=4))
+    assert [item for item, _ in pairs] == [str(i) for i in range(40)]
+    assert all(isinstance(d, JudgeResponse) for _, d in pairs)
+    sent = [p for prompts, _, _ in backend.arrivals for p in prompts]
+    assert sorted(sent) == sorted(str(i) for i in range(40) for _ in range(2))  # each twice
+    assert len(waits) == 10  # one wait before each chunk's resend
+    # Every request found the server out of time, so once the four the window opened with
+    # were answered it holds one: each new chunk goes out alone.
+    new = [n for _, n, first in backend.arrivals if first]
+    assert len(new) == 10 and new[4:] == [1] * 6
+    # And each told the server the client's deadline: less than its own timeout.
+    assert backend.deadlines == {f"{server_deadline(60.0):.3f}"}
+
+    # One the server never has time for keeps its 503 once the retries are spent.
+    backend = BusyServer(never="5")
+    client, waits = mock(backend.handler, retries=RetryPolicy(max_retries=2))
+    pairs = list(client.gate((str(i) for i in range(8)), choices=["a", "b", "c"], batch_size=4))
+    left = {item: d for item, d in pairs if isinstance(d, ErrorBody)}
+    assert list(left) == ["5"] and left["5"].status_code == 503
+    assert sum(p == "5" for prompts, _, _ in backend.arrivals for p in prompts) == 3
+
+    # The async client, through the same steps.
+    backend, slept = BusyServer(), []
+
+    async def go() -> list[tuple[str, Any]]:
+        async def sleep(seconds: float) -> None:
+            slept.append(seconds)
+
+        transport = httpx.MockTransport(backend.async_handler)
+        async with AsyncJudgeClient("http://judge.test", transport=transport, sleep=sleep) as c:
+            items = (str(i) for i in range(8))
+            return [pair async for pair in c.gate(items, choices=["a", "b", "c"], batch_size=4)]
+
+    pairs = asyncio.run(go())
+    assert [item for item, _ in pairs] == [str(i) for i in range(8)] and len(slept) == 2
+    assert all(isinstance(d, JudgeResponse) for _, d in pairs)
+
+
+def test_the_server_s_deadline_is_a_little_less_than_the_client_s() -> None:
+    assert server_deadline(60.0) == 54.0  # a tenth less
+    assert server_deadline(5.0) == 4.0  # at least a second less
+    assert server_deadline(1.0) == 0.5  # at most half
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200, content=JUDGMENT)
+
+    client, _ = mock(handler, timeout=20.0)
+    client.judge("p", ["a", "b"])
+    assert sent[-1].headers["X-Request-Timeout"] == "18.000"
+    with contextlib.suppress(Exception):
+        client.profiles()  # no model work: no deadline to give
+    assert "X-Request-Timeout" not in sent[-1].headers
 
 
 def test_gate_raises_when_a_whole_request_fails() -> None:
