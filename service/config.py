@@ -290,8 +290,9 @@ class ServiceConfig:
             "--refit-every",
             "count",
             "refit a profile from the log in the background after this many new labels of its "
-            "decisions; the refit is served only when it certifies at least the coverage of "
-            "the version it refits (every version kept: POST /profiles/{name}/rollback)",
+            "decisions (or a quarter of those the last refit read, if more: a refit reads them "
+            "all); the refit is served only when it certifies at least the coverage of the "
+            "version it refits (every version kept: POST /profiles/{name}/rollback)",
             metavar="LABELS",
             group="log",
         ),

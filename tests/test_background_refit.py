@@ -17,6 +17,7 @@ from test_feedback import CHOICES, ScoreEngine, judge_all, served, stream
 from calibration import CalibrationProfile, FitSettings, LabeledScores, Provenance, fit_profile
 from service import ServiceConfig
 from service.profiles import ProfileStore
+from service.web.background_refit import refit_due
 
 
 def profile_on(n: int, seed: int) -> CalibrationProfile:
@@ -146,3 +147,18 @@ def test_refit_every_needs_a_log() -> None:
         ServiceConfig(refit_every=10)
     with pytest.raises(ValueError, match="refit_every"):
         ServiceConfig(refit_every=0, decision_log="x.db")
+
+
+def test_refits_come_further_apart_as_the_labels_grow() -> None:
+    """A refit reads every labelled decision: past four times ``--refit-every``, the next one
+    waits for a quarter more labels than the last read, so refits take a bounded share of the
+    machine (issue 69: at 3,000 labels a refit every 40 ran a few seconds a time)."""
+    assert refit_due(40, 0, 40) and not refit_due(39, 0, 40)
+    assert refit_due(200, 160, 40)  # 40 new: a quarter of 160 is less
+    assert not refit_due(2039, 2000, 40) and not refit_due(2499, 2000, 40)
+    assert refit_due(2500, 2000, 40)  # a quarter of 2,000
+    at, refits = 0, 0
+    for labelled in range(1, 10_001):
+        if refit_due(labelled, at, 40):
+            at, refits = labelled, refits + 1
+    assert 20 <= refits <= 30  # every 40 labels would be 250

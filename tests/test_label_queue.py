@@ -154,6 +154,10 @@ def test_the_streams_are_kept_apart_and_each_in_its_order(
         assert queue.next() is not None and queue.pending("teach") == 3
         # A new queue leaves what is labelled out.
         assert LabellingQueue(log, stored, etag).pending("teach") == 3
+        # One that orders only the next few (the HTTP queue's) has the same next few.
+        whole, few = LabellingQueue(log, stored, etag), LabellingQueue(log, stored, etag, ahead=1)
+        assert few.pending("teach") == whole.pending("teach") == 3
+        assert few.upcoming("teach", 1) == whole.upcoming("teach", 1)
         health = queue.health()
         assert health.n_audited == 3 and health.n_audited_labeled == 0
 

@@ -93,24 +93,31 @@ def teach_rounds(
     *,
     features: npt.ArrayLike | None = None,
     round_size: int = TEACH_ROUND,
+    count: int | None = None,
 ) -> np.ndarray:
     """Every item of a pool in the order to label it to teach the map: ``teach_order`` in
     rounds of ``round_size``, each spread among the most uncertain of what is left (one spread
-    over the whole pool would order it by distance alone)."""
+    over the whole pool would order it by distance alone). ``count``: the first ``count`` of
+    that order only, for a caller that shows the next few: the same items, since a round reads
+    only what the rounds before it left, at the cost of a few rounds instead of a round per
+    ``round_size`` items of the pool (each as long as the pool: the whole order of thousands
+    took seconds)."""
     p = np.asarray(probabilities, dtype=np.float64)
     x = None if features is None else np.asarray(features, dtype=np.float64)
     if not (isinstance(round_size, int) and round_size >= 1):
         raise ValueError(f"round_size must be an integer >= 1, got {round_size!r}")
+    if count is not None and not (isinstance(count, int) and count >= 0):
+        raise ValueError(f"count must be an integer >= 0, got {count!r}")
     left = np.arange(p.shape[0])
     order: list[int] = []
-    while left.shape[0]:
+    while left.shape[0] and (count is None or len(order) < count):
         chosen = teach_order(
             p[left], min(round_size, left.shape[0]), features=None if x is None else x[left]
         )
         picks = left[chosen]
         order.extend(picks.tolist())
         left = np.setdiff1d(left, picks)
-    return np.asarray(order, dtype=np.int64)
+    return np.asarray(order[:count], dtype=np.int64)
 
 
 def audit_order(n: int, seed: int) -> np.ndarray:

@@ -60,6 +60,10 @@ class LabellingQueue:
     profile: CalibrationProfile
     etag: str
     streams: Sequence[Stream] = STREAMS
+    # How many of the teach stream to put in order (None: all of it; past them, in the log's
+    # order): a caller that shows the next few (GET /profiles/{name}/queue) need not order
+    # thousands on every call.
+    ahead: int | None = None
     _pending: dict[Stream, list[QueueItem]] = field(init=False)
     _turn: int = field(default=0, init=False)
     labelled: dict[Stream, int] = field(init=False)
@@ -143,6 +147,8 @@ class LabellingQueue:
         )
 
     def _teach_order(self, records: list[LoggedDecision]) -> np.ndarray:
+        """Every index of ``records``: the first ``ahead`` (or all) in the order to teach,
+        the rest after them as logged."""
         if not records:
             return np.zeros(0, dtype=np.int64)
         choices = list(self.profile.choices)
@@ -152,7 +158,8 @@ class LabellingQueue:
             rows = [r.features.array()[0] for r in records if r.features is not None]
             if len({row.shape for row in rows}) == 1:
                 features = np.stack(rows)
-        return teach_rounds(p, features=features)
+        first = teach_rounds(p, features=features, count=self.ahead)
+        return np.concatenate([first, np.setdiff1d(np.arange(len(records)), first)])
 
 
 def logged_prompt(record: LoggedDecision) -> tuple[str, tuple[int, int] | None] | None:

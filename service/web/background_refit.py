@@ -3,7 +3,8 @@ refits it from the decision log in the background and serves the refit only if i
 
 ``judge serve --refit-every N``: after a label request stores new labels, one worker thread
 counts each stored profile's labelled decisions; where N or more arrived since the profile's
-last refit (or since the server started), it runs ``service.log.refit.refit_from_log`` (the
+last refit (or since the server started), and a quarter of those the last refit read if that
+is more (``refit_due``: a refit's cost grows with the log), it runs ``service.log.refit.refit_from_log`` (the
 audited labels certify, the others only fit; the next look of the lineage, at its share of
 delta). The refit is kept among the profile's versions whatever happens; it is served only
 when the coverage it certifies is at least the coverage the version it refits certified at
@@ -19,6 +20,7 @@ whichever version is stored.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,11 +39,22 @@ from service.schemas import RefitRecord
 if TYPE_CHECKING:
     from judge.engine import Judge
 
-__all__ = ["KEPT_REFITS", "BackgroundRefit"]
+__all__ = ["KEPT_REFITS", "REFIT_GROWTH", "BackgroundRefit", "refit_due"]
 
 log = logging.getLogger("judge.refit")
 
 KEPT_REFITS = 50  # per profile, the newest, in memory
+# The new labels a refit waits for grow with those the last one read: ``every``, or this share
+# of the labels at the last refit where that is more. A refit reads every labelled decision,
+# so its cost grows with the log (3.9 s at 3,364 labels on 2 AVX2 cores, benchmarks/
+# bench_soak.py); spaced so, refits take a bounded share of the machine however long it
+# serves, and their looks come fewer, each with a larger share of delta.
+REFIT_GROWTH = 0.25
+
+
+def refit_due(labelled: int, at_last: int, every: int) -> bool:
+    """Whether ``labelled`` labels warrant a refit, the last one having read ``at_last``."""
+    return labelled - at_last >= max(every, math.ceil(REFIT_GROWTH * at_last))
 
 
 class BackgroundRefit:
@@ -90,7 +103,7 @@ class BackgroundRefit:
         for name in self.store.names():
             try:
                 labelled = self.decision_log.count(name, labeled=True)
-                if labelled - self._counted.get(name, 0) >= self.every:
+                if refit_due(labelled, self._counted.get(name, 0), self.every):
                     self._counted[name] = labelled
                     self._refit(name, labelled)
             except Exception:  # a refit must never take the worker down with it

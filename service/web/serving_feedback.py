@@ -152,7 +152,7 @@ class FeedbackServing:
         profile, etag = self.service.store.get_tagged(name)
 
         def read() -> LabelQueue:
-            queue = LabellingQueue(decision_log, profile, etag)
+            queue = LabellingQueue(decision_log, profile, etag, ahead=QUEUE_AHEAD)
             health = queue.health()
             t = profile.threshold
             return LabelQueue(
