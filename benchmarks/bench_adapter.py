@@ -40,6 +40,7 @@ from calibration.fitting import held_out_examples
 from calibration.maps.probe import map_features
 from calibration.tasks import (
     AdapterProfile,
+    LabeledItems,
     LabeledScores,
     Task,
     fit_adapter_profile,
@@ -49,8 +50,8 @@ from calibration.tasks import (
     task_item_span,
     task_prompt,
 )
+from calibration.tasks.adapter.training import AdapterSettings
 from judge import Judge, Query
-from judge.adapter_fit import AdapterSettings
 from judge.atomicio import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +90,7 @@ def policy(
 
 def answered(profile: CalibrationProfile, scores: LabeledScores) -> tuple[np.ndarray, np.ndarray]:
     """Each item's confidence under ``profile``'s map and whether its answer is right (the
-    mass gate left out: on these task prompts it escalates nothing)."""
+    mass check left out: on these task prompts it escalates nothing)."""
     fitted = profile.calibration_map
     x = map_features(fitted, scores.features, scores.feature_layers, scores.span_features)
     p = fitted.apply(scores.log_probabilities, x)
@@ -178,10 +179,8 @@ def run_task(
     fitted = fit_adapter_profile(
         judge,
         task,
-        items,
+        LabeledItems(items, f"{name}/calibration", digest),
         name,
-        dataset=f"{name}/calibration",
-        dataset_sha256=digest,
         adapter_settings=settings,
         keep_adapter=True,  # measured either way; ``winner`` says which a user would get
     )

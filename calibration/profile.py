@@ -190,7 +190,7 @@ class CalibrationProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # (``calibration.certificates.per_class``). None for a label-free profile and older files.
     class_evidence: ClassReport | None = None
     # Low-rank adapters the probe's layer is read under (``judge.adapters``; trained on the fit
-    # split's items only, ``judge.adapter_fit``): a request under this profile is judged with
+    # split's items only, ``calibration.tasks.adapter.training``): a request under this profile is judged with
     # them merged into the model's blocks, in the same one pass. None: the model as loaded.
     adapter: Adapter | None = None
     # About how many uniform labels a fit like this one would need to certify its target at

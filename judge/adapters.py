@@ -5,7 +5,7 @@ for each adapted linear ``W`` (out, in), two matrices ``A`` (rank, in) and ``B``
 and the served weight is ``W + (alpha / rank) B A``. Its weights are one safetensors blob
 (float32, tensors named ``"{block}.{target}.A"`` and ``"{block}.{target}.B"``, ``block``
 counted from 0) whose sha256 names the adapter everywhere: in the profile, in every judgment
-made under it, and in the engine's table of merged adapters. ``judge.adapter_fit`` trains
+made under it, and in the engine's table of merged adapters. ``calibration.tasks.adapter.training`` trains
 one; ``Judge`` serves it (``Query.adapter``). No torch here, so that ``calibration`` keeps
 one inside a profile.
 """

@@ -10,7 +10,10 @@ trains a new adapter on the logged items, the audited labels alone certifying.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from calibration.fitting import split_examples
 from calibration.maps.map_types import Probe
 from calibration.tasks import (
     AdapterProfile,
+    LabeledItems,
     fit_adapter_profile,
     labeled_queries,
     load_split,
@@ -34,8 +38,8 @@ from calibration.tasks import (
     task_item_span,
     task_prompt,
 )
+from calibration.tasks.adapter.training import AdapterSettings, fit_adapter, require_peft
 from judge import InvalidQueryError, Judge, Query
-from judge.adapter_fit import AdapterSettings, fit_adapter
 from judge.adapters import Adapter, weights_sha256
 from service.cli.main import main
 from service.config import ServiceConfig
@@ -53,7 +57,15 @@ QUICK = AdapterSettings(blocks=2, epochs=1, batch_size=8)
 # The tests that train an adapter on the real model (minutes on 2 cores) run with the
 # benchmarks' quick runs (`make bench-smoke`, which CI runs after `make test`), so that
 # `make test` keeps within its time; the rest (merging, invariance, refusals) run in both.
-TRAINS = pytest.mark.bench
+# Training needs the `adapter` extra (peft; `make install` brings it): without it those tests
+# skip and the rest still run, as an install without the extra judges under an adapter.
+NEEDS_PEFT = pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None, reason="training needs peft, the 'adapter' extra"
+)
+
+
+def TRAINS(test: Callable[..., None]) -> Callable[..., None]:
+    return pytest.mark.bench(NEEDS_PEFT(test))
 
 
 def fit_sst2(judge: Judge, *, keep_adapter: bool) -> AdapterProfile:
@@ -63,10 +75,8 @@ def fit_sst2(judge: Judge, *, keep_adapter: bool) -> AdapterProfile:
     return fit_adapter_profile(
         judge,
         task,
-        items,
+        LabeledItems(items, "sst2/calibration", digest),
         "sst2",
-        dataset="sst2/calibration",
-        dataset_sha256=digest,
         adapter_settings=QUICK,
         keep_adapter=keep_adapter,
     )
@@ -191,7 +201,10 @@ def training_stack_matches_the_model(
     with LoRA at its start, zero) is the model's own state at ``layer``, item by item in one
     padded batch: the blocks' masks, rotary embeddings and (at the last layer) final norm
     are the model's."""
-    from judge.adapter_fit import _entering_states, _features, _trainable_stack
+    from calibration.tasks.adapter.training import _entering_states, _features, _trainable_stack
+
+    if importlib.util.find_spec("peft") is None:
+        pytest.skip("training needs peft, the 'adapter' extra")
 
     queries = [Query(prompt=p, choices=["yes", "no"]) for p in prompts]
     first = max(0, layer - blocks)
@@ -436,3 +449,25 @@ def test_refit_adapters_needs_refits_and_requests(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="refit_adapters"):
         ServiceConfig(decision_log=log, refit_adapters=True, refit_every=10)
     ServiceConfig(decision_log=log, refit_adapters=True, refit_every=10, log_requests=True)
+
+
+def test_without_peft_training_is_refused_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An install without the `adapter` extra: every way into training says what to install
+    before it loads a model or judges an item (the model named here does not exist)."""
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    with pytest.raises(ModuleNotFoundError, match="the 'adapter' extra"):
+        require_peft()
+    reviews = Path(__file__).resolve().parents[1] / "examples" / "reviews"
+    argv = ["calibrate", "--task", str(reviews), "--method", "adapter"]
+    no_model = ["--model", str(tmp_path / "no-model"), "--profiles-dir", str(tmp_path)]
+    assert main([*argv, *no_model]) == 2
+    said = capsys.readouterr().err
+    assert "--method adapter: training an adapter needs peft" in said
+    assert "calibrated-judge[adapter]" in said
+    # The server refuses --refit-adapters at its start, before the engine loads.
+    log = str(tmp_path / "d.db")
+    serve = ["serve", "--model", str(tmp_path / "no-model"), "--decision-log", log]
+    assert main([*serve, "--refit-every", "10", "--log-requests", "--refit-adapters"]) == 2
+    assert "--refit-adapters: training an adapter needs peft" in capsys.readouterr().err

@@ -87,6 +87,7 @@ def test_a_prefix_longer_than_its_window_is_cached_exactly(gemma: Judge) -> None
 
 
 @pytest.mark.skipif(not SMS.exists(), reason="the shared datasets are not beside this checkout")
+@pytest.mark.skipif(not importlib.util.find_spec("peft"), reason="peft: the 'adapter' extra")
 def test_an_adapter_trains_on_its_own_states(gemma: Judge) -> None:
     """Adapter training on Gemma 3 (it crashed: its rotary embedding takes each layer's kind,
     sliding or full attention): the training stack gives the model's own states, over both

@@ -7,7 +7,8 @@
                     load_prompts, judge_unlabeled, fit_unlabeled
     calibration.tasks.qualify   qualify_on_task, qualify_engine (``judge qualify``)
     calibration.tasks.cascade   CascadeStageData, FittedCascade, fit_cascade, cascade_decisions
-    calibration.tasks.adapter   AdapterProfile, fit_adapter_profile (``--method adapter``)
+    calibration.tasks.adapter   AdapterProfile, fit_adapter_profile (``--method adapter``;
+                                its training in calibration.tasks.adapter.training)
     calibration.tasks.item_queue  ItemQueue, PoolItem, Advice, advise, load_pool (``judge label
                                 --queue --items``)
     calibration.tasks.pool_scores judge_pool, pool_key: a file's scores, judged once and kept

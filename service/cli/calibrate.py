@@ -30,6 +30,7 @@ from calibration.maps.probe import MIN_PROBE_EXAMPLES, candidate_layers
 from calibration.profile import NAME_PATTERN, save_profile
 from calibration.tasks import (
     LabeledItem,
+    LabeledItems,
     LabeledScores,
     Task,
     content_free_prompts,
@@ -62,6 +63,7 @@ from service.command_line import (
     task_arguments,
     to_json,
 )
+from service.install import install_hint
 
 if TYPE_CHECKING:
     from calibration.certificates.recertify import Recertification
@@ -337,9 +339,13 @@ def _calibrate_adapter(
     from tqdm import tqdm
 
     from calibration.report import metrics_table, profile_markdown
+    from calibration.tasks.adapter.training import PEFT_MISSING, AdapterSettings, require_peft
     from judge import Judge
-    from judge.adapter_fit import AdapterSettings
 
+    try:
+        require_peft()
+    except ModuleNotFoundError:
+        raise UsageError(f"--method adapter: {PEFT_MISSING}: {install_hint('adapter')}") from None
     if len(items) < MIN_PROBE_EXAMPLES:
         raise UsageError(
             f"method adapter needs at least {MIN_PROBE_EXAMPLES} labeled examples (it starts "
@@ -377,10 +383,8 @@ def _calibrate_adapter(
     fitted = fit_adapter_profile(
         engine,
         task,
-        items,
+        LabeledItems(items, f"{task.name}/{args.split}", digest),
         name,
-        dataset=f"{task.name}/{args.split}",
-        dataset_sha256=digest,
         settings=settings,
         adapter_settings=adapter_settings,
         batch_size=args.batch_size,

@@ -26,9 +26,10 @@ import numpy as np
 from calibration import CalibrationProfile, FitSettings
 from calibration.certificates.recertify import Recertification
 from calibration.maps.probe import MIN_PROBE_EXAMPLES
-from calibration.tasks import LabeledItem, Task, fit_adapter_profile
-from judge.adapter_fit import AdapterSettings
+from calibration.tasks import LabeledItem, LabeledItems, Task, fit_adapter_profile
+from calibration.tasks.adapter.training import PEFT_MISSING, AdapterSettings, require_peft
 from judge.engine import Judge
+from service.install import install_hint
 from service.log.decision_log import DecisionLog
 from service.log.labelling_queue import logged_prompt
 from service.log.record import LoggedDecision
@@ -77,6 +78,10 @@ def retrain_from_log(
     adapter = profile.adapter
     if adapter is None:
         raise RefitError(f"profile {profile.name!r} has no adapter to retrain")
+    try:
+        require_peft()
+    except ModuleNotFoundError:
+        raise RefitError(f"{PEFT_MISSING}: {install_hint('adapter')}") from None
     if profile.template is None:
         raise RefitError(
             f"profile {profile.name!r} keeps no prompt template: its logged items cannot be "
@@ -108,11 +113,13 @@ def retrain_from_log(
     fitted = fit_adapter_profile(
         engine,
         task,
-        items,
+        LabeledItems(
+            items,
+            f"decision log {recertification.log}: {audited} audited decisions of "
+            f"{profile.name}" + (f" and {taught} others labeled (train only)" if taught else ""),
+            digest,
+        ),
         name,
-        dataset=f"decision log {recertification.log}: {audited} audited decisions of "
-        f"{profile.name}" + (f" and {taught} others labeled (train only)" if taught else ""),
-        dataset_sha256=digest,
         settings=msgspec.structs.replace(settings, delta=recertification.spent),
         adapter_settings=trained,
         progress=progress,

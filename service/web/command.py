@@ -157,6 +157,15 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = service_config(args)
+    if config.refit_adapters:
+        from calibration.tasks.adapter.training import PEFT_MISSING, require_peft
+
+        try:
+            require_peft()
+        except ModuleNotFoundError:
+            raise UsageError(
+                f"--refit-adapters: {PEFT_MISSING}: {install_hint('adapter')}"
+            ) from None
     loader = functools.partial(
         open_engine,
         args.model,

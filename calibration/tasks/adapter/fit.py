@@ -11,7 +11,7 @@ The steps, each on the items the step may see (the probe split of ``calibration.
    temperature, probe and adapter by measurement on items none of them was fitted on;
 2. warm-start a head on that layer's states alone (the probe's choice, refitted without the
    choices' log-probabilities, which the layers above the adapter would change) and train
-   adapters under it on the fit split's items (``judge.adapter_fit``: a validation fold of
+   adapters under it on the fit split's items (``calibration.tasks.adapter.training``: a validation fold of
    those stops it and sets its temperature);
 3. keep what wins on the validation fold, items neither map was fitted on: the adapter's
    head (its temperature applied) against the rival's out-of-fold probabilities there (a
@@ -21,7 +21,8 @@ The steps, each on the items the step may see (the probe split of ``calibration.
    given (``fit_profile(trained=TrainedHead(...))``) on the conformal and certify splits,
    which neither the adapters nor the head saw: the guarantee is the probe's, exact.
 
-``torch`` is imported only by the engine's side (``judge.adapter_fit``), when this runs.
+``torch`` and peft are imported only by the training (``calibration.tasks.adapter.training``),
+when this runs.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.maps.map_types import Probe
 from calibration.maps.probe import candidate_layers, fit_probe_weights, probe_input
 from calibration.tasks.files import (
-    LabeledItem,
+    LabeledItems,
     Task,
     task_item_span,
     task_prompt,
@@ -50,7 +51,7 @@ from calibration.tasks.labeled import LabeledScores, fit_labeled, judge_task_ite
 
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
-    from judge.adapter_fit import AdapterFit, AdapterSettings
+    from calibration.tasks.adapter.training import AdapterFit, AdapterSettings
     from judge.engine import Judge
 
 __all__ = ["AdapterProfile", "fit_adapter_profile"]
@@ -77,18 +78,16 @@ class AdapterProfile:
 def fit_adapter_profile(
     engine: Judge,
     task: Task,
-    items: Sequence[LabeledItem],
+    labeled: LabeledItems,
     name: str,
     *,
-    dataset: str,
-    dataset_sha256: str,
     settings: FitSettings = DEFAULT_SETTINGS,
     adapter_settings: AdapterSettings | None = None,
     batch_size: int = 8,
     progress: Callable[[str, int, int], None] | None = None,
     keep_adapter: bool = False,
 ) -> AdapterProfile:
-    """Fit and certify an adapter profile on ``items`` of ``task`` (see the module
+    """Fit and certify an adapter profile on the ``labeled`` items of ``task`` (see the module
     docstring); ``progress(stage, done, total)`` follows the judging ("judge", "judge
     adapted") and the training ("states", "train"). ``keep_adapter``: certify the adapter
     even where the rival wins on the validation fold. ``settings.methods`` "auto" (the
@@ -96,8 +95,10 @@ def fit_adapter_profile(
     methods, the probe."""
     from calibration.fitting import TrainedHead, split_with_taught
     from calibration.maps.scaling import CalibrationFit
-    from judge.adapter_fit import fit_adapter
+    from calibration.tasks.adapter.training import fit_adapter, require_peft
 
+    require_peft()  # before the judging, minutes before the training would find it missing
+    items = labeled.items
     taught = taught_items(items)  # chosen to teach: they train the adapter, never certify
 
     def judged(judge: Judge, stage: str, layers: Sequence[int]) -> LabeledScores:
@@ -127,8 +128,8 @@ def fit_adapter_profile(
     base = judged(engine, "judge", candidate_layers(num_layers))
     provenance = Provenance(
         fingerprint=fingerprint,
-        dataset=dataset,
-        dataset_sha256=dataset_sha256,
+        dataset=labeled.dataset,
+        dataset_sha256=labeled.sha256,
         template=task_template(task),
     )
     auto = settings.methods == "auto"

@@ -42,7 +42,19 @@ from judge.judgments import Query
 if TYPE_CHECKING:
     from judge.engine import Judge
 
-__all__ = ["AdapterFit", "AdapterSettings", "fit_adapter"]
+__all__ = ["PEFT_MISSING", "AdapterFit", "AdapterSettings", "fit_adapter", "require_peft"]
+
+
+PEFT_MISSING = "training an adapter needs peft (the 'adapter' extra), which is not installed"
+
+
+def require_peft() -> None:
+    """ModuleNotFoundError (``PEFT_MISSING``) where peft cannot be imported: every entry to
+    training checks it before judging a single item, not minutes later at its first block."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ModuleNotFoundError(PEFT_MISSING, name="peft") from None
 
 
 @dataclass(frozen=True)
@@ -159,6 +171,7 @@ def fit_adapter(
     ``progress(stage, done, total)`` is called as the states are computed ("states") and as
     training steps are taken ("train").
     """
+    require_peft()
     s = settings or AdapterSettings()
     y = np.asarray(labels, dtype=np.int64)
     n = len(queries)
