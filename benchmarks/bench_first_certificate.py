@@ -59,7 +59,7 @@ from calibration.tasks import (
     ItemQueue,
     Looks,
     advise,
-    gates_on_scores,
+    checks_on_scores,
     judge_pool,
     load_pool,
     load_split,
@@ -129,7 +129,7 @@ class Pool:
         """A certificate on the unlabelled half: its precision and coverage there."""
         profile = load_profile(profile_path)
         e = self.evaluation
-        gates = gates_on_scores(profile, e)
+        gates = checks_on_scores(profile, e)
         accepted = gates.accepted
         right = gates.best == e.labels
         t = profile.threshold

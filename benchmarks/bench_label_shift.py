@@ -108,12 +108,12 @@ def run_task(judge: Judge, name: str, seeds: int) -> dict[str, Any]:
     source = source_prior(profile.reference)
     assert source is not None
     gate = Gate(profile)
-    accepted = gate.policy.gates(
+    accepted = gate.policy.checks(
         task.choices, scores.log_probabilities, scores.choice_mass, x
     ).accepted
     held = (
         Gate(profile, hold=Hold(reason="shifted"))
-        .policy.gates(task.choices, scores.log_probabilities, scores.choice_mass, x)
+        .policy.checks(task.choices, scores.log_probabilities, scores.choice_mass, x)
         .accepted
     )
     base = np.bincount(y, minlength=len(task.choices)) / y.shape[0]

@@ -75,7 +75,7 @@ def serve_and_label(
                 for j in seed
             ]
         ),
-        choice_mass=np.ones(len(seed)),  # no mass gate: the seed profile only routes
+        choice_mass=np.ones(len(seed)),  # no mass check: the seed profile only routes
         labels=np.array([task.choices.index(i.label) for i in items[:SEED_ITEMS]]),
     )
     provenance = Provenance(

@@ -19,7 +19,7 @@ cold and their costs compare. Reported per task and contender, on the test split
   read (0.5 is none; an order's is the same in both contenders' runs);
 * for both orders, position consistency: the share of items whose two orders pick the same
   winner, and the accuracy on those (the classic position-consistency measure);
-* coverage and accuracy of the accepted at the threshold 0.9 (``calibration.Policy.gates``),
+* coverage and accuracy of the accepted at the threshold 0.9 (``calibration.Policy.checks``),
   on the raw probabilities and after a temperature fitted on pairs derived the same way from
   the calibration split; for both orders also under the position-consistency gate at bounds
   ``--bounds`` (``max_order_spread``; ``position_inconsistent``);
@@ -232,7 +232,7 @@ def _report(
             # Without a bound of its own a pair is bounded by the default: the row without the
             # gate passes no spread at all.
             for name, scores in (("raw", z), ("calibrated", calibrated)):
-                g = policy.gates(
+                g = policy.checks(
                     list(NAMES), scores, mass, None, None if bound is None else spread, pair=True
                 )
                 accepted = g.accepted

@@ -36,7 +36,7 @@ class FitSettings(msgspec.Struct, frozen=True, kw_only=True):
         The served rule escalates a judgment whose choices hold less of the model's
         probability than this; the certificate covers the rule with that gate. "auto" (the
         default): chosen from the labels where a gate raises the coverage certified on the
-        items the certificate does not rest on (``calibration.certificates.mass_gate``), else 0.
+        items the certificate does not rest on (``calibration.certificates.mass_check``), else 0.
     values, max_std
         A score task's number per choice and the bound on a score's std (the ``high_std``
         gate); None for a plain choice task.

@@ -203,6 +203,17 @@ class Gate:
             adapter=adapter,
         )
 
+    def plan(self, query: _Query, *, shared: bool = False) -> tuple[_Query, bool]:
+        """``query`` (the engine's ``Query``) planned for this gate, before any model work:
+        the query asking for what the gate reads (``asks``), and whether its prompt lies
+        outside the profile's template, which the verdict says (``decide``'s
+        ``outside_template``). A whole prompt is checked against the template around its item
+        (``outside_template``: one that is not must mark its item); a question about a shared
+        context is outside it wherever the profile has one."""
+        prompt, span = getattr(query, "prompt"), getattr(query, "item_span")  # noqa: B009
+        outside = self.template is not None if shared else self.outside_template(prompt, span)
+        return self.asks(query), outside
+
     @property
     def adapter(self) -> Adapter | None:
         """The low-rank adapter a judgment for this gate is made under: its profile's."""

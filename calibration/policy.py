@@ -1,8 +1,8 @@
-"""The gate: one policy turns a judgment into a decision, accept or escalate, with its reasons.
+"""The policy: one rule turns a judgment into a decision, accept or escalate, with its reasons.
 
 Every caller that decides (the HTTP service, the MCP tools, ``judge ask``, ``judge evaluate``,
 a Python pipeline) opens a ``calibration.gate.Gate``, whose one ``make_policy`` call builds
-this rule, so the rule that is evaluated is the rule that is served. A decision accepts only when every gate passes:
+this rule, so the rule that is evaluated is the rule that is served. A decision accepts only when every check passes:
 
 * the calibrated confidence of the top choice reaches the threshold (``below_threshold``), and
   a threshold exists at all. No accept without a certificate: a judgment with no profile
@@ -23,14 +23,14 @@ this rule, so the rule that is evaluated is the rule that is served. A decision 
   ``order="invariant"``), the listings' disagreement, its ``order_spread``, is at most
   ``max_order_spread`` (``order_sensitive``): an answer that moves with the order in which
   the options were read is the order's, not the model's judgment. The caller passes the spread
-  (``decide(judgment, order_spread=...)``); a judgment without one passes this gate. The bound
+  (``decide(judgment, order_spread=...)``); a judgment without one passes this check. The bound
   only ever adds escalations, and is the caller's: it leaves ``certified`` as it is;
 * for a pair (``judge.answers``: two candidates judged in both orders; ``decide(...,
   pair=True)``), the same spread is how far the two orders disagreed on the winner's
   probability, and above the bound the code is ``position_inconsistent``: the place a
   candidate was read in, not the candidate, swayed the judge. A pair is bounded even when the
   caller sets nothing, by ``DEFAULT_MAX_POSITION_SPREAD``: position bias is the main failure
-  of pairwise judging (Zheng et al. 2023, "Judging LLM-as-a-judge"), so the gate is on unless
+  of pairwise judging (Zheng et al. 2023, "Judging LLM-as-a-judge"), so the check is on unless
   the caller loosens it (``max_order_spread=1`` turns it off);
 * for a judgment whose probabilities are partly unknown (a served model read from its top
   next tokens, ``judge.server_engine``: ``unknown_mass`` bounds the share of the choices'
@@ -47,7 +47,7 @@ the profile's certified threshold, minimum mass and maximum std unchanged, the r
 guarantee.
 
 This module resolves the rule and makes the verdicts; the checks themselves run over arrays
-in ``calibration.policy_checks`` (``Policy.gates``), where each reason code and its words are
+in ``calibration.policy_checks`` (``Policy.checks``), where each reason code and its words are
 made.
 
 A judgment is anything with its ``choices``, their ``log_probs`` in that order and a
@@ -73,7 +73,7 @@ from calibration.errors import NoCertificateError, ProfileMismatchError, ValuesE
 from calibration.maps.map_types import CalibrationMap, Identity, Probe
 from calibration.policy_checks import (
     REASON_CODES,
-    Gates,
+    Checks,
     Hold,
     ReasonCode,
     Rows,
@@ -87,12 +87,12 @@ from calibration.validation import check_probability
 if TYPE_CHECKING:
     from calibration.profile import CalibrationProfile
 
-# REASON_CODES, Gates, Hold and ReasonCode are calibration.policy_checks', named here too: the
+# REASON_CODES, Checks, Hold and ReasonCode are calibration.policy_checks', named here too: the
 # policy's callers import them with it.
 __all__ = [
     "DEFAULT_MAX_POSITION_SPREAD",
     "REASON_CODES",
-    "Gates",
+    "Checks",
     "Hold",
     "Policy",
     "PolicyDefaults",
@@ -230,7 +230,7 @@ class PolicyDefaults(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Policy(msgspec.Struct, frozen=True, kw_only=True):
-    """A resolved rule: a calibration map and the gates. Build it with ``make_policy``."""
+    """A resolved rule: a calibration map and its checks. Build it with ``make_policy``."""
 
     profile: str | None
     # The profile's version: its ETag where it is stored (``CalibrationProfile.etag``).
@@ -439,7 +439,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         temperature = None if method == "probe" else self.calibration_map.temperature
         return method, temperature, list(self.probe_layers) or None
 
-    def gates(
+    def checks(
         self,
         choices: Sequence[str],
         log_probabilities: npt.ArrayLike,
@@ -448,16 +448,16 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         order_spread: npt.ArrayLike | None = None,
         *,
         pair: bool = False,
-    ) -> Gates:
-        """Every gate of the policy for (n, k) log-probabilities, as arrays
+    ) -> Checks:
+        """Every check of the policy for (n, k) log-probabilities, as arrays
         (``calibration.policy_checks.checked``).
 
         ``features`` (n, m * H) are the hidden states a probe map reads; other maps ignore them.
         ``order_spread`` (n,) is each judgment's spread across listings of its options;
         ``pair``: across a pair's two orders (``spread_bound``).
 
-        ``decide_many`` turns these into decisions; for large evaluations, ``Gates.accepted``
-        and ``Gates.best`` are the decisions without building an object per item.
+        ``decide_many`` turns these into decisions; for large evaluations, ``Checks.accepted``
+        and ``Checks.best`` are the decisions without building an object per item.
         """
         z = np.asarray(log_probabilities, dtype=np.float64)
         rows = Rows(choices, z, choice_mass, features, order_spread=order_spread, pair=pair)
@@ -466,7 +466,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     def values_for(self, choices: Sequence[str]) -> npt.NDArray[np.float64] | None:
         """The number of each of ``choices`` (k,), or None when the judgment is not a score. A
         ``max_std`` that the request or the profile set needs values: without them it is a
-        ValuesError, not a silently skipped gate. A server default applies to scores only."""
+        ValuesError, not a silently skipped check. A server default applies to scores only."""
         if self.values is not None:
             values = check_values(self.values, choices)
             return np.array([values[c] for c in choices], dtype=np.float64)

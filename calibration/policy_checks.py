@@ -2,7 +2,7 @@
 
 ``calibration.policy`` resolves the rule (``make_policy``) and makes its verdicts; its module
 docstring lists the checks. This module runs them over (n, k) log-probabilities in numpy
-(``checked``: the calibrated probabilities and each check's outcome per item, as ``Gates``),
+(``checked``: the calibrated probabilities and each check's outcome per item, as ``Checks``),
 says which failed for one item and why (``failures``: a reason code and a reason for each),
 and whether the share of probability a served model did not read could change that item's
 decision (``partial_logprobs``, asked of the same checks at the share's two extremes).
@@ -32,8 +32,8 @@ from calibration.validation import check_choice_mass
 
 __all__ = [
     "REASON_CODES",
+    "Checks",
     "Failed",
-    "Gates",
     "Hold",
     "ReasonCode",
     "Rows",
@@ -130,7 +130,7 @@ class Rows:
 
 
 @dataclass(frozen=True)
-class Gates:
+class Checks:
     """A policy's checks over n items, as arrays (see ``checked``)."""
 
     probabilities: npt.NDArray[np.float64]  # (n, k) calibrated
@@ -160,8 +160,8 @@ class Gates:
         )
 
 
-def checked(rule: Rule, rows: Rows) -> Gates:
-    """Every check of ``rule`` over ``rows``, as arrays: what ``Policy.gates`` gives, and what
+def checked(rule: Rule, rows: Rows) -> Checks:
+    """Every check of ``rule`` over ``rows``, as arrays: what ``Policy.checks`` gives, and what
     its verdicts are made from."""
     choices = rows.choices
     if rule.choices is not None and list(choices) != rule.choices:
@@ -199,7 +199,7 @@ def checked(rule: Rule, rows: Rows) -> Gates:
         bound = rule.spread_bound(rows.pair)
         if bound is not None:
             order_sensitive = spreads > bound
-    return Gates(
+    return Checks(
         probabilities=probs,
         best=best,
         confidence=confidence,
@@ -226,7 +226,7 @@ class Failed(NamedTuple):
     prediction_set: list[str] | None
 
 
-def failures(rule: Rule, g: Gates, rows: Rows, i: int, unknown: float = 0.0) -> Failed:
+def failures(rule: Rule, g: Checks, rows: Rows, i: int, unknown: float = 0.0) -> Failed:
     """What item ``i`` of ``rows`` failed of ``g``, ``rule``'s checks over them. ``unknown``
     (in [0, 1)): the share of its choices' probability that was not read; where every other
     check passes, the decision must hold at that share's extremes (``partial_logprobs``)."""

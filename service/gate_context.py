@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from calibration.gate import Gate, Overrides, fitted_template
+from calibration.errors import ProfileError, ProfileNotFoundError
+from calibration.gate import Gate, JudgingEngine, Overrides, fitted_template
 from calibration.policy import Hold, PolicyDefaults, Verdict
 from judge.scores import check_values
 from service.decisions import QuestionDecision
@@ -91,15 +92,37 @@ class GateContext:
             profile.feature_layers, profile.fingerprint.num_layers, enabled=self.log_features
         )
 
+    def read(
+        self, name: str | None, field: str = "profile"
+    ) -> tuple[CalibrationProfile, str] | None:
+        """The stored version (profile and ETag) a request's profile ``name`` names, None where
+        it names none: read once, so that the prompt an item is put in and the certificate that
+        decides it are one version's. Raises the store's ProfileError naming ``field`` (where no
+        profile has the name, the message lists those that exist); no model work."""
+        if name is None:
+            return None
+        if self.store is None:  # the command line's context: it opens profiles it read
+            raise LookupError(f"no profile store to read profile {name!r} from")
+        try:
+            return self.store.get_tagged(name)
+        except ProfileNotFoundError as exc:
+            names = ", ".join(self.store.names()) or "none"
+            raise _named(
+                ProfileNotFoundError(f"{exc} (the profiles are: {names})"), field
+            ) from None
+        except ProfileError as exc:
+            raise _named(exc, field) from None
+
     def open(
         self,
         name: str | None,
         overrides: Overrides | None = None,
         *,
         version: tuple[CalibrationProfile, str] | None = None,
+        field: str = "profile",
     ) -> Gate:
         """The gate of a request naming profile ``name`` (None: the defaults alone): the
-        stored version and its ETag. Raises the store's ProfileError; no model work.
+        stored version and its ETag (``read``: a ProfileError names ``field``); no model work.
 
         A gate depends on nothing else (the defaults, audit rates and logged layers are the
         server's), so the gate of a version under the same overrides is opened once and kept
@@ -109,12 +132,8 @@ class GateContext:
         template), so that one version serves it end to end."""
         if name is None:
             profile, etag = None, None
-        elif version is not None:  # read already: the item's template came from this version
-            profile, etag = version
-        elif self.store is None:  # the command line's context: it opens profiles it read
-            raise LookupError(f"no profile store to read profile {name!r} from")
-        else:
-            profile, etag = self.store.get_tagged(name)
+        else:  # read already where given: the item's template came from this version
+            profile, etag = version or self.read(name, field) or (None, None)
         hold = None if self.holds is None else self.holds(name, etag)
         key = (name, etag, msgspec.json.encode([overrides or Overrides(), hold]))
         with self._lock:
@@ -122,11 +141,41 @@ class GateContext:
             if gate is not None:
                 self._open.move_to_end(key)
                 return gate
-        gate = self._gate(profile, name, overrides, etag=etag, hold=hold)
+        try:
+            gate = self._gate(profile, name, overrides, etag=etag, hold=hold)
+        except ProfileError as exc:
+            raise _named(exc, field) from None
         with self._lock:
             self._open[key] = gate
             while len(self._open) > OPEN_GATES:
                 self._open.popitem(last=False)
+        return gate
+
+    def opened(
+        self,
+        engine: JudgingEngine,
+        name: str | None,
+        overrides: Overrides | None = None,
+        *,
+        template: Query | None = None,
+        choices: Sequence[str] | None = None,
+        field: str | None = None,
+        version: tuple[CalibrationProfile, str] | None = None,
+    ) -> Gate:
+        """``open``, and the gate's profile checked against ``engine`` for ``template``'s
+        system prompt, response prefix and suffix and for ``choices``: a refusal names
+        ``field`` where given (a typed question's profile), else the profile's name for a
+        missing profile and what differs for a mismatch (``choices``, ``system``, ...). What a
+        server does for each request before its model work; no tokenizing."""
+        gate = self.open(name, overrides, version=version, field=field or "profile")
+        gate.check_engine(
+            engine,
+            system=template.system if template else None,
+            response_prefix=template.response_prefix if template else None,
+            response_suffix=template.response_suffix if template else None,
+            choices=choices,
+            field=field,
+        )
         return gate
 
     def open_profile(
@@ -222,6 +271,12 @@ class GateContext:
         kept = request() if self.log_requests and request is not None else None
         logged = LoggedFeatures.of(features, gate.log_layers)
         return LoggedDecision.of(verdict, model=model, request=kept, features=logged)
+
+
+def _named(error: ProfileError, field: str) -> ProfileError:
+    """``error``, naming the request's field at fault (what ``service.errors.error_of`` reads)."""
+    error.field = field  # type: ignore[attr-defined]
+    return error
 
 
 # The command line's context (judge ask, decide, replay and their cascades' stages): no store

@@ -266,7 +266,7 @@ def test_an_order_spread_over_the_bound_escalates(profile: CalibrationProfile) -
     assert many == one_by_one
     assert "order_sensitive" in many[2].reason_codes
     assert many[2].reason_codes[:-1] == certified.decide(judgments[2]).reason_codes
-    gates = bounded.gates(CHOICES, [[math.log(0.02), math.log(0.98)]] * 3, order_spread=spreads)
+    gates = bounded.checks(CHOICES, [[math.log(0.02), math.log(0.98)]] * 3, order_spread=spreads)
     assert gates.order_sensitive.tolist() == [False, False, True] and not gates.accepted[2]
     with pytest.raises(ValueError, match="order spreads"):
         bounded.decide_many(judgments, order_spreads=[0.1])
@@ -307,7 +307,7 @@ def test_a_profile_certified_per_class_holds_each_class_to_its_own_threshold(
     ham, spam = gate.decide_many([scored(0.0001), scored(0.9999)])
     assert ham.choice == "ham" and spam.choice == "spam"
     assert ham.threshold == 0.6 and spam.threshold == 0.95  # each decision's own
-    middling = gate.policy.gates(CHOICES, np.log([[0.2, 0.8], [0.8, 0.2]]))
+    middling = gate.policy.checks(CHOICES, np.log([[0.2, 0.8], [0.8, 0.2]]))
     assert list(middling.thresholds) == [{0: 0.6, 1: 0.95}[int(b)] for b in middling.best]
     # A class that certified nothing escalates its decisions, saying which class.
     none = Gate(per_class(with_threshold(profile, 0.5), 0.6, None))

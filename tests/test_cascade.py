@@ -15,8 +15,8 @@ from calibration.tasks import (
     FittedCascade,
     LabeledScores,
     cascade_decisions,
+    checks_on_scores,
     fit_cascade,
-    gates_on_scores,
 )
 from judge import Fingerprint, Judge
 from service.cascade.stages import LocalStage
@@ -244,7 +244,7 @@ def test_the_rules_are_ordered_on_each_probe_s_out_of_fold_probabilities(
     for profile, scores, ordering in zip(fitted.profiles, stages, seen[0], strict=True):
         fit_idx, _, certify_idx = profile_split(labels, profile.split)
         order = np.setdiff1d(np.arange(n), certify_idx)
-        in_sample = StageView.of(gates_on_scores(profile, scores.rows(order)))
+        in_sample = StageView.of(checks_on_scores(profile, scores.rows(order)))
         fit_rows = np.isin(order, fit_idx)
         # The conformal items were never the map's: there the two agree.
         assert np.allclose(ordering.confidence[~fit_rows], in_sample.confidence[~fit_rows])

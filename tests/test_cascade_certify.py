@@ -20,7 +20,7 @@ from calibration.certificates.cascade_certify import (
     certify_rules,
     rule_decisions,
 )
-from calibration.policy import Gates
+from calibration.policy import Checks
 
 TARGET, DELTA = 0.9, 0.1
 
@@ -134,7 +134,7 @@ def test_ties_in_coverage_go_to_the_cheaper_rule() -> None:
 
 def test_gates_eligible_is_every_gate_but_the_threshold() -> None:
     n = 4
-    gates = Gates(
+    gates = Checks(
         probabilities=np.full((n, 2), 0.5),
         best=np.zeros(n, dtype=np.int64),
         confidence=np.full(n, 0.5),

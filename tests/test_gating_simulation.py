@@ -4,7 +4,7 @@ A synthetic world with a known truth: each item has true choice probabilities p 
 its label is drawn from p, and the "model" reports miscalibrated log-probabilities
 log_softmax(2.5 u + b), overconfident and biased towards the first choice. Each resample draws
 a fresh calibration set, fits a profile on it (map, conformal quantile, certified threshold),
-and the served policy, the profile's own ``Policy.gates``, is then measured on a large fresh
+and the served policy, the profile's own ``Policy.checks``, is then measured on a large fresh
 sample by its expected precision (the mean true probability of the chosen answer over the
 accepted items, which has far less noise than sampled labels). The guarantee says that
 precision falls below the target in at most delta of the resamples; the policy must also
@@ -56,7 +56,7 @@ from scipy import stats
 from calibration import FitSettings, LabeledScores, Provenance, fit_profile
 from calibration.certificates.recertify import Recertification
 from calibration.gate import Gate
-from calibration.policy import Gates
+from calibration.policy import Checks
 
 K = 3
 TARGET, DELTA = 0.9, 0.1
@@ -118,7 +118,7 @@ def simulate(
                 target_precision=target, delta=delta, seed=r, n_bootstrap=10, procedure=procedure
             ),  # the metrics are evidence only; the rule does not depend on them
         ).profile
-        gates = Gate(profile).policy.gates(CHOICES, fresh_z)
+        gates = Gate(profile).policy.checks(CHOICES, fresh_z)
         accepted = gates.accepted
         coverage.append(float(accepted.mean()))
         chosen = fresh_p[np.arange(N_FRESH), gates.best]
@@ -187,7 +187,7 @@ class ProbeOutcomes:
     seconds: float
 
 
-def precision_of(gates: Gates, p: npt.NDArray[np.float64]) -> float:
+def precision_of(gates: Checks, p: npt.NDArray[np.float64]) -> float:
     """Mean true probability (n, k) ``p`` of the chosen answer among accepted items; nan: none."""
     chosen = p[np.arange(p.shape[0]), gates.best]
     return float(chosen[gates.accepted].mean()) if gates.accepted.any() else float("nan")
@@ -215,7 +215,7 @@ def simulate_probe(
         # The served policy reads the hidden states of the probe's own layers, flattened.
         index = [LAYERS.index(layer) for layer in profile.feature_layers]
         flat = fresh_x[:, index, :].reshape(N_FRESH, -1) if index else None
-        gates = Gate(profile).policy.gates(CHOICES, fresh_z, None, flat)
+        gates = Gate(profile).policy.checks(CHOICES, fresh_z, None, flat)
         precision.append(precision_of(gates, fresh_p))
         coverage.append(float(gates.accepted.mean()))
         methods.append(profile.calibration_map.method)
@@ -223,7 +223,7 @@ def simulate_probe(
         baseline_precision.append(
             float("nan")
             if baseline is None
-            else precision_of(Gate(baseline).policy.gates(CHOICES, fresh_z), fresh_p)
+            else precision_of(Gate(baseline).policy.checks(CHOICES, fresh_z), fresh_p)
         )
     seconds = time.perf_counter() - start
     return ProbeOutcomes(precision, coverage, methods, baseline_precision, seconds)
@@ -405,7 +405,7 @@ def class_outcomes() -> ClassOutcomes:
         certified += [t.threshold is not None for t in profile.class_thresholds]
         pooled = msgspec.structs.replace(profile, class_thresholds=None)
         for rule, served in (("per class", profile), ("pooled", pooled)):
-            gates = Gate(served).policy.gates(TWO, fresh_z)
+            gates = Gate(served).policy.checks(TWO, fresh_z)
             chosen = fresh_p[np.arange(N_FRESH), gates.best]
             decided = [gates.accepted & (gates.best == c) for c in range(2)]
             if any(m.any() and chosen[m].mean() < TARGET for m in decided):

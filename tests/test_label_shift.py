@@ -97,8 +97,8 @@ def test_a_hold_escalates_every_decision_and_moves_the_probabilities(
     assert verdicts[1].choice == "no"  # P(yes) about 0.6 against 0.4, weighed 0.2 to 4
     assert held.sha256 != free.sha256  # the logged policy says it was held
     z = np.log(np.array([[0.99, 0.01]]))
-    assert free.policy.gates(CHOICES, z).accepted.all()
-    assert not held.policy.gates(CHOICES, z).accepted.any()
+    assert free.policy.checks(CHOICES, z).accepted.all()
+    assert not held.policy.checks(CHOICES, z).accepted.any()
 
 
 @pytest.mark.parametrize("correct_prior", [False, True])

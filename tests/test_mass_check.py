@@ -1,4 +1,4 @@
-"""The choice-mass gate chosen from the labels (calibration.certificates.mass_gate), and the certificate with it."""
+"""The choice-mass check chosen from the labels (calibration.certificates.mass_check), and the certificate with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fakes import FINGERPRINT
 from scipy import stats
 
 from calibration import FitSettings, LabeledScores, Provenance, fit_profile
-from calibration.certificates.mass_gate import choose_min_choice_mass
+from calibration.certificates.mass_check import choose_min_choice_mass
 from calibration.gate import Gate
 
 CHOICES = ["a", "b"]
@@ -52,7 +52,7 @@ def test_no_gate_where_the_mass_says_nothing() -> None:
     chosen, note = choose_min_choice_mass(
         confidence, z.argmax(axis=1) == y, mass, target_precision=TARGET, delta=DELTA
     )
-    assert chosen == 0.0 and "choice-mass gate: none" in note
+    assert chosen == 0.0 and "choice-mass check: none" in note
     same, _ = choose_min_choice_mass(
         confidence, z.argmax(axis=1) == y, np.ones(600), target_precision=TARGET, delta=DELTA
     )
@@ -75,13 +75,13 @@ def test_the_certificate_covers_the_rule_with_the_chosen_gate() -> None:
             FitSettings(seed=r, n_bootstrap=10, methods=["temperature"], target_precision=TARGET),
         ).profile
         gated += profile.min_choice_mass > 0
-        assert "choice-mass gate" in profile.note
-        gates = Gate(profile).policy.gates(CHOICES, fresh_z, fresh_mass)
+        assert "choice-mass check" in profile.note
+        gates = Gate(profile).policy.checks(CHOICES, fresh_z, fresh_mass)
         chosen = fresh_p[np.arange(fresh_z.shape[0]), gates.best]
         if gates.accepted.any() and chosen[gates.accepted].mean() < TARGET:
             failures += 1
     bound = float(stats.beta.ppf(0.95, failures + 1, resamples - failures))
-    print(f"\nmass gate chosen in {gated} of {resamples}; {failures} failures (bound {bound:.3f})")
+    print(f"\nmass check chosen in {gated} of {resamples}; {failures} failures (bound {bound:.3f})")
     assert bound <= DELTA and gated >= 0.8 * resamples
 
 
@@ -95,4 +95,4 @@ def test_a_given_minimum_is_kept(given: float) -> None:
         Provenance(fingerprint=FINGERPRINT, dataset="synthetic", dataset_sha256="0"),
         FitSettings(n_bootstrap=10, min_choice_mass=given),
     ).profile
-    assert profile.min_choice_mass == given and "choice-mass gate" not in profile.note
+    assert profile.min_choice_mass == given and "choice-mass check" not in profile.note

@@ -118,6 +118,30 @@ def test_the_walk_finds_a_circle() -> None:
 MAX_CLASS_LINES = 350
 
 
+def _importers(top: str) -> list[str]:
+    """The project modules that import the package ``top`` (or a module of it) anywhere."""
+    out = []
+    for name, path in sorted(_modules().items()):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            if any(n == top or n.startswith(top + ".") for n in names):
+                out.append(name)
+                break
+    return out
+
+
+def test_one_module_imports_peft() -> None:
+    """The adapter's training is the one place that needs the `adapter` extra (issue 68):
+    judging under an adapter, the gate and the engine never import it."""
+    assert _importers("peft") == ["calibration.tasks.adapter.training"]
+    assert _importers("msgspec")  # the walk finds imports at all
+
+
 def test_no_class_is_over_350_lines() -> None:
     """A class that long does several jobs (``Service`` did six in 725 lines): cut it by job.
     400 held ``Policy`` at exactly 400, its checks beside its verdicts (issue 68)."""
@@ -216,6 +240,41 @@ def test_the_fronts_only_translate() -> None:
     }
     assert {name: found for name, found in built.items() if found} == {}
     assert _settles(ast.parse("context.settle(v, g)")) and not _settles(ast.parse("settle"))
+
+
+# The decision core's steps a front can take for a judgment, one by one or through the
+# planner (``service.planner``), counted by name wherever they are called.
+CORE_STEPS = {
+    "item_prompt", "scored", "open", "open_profile", "opened", "read", "opened_stages",
+    "check_engine", "outside_template", "asks", "decide", "decide_many", "respond", "answered",
+    "escalated", "plan", "plan_judgment", "item_alone",
+}  # fmt: skip
+
+
+def _core_steps(tree: ast.Module) -> int:
+    """The calls in ``tree`` to a name in ``CORE_STEPS`` (a function or any object's method)."""
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+            count += name in CORE_STEPS
+    return count
+
+
+def test_the_fronts_plan_judgments_through_the_core() -> None:
+    """A judgment's steps before and after the model (the version read, the item rendered,
+    the overrides checked, the gate opened and checked against the engine, the query asking
+    for what it reads, the verdict, the response and the record) are sequenced once, in
+    ``service.planner``: HTTP and MCP call it, the command line plans each line on its one
+    gate. The three front modules made 40 calls into the core's steps before it (issue 68);
+    they make at most 27, HTTP's judgments 4."""
+    modules = _modules()
+    fronts = ("service.web.serving_judge", "service.mcp.server", "service.cli.ask")
+    counts = {m: _core_steps(ast.parse(modules[m].read_text(encoding="utf-8"))) for m in fronts}
+    assert counts["service.web.serving_judge"] <= 4, counts
+    assert sum(counts.values()) <= 27, counts
+    assert _core_steps(ast.parse("g.open(n); scored(o, c); f(x)")) == 2
 
 
 def _stage_types(tree: ast.Module) -> set[str]:

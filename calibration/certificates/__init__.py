@@ -6,7 +6,7 @@ fitted on, and the checks that say when there is none to give.
     conformal        split conformal prediction sets over the choices
     cascade_certify  one certificate for a cascade's whole rule
     recertify        certifying again and again from a growing log: one delta over every look
-    mass_gate        the choice-mass gate, chosen from the labels where it helps
+    mass_check       the choice-mass check, chosen from the labels where it helps
     signal           does the judge beat the label prior?
     per_class        how each choice fares, not only the accepted items pooled
 """

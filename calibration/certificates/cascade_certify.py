@@ -52,7 +52,7 @@ from calibration.certificates.certify import DEFAULT_GRID, clopper_pearson_lower
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
-    from calibration.policy import Gates
+    from calibration.policy import Checks
 
 __all__ = [
     "COARSE_GRID",
@@ -81,7 +81,7 @@ class StageView:
     eligible: np.ndarray  # (n,) bool
 
     @classmethod
-    def of(cls, gates: Gates) -> StageView:
+    def of(cls, gates: Checks) -> StageView:
         return cls(gates.best, gates.confidence, gates.eligible)
 
     def rows(self, index: np.ndarray) -> StageView:

@@ -7,7 +7,7 @@ least 1 - delta:
 
 * **Every stage judges every labeled item** and fits its profile on all of them as a single
   profile would (``fit_labeled``: the map and the conformal set on the fit and conformal
-  splits, the choice-mass gate chosen there). The split is a function of the labels and the
+  splits, the choice-mass check chosen there). The split is a function of the labels and the
   seed, so stages that fit the same kind of map hold out the same certify split.
 * **One certificate for the thresholds together.** The items every stage's fit held out for
   its certificate certify the tuple of thresholds as one rule, at the full delta
@@ -45,7 +45,7 @@ from calibration.errors import FitError
 from calibration.fit_data import Provenance
 from calibration.fit_settings import DEFAULT_SETTINGS, FitSettings
 from calibration.limits import MIN_EXAMPLES
-from calibration.tasks.labeled import LabeledScores, fit_labeled, gates_on_scores
+from calibration.tasks.labeled import LabeledScores, checks_on_scores, fit_labeled
 from judge import Fingerprint
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def cascade_rule_on(
     """What the cascade of ``profiles`` (their thresholds, as served) does on each stage's
     scores of the same labeled items: coverage, each stage's share, precision and the expected
     cost per item (``costs`` per stage; None: 1 each)."""
-    views = [StageView.of(gates_on_scores(p, s)) for p, s in zip(profiles, stages, strict=True)]
+    views = [StageView.of(checks_on_scores(p, s)) for p, s in zip(profiles, stages, strict=True)]
     thresholds = [p.threshold.threshold for p in profiles]
     return measure_rule(views, stages[0].labels, thresholds, costs or [1.0] * len(profiles))
 
@@ -93,7 +93,7 @@ def cascade_decisions(
     choice = np.full(n, -1, dtype=np.int64)
     for s, (profile, scores) in enumerate(zip(profiles, stages, strict=True)):
         rows = np.flatnonzero(decided_by < 0)
-        gates = gates_on_scores(profile, scores.rows(rows))
+        gates = checks_on_scores(profile, scores.rows(rows))
         decided_by[rows[gates.accepted]] = s
         choice[rows[gates.accepted]] = gates.best[gates.accepted]
     return decided_by, choice
@@ -122,7 +122,7 @@ def fit_cascade(
     toward the cheaper rule. The first is named ``name``, each later one
     ``<name>-<stage name>``: what ``judge serve --cascade`` looks up for a request's profile
     ``name``. FitError when the stages scored other items or too few are held out."""
-    from calibration.fitting import gates_on_calibrated, profile_split
+    from calibration.fitting import checks_on_calibrated, profile_split
 
     if len(stages) < 1:
         raise FitError("a cascade needs at least one stage")
@@ -165,11 +165,11 @@ def fit_cascade(
     # too aggressive for new items (benchmarks/RESULTS.md, "Cascade"). They are certified on
     # the items as served.
     ordering = [
-        StageView.of(gates_on_calibrated(p, honest[order], stage.scores.choice_mass[order]))
+        StageView.of(checks_on_calibrated(p, honest[order], stage.scores.choice_mass[order]))
         for p, honest, stage in zip(profiles, out_of_sample, stages, strict=True)
     ]
     served = [
-        StageView.of(gates_on_scores(p, stage.scores.rows(certify)))
+        StageView.of(checks_on_scores(p, stage.scores.rows(certify)))
         for p, stage in zip(profiles, stages, strict=True)
     ]
     certificate = certify_rules(

@@ -54,7 +54,7 @@ from calibration.tasks.files import (
     task_template,
     taught_items,
 )
-from calibration.tasks.labeled import LabeledScores, fit_labeled, gates_on_scores
+from calibration.tasks.labeled import LabeledScores, checks_on_scores, fit_labeled
 from judge.atomicio import write_text
 
 if TYPE_CHECKING:
@@ -248,7 +248,7 @@ class ItemQueue:
         """Order the teach stream's pending items by ``profile``'s map (one fitted on the labels
         so far) instead of the model's own probabilities, and show those. The audit stream's
         order is never touched: it is a uniform sample whatever the map says."""
-        self._p = gates_on_scores(profile, self.scores).probabilities
+        self._p = checks_on_scores(profile, self.scores).probabilities
         self._order_teach()
 
     @property

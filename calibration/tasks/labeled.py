@@ -44,7 +44,7 @@ from judge.judgments import QueryTemplate
 if TYPE_CHECKING:
     from calibration import CalibrationProfile
     from calibration.fitting import FittedProfile, TrainedHead
-    from calibration.policy import Gates
+    from calibration.policy import Checks
 
 
 class _Given(TypedDict, total=False):
@@ -56,10 +56,10 @@ class _Given(TypedDict, total=False):
 
 __all__ = [
     "LabeledScores",
+    "checks_on_scores",
     "content_free_prompts",
     "fit_labeled",
     "fit_unlabeled",
-    "gates_on_scores",
     "judge_labeled",
     "judge_task_items",
     "judge_task_pool",
@@ -70,12 +70,12 @@ __all__ = [
 ]
 
 
-def gates_on_scores(profile: CalibrationProfile, scores: LabeledScores) -> Gates:
+def checks_on_scores(profile: CalibrationProfile, scores: LabeledScores) -> Checks:
     """The gates a gate on ``profile`` serves on the items of ``scores``, as arrays
-    (``calibration.fitting.served_gates``, with the features its map reads)."""
-    from calibration.fitting import served_gates  # the fitters load scipy: here, not above
+    (``calibration.fitting.served_checks``, with the features its map reads)."""
+    from calibration.fitting import served_checks  # the fitters load scipy: here, not above
 
-    _, gates = served_gates(
+    _, gates = served_checks(
         profile,
         scores.log_probabilities,
         scores.choice_mass,

@@ -56,7 +56,7 @@ class SystemOneStage:
     descriptions), ``instructions`` as given. The server's probabilities (else its choice at
     its confidence, the rest shared evenly) are decided by ``gate``: this side's rule, since
     the server's own decision, where it gives one, was made under a rule this cascade did not
-    certify. A server that gives no choice mass (only judge's does) passes the mass gate.
+    certify. A server that gives no choice mass (only judge's does) passes the mass check.
     ``model`` names the server's model where it serves several; ``api_key`` goes as a bearer
     token; ``timeout_s`` bounds a call when the cascade has no deadline. ``transport`` is
     httpx's (tests use a mock).

@@ -61,12 +61,12 @@ from service.errors import BadFieldError, error_of
 from service.gate_context import NO_LOG, item_prompt, scored
 from service.schemas import JudgeResponse
 
-__all__ = ["Answer", "Failure", "InputLineError", "LineError", "add_arguments", "run"]
+__all__ = ["AskedLine", "Failure", "InputLineError", "LineError", "add_arguments", "run"]
 
 Scalar = str | int | float | bool
 
 
-class Answer(JudgeResponse, frozen=True, kw_only=True, omit_defaults=True, tag="judgment"):
+class AskedLine(JudgeResponse, frozen=True, kw_only=True, omit_defaults=True, tag="judgment"):
     """What ``judge ask`` prints per prompt: the HTTP service's ``JudgeResponse`` (the verdict
     and the judgment behind it, field for field: one record, so a field added there is printed
     here too) and, in batch mode, the input line's id."""
@@ -108,17 +108,15 @@ class _Item(msgspec.Struct, frozen=True):
     outside_template: bool = False  # a whole prompt that is not the profile's template
 
 
-def _asked(
-    gate: Gate, prompt: str, item_span: tuple[int, int] | None, *, item_alone: bool
-) -> tuple[str, tuple[int, int] | None, bool]:
-    """The prompt to judge, its item's span and whether it lies outside the profile's
-    template: with ``item_alone``, ``prompt`` is the item, put in the template the profile was
-    fitted on (``item_prompt``, every front's); else it is the whole prompt
-    (``Gate.outside_template``)."""
+def _asked(gate: Gate, text: str, query: Query, *, item_alone: bool) -> tuple[Query, bool]:
+    """``query`` planned on ``gate`` (``Gate.plan``: asking for what it reads, and whether
+    its prompt lies outside the profile's template); with ``item_alone``, ``text`` is the
+    item, put in the template the profile was fitted on first (``item_prompt``, every
+    front's), else ``query`` holds the whole prompt."""
     if item_alone:
-        asked = item_prompt(gate.profile, prompt)
-        return asked.prompt, asked.item_span, False
-    return prompt, item_span, gate.outside_template(prompt, item_span)
+        asked = item_prompt(gate.profile, text)
+        query = msgspec.structs.replace(query, prompt=asked.prompt, item_span=asked.item_span)
+    return gate.plan(query)
 
 
 def _answer(
@@ -128,7 +126,7 @@ def _answer(
     item_id: Scalar | msgspec.UnsetType,
     query: Query,
     later: LaterStages | None,
-) -> Answer:
+) -> AskedLine:
     """The response ``POST /judge`` gives (the decision core's: the probabilities in the
     query's order, the request's), with the line's id; with a cascade, the cascade's
     (``ask_cascade``)."""
@@ -138,7 +136,9 @@ def _answer(
         )
     else:
         response = later.decide(query, judgment, verdict, gate)
-    return Answer(**{f: getattr(response, f) for f in JudgeResponse.__struct_fields__}, id=item_id)
+    return AskedLine(
+        **{f: getattr(response, f) for f in JudgeResponse.__struct_fields__}, id=item_id
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,9 +193,9 @@ def run(args: argparse.Namespace) -> int:
         # With a profile fitted on a task, PROMPT is the item alone, unless --item marks it
         # inside a whole prompt.
         alone = gate.template is not None and args.item is None
-        prompt, span, outside = _asked(gate, args.prompt, span, item_alone=alone)
-        query = Query(prompt=prompt, choices=choices, system=args.system, item_span=span)
-        judgment = engine.judge_batch([gate.asks(query)])[0]
+        query = Query(prompt=args.prompt, choices=choices, system=args.system, item_span=span)
+        query, outside = _asked(gate, args.prompt, query, item_alone=alone)
+        judgment = engine.judge_batch([query])[0]
         verdict = gate.decide(judgment, outside_template=outside)
         answer = _answer(judgment, verdict, gate, msgspec.UNSET, query, later)
         sys.stdout.write(to_json(answer, indent=2) + "\n")
@@ -245,7 +245,7 @@ def _answer_batch(
     gate: Gate,
     parsed: Sequence[_Item | Failure],
     later: LaterStages | None = None,
-) -> list[Answer | Failure]:
+) -> list[AskedLine | Failure]:
     """Each parsed line's output row, in order; the valid ones judged in one call.
 
     ``judge_each`` gives an item the engine refuses (a prompt too long, say) its error in its
@@ -261,7 +261,7 @@ def _answer_batch(
             [r for r, _ in judged], outside_templates=[i.outside_template for _, i in judged]
         )
     )
-    rows: list[Answer | Failure] = []
+    rows: list[AskedLine | Failure] = []
     for p in parsed:
         if isinstance(p, Failure):
             rows.append(p)
@@ -401,8 +401,8 @@ def _parse(
         if item is not None and row.get("item_span") is not None:
             raise InputLineError("item_span", "an item alone marks its own span: drop item_span")
         span = None if item is not None else check_item_span(row.get("item_span"), given_text)
-        text, span, outside = _asked(gate, given_text, span, item_alone=item is not None)
-        query = gate.asks(Query(prompt=text, choices=choices, system=system, item_span=span))
+        query = Query(prompt=given_text, choices=choices, system=system, item_span=span)
+        query, outside = _asked(gate, given_text, query, item_alone=item is not None)
         return _Item(item_id, n, query, outside)
     except UnicodeDecodeError as exc:
         return _failure(item_id, n, InputLineError(None, f"line {n} is not UTF-8 text: {exc}"))

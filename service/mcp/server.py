@@ -39,7 +39,6 @@ from pydantic import Field
 from calibration import (
     CalibrationError,
     CalibrationProfile,
-    Gate,
     Overrides,
     PolicyDefaults,
     ProfileError,
@@ -61,10 +60,11 @@ from service.decisions import (
     question_overrides,
     with_order,
 )
-from service.gate_context import GateContext, item_prompt, scored
+from service.gate_context import GateContext, item_prompt
 from service.log.decision_log import DecisionLog, DecisionLogError
 from service.log.record import LoggedDecision, replayable_question
 from service.log.shift_watch import ShiftWatch
+from service.planner import plan_judgment
 from service.profiles import ProfileStore
 
 __all__ = ["create_server"]
@@ -174,28 +174,6 @@ class _Tools:
         if self.watch is not None:
             self.watch.logged(rows)
 
-    def version_of(self, name: str | None, field: str) -> tuple[CalibrationProfile, str] | None:
-        """The stored version a call's profile names (None: no profile), read once; a missing
-        one a ToolError naming ``field``."""
-        if name is None:
-            return None
-        try:
-            return self.store.get_tagged(name)
-        except ProfileError as exc:
-            names = ", ".join(self.store.names()) or "none"
-            raise ToolError(f"{field}: {exc} (the profiles are: {names})") from None
-
-    def gate_of(
-        self,
-        name: str | None,
-        field: str,
-        overrides: Overrides | None = None,
-        version: tuple[CalibrationProfile, str] | None = None,
-    ) -> Gate:
-        """A call's gate (``GateContext.open``), on ``version`` where the call read it
-        already, else on the version ``version_of`` reads."""
-        return self.context.open(name, overrides, version=version or self.version_of(name, field))
-
     judge_about = (
         "Judge a prompt: the probability of each choice, the most probable one, "
         "and the decision to accept it or escalate (with a profile: calibrated, under the "
@@ -283,7 +261,7 @@ class _Tools:
     ) -> dict[str, Any]:
         with _tool_errors():
             # The profile read once: the item's template and the certificate are one version's.
-            version = self.version_of(profile, "profile")
+            version = self.context.read(profile)
             fitted = None if version is None else version[0]
             if prompt is None:
                 # The item alone: rendered in its profile's prompt, its span marked by
@@ -299,29 +277,25 @@ class _Tools:
                 max_std=max_std,
                 values=values,
             )
-            overrides = scored(overrides, choices, profile=profile)
-            gate = self.gate_of(profile, "profile", overrides, version)
+            query = Query(prompt=prompt, choices=list(choices), system=system, item_span=span)
+            planned = plan_judgment(
+                self.context, self.engine, query, profile, overrides, version=version
+            )
             # Each later stage's gate opened and checked before any model work.
+            overrides = planned.gate.overrides
             later = opened_stages(
                 self.cascade or {},
                 profile,
                 overrides,
-                functools.partial(self.gate_of, field="profile", overrides=overrides),
+                functools.partial(self.context.open, overrides=overrides),
                 choices=choices,
                 field="profile",
                 context=self.context,
             )
             with self.model_lock:
-                gate.check_engine(self.engine, system=system, choices=choices)
-                # A profile fitted on a task: the prompt must mark its item, and is flagged
-                # when it is not the task's prompt (as POST /judge does).
-                outside = gate.outside_template(prompt, span)
-                query = Query(prompt=prompt, choices=list(choices), system=system, item_span=span)
-                # The gate asks for what its profile reads: the probe's layers, its adapter.
-                judgment = self.engine.judge_batch([gate.asks(query)])[0]
-            verdict = gate.decide(judgment, outside_template=outside)
-            response, record = self.context.respond(
-                judgment, verdict, gate, model=self.engine.model_id, query=query, choices=choices
+                judgment = self.engine.judge_batch([planned.query])[0]
+            response, verdict, record = planned.respond(
+                judgment, self.context, model=self.engine.model_id, choices=choices
             )
             records = [] if record is None else [record]
             if later:  # what this engine escalated goes to the later stages, in turn
@@ -376,7 +350,7 @@ class _Tools:
             for qid in names.keys() - questions.keys():
                 raise ToolError(f"profiles.{qid}: there is no question {qid!r} to gate")
             gates = {
-                qid: self.gate_of(names.get(qid), f"profiles.{qid}", settings[qid])
+                qid: self.context.open(names.get(qid), settings[qid], field=f"profiles.{qid}")
                 for qid in questions
             }
         asked: dict[str, Any] = dict(questions)
@@ -393,7 +367,7 @@ class _Tools:
                         names.get(a.id),
                         settings[a.id],
                         functools.partial(
-                            self.gate_of, field=f"profiles.{a.id}", overrides=settings[a.id]
+                            self.context.open, field=f"profiles.{a.id}", overrides=settings[a.id]
                         ),
                         choices=a.choices,
                         field=f"profiles.{a.id}",

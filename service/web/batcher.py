@@ -195,7 +195,7 @@ class Batcher:
             job = await self._next()
             if isinstance(job, _Call):
                 self.run += 1
-                await self._settle(job.future, job.fn)
+                await self._run_into(job.future, job.fn)
                 continue
             batch = await self._coalesce(job)
             if self._on_batch is not None:
@@ -258,7 +258,7 @@ class Batcher:
                 await running
             raise
 
-    async def _settle(self, future: asyncio.Future[T], fn: Callable[[], T]) -> None:
+    async def _run_into(self, future: asyncio.Future[T], fn: Callable[[], T]) -> None:
         """Run ``fn`` on the model's thread; its result, or its exception, to ``future``."""
         try:
             result = await self.on_model_thread(fn)

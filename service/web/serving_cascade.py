@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import anyio.to_thread
 
-from calibration import Gate, Overrides, ProfileError, Verdict
+from calibration import Overrides, Verdict
 from calibration.cascade import StageItem
 from calibration.policy import ScoredJudgment
 from service.cascade.escalation import Escalation, escalated
@@ -64,18 +64,11 @@ class CascadeServing:
         config = self.service.config
         targets = {name: self.local.get(name, target) for name, target in config.cascade.items()}
 
-        def open_gate(mine: str | None) -> Gate:
-            try:
-                return self.service.gates.open(mine, overrides)
-            except ProfileError as exc:  # no such profile: error_of reads the field
-                exc.field = field  # type: ignore[attr-defined]
-                raise
-
         return opened_stages(
             targets,
             profile,
             overrides,
-            open_gate,
+            functools.partial(self.service.gates.open, overrides=overrides, field=field),
             choices=choices,
             field=field,
             context=self.service.gates,

@@ -2,7 +2,7 @@
 readiness, the batcher, the profile store, the metrics, the decision log, and the steps of a
 request.
 
-A request goes: its gate opened (``open_gate``: the stored profile by name and its ETag,
+A request goes: its gate opened (``GateContext.opened``: the stored profile by name and its ETag,
 checked against the engine's fingerprint and the request's choices; the request's overrides
 over the profile's over this server's defaults, ``calibration.Gate``; a probe's feature layers
 added to the query), with no model work; then its queries prepared once (``prepare``:
@@ -32,12 +32,6 @@ from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
-from calibration import (
-    CalibrationProfile,
-    Gate,
-    Overrides,
-    ProfileError,
-)
 from judge import (
     Engine,
     Judge,
@@ -326,38 +320,6 @@ class ServiceCore:
             f"over this server's budget of {budget} (--max-request-tokens); {name} is the "
             "largest part: shorten it or split the work",
         )
-
-    def open_gate(
-        self,
-        engine: Engine,
-        name: str | None,
-        overrides: Overrides,
-        *,
-        template: Query | None = None,
-        choices: Sequence[str] | None = None,
-        field: str | None = None,
-        version: tuple[CalibrationProfile, str] | None = None,
-    ) -> Gate:
-        """The gate of a request: its profile (the stored version, by name, or ``version``
-        where the request read it already), its overrides
-        and this server's defaults and audit rate; the profile checked against the engine
-        (for ``template``'s system and response prefix and suffix) and ``choices``. A
-        refusal names ``field`` where given. No model work, no tokenizing."""
-        try:
-            gate = self.gates.open(name, overrides, version=version)
-            gate.check_engine(
-                engine,
-                system=template.system if template else None,
-                response_prefix=template.response_prefix if template else None,
-                response_suffix=template.response_suffix if template else None,
-                choices=choices,
-                field=field,
-            )
-        except ProfileError as exc:  # no such profile, or unreadable: error_of reads field
-            if field is not None:
-                exc.field = field  # type: ignore[attr-defined]
-            raise
-        return gate
 
     async def run_rows(
         self, engine: Engine, ready: Sequence[Prepared], ticket: Ticket

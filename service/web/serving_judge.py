@@ -1,6 +1,6 @@
 """``POST /judge`` and ``POST /judge/batch``: judgments, batch items and shared questions.
 
-Each item's gate is opened before any model work (``ServiceCore.open_gate``); its query is
+Each item's gate is opened before any model work (``GateContext.opened``); its query is
 prepared within the budget (``ServiceCore.prepare``) and joins the batcher's queue; the gate
 decides; the verdict's row is appended to the decision log before the response is sent.
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from calibration import CalibrationProfile, Gate, Overrides, Verdict
+from calibration import CalibrationProfile, Overrides, Verdict
 from calibration.cascade import StageItem
 from judge import Engine, JudgeError, Judgment, Prepared, Query
 from judge.engine import shared_query
@@ -23,8 +23,8 @@ from service.errors import (
     UnprocessableError,
     error_of,
 )
-from service.gate_context import item_prompt, scored
 from service.log.record import LoggedDecision
+from service.planner import PlannedJudgment, item_alone, plan_judgment
 from service.schemas import (
     BatchItem,
     BatchResponse,
@@ -47,14 +47,15 @@ __all__ = ["JudgeServing"]
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a judgment request needs before its model work: the query and its gate, and
-    with a cascade its later stages (``CascadeServing.plan``; None: no cascade here)."""
+    """What a judgment request needs before its model work: the planned judgment (its query
+    and gate), and with a cascade its later stages (``CascadeServing.plan``; None: none)."""
 
-    query: Query
-    gate: Gate
+    planned: PlannedJudgment
     later: list[LocalStage | RemoteStage] | None = None
-    # The prompt is not the profile's template around its item (Gate.outside_template).
-    outside_template: bool = False
+
+    @property
+    def query(self) -> Query:
+        return self.planned.query
 
 
 class JudgeServing:
@@ -111,10 +112,9 @@ class JudgeServing:
                 "an item alone is judged in the prompt its profile was fitted on: name the "
                 "profile (one fitted on a task, as judge calibrate --task fits it)",
             )
-        profile, etag = self.service.store.get_tagged(request.profile)
-        asked = item_prompt(profile, request.item)
+        asked, version = item_alone(self.service.gates, request.profile, request.item)
         whole = request.judge_request(asked.prompt, asked.item_span, asked.choices, asked.system)
-        return whole, (profile, etag)
+        return whole, version
 
     def _plan(
         self,
@@ -123,29 +123,23 @@ class JudgeServing:
         query: Query,
         version: tuple[CalibrationProfile, str] | None = None,
     ) -> _Plan:
-        """Open the request's gate (on ``version`` where the request read it already) and ask
-        for a probe's layers: no model work, no tokenizing."""
-        # A score's values: numerals by default; refused here, naming the field.
-        overrides = scored(Overrides.of(request), request.choices, profile=request.profile)
-        gate = self.service.open_gate(
+        """Plan the request (``plan_judgment``, on ``version`` where the request read it
+        already) and its cascade's later stages: no model work, no tokenizing. A shared
+        question is outside a profile's template: it has no item."""
+        planned = plan_judgment(
+            self.service.gates,
             engine,
+            query,
             request.profile,
-            overrides,
-            template=query,
-            choices=request.choices,
+            Overrides.of(request),
             version=version,
+            shared=isinstance(request, SharedQuestion),
         )
         later = None
         if self.cascade is not None:  # a later stage decides under the same overrides
+            overrides = planned.gate.overrides
             later = self.cascade.plan(request.profile, overrides, request.choices, "profile")
-        # A whole prompt to a profile fitted on a task must mark its item, and is flagged when
-        # it is not that task's prompt; a shared question has no item span, so is flagged.
-        if isinstance(request, JudgeRequest):
-            outside = gate.outside_template(request.prompt, request.item_span)
-        else:
-            outside = gate.template is not None
-        # A probe, or the log, reads the pass's hidden states.
-        return _Plan(gate.asks(query), gate, later, outside)
+        return _Plan(planned, later)
 
     async def _decided(
         self,
@@ -180,17 +174,14 @@ class JudgeServing:
     ) -> tuple[JudgeResponse, Verdict]:
         """The response to one judgment, and the verdict it gives; its decision's log record
         joins ``records``."""
-        verdict = plan.gate.decide(result, outside_template=plan.outside_template)
-        self.service.metrics.decisions.labels(verdict.decision).inc()
-        response, record = self.service.gates.respond(
+        response, verdict, record = plan.planned.respond(
             result,
-            verdict,
-            plan.gate,
+            self.service.gates,
             model=engine.model_id,
-            query=plan.query,
             choices=request.choices,  # the verdict keeps the profile's order; this, the request's
             return_prompt=request.return_prompt,
         )
+        self.service.metrics.decisions.labels(verdict.decision).inc()
         if record is not None:
             records.append(record)
         return response, verdict

@@ -120,7 +120,7 @@ class SystemOneServing:
         questions = {qid: q.question() for qid, q in asked.items()}
         plan = plan_decisions(state, questions)
         gates = {
-            a.id: self.service.open_gate(
+            a.id: self.service.gates.opened(
                 engine,
                 asked[a.id].profile,
                 Overrides.of(asked[a.id]),
