@@ -9,7 +9,7 @@ each extra adds what a front needs (``server``: the engine, the fitters, the HTT
 
 from __future__ import annotations
 
-__all__ = ["DISTRIBUTION", "install_hint"]
+__all__ = ["DISTRIBUTION", "install_hint", "missing_adapter_extra"]
 
 DISTRIBUTION = "calibrated-judge"
 
@@ -20,3 +20,15 @@ def install_hint(extra: str | None = None) -> str:
     if extra is None:
         return f"pip install {DISTRIBUTION} (from a checkout: pip install .)"
     return f"pip install '{DISTRIBUTION}[{extra}]' (from a checkout: pip install '.[{extra}]')"
+
+
+def missing_adapter_extra() -> str | None:
+    """What to say, before any work, where an adapter is to be trained and peft (the
+    ``adapter`` extra) is not installed; None where it is."""
+    from calibration.tasks.adapter.training import PEFT_MISSING, require_peft
+
+    try:
+        require_peft()
+    except ModuleNotFoundError:
+        return f"{PEFT_MISSING}: {install_hint('adapter')}"
+    return None

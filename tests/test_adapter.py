@@ -43,6 +43,7 @@ from judge import InvalidQueryError, Judge, Query
 from judge.adapters import Adapter, weights_sha256
 from service.cli.main import main
 from service.config import ServiceConfig
+from service.install import missing_adapter_extra
 from service.log.adapter_refit import logged_items, retrain_from_log
 from service.log.backends import open_log
 from service.log.record import LoggedDecision
@@ -459,6 +460,8 @@ def test_without_peft_training_is_refused_before_any_work(
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
     with pytest.raises(ModuleNotFoundError, match="the 'adapter' extra"):
         require_peft()
+    missing = missing_adapter_extra()  # what every front (and a log refit) says
+    assert missing is not None and "calibrated-judge[adapter]" in missing
     reviews = Path(__file__).resolve().parents[1] / "examples" / "reviews"
     argv = ["calibrate", "--task", str(reviews), "--method", "adapter"]
     no_model = ["--model", str(tmp_path / "no-model"), "--profiles-dir", str(tmp_path)]

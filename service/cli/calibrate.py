@@ -63,7 +63,7 @@ from service.command_line import (
     task_arguments,
     to_json,
 )
-from service.install import install_hint
+from service.install import missing_adapter_extra
 
 if TYPE_CHECKING:
     from calibration.certificates.recertify import Recertification
@@ -339,13 +339,11 @@ def _calibrate_adapter(
     from tqdm import tqdm
 
     from calibration.report import metrics_table, profile_markdown
-    from calibration.tasks.adapter.training import PEFT_MISSING, AdapterSettings, require_peft
+    from calibration.tasks.adapter.training import AdapterSettings
     from judge import Judge
 
-    try:
-        require_peft()
-    except ModuleNotFoundError:
-        raise UsageError(f"--method adapter: {PEFT_MISSING}: {install_hint('adapter')}") from None
+    if (missing := missing_adapter_extra()) is not None:
+        raise UsageError(f"--method adapter: {missing}")
     if len(items) < MIN_PROBE_EXAMPLES:
         raise UsageError(
             f"method adapter needs at least {MIN_PROBE_EXAMPLES} labeled examples (it starts "

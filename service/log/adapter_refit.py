@@ -27,9 +27,9 @@ from calibration import CalibrationProfile, FitSettings
 from calibration.certificates.recertify import Recertification
 from calibration.maps.probe import MIN_PROBE_EXAMPLES
 from calibration.tasks import LabeledItem, LabeledItems, Task, fit_adapter_profile
-from calibration.tasks.adapter.training import PEFT_MISSING, AdapterSettings, require_peft
+from calibration.tasks.adapter.training import AdapterSettings
 from judge.engine import Judge
-from service.install import install_hint
+from service.install import missing_adapter_extra
 from service.log.decision_log import DecisionLog
 from service.log.labelling_queue import logged_prompt
 from service.log.record import LoggedDecision
@@ -78,10 +78,8 @@ def retrain_from_log(
     adapter = profile.adapter
     if adapter is None:
         raise RefitError(f"profile {profile.name!r} has no adapter to retrain")
-    try:
-        require_peft()
-    except ModuleNotFoundError:
-        raise RefitError(f"{PEFT_MISSING}: {install_hint('adapter')}") from None
+    if (missing := missing_adapter_extra()) is not None:
+        raise RefitError(missing)
     if profile.template is None:
         raise RefitError(
             f"profile {profile.name!r} keeps no prompt template: its logged items cannot be "

@@ -36,7 +36,7 @@ from service.command_line import (
     settings_of,
 )
 from service.config import ServiceConfig
-from service.install import install_hint
+from service.install import install_hint, missing_adapter_extra
 
 if TYPE_CHECKING:
     from judge import Engine
@@ -157,15 +157,8 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = service_config(args)
-    if config.refit_adapters:
-        from calibration.tasks.adapter.training import PEFT_MISSING, require_peft
-
-        try:
-            require_peft()
-        except ModuleNotFoundError:
-            raise UsageError(
-                f"--refit-adapters: {PEFT_MISSING}: {install_hint('adapter')}"
-            ) from None
+    if config.refit_adapters and (missing := missing_adapter_extra()) is not None:
+        raise UsageError(f"--refit-adapters: {missing}")
     loader = functools.partial(
         open_engine,
         args.model,
